@@ -1,0 +1,8 @@
+"""`python -m services.checkpoint`: run the checkpoint service until SIGTERM."""
+
+from shared.plumbing.runner import run
+
+from .handlers import CheckpointService
+
+if __name__ == "__main__":
+    raise SystemExit(run(CheckpointService()))

@@ -1,0 +1,1 @@
+"""Device service: GPU inventory and health, the kubelet device plugin, CDI specs and the MIG controller."""

@@ -1,0 +1,8 @@
+"""`python -m services.driver`: run the driver service until SIGTERM."""
+
+from shared.plumbing.runner import run
+
+from .handlers import DriverService
+
+if __name__ == "__main__":
+    raise SystemExit(run(DriverService()))

@@ -1,0 +1,2 @@
+"""Metrics service: DCGM-exporter, Prometheus or NVML data turned into per-GPU, per-pod and per-deployment
+utilisation."""

@@ -1,0 +1,8 @@
+"""`python -m services.metrics`: run the metrics service until SIGTERM."""
+
+from shared.plumbing.runner import run
+
+from .handlers import MetricsService
+
+if __name__ == "__main__":
+    raise SystemExit(run(MetricsService()))

@@ -1,0 +1,388 @@
+"""``gpuwarden``: run the mesh, start a service, and act on a running mesh as any other client of the bus would.
+
+The CLI never imports a service: it starts them as processes (``python -m services.<name>``). Commands that
+talk to a mesh find it through ``GPUWARDEN_NATS_URL``/``GPUWARDEN_REDIS_URL``, or else through the state file
+that ``gpuwarden run`` writes (``.gpuwarden/run.json``), or else the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from shared.contract.deadletter import DeadLetter
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.registry import BY_KIND, codec
+from shared.contract.subjects import Subjects
+from shared.plumbing.errors import ConfigConflict, InvalidConfig, SettingsError
+from shared.plumbing.settings import Settings, load_settings
+
+SERVICES = ("driver", "device", "metrics", "scaler", "checkpoint")
+NODE_SCOPED = ("driver", "device", "metrics")
+STATE_FILE = Path(".gpuwarden/run.json")
+
+
+class UsageError(Exception):
+    """Bad input on the command line: printed as one clear line, exit status 2."""
+
+
+def _env_with_state() -> dict[str, str]:
+    env = dict(os.environ)
+    if STATE_FILE.exists() and not (env.get("GPUWARDEN_NATS_URL") and env.get("GPUWARDEN_REDIS_URL")):
+        state = json.loads(STATE_FILE.read_text())
+        env.setdefault("GPUWARDEN_NATS_URL", state["nats_url"])
+        env.setdefault("GPUWARDEN_REDIS_URL", state["redis_url"])
+        env.setdefault("GPUWARDEN_ROOT", state.get("root", "gw"))
+    return env
+
+
+def _settings() -> Settings:
+    return load_settings(_env_with_state())
+
+
+def _read_json_arg(raw: str) -> bytes:
+    if raw == "-":
+        return sys.stdin.buffer.read()
+    if raw.startswith("@"):
+        try:
+            return Path(raw[1:]).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"{raw[1:]}: {exc.strerror}") from None
+    return raw.encode()
+
+
+# -- service ----------------------------------------------------------------------------------------------------
+def cmd_service(args: argparse.Namespace) -> int:
+    os.execv(sys.executable, [sys.executable, "-m", f"services.{args.name}"])
+    return 0  # not reached
+
+
+# -- publish / drain ------------------------------------------------------------------------------------------
+async def _connect(settings: Settings, source: str) -> Any:
+    from shared.plumbing.bus import Bus
+
+    bus = await Bus.connect(settings.nats, Subjects(settings.root), source, connect_timeout=3.0)
+    await bus.ensure_streams()
+    return bus
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    raw = _read_json_arg(args.event)
+    try:
+        event = codec.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        kinds = ", ".join(sorted(BY_KIND))
+        raise UsageError(f"not a valid event: {exc} (kinds: {kinds})") from None
+    settings = _settings()
+
+    async def main() -> None:
+        bus = await _connect(settings, "cli")
+        try:
+            await bus.publish(event)
+        finally:
+            await bus.close(1)
+
+    asyncio.run(main())
+    print(json.dumps({"published": event.kind, "event_id": event.event_id, "subject": _subject(settings, event)}))
+    return 0
+
+
+def _subject(settings: Settings, event: Any) -> str:
+    return Subjects(settings.root).for_event(event)
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    drain_id = args.drain_id or f"drain-{uuid.uuid4().hex[:12]}"
+    try:
+        event = DrainRequested(
+            node=args.node,
+            drain_id=drain_id,
+            reason=args.reason,
+            requested_by=args.requested_by,
+            deadline_s=args.deadline,
+        )
+        msgspec.json.decode(codec.encode(event), type=DrainRequested)  # same validation as any consumer
+    except msgspec.ValidationError as exc:
+        raise UsageError(f"drain: {exc}") from None
+    settings = _settings()
+
+    async def main() -> int:
+        from shared.plumbing.bus import Bus
+
+        bus: Bus = await _connect(settings, "cli")
+        verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        try:
+            if args.wait:
+                subjects = bus.subjects
+
+                async def on_verdict(ev: DrainCompleted | DrainFailed) -> None:
+                    if ev.drain_id == drain_id and not verdict.done():
+                        verdict.set_result(ev)
+
+                await bus.subscribe(
+                    subjects.pattern("node.drain.completed", node=args.node), on_verdict, (DrainCompleted,)
+                )
+                await bus.subscribe(subjects.pattern("node.drain.failed", node=args.node), on_verdict, (DrainFailed,))
+            await bus.publish(event)
+            print(json.dumps({"drain_requested": args.node, "drain_id": drain_id}))
+            if not args.wait:
+                return 0
+            try:
+                result = await asyncio.wait_for(verdict, timeout=args.deadline + 30)
+            except TimeoutError:
+                print(json.dumps({"drain_id": drain_id, "verdict": "no verdict in time"}))
+                return 1
+            print(codec.encode(result).decode())
+            return 0 if isinstance(result, DrainCompleted) else 1
+        finally:
+            await bus.close(1)
+
+    return asyncio.run(main())
+
+
+# -- config ---------------------------------------------------------------------------------------------------
+def cmd_config(args: argparse.Namespace) -> int:
+    from shared.plumbing.configsync import ConfigStore, redis_client
+
+    settings = _settings()
+
+    async def main() -> int:
+        client = redis_client(settings.redis)
+        store = ConfigStore(client, Subjects(settings.root))
+        try:
+            if args.action == "get":
+                found = await store.read(args.name)
+                if found is None:
+                    print(json.dumps({"name": args.name, "version": 0, "doc": None}))
+                    return 1
+                out = {"name": args.name, "version": found.version, "updated_by": found.updated_by}
+                out["doc"] = msgspec.to_builtins(found.doc)
+                print(json.dumps(out, indent=2))
+                return 0
+            raw = _read_json_arg(args.doc)
+            expected = args.expect_version
+            if expected is None:
+                current = await store.read(args.name)
+                expected = current.version if current else 0
+            version = await store.write_raw(args.name, raw, expected, args.by)
+            print(json.dumps({"name": args.name, "version": version}))
+            return 0
+        finally:
+            await client.aclose()
+
+    try:
+        return asyncio.run(main())
+    except (InvalidConfig, ConfigConflict) as exc:
+        raise UsageError(str(exc)) from None
+
+
+# -- dead letters ---------------------------------------------------------------------------------------------
+def cmd_deadletters(args: argparse.Namespace) -> int:
+    settings = _settings()
+
+    async def main() -> int:
+        bus = await _connect(settings, "cli")
+        try:
+            stream = bus.subjects.deadletter_stream.name
+            info = await bus.js.stream_info(stream)
+            last = info.state.last_seq
+            first = max(info.state.first_seq, last - args.limit + 1)
+            for seq in range(first, last + 1):
+                try:
+                    raw = await bus.js.get_msg(stream, seq)
+                except Exception:
+                    continue
+                letter = codec.decode(raw.data or b"")
+                if isinstance(letter, DeadLetter):
+                    print(
+                        json.dumps(
+                            {
+                                "seq": seq,
+                                "subject": letter.origin_subject,
+                                "consumer": letter.consumer,
+                                "reason": letter.reason,
+                                "payload": letter.payload.decode("utf-8", "replace")[:200],
+                            }
+                        )
+                    )
+            return 0
+        finally:
+            await bus.close(1)
+
+    return asyncio.run(main())
+
+
+# -- run: the embedded default --------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    from shared.plumbing.devservers import NatsServer, RedisServer, free_port
+
+    env = dict(os.environ)
+    owned: list[Any] = []
+    if not env.get("GPUWARDEN_NATS_URL"):
+        nats_server = NatsServer().start()
+        owned.append(nats_server)
+        env["GPUWARDEN_NATS_URL"] = nats_server.url
+    if not env.get("GPUWARDEN_REDIS_URL"):
+        redis_server = RedisServer().start()
+        owned.append(redis_server)
+        env["GPUWARDEN_REDIS_URL"] = redis_server.url
+    env.setdefault("GPUWARDEN_ROOT", "gw")
+    env.setdefault("GPUWARDEN_BACKEND", "sim")
+    try:
+        load_settings(env)
+    except SettingsError as exc:
+        raise UsageError(str(exc)) from None
+    nodes = [n for n in args.nodes.split(",") if n]
+    plan: list[tuple[str, str, dict[str, str]]] = []
+    for name in SERVICES:
+        for node in nodes if name in NODE_SCOPED else [nodes[0]]:
+            child = dict(env, GPUWARDEN_NODE=node, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
+            child.setdefault("GPUWARDEN_CHECKPOINT_STORE", f"file://{Path('.gpuwarden/checkpoints').resolve()}")
+            child.setdefault("GPUWARDEN_SCALER_ADDR", f"127.0.0.1:{free_port()}")
+            label = f"{name}@{node}" if name in NODE_SCOPED else name
+            plan.append((label, name, child))
+    STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = STATE_FILE.parent / "logs"
+    log_dir.mkdir(exist_ok=True)
+    state = {
+        "nats_url": env["GPUWARDEN_NATS_URL"],
+        "redis_url": env["GPUWARDEN_REDIS_URL"],
+        "root": env["GPUWARDEN_ROOT"],
+        "simulated": env["GPUWARDEN_BACKEND"] == "sim",
+        "services": {label: "http://" + child["GPUWARDEN_HTTP_ADDR"] + "/healthz" for label, _, child in plan},
+        "logs": str(log_dir.resolve()),
+    }
+    STATE_FILE.write_text(json.dumps(state, indent=2))
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def launch(label: str, name: str, child: dict[str, str]) -> None:
+        out = open(log_dir / f"{label.replace('@', '-')}.log", "ab")  # noqa: SIM115
+        procs[label] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=child, stdout=out, stderr=out)
+
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    for label, name, child in plan:
+        launch(label, name, child)
+    banner = "gpuwarden is running" + (" (SIMULATED GPUs and cluster)" if state["simulated"] else "")
+    print(banner)
+    print(f"  NATS   {state['nats_url']}   Redis {state['redis_url']}   root {state['root']}")
+    for label, url in state["services"].items():
+        print(f"  {label:<18} {url}")
+    print(f"  logs   {state['logs']}")
+    print("  try:   gpuwarden drain node-1 --wait      (Ctrl-C stops everything)")
+    sys.stdout.flush()
+    started = time.monotonic()
+    restarts: dict[str, int] = {}
+    try:
+        while not stopping and (args.seconds is None or time.monotonic() - started < args.seconds):
+            time.sleep(0.5)
+            for label, name, child in plan:
+                proc = procs[label]
+                if proc.poll() is not None and not stopping:
+                    restarts[label] = restarts.get(label, 0) + 1
+                    print(f"  {label} exited with {proc.returncode}; restarting (#{restarts[label]})", flush=True)
+                    time.sleep(min(restarts[label], 5))
+                    launch(label, name, child)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for server in owned:
+            server.cleanup()
+        STATE_FILE.unlink(missing_ok=True)
+    print("stopped")
+    return 0
+
+
+# -- schemas --------------------------------------------------------------------------------------------------
+def cmd_schemas(args: argparse.Namespace) -> int:
+    from shared.contract import schemas
+
+    return schemas.main(["--check"] if args.check else [])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuwarden", description=__doc__.splitlines()[0] if __doc__ else "")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="servers, the five services and the simulated cluster, in the foreground")
+    p.add_argument("--nodes", default="node-1,node-2,node-3", help="comma-separated node names")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("service", help="run one service in the foreground (python -m services.NAME)")
+    p.add_argument("name", choices=SERVICES)
+    p.set_defaults(func=cmd_service)
+
+    p = sub.add_parser("publish", help="validate and publish one event (JSON, @file or - for stdin)")
+    p.add_argument("event")
+    p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("drain", help="ask for a drain of NODE: save every KV cache there first")
+    p.add_argument("node")
+    p.add_argument("--drain-id", default="")
+    p.add_argument("--reason", default="maintenance")
+    p.add_argument("--requested-by", default="cli")
+    p.add_argument("--deadline", type=float, default=25.0, help="seconds the savers have (default 25)")
+    p.add_argument("--wait", action="store_true", help="wait for drain.completed or drain.failed")
+    p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("config", help="read or compare-and-set a configuration document in Redis")
+    csub = p.add_subparsers(dest="action", required=True)
+    g = csub.add_parser("get")
+    g.add_argument("name")
+    s = csub.add_parser("set")
+    s.add_argument("name")
+    s.add_argument("doc", help="JSON, @file or - for stdin")
+    s.add_argument("--expect-version", type=int, default=None, help="fail unless the stored version is this")
+    s.add_argument("--by", default="cli")
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("deadletters", help="show the newest dead letters")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(func=cmd_deadletters)
+
+    p = sub.add_parser("schemas", help="write (or --check) the JSON Schema and AsyncAPI files in proto/events")
+    p.add_argument("--check", action="store_true")
+    p.set_defaults(func=cmd_schemas)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (UsageError, SettingsError) as exc:
+        print(f"gpuwarden {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, TimeoutError) as exc:
+        print(f"gpuwarden {args.command}: cannot reach the mesh: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""GPU inventory and health as the device service sees them."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from shared.contract.base import Event, Token
+
+
+class MigInstance(msgspec.Struct, frozen=True, kw_only=True):
+    uuid: str
+    profile: str
+    memory_mib: int = 0
+
+
+class GpuDevice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    uuid: str
+    model: str
+    pci_bus_id: str = ""
+    memory_total_mib: int = 0
+    numa_node: int | None = None
+    nvlink_peers: list[str] = msgspec.field(default_factory=list)
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_instances: list[MigInstance] = msgspec.field(default_factory=list)
+    healthy: bool = True
+
+
+class DeviceInventory(Event, frozen=True, kw_only=True, tag="device.inventory"):
+    """The node's GPUs, published at start and whenever they change. ``simulated`` is never hidden."""
+
+    family: ClassVar[str] = "device"
+
+    node: Token
+    driver_version: str = ""
+    cuda_version: str = ""
+    gpus: list[GpuDevice] = msgspec.field(default_factory=list)
+    simulated: bool = False
+
+
+class DeviceHealthChanged(Event, frozen=True, kw_only=True, tag="device.health.changed"):
+    """A GPU became unhealthy or healthy again. ``pods`` are the pods using it, so their sessions can be saved."""
+
+    family: ClassVar[str] = "device"
+
+    node: Token
+    gpu_uuid: str
+    healthy: bool
+    reason: str = ""
+    xid: int | None = None
+    pods: list[str] = msgspec.field(default_factory=list)
+
+
+class GpuXid(Event, frozen=True, kw_only=True, tag="device.xid"):
+    """An XID error as the driver reported it; ``critical`` says whether the health rules count it."""
+
+    family: ClassVar[str] = "device"
+
+    node: Token
+    gpu_uuid: str
+    xid: int
+    critical: bool = True
+    message: str = ""

@@ -1,0 +1,72 @@
+"""Every event type, the tagged union of them, and the one encoder/decoder pair built from it."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from shared.contract.base import Event
+from shared.contract.checkpoint import CheckpointFailed, CheckpointSaved, SessionRestored
+from shared.contract.config import ConfigApplied
+from shared.contract.deadletter import DeadLetter
+from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuXid
+from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged
+from shared.contract.metrics import DeploymentUtilisation, GpuSample
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, NodeCordoned, NodeUncordoned
+from shared.contract.requests import InferenceRequest
+from shared.contract.scaler import ScaleDecision
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    DrainRequested,
+    DrainCompleted,
+    DrainFailed,
+    NodeCordoned,
+    NodeUncordoned,
+    DriverUpgradeStateChanged,
+    DriverInstalled,
+    DriverInstallFailed,
+    DeviceInventory,
+    DeviceHealthChanged,
+    GpuXid,
+    GpuSample,
+    DeploymentUtilisation,
+    ScaleDecision,
+    CheckpointSaved,
+    CheckpointFailed,
+    SessionRestored,
+    ConfigApplied,
+    InferenceRequest,
+    DeadLetter,
+)
+
+AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]  # noqa: UP007
+
+BY_KIND: dict[str, type[Event]] = {t.__struct_config__.tag: t for t in EVENT_TYPES}  # type: ignore[misc]
+
+FAMILIES: dict[str, tuple[type[Event], ...]] = {}
+for _t in EVENT_TYPES:
+    FAMILIES.setdefault(_t.family, ())
+    FAMILIES[_t.family] = (*FAMILIES[_t.family], _t)
+
+
+class EventCodec:
+    """Encodes any event and decodes bytes into the right Struct, or raises ``msgspec.DecodeError``/``ValidationError``.
+
+    Built once per process; msgspec's encoders and decoders are reusable and thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.json.Encoder()
+        self._decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(AnyEvent)
+
+    def encode(self, event: Event) -> bytes:
+        return self._encoder.encode(event)
+
+    def decode(self, data: bytes) -> Event:
+        event = self._decoder.decode(data)
+        assert isinstance(event, Event)
+        return event
+
+
+codec = EventCodec()

@@ -1,0 +1,17 @@
+"""The inference request queue of a deployment: what KEDA scales on and the workload serves."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from shared.contract.base import Event, Token
+
+
+class InferenceRequest(Event, frozen=True, kw_only=True, tag="requests.inference"):
+    family: ClassVar[str] = "requests"
+
+    namespace: Token
+    deployment: Token
+    session_id: Token
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0

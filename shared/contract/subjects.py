@@ -1,0 +1,210 @@
+"""Every NATS subject, JetStream stream and durable consumer name, and every Redis key, built from one root.
+
+No other module writes a subject as a string literal. The root (``GPUWARDEN_ROOT``, default ``gw``) keeps
+installations, and tests, apart on a shared server.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from shared.contract.base import Event, is_token, subject_token
+
+
+class Delivery(Enum):
+    """How a subject is carried: JetStream (durable, deduplicated) or core NATS (fire and forget telemetry)."""
+
+    JETSTREAM = "jetstream"
+    CORE = "core"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    template: str  # relative to the root; ``{field}`` placeholders are filled from the event's fields
+    delivery: Delivery
+    description: str
+
+
+# One route per event kind. The first token after the root is the family's stream partition.
+ROUTES: dict[str, Route] = {
+    "node.drain.requested": Route(
+        "node.{node}.drain.requested", Delivery.JETSTREAM, "A drain of the node is asked for."
+    ),
+    "node.drain.completed": Route(
+        "node.{node}.drain.completed", Delivery.JETSTREAM, "Every session on the node is checkpointed."
+    ),
+    "node.drain.failed": Route(
+        "node.{node}.drain.failed", Delivery.JETSTREAM, "Some sessions on the node were not checkpointed."
+    ),
+    "node.cordoned": Route("node.{node}.cordoned", Delivery.JETSTREAM, "The node was cordoned."),
+    "node.uncordoned": Route("node.{node}.uncordoned", Delivery.JETSTREAM, "The node was uncordoned."),
+    "driver.upgrade.state": Route(
+        "driver.{node}.upgrade.state", Delivery.JETSTREAM, "The node's driver upgrade state changed."
+    ),
+    "driver.installed": Route("driver.{node}.installed", Delivery.JETSTREAM, "A driver version was installed."),
+    "driver.install.failed": Route(
+        "driver.{node}.install.failed", Delivery.JETSTREAM, "A driver install or validation failed."
+    ),
+    "device.inventory": Route("device.{node}.inventory", Delivery.JETSTREAM, "The node's GPU inventory."),
+    "device.health.changed": Route(
+        "device.{node}.health", Delivery.JETSTREAM, "A GPU became unhealthy or healthy again."
+    ),
+    "device.xid": Route("device.{node}.xid", Delivery.JETSTREAM, "An XID error on a GPU."),
+    "metrics.gpu.sample": Route("metrics.{node}.gpu", Delivery.CORE, "A per-GPU utilisation sample."),
+    "metrics.deployment.utilisation": Route(
+        "metrics.deployment.{namespace}.{deployment}", Delivery.CORE, "A deployment's windowed GPU utilisation."
+    ),
+    "scaler.decision": Route(
+        "scaler.{namespace}.{deployment}.decision", Delivery.JETSTREAM, "A replica count decision and its inputs."
+    ),
+    "checkpoint.saved": Route(
+        "checkpoint.{session_id}.saved", Delivery.JETSTREAM, "A session's checkpoint was committed."
+    ),
+    "checkpoint.failed": Route(
+        "checkpoint.{session_id}.failed", Delivery.JETSTREAM, "A session's checkpoint could not be saved."
+    ),
+    "checkpoint.restored": Route(
+        "checkpoint.{session_id}.restored", Delivery.JETSTREAM, "A session was restored from a checkpoint."
+    ),
+    "config.applied": Route(
+        "config.{name}.applied.{service}", Delivery.JETSTREAM, "A service applied a configuration version."
+    ),
+    "requests.inference": Route(
+        "requests.{namespace}.{deployment}", Delivery.JETSTREAM, "An inference request for a deployment."
+    ),
+    "deadletter": Route("deadletter.{consumer}", Delivery.JETSTREAM, "A message no handler could take."),
+}
+
+_FIELD_RE = re.compile(r"\{(\w+)\}")
+_ROOT_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]{0,31}$")
+
+
+class SubjectError(ValueError):
+    """A subject cannot be built: a field is not a valid subject token."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    description: str
+
+
+class Subjects:
+    """Names under one root. ``Subjects("gw").for_event(DrainRequested(node="n1", ...))`` is
+    ``gw.node.n1.drain.requested``; the stream of lifecycle events is ``GW_EVENTS``."""
+
+    def __init__(self, root: str = "gw") -> None:
+        if not _ROOT_RE.match(root):
+            raise ValueError(
+                f"GPUWARDEN_ROOT {root!r} is not valid: a letter, then up to 31 letters, digits, '_' or '-'"
+            )
+        self.root = root
+        self._stream_prefix = root.upper().replace("-", "_")
+
+    # -- events -------------------------------------------------------------------------------------------------
+    def route(self, kind: str) -> Route:
+        return ROUTES[kind]
+
+    def for_event(self, event: Event) -> str:
+        route = ROUTES[event.kind]
+
+        def fill(match: re.Match[str]) -> str:
+            value = getattr(event, match.group(1))
+            if not isinstance(value, str) or not is_token(value):
+                raise SubjectError(
+                    f"{event.kind}: field {match.group(1)}={value!r} is not a subject token "
+                    "(letters, digits, '-', '_' and '.')"
+                )
+            return subject_token(value)
+
+        return f"{self.root}.{_FIELD_RE.sub(fill, route.template)}"
+
+    def pattern(self, kind: str, **fields: str) -> str:
+        """A subscription pattern for ``kind``: given fields are filled, the others become ``*``."""
+        template = ROUTES[kind].template
+
+        def fill(match: re.Match[str]) -> str:
+            value = fields.get(match.group(1))
+            if value is None:
+                return "*"
+            if not is_token(value):
+                raise SubjectError(f"{match.group(1)}={value!r} is not a subject token")
+            return subject_token(value)
+
+        return f"{self.root}.{_FIELD_RE.sub(fill, template)}"
+
+    def is_jetstream(self, event: Event) -> bool:
+        return ROUTES[event.kind].delivery is Delivery.JETSTREAM
+
+    # -- streams ------------------------------------------------------------------------------------------------
+    @property
+    def events_stream(self) -> StreamSpec:
+        families = ("node", "driver", "device", "scaler", "checkpoint", "config")
+        return StreamSpec(
+            name=f"{self._stream_prefix}_EVENTS",
+            subjects=tuple(f"{self.root}.{f}.>" for f in families),
+            description="gpuwarden lifecycle events",
+        )
+
+    @property
+    def requests_stream(self) -> StreamSpec:
+        return StreamSpec(
+            name=f"{self._stream_prefix}_REQUESTS",
+            subjects=(f"{self.root}.requests.>",),
+            description="gpuwarden inference request queues, one subject per deployment",
+        )
+
+    @property
+    def deadletter_stream(self) -> StreamSpec:
+        return StreamSpec(
+            name=f"{self._stream_prefix}_DEADLETTER",
+            subjects=(f"{self.root}.deadletter.>",),
+            description="gpuwarden dead letters: messages no handler could take, with the reason",
+        )
+
+    @property
+    def streams(self) -> tuple[StreamSpec, ...]:
+        return (self.events_stream, self.requests_stream, self.deadletter_stream)
+
+    def stream_for(self, subject: str) -> StreamSpec | None:
+        for spec in self.streams:
+            for pattern in spec.subjects:
+                if subject.startswith(pattern[:-1]):
+                    return spec
+        return None
+
+    def deadletter(self, consumer: str) -> str:
+        return f"{self.root}.deadletter.{consumer}"
+
+    # -- durable consumers --------------------------------------------------------------------------------------
+    def durable(self, service: str, purpose: str, scope: str = "") -> str:
+        """Durable consumer name: one per service and purpose (and node, for node-scoped services)."""
+        parts = [p for p in (service, purpose, scope) if p]
+        for p in parts:
+            if not is_token(p):
+                raise SubjectError(f"consumer name part {p!r} is not a token")
+        return "-".join(subject_token(p) for p in parts)
+
+    # -- core request/reply commands ----------------------------------------------------------------------------
+    def command(self, service: str, verb: str, scope: str = "") -> str:
+        parts = [p for p in ("cmd", service, scope, verb) if p]
+        for p in parts:
+            if not is_token(p):
+                raise SubjectError(f"command subject part {p!r} is not a token")
+        return ".".join((self.root, *(subject_token(p) for p in parts)))
+
+    # -- Redis keys ---------------------------------------------------------------------------------------------
+    def config_key(self, name: str) -> str:
+        if not is_token(name):
+            raise SubjectError(f"config name {name!r} is not a token")
+        return f"{self.root}:config:{name}"
+
+    @property
+    def config_channel(self) -> str:
+        return f"{self.root}:config:changed"
+
+    def redis_key(self, *parts: str) -> str:
+        return ":".join((self.root, *parts))

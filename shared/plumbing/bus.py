@@ -1,0 +1,590 @@
+"""The one bus wrapper over nats-py: typed publish, request/reply, and the consumer loop every service uses.
+
+Lifecycle events go through JetStream: published with ``Nats-Msg-Id`` set to the event id (the stream stores a
+retried publish once), consumed by durable pull consumers with explicit acks. Telemetry and commands use core NATS.
+
+The consumer loop owns acknowledgement; handlers never ack by hand:
+
+- decoded and handled: ``ack``;
+- ``TemporaryError`` or any unexpected exception: ``nak`` with a delay from the backoff schedule;
+- ``PermanentError``, an undecodable payload, an unknown kind, a kind this consumer does not take, an oversized
+  message, or a message out of redeliveries: a ``DeadLetter`` is stored first, then the message is terminated.
+  If the dead letter cannot be stored, the message is nak'ed instead, so nothing is lost.
+
+Handlers that run long are kept alive with ``in_progress()`` automatically, every third of ``ack_wait``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import api as js_api
+
+from shared.contract.base import Event
+from shared.contract.deadletter import DEAD_LETTER_PAYLOAD_LIMIT, DeadLetter
+from shared.contract.registry import codec
+from shared.contract.subjects import StreamSpec, Subjects
+from shared.plumbing.errors import PermanentError, TemporaryError
+from shared.plumbing.settings import NatsSettings
+from shared.plumbing.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any], Awaitable[None]]
+Responder = Callable[[Any], Awaitable[Event | None]]
+
+DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
+
+
+class EventTooLarge(ValueError):
+    pass
+
+
+class PublishFailed(RuntimeError):
+    """JetStream did not acknowledge an event before the publish deadline."""
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer and how its loop behaves.
+
+    ``accepts`` lists the event types the handler takes; anything else that arrives on the filter subjects is a
+    broken contract and is dead-lettered. ``backoff`` is the nak delay for the n-th failed delivery (the last
+    value repeats).
+    """
+
+    durable: str
+    filter_subjects: tuple[str, ...]
+    accepts: tuple[type[Event], ...]
+    stream: StreamSpec
+    max_deliver: int = 5
+    ack_wait: float = 30.0
+    backoff: tuple[float, ...] = (0.5, 2.0, 5.0, 15.0)
+    concurrency: int = 8
+    batch: int = 64
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    deliver_new_only: bool = False
+
+
+@dataclass
+class ConsumerStats:
+    handled: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    last_error: str = ""
+    fetch_errors: int = 0
+
+
+@dataclass
+class Consumer:
+    spec: ConsumerSpec
+    task: asyncio.Task[None] | None = None
+    stats: ConsumerStats = field(default_factory=ConsumerStats)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop fetching, let in-flight handlers finish for up to ``grace`` seconds, nak what is left."""
+        self.stopping.set()
+        if self.task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout=grace + 1.0)
+        except (TimeoutError, asyncio.CancelledError):
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+
+class Bus:
+    """A connection to NATS under one subject root. Create with ``await Bus.connect(...)``."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        subjects: Subjects,
+        source: str,
+        telemetry: Telemetry,
+        replicas: int = 1,
+        publish_deadline: float = 30.0,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects = subjects
+        self.source = source
+        self.telemetry = telemetry
+        self.replicas = replicas
+        self.publish_deadline = publish_deadline
+        self._consumers: list[Consumer] = []
+        self._subscriptions: list[Any] = []
+        self._streams_ready: set[str] = set()
+
+    # -- connection ---------------------------------------------------------------------------------------------
+    @classmethod
+    async def connect(
+        cls,
+        settings: NatsSettings,
+        subjects: Subjects,
+        source: str,
+        telemetry: Telemetry | None = None,
+        connect_timeout: float = 5.0,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> Bus:
+        telemetry = telemetry or Telemetry(source)
+        up = telemetry.connection_up.labels("nats")
+
+        async def error_cb(exc: Exception) -> None:
+            log.warning("nats error", extra={"error": str(exc)})
+            if on_error:
+                on_error(exc)
+
+        async def disconnected_cb() -> None:
+            up.set(0)
+            log.warning("nats disconnected; reconnecting")
+
+        async def reconnected_cb() -> None:
+            up.set(1)
+            log.info("nats reconnected")
+
+        options: dict[str, Any] = {
+            "servers": list(settings.servers),
+            "name": source,
+            "connect_timeout": connect_timeout,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.25,
+            "allow_reconnect": True,
+            "error_cb": error_cb,
+            "disconnected_cb": disconnected_cb,
+            "reconnected_cb": reconnected_cb,
+        }
+        if settings.user:
+            options["user"] = settings.user
+            options["password"] = settings.password.reveal() if settings.password else ""
+        if settings.token:
+            options["token"] = settings.token.reveal()
+        if settings.nkey_seed_file:
+            options["nkeys_seed"] = str(settings.nkey_seed_file)
+        if settings.creds_file:
+            options["user_credentials"] = str(settings.creds_file)
+        if settings.tls.enabled:
+            options["tls"] = settings.tls.context()
+        nc = await nats.connect(**options)
+        up.set(1)
+        return cls(nc, subjects, source, telemetry, replicas=settings.replicas)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.nc.is_connected)
+
+    async def close(self, grace: float = 10.0) -> None:
+        await asyncio.gather(*(c.stop(grace) for c in self._consumers), return_exceptions=True)
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    # -- streams ------------------------------------------------------------------------------------------------
+    async def ensure_stream(self, spec: StreamSpec) -> None:
+        """Create the stream if it is missing; widen its subjects if they changed. Safe to call from every
+        service at once: creation races end with one stream and no error."""
+        if spec.name in self._streams_ready:
+            return
+        retention = (
+            js_api.RetentionPolicy.WORK_QUEUE
+            if spec.name == self.subjects.requests_stream.name
+            else js_api.RetentionPolicy.LIMITS
+        )
+        config = js_api.StreamConfig(
+            name=spec.name,
+            subjects=list(spec.subjects),
+            description=spec.description,
+            retention=retention,
+            storage=js_api.StorageType.FILE,
+            num_replicas=self.replicas,
+            duplicate_window=120.0,
+            max_age=7 * 24 * 3600.0,
+            max_msg_size=DEFAULT_MAX_EVENT_BYTES * 4,
+        )
+        try:
+            info = await self.js.stream_info(spec.name)
+        except nats.js.errors.NotFoundError:
+            try:
+                await self.js.add_stream(config)
+            except nats.js.errors.BadRequestError:
+                await self.js.stream_info(spec.name)  # created by a peer meanwhile
+        else:
+            if set(info.config.subjects or ()) != set(spec.subjects):
+                await self.js.update_stream(config)
+        self._streams_ready.add(spec.name)
+
+    async def ensure_streams(self) -> None:
+        for spec in self.subjects.streams:
+            await self.ensure_stream(spec)
+
+    # -- publishing ---------------------------------------------------------------------------------------------
+    def encode(self, event: Event) -> bytes:
+        data = codec.encode(event)
+        if len(data) > DEFAULT_MAX_EVENT_BYTES:
+            raise EventTooLarge(f"{event.kind}: {len(data)} bytes is over the {DEFAULT_MAX_EVENT_BYTES} byte limit")
+        return data
+
+    async def publish(self, event: Event) -> None:
+        """Publish an event on its subject: JetStream (retried with the same ``Nats-Msg-Id`` until acknowledged
+        or the publish deadline passes) or core NATS, as the route says."""
+        if not event.source:
+            event = msgspec.structs.replace(event, source=self.source)
+        subject = self.subjects.for_event(event)
+        data = self.encode(event)
+        if not self.subjects.is_jetstream(event):
+            await self.nc.publish(subject, data)
+            self.telemetry.published.labels("core").inc()
+            return
+        await self._publish_js(subject, data, event.event_id)
+        self.telemetry.published.labels("jetstream").inc()
+
+    async def _publish_js(self, subject: str, data: bytes, msg_id: str) -> None:
+        deadline = time.monotonic() + self.publish_deadline
+        headers = {"Nats-Msg-Id": msg_id}
+        delay = 0.05
+        while True:
+            try:
+                await self.js.publish(subject, data, headers=headers, timeout=2.0)
+                return
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                if isinstance(exc, nats.js.errors.APIError) and not isinstance(
+                    exc, nats.js.errors.ServiceUnavailableError
+                ):
+                    raise PublishFailed(f"{subject}: JetStream refused the event: {exc}") from exc
+                if time.monotonic() + delay > deadline:
+                    raise PublishFailed(f"{subject}: no JetStream ack within {self.publish_deadline}s: {exc}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def publish_many(self, events: Sequence[Event], window: int = 1024) -> None:
+        """Publish many JetStream events with up to ``window`` acknowledgements outstanding; each one still
+        deduplicated by its event id. Raises ``PublishFailed`` if any was not acknowledged."""
+        pending: list[tuple[asyncio.Future[Any], str, bytes, str]] = []
+
+        async def settle(batch: list[tuple[asyncio.Future[Any], str, bytes, str]]) -> None:
+            for future, subject, data, msg_id in batch:
+                try:
+                    await asyncio.wait_for(future, timeout=5.0)
+                except Exception:  # retried one by one, still deduplicated by the same id
+                    await self._publish_js(subject, data, msg_id)
+
+        for event in events:
+            if not event.source:
+                event = msgspec.structs.replace(event, source=self.source)
+            subject = self.subjects.for_event(event)
+            data = self.encode(event)
+            if not self.subjects.is_jetstream(event):
+                await self.nc.publish(subject, data)
+                continue
+            future = await self.js.publish_async(subject, data, headers={"Nats-Msg-Id": event.event_id})
+            pending.append((future, subject, data, event.event_id))
+            if len(pending) >= window:
+                await settle(pending)
+                pending = []
+        await settle(pending)
+        self.telemetry.published.labels("jetstream").inc(len(events))
+
+    # -- core subscriptions and request/reply -------------------------------------------------------------------
+    async def subscribe(
+        self,
+        subject: str,
+        handler: Handler,
+        accepts: tuple[type[Event], ...],
+        queue: str = "",
+        name: str = "",
+    ) -> None:
+        """Core NATS subscription (telemetry). Bad input is dead-lettered like on a durable consumer."""
+        label = name or subject
+
+        async def on_msg(msg: Msg) -> None:
+            event, reason = self._decode(msg.data, accepts, DEFAULT_MAX_EVENT_BYTES)
+            if event is None:
+                await self._dead_letter(label, msg, reason, None, 0)
+                return
+            started = time.perf_counter()
+            try:
+                await handler(event)
+                self.telemetry.messages.labels(label, "ack").inc()
+            except Exception as exc:
+                log.exception("core handler failed", extra={"subject": msg.subject, "error": str(exc)})
+                self.telemetry.messages.labels(label, "error").inc()
+            finally:
+                self.telemetry.handler_seconds.labels(label).observe(time.perf_counter() - started)
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        self._subscriptions.append(sub)
+
+    async def request(self, subject: str, event: Event, timeout: float = 5.0) -> Event:
+        """Send a command and wait for its typed reply. Raises ``TimeoutError`` when nobody answers in time."""
+        if not event.source:
+            event = msgspec.structs.replace(event, source=self.source)
+        try:
+            reply = await self.nc.request(subject, self.encode(event), timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise TimeoutError(f"{subject}: no responder") from None
+        except nats.errors.TimeoutError:
+            raise TimeoutError(f"{subject}: no reply within {timeout}s") from None
+        return codec.decode(reply.data)
+
+    async def serve(
+        self, subject: str, responder: Responder, accepts: tuple[type[Event], ...], queue: str = ""
+    ) -> None:
+        """Answer commands on ``subject``. A bad command is dead-lettered and answered with a ``DeadLetter``
+        naming the reason, so the caller learns why instead of timing out."""
+
+        async def on_msg(msg: Msg) -> None:
+            event, reason = self._decode(msg.data, accepts, DEFAULT_MAX_EVENT_BYTES)
+            answer: Event | None
+            if event is None:
+                answer = await self._dead_letter(subject, msg, reason, None, 0)
+            else:
+                try:
+                    answer = await responder(event)
+                except PermanentError as exc:
+                    answer = await self._dead_letter(subject, msg, str(exc), None, 0)
+                except Exception as exc:
+                    log.exception("command handler failed", extra={"subject": msg.subject})
+                    answer = DeadLetter(origin_subject=msg.subject, reason=f"temporary: {exc}", source=self.source)
+            if msg.reply and answer is not None:
+                with contextlib.suppress(Exception):
+                    await msg.respond(codec.encode(answer))
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        self._subscriptions.append(sub)
+
+    # -- durable consumers --------------------------------------------------------------------------------------
+    async def consume(self, spec: ConsumerSpec, handler: Handler) -> Consumer:
+        """Start the consumer loop for ``spec`` in the background; returns once the consumer exists."""
+        await self.ensure_stream(spec.stream)
+        await self.ensure_stream(self.subjects.deadletter_stream)
+        psub = await self._pull_subscription(spec)
+        consumer = Consumer(spec=spec)
+        consumer.task = asyncio.create_task(self._consume_loop(spec, handler, psub, consumer), name=spec.durable)
+        self._consumers.append(consumer)
+        return consumer
+
+    async def _pull_subscription(self, spec: ConsumerSpec) -> Any:
+        config = js_api.ConsumerConfig(
+            durable_name=spec.durable,
+            ack_policy=js_api.AckPolicy.EXPLICIT,
+            ack_wait=spec.ack_wait,
+            max_deliver=spec.max_deliver,
+            max_ack_pending=max(spec.concurrency * 4, spec.batch * 2),
+            deliver_policy=js_api.DeliverPolicy.NEW if spec.deliver_new_only else js_api.DeliverPolicy.ALL,
+            filter_subjects=list(spec.filter_subjects) if len(spec.filter_subjects) > 1 else None,
+            filter_subject=spec.filter_subjects[0] if len(spec.filter_subjects) == 1 else None,
+        )
+        try:
+            await self.js.consumer_info(spec.stream.name, spec.durable)
+        except nats.js.errors.NotFoundError:
+            try:
+                await self.js.add_consumer(spec.stream.name, config)
+            except nats.js.errors.BadRequestError:
+                await self.js.consumer_info(spec.stream.name, spec.durable)
+        return await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream.name)
+
+    async def _consume_loop(self, spec: ConsumerSpec, handler: Handler, psub: Any, consumer: Consumer) -> None:
+        slots = asyncio.Semaphore(spec.concurrency)
+        inflight: set[asyncio.Task[None]] = set()
+        failures = 0
+        while not consumer.stopping.is_set():
+            free = spec.concurrency - len(inflight)
+            if free <= 0:
+                await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            fetch = asyncio.ensure_future(psub.fetch(min(spec.batch, free), timeout=1.0))
+            stop = asyncio.ensure_future(consumer.stopping.wait())
+            await asyncio.wait((fetch, stop), return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if consumer.stopping.is_set():
+                await self._abandon_fetch(fetch)
+                break
+            try:
+                msgs = fetch.result()
+                failures = 0
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                consumer.stats.fetch_errors += 1
+                consumer.stats.last_error = f"fetch: {exc!r}"
+                if failures in (1, 10) or failures % 100 == 0:
+                    log.warning("fetch failed; retrying", extra={"consumer": spec.durable, "error": repr(exc)})
+                await asyncio.sleep(min(0.1 * failures, 1.0))
+                if isinstance(exc, nats.js.errors.NotFoundError) or failures % 20 == 0:
+                    with contextlib.suppress(Exception):
+                        self._streams_ready.discard(spec.stream.name)
+                        await self.ensure_stream(spec.stream)
+                        psub = await self._pull_subscription(spec)
+                continue
+            for msg in msgs:
+                await slots.acquire()
+                task = asyncio.create_task(self._handle(spec, handler, msg, consumer))
+                inflight.add(task)
+
+                def done(t: asyncio.Task[None]) -> None:
+                    inflight.discard(t)
+                    slots.release()
+
+                task.add_done_callback(done)
+        if inflight:
+            _, pending = await asyncio.wait(inflight, timeout=10.0)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    @staticmethod
+    async def _abandon_fetch(fetch: asyncio.Future[list[Msg]]) -> None:
+        """On shutdown: a fetch that already brought messages gives them back at once, not after ack_wait."""
+        if not fetch.done():
+            fetch.cancel()
+        with contextlib.suppress(BaseException):
+            for msg in await fetch:
+                await msg.nak()
+
+    def _decode(self, data: bytes, accepts: tuple[type[Event], ...], max_bytes: int) -> tuple[Event | None, str]:
+        if len(data) > max_bytes:
+            return None, f"oversized: {len(data)} bytes is over the {max_bytes} byte limit"
+        try:
+            event = codec.decode(data)
+        except msgspec.ValidationError as exc:
+            return None, f"invalid event: {exc}"
+        except msgspec.DecodeError as exc:
+            return None, f"malformed payload: {exc}"
+        if accepts and not isinstance(event, accepts):
+            names = ", ".join(t.__struct_config__.tag for t in accepts)  # type: ignore[misc]
+            return None, f"unexpected kind {event.kind!r} here; this consumer takes: {names}"
+        return event, ""
+
+    async def _handle(self, spec: ConsumerSpec, handler: Handler, msg: Msg, consumer: Consumer) -> None:
+        metadata = msg.metadata
+        deliveries = metadata.num_delivered or 1
+        stream_seq = metadata.sequence.stream if metadata.sequence else None
+        event, reason = self._decode(msg.data, spec.accepts, spec.max_event_bytes)
+        if event is None:
+            await self._reject(spec, msg, reason, stream_seq, deliveries, consumer)
+            return
+        loop = asyncio.get_running_loop()
+        heartbeat: asyncio.TimerHandle | None = None
+
+        def keep_alive() -> None:
+            nonlocal heartbeat
+            asyncio.ensure_future(msg.in_progress())
+            heartbeat = loop.call_later(spec.ack_wait / 3, keep_alive)
+
+        heartbeat = loop.call_later(spec.ack_wait / 3, keep_alive)
+        started = time.perf_counter()
+        try:
+            await handler(event)
+        except PermanentError as exc:
+            heartbeat.cancel()
+            await self._reject(spec, msg, f"permanent: {exc}", stream_seq, deliveries, consumer)
+            return
+        except asyncio.CancelledError:
+            heartbeat.cancel()
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            raise
+        except Exception as exc:
+            heartbeat.cancel()
+            await self._retry(spec, msg, exc, stream_seq, deliveries, consumer)
+            return
+        heartbeat.cancel()
+        self.telemetry.handler_seconds.labels(spec.durable).observe(time.perf_counter() - started)
+        await msg.ack()
+        consumer.stats.handled += 1
+        self.telemetry.messages.labels(spec.durable, "ack").inc()
+
+    async def _retry(
+        self, spec: ConsumerSpec, msg: Msg, exc: Exception, seq: int | None, deliveries: int, consumer: Consumer
+    ) -> None:
+        if isinstance(exc, TemporaryError):
+            log.info("temporary failure; will retry", extra={"consumer": spec.durable, "error": str(exc)})
+        else:
+            log.exception("handler raised; will retry", extra={"consumer": spec.durable})
+        consumer.stats.last_error = repr(exc)
+        if deliveries >= spec.max_deliver:
+            await self._reject(
+                spec, msg, f"exhausted {deliveries} deliveries; last error: {exc!r}", seq, deliveries, consumer
+            )
+            return
+        delay = exc.delay if isinstance(exc, TemporaryError) and exc.delay is not None else None
+        if delay is None:
+            delay = spec.backoff[min(deliveries - 1, len(spec.backoff) - 1)] if spec.backoff else 1.0
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=delay)
+        consumer.stats.retried += 1
+        self.telemetry.messages.labels(spec.durable, "nak").inc()
+
+    async def _reject(
+        self, spec: ConsumerSpec, msg: Msg, reason: str, seq: int | None, deliveries: int, consumer: Consumer
+    ) -> None:
+        try:
+            await self._dead_letter(spec.durable, msg, reason, seq, deliveries, stream=spec.stream.name)
+        except Exception as exc:
+            log.warning("dead letter not stored; message kept", extra={"consumer": spec.durable, "error": str(exc)})
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=spec.backoff[-1] if spec.backoff else 5.0)
+            return
+        with contextlib.suppress(Exception):
+            await msg.term()
+        consumer.stats.dead_lettered += 1
+        self.telemetry.messages.labels(spec.durable, "term").inc()
+
+    async def _dead_letter(
+        self,
+        consumer: str,
+        msg: Msg,
+        reason: str,
+        seq: int | None,
+        deliveries: int,
+        stream: str = "",
+    ) -> DeadLetter:
+        data = msg.data or b""
+        letter = DeadLetter(
+            origin_subject=msg.subject,
+            reason=reason,
+            consumer=consumer,
+            stream=stream,
+            stream_seq=seq,
+            deliveries=deliveries,
+            payload_size=len(data),
+            payload_sha256=hashlib.sha256(data).hexdigest(),
+            payload=data if len(data) <= DEAD_LETTER_PAYLOAD_LIMIT else data[:1024],
+            payload_truncated=len(data) > DEAD_LETTER_PAYLOAD_LIMIT,
+            source=self.source,
+        )
+        log.warning(
+            "dead-lettered",
+            extra={"consumer": consumer, "subject": msg.subject, "reason": reason, "stream_seq": seq},
+        )
+        self.telemetry.dead_letters.labels(consumer).inc()
+        safe_consumer = consumer if all(c.isalnum() or c in "-_" for c in consumer) else "core"
+        letter_subject = self.subjects.deadletter(safe_consumer)
+        msg_id = f"dl-{stream}-{seq}-{consumer}" if seq is not None else letter.event_id
+        await self.ensure_stream(self.subjects.deadletter_stream)
+        await self._publish_js(letter_subject, codec.encode(letter), msg_id)
+        return letter

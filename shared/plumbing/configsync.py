@@ -1,0 +1,270 @@
+"""Versioned configuration in Redis: compare-and-set writes, change notification, and a watcher that keeps the
+last good document.
+
+Each document lives in a hash ``<root>:config:<name>`` (``version``, ``doc``, ``updated_at``, ``updated_by``).
+A write names the version it read; a Lua script compares and writes atomically, so two writers racing on one
+version end with exactly one winner and one ``ConfigConflict``. The script also announces the change on a
+pub/sub channel. Pub/sub loses messages while a subscriber is disconnected, so the watcher also re-reads
+everything on every (re)connect and on a slow timer. A document that does not validate is refused at write time
+and, should one be found at read time anyway, logged and never applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from shared.contract.configdocs import CONFIG_DOCUMENTS, ConfigDocument
+from shared.contract.subjects import Subjects
+from shared.plumbing.errors import ConfigConflict, InvalidConfig
+from shared.plumbing.settings import RedisSettings
+from shared.plumbing.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+_CAS = """
+local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if current ~= tonumber(ARGV[1]) then
+  return {0, current}
+end
+local nextv = current + 1
+redis.call('HSET', KEYS[1], 'version', nextv, 'doc', ARGV[2], 'updated_at', ARGV[3], 'updated_by', ARGV[4])
+redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. nextv)
+return {1, nextv}
+"""
+
+
+def redis_client(settings: RedisSettings, timeout: float = 2.0) -> aioredis.Redis:
+    """A client with short timeouts: a service must notice quickly that Redis is gone and fall back."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "health_check_interval": 10,
+    }
+    if settings.username:
+        options["username"] = settings.username
+    if settings.password:
+        options["password"] = settings.password.reveal()
+    if settings.tls.enabled:
+        if settings.tls.ca:
+            options["ssl_ca_certs"] = str(settings.tls.ca)
+        if settings.tls.cert:
+            options["ssl_certfile"] = str(settings.tls.cert)
+            options["ssl_keyfile"] = str(settings.tls.key)
+    return aioredis.Redis.from_url(settings.url, **options)
+
+
+@dataclass(frozen=True)
+class VersionedConfig:
+    name: str
+    version: int
+    doc: ConfigDocument
+    updated_at: float
+    updated_by: str
+
+
+def document_type(name: str) -> type[ConfigDocument]:
+    try:
+        return CONFIG_DOCUMENTS[name]
+    except KeyError:
+        known = ", ".join(sorted(CONFIG_DOCUMENTS))
+        raise InvalidConfig(f"unknown configuration document {name!r}; known: {known}") from None
+
+
+def parse_document(name: str, raw: bytes | str) -> ConfigDocument:
+    """Validate raw JSON as the document ``name``, or raise ``InvalidConfig`` saying which field is wrong."""
+    try:
+        doc = msgspec.json.decode(raw, type=document_type(name))
+    except msgspec.ValidationError as exc:
+        raise InvalidConfig(f"config {name!r}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidConfig(f"config {name!r}: not valid JSON: {exc}") from None
+    return doc
+
+
+class ConfigStore:
+    """Reads and compare-and-set writes of configuration documents."""
+
+    def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
+        self.client = client
+        self.subjects = subjects
+        self._cas = client.register_script(_CAS)
+
+    async def read(self, name: str) -> VersionedConfig | None:
+        """The stored document, or None when there is none. Raises ``InvalidConfig`` for a stored document that
+        does not validate (written by something that bypassed this store)."""
+        fields = await self.client.hgetall(self.subjects.config_key(name))
+        if not fields:
+            return None
+        doc = parse_document(name, fields[b"doc"])
+        return VersionedConfig(
+            name=name,
+            version=int(fields[b"version"]),
+            doc=doc,
+            updated_at=float(fields.get(b"updated_at", b"0")),
+            updated_by=fields.get(b"updated_by", b"").decode(),
+        )
+
+    async def write(self, name: str, doc: ConfigDocument, expected_version: int, by: str) -> int:
+        """Store ``doc`` as the next version if the stored version is still ``expected_version`` (0: absent).
+        Returns the new version; raises ``ConfigConflict`` when another writer got there first."""
+        expected_type = document_type(name)
+        if not isinstance(doc, expected_type):
+            raise InvalidConfig(f"config {name!r} must be a {expected_type.__name__}, not {type(doc).__name__}")
+        return await self.write_raw(name, msgspec.json.encode(doc), expected_version, by)
+
+    async def write_raw(self, name: str, raw: bytes, expected_version: int, by: str) -> int:
+        doc = parse_document(name, raw)  # refuse anything that would not validate for its readers
+        ok, version = await self._cas(
+            keys=[self.subjects.config_key(name), self.subjects.config_channel],
+            args=[expected_version, msgspec.json.encode(doc), time.time(), by, name],
+        )
+        if not ok:
+            raise ConfigConflict(name, expected_version, int(version))
+        return int(version)
+
+
+ConfigListener = Callable[[VersionedConfig], Awaitable[None] | None]
+
+
+class ConfigWatcher:
+    """Keeps the newest valid version of each watched document, and keeps it while Redis is away.
+
+    ``current(name)`` never blocks; a document is replaced only by a valid one, never by an absence.
+    ``connected`` says whether Redis answered last time;
+    the runner reports it as degraded health when not.
+    """
+
+    def __init__(
+        self,
+        settings: RedisSettings,
+        subjects: Subjects,
+        names: Iterable[str],
+        telemetry: Telemetry | None = None,
+        reread_s: float = 15.0,
+    ) -> None:
+        self.settings = settings
+        self.subjects = subjects
+        self.names = tuple(names)
+        for name in self.names:
+            document_type(name)
+        self.telemetry = telemetry or Telemetry("config")
+        self.reread_s = reread_s
+        self.connected = False
+        self.last_error = ""
+        self._docs: dict[str, VersionedConfig] = {}
+        self._listeners: list[ConfigListener] = []
+        self._loaded = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._client: aioredis.Redis | None = None
+
+    def current(self, name: str) -> VersionedConfig | None:
+        return self._docs.get(name)
+
+    def on_change(self, listener: ConfigListener) -> None:
+        self._listeners.append(listener)
+
+    async def start(self, wait: float = 5.0) -> None:
+        """Start watching; waits up to ``wait`` seconds for the first full read (Redis may be down: then the
+        service starts on defaults and catches up when Redis answers)."""
+        self._task = asyncio.create_task(self._run(), name="config-watcher")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._loaded.wait(), timeout=wait)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._client:
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+
+    async def _apply(self, name: str, store: ConfigStore) -> None:
+        try:
+            found = await store.read(name)
+        except InvalidConfig as exc:
+            log.error("ignoring invalid configuration document", extra={"config": name, "error": str(exc)})
+            return
+        if found is None:
+            return
+        held = self._docs.get(name)
+        if held is not None and (held.version, held.updated_at) == (found.version, found.updated_at):
+            return
+        if held is not None and found.version <= held.version:
+            # The store went back (Redis restarted empty, or a failover lost a write): the store is the
+            # truth every service converges on, so follow it, loudly.
+            log.warning(
+                "configuration version went back in the store; following it",
+                extra={"config": name, "held": held.version, "stored": found.version},
+            )
+        self._docs[name] = found
+        self.telemetry.config_version.labels(name).set(found.version)
+        log.info("configuration applied", extra={"config": name, "version": found.version})
+        for listener in self._listeners:
+            try:
+                result = listener(found)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("configuration listener failed", extra={"config": name})
+
+    async def reread(self, store: ConfigStore) -> None:
+        for name in self.names:
+            await self._apply(name, store)
+
+    def _set_connected(self, up: bool, error: str = "") -> None:
+        if up != self.connected:
+            if up:
+                log.info("redis reachable; configuration in sync")
+            else:
+                log.warning("redis unreachable; running on the last good configuration", extra={"error": error})
+        self.connected = up
+        self.last_error = error
+        self.telemetry.connection_up.labels("redis").set(1 if up else 0)
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            client = redis_client(self.settings)
+            self._client = client
+            pubsub = client.pubsub()
+            try:
+                store = ConfigStore(client, self.subjects)
+                await pubsub.subscribe(self.subjects.config_channel)
+                await self.reread(store)  # after subscribing, so nothing between the two is missed
+                self._set_connected(True)
+                self._loaded.set()
+                failures = 0
+                next_full = time.monotonic() + self.reread_s
+                while True:
+                    timeout = max(0.0, next_full - time.monotonic())
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
+                    if message and message.get("type") == "message":
+                        name = bytes(message["data"]).decode().split(" ")[0]
+                        if name in self.names:
+                            await self._apply(name, store)
+                    if time.monotonic() >= next_full:
+                        await self.reread(store)
+                        next_full = time.monotonic() + self.reread_s
+            except asyncio.CancelledError:
+                raise
+            except (redis.exceptions.RedisError, OSError) as exc:
+                failures += 1
+                self._set_connected(False, f"{type(exc).__name__}: {exc}")
+                self._loaded.set()
+                await asyncio.sleep(min(0.2 * failures, 2.0))
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+                with contextlib.suppress(Exception):
+                    await client.aclose()

@@ -1,0 +1,259 @@
+"""The one way a service starts: settings, JSON logs, the bus, the config watcher, an HTTP endpoint, signals.
+
+A service is a small object with a ``name``, the configuration documents it reads, and ``start(ctx)`` that
+subscribes its handlers and spawns its loops. The runner does the rest and shuts everything down in order:
+stop taking messages, let in-flight handlers finish (or nak them), stop loops, close connections.
+
+HTTP: ``/healthz`` answers 200 while the process runs, with ``"status": "ok"`` or ``"degraded"`` and each
+component's state (Redis down is degraded: the service keeps going on its last good configuration);
+``/readyz`` answers 200 once started and while NATS is connected, 503 otherwise; ``/metrics`` is Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from shared.contract.base import Event
+from shared.contract.config import ConfigApplied
+from shared.contract.subjects import Subjects
+from shared.plumbing import logs
+from shared.plumbing.bus import Bus, Consumer, ConsumerSpec, Handler
+from shared.plumbing.configsync import ConfigWatcher, VersionedConfig
+from shared.plumbing.errors import SettingsError
+from shared.plumbing.settings import Settings, load_settings
+from shared.plumbing.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    name: str
+    config_names: tuple[str, ...]
+
+    async def start(self, ctx: ServiceContext) -> None: ...
+
+
+@dataclass
+class ServiceContext:
+    """What a running service gets: its settings, names, bus, configuration, telemetry and a place for loops."""
+
+    service: str
+    settings: Settings
+    subjects: Subjects
+    bus: Bus
+    config: ConfigWatcher
+    telemetry: Telemetry
+    status: dict[str, Any] = field(default_factory=dict)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _consumers: list[Consumer] = field(default_factory=list)
+
+    @property
+    def node(self) -> str:
+        return self.settings.node
+
+    def spawn(self, factory: Callable[[], Awaitable[Any]], name: str) -> asyncio.Task[Any]:
+        """Run a background loop for the service's lifetime. A loop that crashes is logged and started again
+        from ``factory`` with a growing delay: a service never dies of one bad iteration."""
+
+        async def guarded() -> None:
+            delay = 0.5
+            while True:
+                try:
+                    await factory()
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("background loop crashed; restarting", extra={"loop": name})
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+
+        task = asyncio.create_task(guarded(), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def consume(self, spec: ConsumerSpec, handler: Handler) -> Consumer:
+        consumer = await self.bus.consume(spec, handler)
+        self._consumers.append(consumer)
+        return consumer
+
+    async def publish(self, event: Event) -> None:
+        await self.bus.publish(event)
+
+    def health(self) -> dict[str, Any]:
+        components = {
+            "nats": {"ok": self.bus.connected},
+            "redis": {"ok": self.config.connected, "error": self.config.last_error or None},
+            "consumers": {
+                c.spec.durable: {
+                    "handled": c.stats.handled,
+                    "retried": c.stats.retried,
+                    "dead_lettered": c.stats.dead_lettered,
+                    "last_error": c.stats.last_error or None,
+                }
+                for c in self._consumers
+            },
+        }
+        configs = {name: (v.version if (v := self.config.current(name)) else None) for name in self.config.names}
+        degraded = not (self.bus.connected and self.config.connected)
+        return {
+            "service": self.service,
+            "node": self.node,
+            "status": "degraded" if degraded else "ok",
+            "simulated": self.settings.simulated,
+            "components": components,
+            "config_versions": configs,
+            **self.status,
+        }
+
+
+class HealthServer:
+    """A small HTTP/1.1 server for probes and scrapes; no framework needed for three GET routes."""
+
+    def __init__(self, ctx: ServiceContext, ready: asyncio.Event) -> None:
+        self.ctx = ctx
+        self.ready = ready
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        self.server = await asyncio.start_server(self._serve, host, port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.server:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 2)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 5)
+            while await asyncio.wait_for(reader.readline(), 5) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = request.decode("latin-1").split()
+            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
+            status, content_type, body = self._route(parts[0] if parts else "", path)
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method != "GET":
+            return "405 Method Not Allowed", "text/plain", b"GET only\n"
+        if path == "/healthz":
+            return "200 OK", "application/json", json.dumps(self.ctx.health()).encode()
+        if path == "/readyz":
+            ok = self.ready.is_set() and self.ctx.bus.connected
+            body = json.dumps({"ready": ok, "status": self.ctx.health()["status"]}).encode()
+            return ("200 OK" if ok else "503 Service Unavailable"), "application/json", body
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.ctx.telemetry.registry)
+        return "404 Not Found", "text/plain", b"try /healthz, /readyz or /metrics\n"
+
+
+class RunningService:
+    """A started service; ``stop()`` shuts it down in order. Tests start services this way, in-process."""
+
+    def __init__(self, ctx: ServiceContext, http: HealthServer) -> None:
+        self.ctx = ctx
+        self.http = http
+
+    @property
+    def http_port(self) -> int:
+        return self.http.port
+
+    async def stop(self, grace: float = 10.0) -> None:
+        log.info("stopping", extra={"grace_s": grace})
+        await asyncio.gather(*(c.stop(grace) for c in self.ctx._consumers), return_exceptions=True)
+        for task in list(self.ctx._tasks):
+            task.cancel()
+        await asyncio.gather(*self.ctx._tasks, return_exceptions=True)
+        await self.ctx.config.stop()
+        await self.ctx.bus.close(grace)
+        await self.http.stop()
+
+
+async def start_service(service: Service, settings: Settings) -> RunningService:
+    """Connect, load configuration, start the service's handlers and the HTTP endpoint."""
+    subjects = Subjects(settings.root)
+    telemetry = Telemetry(service.name)
+    source = f"{service.name}/{settings.node}" if settings.node else service.name
+    bus = await Bus.connect(settings.nats, subjects, source, telemetry)
+    await bus.ensure_streams()
+    config = ConfigWatcher(settings.redis, subjects, service.config_names, telemetry, reread_s=settings.config_reread_s)
+    ctx = ServiceContext(service.name, settings, subjects, bus, config, telemetry)
+
+    async def announce(applied: VersionedConfig) -> None:
+        with contextlib.suppress(Exception):
+            await bus.publish(
+                ConfigApplied(name=applied.name, version=applied.version, service=service.name, node=settings.node)
+            )
+
+    config.on_change(announce)
+    await config.start()
+    ready = asyncio.Event()
+    http = HealthServer(ctx, ready)
+    await http.start(settings.http_host, settings.http_port)
+    await service.start(ctx)
+    ready.set()
+    log.info(
+        "started",
+        extra={
+            "http": f"{settings.http_host}:{http.port}",
+            "root": settings.root,
+            "node": settings.node,
+            "backend": settings.backend,
+            "nats": list(settings.nats.servers),
+        },
+    )
+    return RunningService(ctx, http)
+
+
+def run(service: Service, settings: Settings | None = None) -> int:
+    """Run ``service`` until SIGTERM or SIGINT; returns the process exit code."""
+    try:
+        settings = settings or load_settings()
+    except SettingsError as exc:
+        logs.configure(service.name)
+        log.error("bad settings", extra={"error": str(exc)})
+        print(f"{service.name}: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(service.name, settings.log_level, settings.simulated)
+    if settings.simulated:
+        log.info("backend: SIMULATED GPUs and cluster (GPUWARDEN_BACKEND=sim)")
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            running = await start_service(service, settings)
+        except Exception as exc:
+            log.error("could not start", extra={"error": f"{type(exc).__name__}: {exc}"})
+            return 1
+        await stop.wait()
+        await running.stop()
+        log.info("stopped")
+        return 0
+
+    return asyncio.run(main())

@@ -1,0 +1,213 @@
+"""Settings from environment variables (and mounted files for secrets), with documented defaults.
+
+Secrets are wrapped in ``Secret`` so that no repr, log line or event ever shows them. Every variable a service
+reads is listed in ``DOCUMENTED`` and, from there, in the README.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.plumbing.errors import SettingsError
+
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_NATS_URL": "NATS server URL(s), comma separated (default nats://127.0.0.1:4222)",
+    "GPUWARDEN_REDIS_URL": "Redis URL (default redis://127.0.0.1:6379/0; rediss:// for TLS)",
+    "GPUWARDEN_ROOT": "subject root, stream prefix and Redis key prefix (default gw)",
+    "GPUWARDEN_NODE": "the node a node-scoped service runs on (default: the host name)",
+    "GPUWARDEN_BACKEND": "sim (simulated GPUs and cluster) or real (NVML and the Kubernetes API); default sim",
+    "GPUWARDEN_HTTP_ADDR": "host:port of /healthz, /readyz and /metrics (default 127.0.0.1:0, a free port)",
+    "GPUWARDEN_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR (default INFO)",
+    "GPUWARDEN_NATS_REPLICAS": "replicas of the JetStream streams the services create (default 1; 3 in production)",
+    "GPUWARDEN_NATS_USER": "NATS user name (with GPUWARDEN_NATS_PASSWORD or _PASSWORD_FILE)",
+    "GPUWARDEN_NATS_PASSWORD": "NATS password (prefer GPUWARDEN_NATS_PASSWORD_FILE)",
+    "GPUWARDEN_NATS_TOKEN": "NATS token (or GPUWARDEN_NATS_TOKEN_FILE)",
+    "GPUWARDEN_NATS_NKEY_SEED_FILE": "file holding an NKey seed",
+    "GPUWARDEN_NATS_CREDS_FILE": "NATS .creds file (JWT + seed)",
+    "GPUWARDEN_NATS_TLS_CA": "CA bundle to verify the NATS server",
+    "GPUWARDEN_NATS_TLS_CERT": "client certificate for NATS mTLS (with GPUWARDEN_NATS_TLS_KEY)",
+    "GPUWARDEN_NATS_TLS_KEY": "client key for NATS mTLS",
+    "GPUWARDEN_REDIS_USERNAME": "Redis ACL user",
+    "GPUWARDEN_REDIS_PASSWORD": "Redis password (prefer GPUWARDEN_REDIS_PASSWORD_FILE)",
+    "GPUWARDEN_REDIS_TLS_CA": "CA bundle to verify the Redis server",
+    "GPUWARDEN_REDIS_TLS_CERT": "client certificate for Redis mTLS (with GPUWARDEN_REDIS_TLS_KEY)",
+    "GPUWARDEN_REDIS_TLS_KEY": "client key for Redis mTLS",
+    "GPUWARDEN_CONFIG_REREAD_S": "seconds between full re-reads of the configuration from Redis (default 15)",
+}
+
+
+class Secret:
+    """A value that never shows itself in a repr or a log line."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca) if self.ca else None)
+        if self.cert:
+            ctx.load_cert_chain(str(self.cert), str(self.key) if self.key else None)
+        return ctx
+
+
+@dataclass(frozen=True)
+class NatsSettings:
+    servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    user: str | None = None
+    password: Secret | None = None
+    token: Secret | None = None
+    nkey_seed_file: Path | None = None
+    creds_file: Path | None = None
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:6379/0"
+    username: str | None = None
+    password: Secret | None = None
+    tls: TlsFiles = field(default_factory=TlsFiles)
+
+
+@dataclass(frozen=True)
+class Settings:
+    nats: NatsSettings = field(default_factory=NatsSettings)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    root: str = "gw"
+    node: str = ""
+    backend: str = "sim"
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    log_level: str = "INFO"
+    config_reread_s: float = 15.0
+
+    @property
+    def simulated(self) -> bool:
+        return self.backend == "sim"
+
+
+_HOSTPORT = re.compile(r"^(?P<host>[^:]*|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
+
+
+def _secret(env: Mapping[str, str], name: str) -> Secret | None:
+    if env.get(name):
+        return Secret(env[name])
+    path = env.get(f"{name}_FILE")
+    if path:
+        try:
+            return Secret(Path(path).read_text().strip())
+        except OSError as exc:
+            raise SettingsError(f"{name}_FILE={path}: cannot read: {exc.strerror}") from None
+    return None
+
+
+def _file(env: Mapping[str, str], name: str) -> Path | None:
+    value = env.get(name)
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_file():
+        raise SettingsError(f"{name}={value}: no such file")
+    return path
+
+
+def _tls(env: Mapping[str, str], prefix: str) -> TlsFiles:
+    tls = TlsFiles(_file(env, f"{prefix}_CA"), _file(env, f"{prefix}_CERT"), _file(env, f"{prefix}_KEY"))
+    if tls.cert and not tls.key:
+        raise SettingsError(f"{prefix}_CERT is set but {prefix}_KEY is not: mTLS needs both")
+    return tls
+
+
+def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0.0) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected a number") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={raw!r}: must be at least {minimum}")
+    return value
+
+
+def parse_host_port(name: str, raw: str) -> tuple[str, int]:
+    match = _HOSTPORT.match(raw)
+    if not match or int(match["port"]) > 65535:
+        raise SettingsError(f"{name}={raw!r}: expected host:port, e.g. 0.0.0.0:8080")
+    return match["host"].strip("[]") or "0.0.0.0", int(match["port"])
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read every common setting, or raise ``SettingsError`` naming the variable that is wrong."""
+    env = os.environ if env is None else env
+    servers = tuple(s.strip() for s in env.get("GPUWARDEN_NATS_URL", "nats://127.0.0.1:4222").split(",") if s)
+    for server in servers:
+        if not re.match(r"^(nats|tls|ws|wss)://", server):
+            raise SettingsError(f"GPUWARDEN_NATS_URL={server!r}: expected nats://host:port or tls://host:port")
+    redis_url = env.get("GPUWARDEN_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if not re.match(r"^(redis|rediss|unix)://", redis_url):
+        raise SettingsError(f"GPUWARDEN_REDIS_URL={redis_url!r}: expected redis://, rediss:// or unix://")
+    backend = env.get("GPUWARDEN_BACKEND", "sim")
+    if backend not in ("sim", "real"):
+        raise SettingsError(f"GPUWARDEN_BACKEND={backend!r}: expected 'sim' or 'real'")
+    level = env.get("GPUWARDEN_LOG_LEVEL", "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise SettingsError(f"GPUWARDEN_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING or ERROR")
+    host, port = parse_host_port("GPUWARDEN_HTTP_ADDR", env.get("GPUWARDEN_HTTP_ADDR", "127.0.0.1:0"))
+    replicas = int(_float(env, "GPUWARDEN_NATS_REPLICAS", 1, minimum=1))
+    root = env.get("GPUWARDEN_ROOT", "gw")
+    if not re.match(r"^[A-Za-z][A-Za-z0-9_\-]{0,31}$", root):
+        raise SettingsError(f"GPUWARDEN_ROOT={root!r}: a letter, then up to 31 letters, digits, '_' or '-'")
+    node = env.get("GPUWARDEN_NODE") or os.uname().nodename.split(".")[0]
+    return Settings(
+        nats=NatsSettings(
+            servers=servers,
+            user=env.get("GPUWARDEN_NATS_USER") or None,
+            password=_secret(env, "GPUWARDEN_NATS_PASSWORD"),
+            token=_secret(env, "GPUWARDEN_NATS_TOKEN"),
+            nkey_seed_file=_file(env, "GPUWARDEN_NATS_NKEY_SEED_FILE"),
+            creds_file=_file(env, "GPUWARDEN_NATS_CREDS_FILE"),
+            tls=_tls(env, "GPUWARDEN_NATS_TLS"),
+            replicas=replicas,
+        ),
+        redis=RedisSettings(
+            url=redis_url,
+            username=env.get("GPUWARDEN_REDIS_USERNAME") or None,
+            password=_secret(env, "GPUWARDEN_REDIS_PASSWORD"),
+            tls=_tls(env, "GPUWARDEN_REDIS_TLS"),
+        ),
+        root=root,
+        node=node,
+        backend=backend,
+        http_host=host,
+        http_port=port,
+        log_level=level,
+        config_reread_s=_float(env, "GPUWARDEN_CONFIG_REREAD_S", 15.0, minimum=0.1),
+    )

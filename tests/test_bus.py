@@ -1,0 +1,231 @@
+"""The bus against a real NATS server: delivery, deduplication, retries, dead letters, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+
+from shared.contract.deadletter import DeadLetter
+from shared.contract.node import DrainCompleted, DrainRequested
+from shared.contract.registry import codec
+from shared.contract.subjects import Subjects
+from shared.plumbing.bus import Bus, ConsumerSpec
+from shared.plumbing.errors import PermanentError, TemporaryError
+from shared.plumbing.settings import Settings
+from tests.helpers import eventually, with_nats
+from tests.servers import NatsServer
+
+
+def drain_spec(subjects: Subjects, durable: str = "checkpoint-drain", **kw: object) -> ConsumerSpec:
+    return ConsumerSpec(
+        durable=durable,
+        filter_subjects=(subjects.pattern("node.drain.requested"),),
+        accepts=(DrainRequested,),
+        stream=subjects.events_stream,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def collect_dead_letters(bus: Bus, subjects: Subjects) -> list[DeadLetter]:
+    letters: list[DeadLetter] = []
+
+    async def on_letter(event: DeadLetter) -> None:
+        letters.append(event)
+
+    spec = ConsumerSpec(
+        durable="test-deadletters",
+        filter_subjects=(f"{subjects.root}.deadletter.>",),
+        accepts=(DeadLetter,),
+        stream=subjects.deadletter_stream,
+    )
+    await bus.consume(spec, on_letter)
+    return letters
+
+
+async def test_event_from_one_process_handled_once_by_durable_consumer_in_another(
+    settings: Settings, subjects: Subjects, bus: Bus
+) -> None:
+    consumer_bus = await Bus.connect(settings.nats, subjects, "checkpoint")
+    try:
+        seen: list[DrainRequested] = []
+
+        async def handle(event: DrainRequested) -> None:
+            seen.append(event)
+
+        await consumer_bus.consume(drain_spec(subjects), handle)
+        event = DrainRequested(node="node-1", drain_id="d1")
+        await bus.publish(event)
+        await bus.publish(event)  # a retried publish: same event_id, deduplicated by the stream
+        await bus.publish(DrainRequested(node="node-2", drain_id="d2"))
+        await eventually(lambda: len(seen) >= 2)
+        await asyncio.sleep(0.3)
+        assert sorted(e.drain_id for e in seen) == ["d1", "d2"]
+        assert seen[0].source == "test"
+        info = await bus.js.consumer_info(subjects.events_stream.name, "checkpoint-drain")
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        await consumer_bus.close(grace=1)
+
+
+async def test_temporary_error_redelivers_after_its_delay(bus: Bus, subjects: Subjects) -> None:
+    attempts: list[float] = []
+
+    async def handle(event: DrainRequested) -> None:
+        attempts.append(asyncio.get_running_loop().time())
+        if len(attempts) == 1:
+            raise TemporaryError("store not reachable yet", delay=0.4)
+
+    await bus.consume(drain_spec(subjects), handle)
+    await bus.publish(DrainRequested(node="n1", drain_id="d1"))
+    await eventually(lambda: len(attempts) == 2)
+    assert attempts[1] - attempts[0] >= 0.35
+
+
+async def test_unexpected_exception_retries_then_dead_letters_when_deliveries_run_out(
+    bus: Bus, subjects: Subjects
+) -> None:
+    letters = await collect_dead_letters(bus, subjects)
+    attempts = 0
+
+    async def handle(event: DrainRequested) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise RuntimeError("boom")
+
+    await bus.consume(drain_spec(subjects, max_deliver=3, backoff=(0.05,)), handle)
+    await bus.publish(DrainRequested(node="n1", drain_id="d1"))
+    await eventually(lambda: letters)
+    assert attempts == 3
+    assert "exhausted 3 deliveries" in letters[0].reason and "boom" in letters[0].reason
+    assert letters[0].deliveries == 3
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"{not json", "malformed payload"),
+        (b'{"kind":"node.exploded","node":"n1"}', "invalid event"),
+        (b'{"kind":"node.drain.requested","node":42,"drain_id":"d"}', "Expected `str`, got `int`"),
+        (b'{"kind":"node.drain.requested","drain_id":"d"}', "missing required field `node`"),
+        (b'{"kind":"node.drain.requested","node":"a*b","drain_id":"d"}', "invalid event"),
+    ],
+)
+async def test_bad_payloads_are_dead_lettered_with_a_reason_and_the_consumer_keeps_going(
+    bus: Bus, subjects: Subjects, payload: bytes, reason: str
+) -> None:
+    letters = await collect_dead_letters(bus, subjects)
+    seen: list[DrainRequested] = []
+
+    async def handle(event: DrainRequested) -> None:
+        seen.append(event)
+
+    await bus.consume(drain_spec(subjects), handle)
+    await bus.js.publish(f"{subjects.root}.node.n1.drain.requested", payload)
+    await bus.publish(DrainRequested(node="n1", drain_id="after"))
+    await eventually(lambda: letters and seen)
+    assert reason in letters[0].reason
+    assert letters[0].payload == payload
+    assert letters[0].origin_subject == f"{subjects.root}.node.n1.drain.requested"
+    assert letters[0].stream_seq is not None
+    assert [e.drain_id for e in seen] == ["after"]
+
+
+async def test_oversized_and_wrong_kind_messages_are_dead_lettered(bus: Bus, subjects: Subjects) -> None:
+    letters = await collect_dead_letters(bus, subjects)
+
+    async def handle(event: DrainRequested) -> None:
+        pass
+
+    await bus.consume(drain_spec(subjects, max_event_bytes=2048), handle)
+    big = DrainRequested(node="n1", drain_id="big", reason="x" * 4096)
+    await bus.js.publish(f"{subjects.root}.node.n1.drain.requested", codec.encode(big))
+    wrong = DrainCompleted(node="n1", drain_id="d")
+    await bus.js.publish(f"{subjects.root}.node.n1.drain.requested", codec.encode(wrong))
+    await eventually(lambda: len(letters) == 2)
+    reasons = sorted(letter.reason for letter in letters)
+    assert reasons[0].startswith("oversized: ")
+    assert "unexpected kind 'node.drain.completed'" in reasons[1]
+
+
+async def test_permanent_error_dead_letters_without_retry(bus: Bus, subjects: Subjects) -> None:
+    letters = await collect_dead_letters(bus, subjects)
+    attempts = 0
+
+    async def handle(event: DrainRequested) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise PermanentError("node n1 is not a GPU node")
+
+    await bus.consume(drain_spec(subjects), handle)
+    await bus.publish(DrainRequested(node="n1", drain_id="d1"))
+    await eventually(lambda: letters)
+    await asyncio.sleep(0.2)
+    assert attempts == 1
+    assert letters[0].reason == "permanent: node n1 is not a GPU node"
+    decoded = msgspec.json.decode(letters[0].payload)
+    assert decoded["drain_id"] == "d1"
+
+
+async def test_long_handler_is_kept_alive_with_in_progress(bus: Bus, subjects: Subjects) -> None:
+    attempts = 0
+
+    async def handle(event: DrainRequested) -> None:
+        nonlocal attempts
+        attempts += 1
+        await asyncio.sleep(1.6)  # four times ack_wait: only in_progress() keeps the message from redelivery
+
+    consumer = await bus.consume(drain_spec(subjects, ack_wait=0.4), handle)
+    await bus.publish(DrainRequested(node="n1", drain_id="d1"))
+    await eventually(lambda: consumer.stats.handled == 1, timeout=10)
+    assert attempts == 1
+
+
+async def test_core_subscription_and_request_reply(bus: Bus, subjects: Subjects) -> None:
+    async def answer(event: DrainRequested) -> DrainCompleted:
+        return DrainCompleted(node=event.node, drain_id=event.drain_id, sessions_committed=3)
+
+    subject = subjects.command("checkpoint", "drain")
+    await bus.serve(subject, answer, accepts=(DrainRequested,))
+    reply = await bus.request(subject, DrainRequested(node="n1", drain_id="d1"))
+    assert isinstance(reply, DrainCompleted) and reply.sessions_committed == 3
+    raw = await bus.nc.request(subject, b'{"kind":"node.drain.requested"}', timeout=2)
+    letter = codec.decode(raw.data)
+    assert isinstance(letter, DeadLetter) and "missing required field `node`" in letter.reason
+
+
+async def test_nats_restart_loses_no_acked_event_and_consumers_resume(
+    settings: Settings, subjects: Subjects, own_nats: NatsServer
+) -> None:
+    settings = with_nats(settings, own_nats.url)
+    publisher = await Bus.connect(settings.nats, subjects, "driver")
+    consumer_bus = await Bus.connect(settings.nats, subjects, "checkpoint")
+    seen: set[str] = set()
+
+    async def handle(event: DrainRequested) -> None:
+        seen.add(event.drain_id)
+
+    try:
+        await consumer_bus.consume(drain_spec(subjects), handle)
+        for i in range(50):
+            await publisher.publish(DrainRequested(node="n1", drain_id=f"a{i}"))
+        await eventually(lambda: len(seen) == 50)
+        own_nats.stop()
+        restarted = asyncio.get_running_loop().run_in_executor(None, own_nats.start)
+        # published while the server is down: retried with the same id until the restarted server acks
+        for i in range(50):
+            await publisher.publish(DrainRequested(node="n1", drain_id=f"b{i}"))
+        await restarted
+        await eventually(lambda: len(seen) == 100, timeout=30)
+        assert seen == {f"a{i}" for i in range(50)} | {f"b{i}" for i in range(50)}
+    finally:
+        await publisher.close(grace=1)
+        await consumer_bus.close(grace=1)
+
+
+def test_dead_letter_json_is_readable() -> None:
+    letter = DeadLetter(origin_subject="gw.node.n1.drain.requested", reason="malformed payload: x", payload=b"{")
+    doc = json.loads(codec.encode(letter))
+    assert doc["kind"] == "deadletter" and doc["reason"] == "malformed payload: x"

@@ -1,0 +1,167 @@
+"""The service runner: the five services start on it, answer their probes over HTTP, report Redis loss as
+degraded health while they keep working, and shut down in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+
+import pytest
+
+from services.checkpoint.handlers import CheckpointService
+from services.device.handlers import DeviceService
+from services.driver.handlers import DriverService
+from services.metrics.handlers import MetricsService
+from services.scaler.handlers import ScalerService
+from shared.contract.configdocs import DriverPolicy
+from shared.contract.node import DrainCompleted, DrainRequested
+from shared.contract.subjects import Subjects
+from shared.plumbing.bus import Bus
+from shared.plumbing.configsync import ConfigStore, redis_client
+from shared.plumbing.runner import start_service
+from shared.plumbing.settings import Settings, load_settings
+from tests.helpers import eventually, with_redis
+from tests.servers import RedisServer, free_port
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+async def fetch(port: int, path: str) -> tuple[int, bytes]:
+    return await asyncio.get_running_loop().run_in_executor(None, get, port, path)
+
+
+async def health_status(port: int) -> str:
+    return str(json.loads((await fetch(port, "/healthz"))[1])["status"])
+
+
+async def test_all_five_services_start_report_health_and_follow_their_events(settings: Settings, bus: Bus) -> None:
+    services = [DriverService(), DeviceService(), MetricsService(), ScalerService(), CheckpointService()]
+    running = [await start_service(s, settings) for s in services]
+    try:
+        for r in running:
+            status, body = await fetch(r.http_port, "/readyz")
+            assert status == 200, body
+            health = json.loads((await fetch(r.http_port, "/healthz"))[1])
+            assert health["status"] == "ok" and health["simulated"] is True
+        driver, device, metrics, scaler, checkpoint = running
+        await bus.publish(DrainRequested(node="node-1", drain_id="d1"))
+        await bus.publish(DrainCompleted(node="node-1", drain_id="d1"))
+        await eventually(lambda: checkpoint.ctx.status["drains"] == {"d1": "node-1"})
+        await eventually(lambda: driver.ctx.status["drain_verdicts"].get("d1") == "completed")
+        await eventually(lambda: "node-1" in metrics.ctx.status["gpus"])  # the device's inventory reached it
+        await eventually(lambda: scaler.ctx.status["drains_in_flight"] == {})
+        status, text = await fetch(checkpoint.http_port, "/metrics")
+        assert status == 200
+        assert b'gpuwarden_messages_total{consumer="checkpoint-drains",outcome="ack"} 1.0' in text
+        assert b'gpuwarden_connection_up{dependency="nats"} 1.0' in text
+        assert (await fetch(checkpoint.http_port, "/nope"))[0] == 404
+        assert isinstance(device.ctx.status.get("node_cordoned"), bool)
+    finally:
+        for r in running:
+            await r.stop(grace=1)
+
+
+async def test_config_change_reaches_service_and_is_announced(settings: Settings, bus: Bus) -> None:
+    running = await start_service(DriverService(), settings)
+    client = redis_client(settings.redis)
+    try:
+        await ConfigStore(client, bus.subjects).write("driver", DriverPolicy(desired_version="560.3"), 0, "t")
+        await eventually(lambda: (c := running.ctx.config.current("driver")) and c.version == 1)
+        health = json.loads((await fetch(running.http_port, "/healthz"))[1])
+        assert health["config_versions"] == {"driver": 1}
+        _, text = await fetch(running.http_port, "/metrics")
+        assert b'gpuwarden_config_version{name="driver"} 1.0' in text
+    finally:
+        await client.aclose()
+        await running.stop(grace=1)
+
+
+async def test_redis_down_is_degraded_health_not_a_crash(settings: Settings, own_redis: RedisServer) -> None:
+    settings = with_redis(settings, own_redis.url)
+    client = redis_client(settings.redis)
+    await ConfigStore(client, Subjects(settings.root)).write("driver", DriverPolicy(desired_version="550"), 0, "t")
+    await client.aclose()
+    running = await start_service(DriverService(), settings)
+    try:
+        assert await eventually(lambda: health_status(running.http_port)) == "ok"
+        own_redis.stop()
+        await eventually(lambda: _is(health_status(running.http_port), "degraded"))
+        health = json.loads((await fetch(running.http_port, "/healthz"))[1])
+        assert health["components"]["redis"]["ok"] is False
+        assert health["config_versions"] == {"driver": 1}  # still running on the last good document
+        assert (await fetch(running.http_port, "/readyz"))[0] == 200
+        await asyncio.get_running_loop().run_in_executor(None, own_redis.start)
+        await eventually(lambda: _is(health_status(running.http_port), "ok"))
+    finally:
+        await running.stop(grace=1)
+
+
+async def _is(value: object, expected: str) -> bool:
+    return await value == expected  # type: ignore[misc]
+
+
+def test_service_process_starts_answers_and_stops_on_sigterm(settings: Settings) -> None:
+    port = free_port()
+    env = dict(
+        os.environ,
+        GPUWARDEN_NATS_URL=settings.nats.servers[0],
+        GPUWARDEN_REDIS_URL=settings.redis.url,
+        GPUWARDEN_ROOT=settings.root,
+        GPUWARDEN_NODE="node-9",
+        GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{port}",
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "services.checkpoint"], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = 30.0
+        start = time.monotonic()
+        while time.monotonic() - start < deadline:
+            try:
+                if get(port, "/readyz")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("service never became ready")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().decode().splitlines() if line.startswith("{")]  # type: ignore[union-attr]
+        messages = [entry["msg"] for entry in lines]
+        assert "started" in messages and "stopped" in messages
+        assert all(entry["service"] == "checkpoint" for entry in lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bad_settings_exit_with_a_clear_message(settings: Settings) -> None:
+    env = dict(os.environ, GPUWARDEN_BACKEND="quantum", GPUWARDEN_NATS_URL=settings.nats.servers[0])
+    result = subprocess.run(
+        [sys.executable, "-m", "services.scaler"], env=env, capture_output=True, timeout=30, text=True
+    )
+    assert result.returncode == 2
+    assert "GPUWARDEN_BACKEND='quantum': expected 'sim' or 'real'" in result.stderr
+
+
+def test_settings_defaults_and_errors() -> None:
+    s = load_settings({})
+    assert s.nats.servers == ("nats://127.0.0.1:4222",)
+    assert s.redis.url == "redis://127.0.0.1:6379/0"
+    assert s.root == "gw" and s.backend == "sim"
+    with pytest.raises(Exception, match="GPUWARDEN_HTTP_ADDR"):
+        load_settings({"GPUWARDEN_HTTP_ADDR": "nope"})
+    with pytest.raises(Exception, match="GPUWARDEN_NATS_TLS_CERT is set but GPUWARDEN_NATS_TLS_KEY is not"):
+        load_settings({"GPUWARDEN_NATS_TLS_CERT": __file__})
+    assert replace(s, root="x").root == "x"
