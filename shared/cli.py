@@ -268,7 +268,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def launch(label: str, name: str, child: dict[str, str]) -> None:
-        out = open(log_dir / f"{label.replace('@', '-')}.log", "ab")  # noqa: SIM115
+        out = open(log_dir / f"{label.replace('@', '-')}.log", "ab")
         procs[label] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=child, stdout=out, stderr=out)
 
     stopping = False
