@@ -256,7 +256,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
     log_dir = STATE_FILE.parent / "logs"
     log_dir.mkdir(exist_ok=True)
-    state = {
+    state: dict[str, Any] = {
         "nats_url": env["GPUWARDEN_NATS_URL"],
         "redis_url": env["GPUWARDEN_REDIS_URL"],
         "root": env["GPUWARDEN_ROOT"],

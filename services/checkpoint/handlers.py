@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 class CheckpointService:
     name = "checkpoint"
-    config_names = ("checkpoint", "models")
+    config_names: tuple[str, ...] = ("checkpoint", "models")
 
     def __init__(self, settings: CheckpointSettings | None = None) -> None:
         self.settings = settings or load()

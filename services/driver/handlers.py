@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 class DriverService:
     name = "driver"
-    config_names = ("driver",)
+    config_names: tuple[str, ...] = ("driver",)
 
     def __init__(self, settings: DriverSettings | None = None) -> None:
         self.settings = settings or load()

@@ -111,7 +111,7 @@ class ConfigStore:
             version=int(fields[b"version"]),
             doc=doc,
             updated_at=float(fields.get(b"updated_at", b"0")),
-            updated_by=fields.get(b"updated_by", b"").decode(),
+            updated_by=bytes(fields.get(b"updated_by", b"")).decode(),
         )
 
     async def write(self, name: str, doc: ConfigDocument, expected_version: int, by: str) -> int:
