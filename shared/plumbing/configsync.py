@@ -91,6 +91,10 @@ def parse_document(name: str, raw: bytes | str) -> ConfigDocument:
     return doc
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class ConfigStore:
     """Reads and compare-and-set writes of configuration documents."""
 
@@ -111,7 +115,7 @@ class ConfigStore:
             version=int(fields[b"version"]),
             doc=doc,
             updated_at=float(fields.get(b"updated_at", b"0")),
-            updated_by=bytes(fields.get(b"updated_by", b"")).decode(),
+            updated_by=_text(fields.get(b"updated_by", b"")),
         )
 
     async def write(self, name: str, doc: ConfigDocument, expected_version: int, by: str) -> int:
