@@ -130,6 +130,7 @@ class Bus:
         self._consumers: list[Consumer] = []
         self._subscriptions: list[Any] = []
         self._streams_ready: set[str] = set()
+        self._refused: dict[str, float] = {}
 
     # -- connection ---------------------------------------------------------------------------------------------
     @classmethod
@@ -144,9 +145,17 @@ class Bus:
     ) -> Bus:
         telemetry = telemetry or Telemetry(source)
         up = telemetry.connection_up.labels("nats")
+        refused: dict[str, float] = {}
+        auth_failed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
         async def error_cb(exc: Exception) -> None:
-            log.warning("nats error", extra={"error": str(exc)})
+            text = str(exc)
+            log.warning("nats error", extra={"error": text})
+            lowered = text.lower()
+            if "permissions violation for publish to" in lowered:
+                refused[text.split('"')[1] if '"' in text else ""] = time.monotonic()
+            if "authorization violation" in lowered and not auth_failed.done():
+                auth_failed.set_result(text)
             if on_error:
                 on_error(exc)
 
@@ -180,9 +189,23 @@ class Bus:
             options["user_credentials"] = str(settings.creds_file)
         if settings.tls.enabled:
             options["tls"] = settings.tls.context()
-        nc = await nats.connect(**options)
+        nc = NatsClient()
+        connecting = asyncio.ensure_future(nc.connect(**options))
+        await asyncio.wait((connecting, auth_failed), timeout=connect_timeout * 2, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done() or connecting.exception() is not None:
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            with contextlib.suppress(Exception):
+                await nc.close()
+            if auth_failed.done():
+                raise ConnectionRefusedError(f"NATS refused the credentials: {auth_failed.result()}")
+            detail = repr(connecting.exception()) if not connecting.cancelled() and connecting.done() else ""
+            raise ConnectionError(f"cannot connect to NATS at {', '.join(settings.servers)} {detail}".strip())
         up.set(1)
-        return cls(nc, subjects, source, telemetry, replicas=settings.replicas)
+        bus = cls(nc, subjects, source, telemetry, replicas=settings.replicas)
+        bus._refused = refused
+        return bus
 
     @property
     def connected(self) -> bool:
@@ -260,18 +283,23 @@ class Bus:
         self.telemetry.published.labels("jetstream").inc()
 
     async def _publish_js(self, subject: str, data: bytes, msg_id: str) -> None:
-        deadline = time.monotonic() + self.publish_deadline
+        started = time.monotonic()
+        deadline = started + self.publish_deadline
         headers = {"Nats-Msg-Id": msg_id}
         delay = 0.05
         while True:
             try:
-                await self.js.publish(subject, data, headers=headers, timeout=2.0)
+                await self.js.publish(
+                    subject, data, headers=headers, timeout=max(0.05, min(2.0, deadline - time.monotonic()))
+                )
                 return
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
                 if isinstance(exc, nats.js.errors.APIError) and not isinstance(
                     exc, nats.js.errors.ServiceUnavailableError
                 ):
                     raise PublishFailed(f"{subject}: JetStream refused the event: {exc}") from exc
+                if self._refused.get(subject.lower(), 0.0) >= started:
+                    raise PublishFailed(f"{subject}: this user may not publish here (permissions violation)") from exc
                 if time.monotonic() + delay > deadline:
                     raise PublishFailed(f"{subject}: no JetStream ack within {self.publish_deadline}s: {exc}") from exc
                 await asyncio.sleep(delay)

@@ -1,0 +1,314 @@
+"""Least privilege on NATS: one user per service (shared.contract.permissions), checked on the allow-lists
+themselves and on a real nats-server that enforces them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import nats.js.errors
+import pytest
+import redis.asyncio as aioredis
+from nats.js.api import RawStreamMsg
+
+from services.checkpoint.handlers import CheckpointService
+from shared.contract.configdocs import CheckpointPolicy
+from shared.contract.driver import DriverUpgradeStateChanged
+from shared.contract.node import DrainCompleted, DrainRequested
+from shared.contract.permissions import (
+    ADMIN,
+    NODE_SCOPED,
+    PUBLISHES,
+    SERVICES,
+    admin_permissions,
+    may_publish,
+    nats_auth_config,
+    service_permissions,
+    subject_matches,
+    user_name,
+)
+from shared.contract.subjects import ROUTES, Subjects
+from shared.plumbing.bus import Bus, PublishFailed
+from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.devservers import NatsServer
+from shared.plumbing.runner import start_service
+from shared.plumbing.settings import NatsSettings, RedisSettings, Secret, Settings
+from tests.helpers import eventually
+
+_FIELD_RE = re.compile(r"\{(\w+)\}")
+
+AsUser = Callable[..., NatsSettings]  # (name, password=None) -> the settings to connect as that user
+
+
+def concrete(subjects: Subjects, kind: str, **fields: str) -> str:
+    """A subject an event of ``kind`` could be published on: every field filled (``x`` unless given)."""
+    names = _FIELD_RE.findall(ROUTES[kind].template)
+    return subjects.pattern(kind, **{name: fields.get(name, "x") for name in names})
+
+
+# -- the allow-lists, pure ------------------------------------------------------------------------------------------
+
+
+def test_subject_matching_follows_nats_wildcards() -> None:
+    assert subject_matches("a.*.c", "a.b.c")
+    assert not subject_matches("a.*.c", "a.b.c.d")
+    assert subject_matches("a.>", "a.b.c")
+    assert not subject_matches("a.>", "a")
+    assert not subject_matches("a.b", "a.b.c")
+    assert not subject_matches("a.b.c", "a.b")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_may_publish_exactly_its_own_kinds(subjects: Subjects, service: str) -> None:
+    perms = service_permissions(subjects, service)
+    for kind in ROUTES:
+        if kind in ("config.applied", "deadletter"):
+            continue
+        allowed = may_publish(perms, concrete(subjects, kind))
+        assert allowed == (kind in PUBLISHES[service]), f"{service} / {kind}"
+    assert may_publish(perms, subjects.pattern("config.applied", name="models", service=service))
+    other = next(s for s in SERVICES if s != service)
+    assert not may_publish(perms, subjects.pattern("config.applied", name="models", service=other))
+    assert may_publish(perms, subjects.deadletter(f"{service}-drains"))
+    assert may_publish(perms, "_INBOX.abc.def")
+    assert perms["subscribe"]["allow"] == [f"{subjects.root}.>", "_INBOX.>"]
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_services_get_only_their_consumers_jetstream_api(subjects: Subjects, service: str) -> None:
+    perms = service_permissions(subjects, service)
+    for spec in subjects.streams:
+        assert may_publish(perms, f"$JS.API.STREAM.INFO.{spec.name}")
+        assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}.{service}-x.{subjects.root}.node.*.y")
+        assert may_publish(perms, f"$JS.API.CONSUMER.DURABLE.CREATE.{spec.name}.{service}-x")
+        assert may_publish(perms, f"$JS.API.CONSUMER.INFO.{spec.name}.{service}-x")
+        assert may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.{service}-x")
+        assert may_publish(perms, f"$JS.ACK.{spec.name}.{service}-x.1.2.3.4.0")
+        for verb in ("CREATE", "UPDATE", "DELETE", "PURGE"):
+            assert not may_publish(perms, f"$JS.API.STREAM.{verb}.{spec.name}")
+        assert not may_publish(perms, f"$JS.API.CONSUMER.DELETE.{spec.name}.{service}-x")
+    other = Subjects(subjects.root + "x")
+    for spec in other.streams:
+        assert not may_publish(perms, f"$JS.API.STREAM.INFO.{spec.name}")
+        assert not may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.{service}-x")
+    for kind in PUBLISHES[service]:
+        assert not may_publish(perms, concrete(other, kind))
+    assert not may_publish(perms, "$JS.API.INFO")
+    assert not may_publish(perms, "$JS.API.STREAM.NAMES")
+
+
+def test_nobody_but_checkpoint_may_report_a_drain_completed(subjects: Subjects) -> None:
+    subject = concrete(subjects, "node.drain.completed", node="node-1")
+    may = {s for s in SERVICES if may_publish(service_permissions(subjects, s), subject)}
+    assert may == {"checkpoint"}
+    for node in (None, "node-1"):
+        for service in SERVICES:
+            assert may_publish(service_permissions(subjects, service, node), subject) == (service == "checkpoint")
+
+
+@pytest.mark.parametrize("service", sorted(NODE_SCOPED))
+def test_node_scoped_services_can_be_held_to_their_node(subjects: Subjects, service: str) -> None:
+    perms = service_permissions(subjects, service, node="gpu-1.example.com")
+    for kind in PUBLISHES[service]:
+        if "{node}" not in ROUTES[kind].template:
+            assert may_publish(perms, concrete(subjects, kind))
+            continue
+        assert may_publish(perms, concrete(subjects, kind, node="gpu-1.example.com"))
+        assert not may_publish(perms, concrete(subjects, kind, node="gpu-2"))
+
+
+def test_node_does_not_narrow_cluster_wide_services(subjects: Subjects) -> None:
+    for service in set(SERVICES) - NODE_SCOPED:
+        assert service_permissions(subjects, service, node="n1") == service_permissions(subjects, service)
+
+
+def test_admin_may_publish_everything_under_its_root(subjects: Subjects) -> None:
+    perms = admin_permissions(subjects)
+    for kind in ROUTES:
+        assert may_publish(perms, concrete(subjects, kind))
+    assert may_publish(perms, f"$JS.API.STREAM.CREATE.{subjects.events_stream.name}")
+    assert not may_publish(perms, concrete(Subjects(subjects.root + "x"), "node.drain.completed"))
+
+
+def test_auth_config_has_a_user_per_service_and_the_admin(subjects: Subjects) -> None:
+    passwords = {name: f"pw-{name}" for name in (*SERVICES, ADMIN)}
+    text = nats_auth_config(subjects, passwords, node="n1")
+    assert text.startswith("authorization {")
+    users = json.loads(text[text.index("[") : text.rindex("]") + 1])
+    assert [u["user"] for u in users] == [user_name(subjects, n) for n in (*SERVICES, ADMIN)]
+    by_user = {u["user"]: u for u in users}
+    assert by_user[user_name(subjects, "driver")]["permissions"] == service_permissions(subjects, "driver", "n1")
+    assert by_user[user_name(subjects, ADMIN)]["permissions"] == admin_permissions(subjects)
+    assert by_user[user_name(subjects, "scaler")]["password"] == "pw-scaler"
+
+
+def test_auth_config_errors_name_the_user_never_the_password(subjects: Subjects) -> None:
+    passwords = {name: f"pw-{name}-{secrets.token_hex(4)}" for name in (*SERVICES, ADMIN)}
+    for broken, needle in (
+        ({**passwords, "scaler": ""}, "scaler"),
+        ({k: v for k, v in passwords.items() if k != ADMIN}, ADMIN),
+        ({**passwords, "intruder": "pw-intruder"}, "intruder"),
+        ({**passwords, "device": passwords["device"] + "\n"}, "device"),
+    ):
+        with pytest.raises(ValueError, match=needle) as err:
+            nats_auth_config(subjects, broken)
+        for value in broken.values():
+            if value:
+                assert value.strip() not in str(err.value)
+
+
+def test_secrets_never_show_in_settings_reprs() -> None:
+    nats_pw, redis_pw, token = (secrets.token_urlsafe(16) for _ in range(3))
+    nats_settings = NatsSettings(user="gw-driver", password=Secret(nats_pw), token=Secret(token))
+    settings = Settings(nats=nats_settings, redis=RedisSettings(username="gw", password=Secret(redis_pw)))
+    for text in (repr(nats_settings), str(nats_settings), repr(settings), str(settings), f"{settings!r}"):
+        for secret in (nats_pw, redis_pw, token):
+            assert secret not in text
+    assert "gw-driver" in repr(nats_settings)
+
+
+# -- a real server that enforces them -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def passwords() -> dict[str, str]:
+    pw = {name: secrets.token_urlsafe(18) for name in (*SERVICES, ADMIN)}
+    # quotes, backslashes, '$', '#', '}' and spaces must survive the server's configuration parser
+    pw["checkpoint"] = 'ck "q" \\ $HOME #x } // ' + secrets.token_hex(6)
+    return pw
+
+
+@pytest.fixture
+def secured(tmp_path: Path, subjects: Subjects, passwords: dict[str, str]) -> Iterator[NatsServer]:
+    """A nats-server of this test's own that knows only the users of ``nats_auth_config``.
+
+    The store directory is not in the configuration: ``NatsServer`` always passes ``-js -sd <store>``, and
+    nats-server refuses a ``store_dir`` given twice ("Duplicate 'store_dir' configuration")."""
+    conf = tmp_path / "nats.conf"
+    conf.write_text("jetstream {}\n" + nats_auth_config(subjects, passwords))
+    conf.chmod(0o600)
+    server = NatsServer(config=conf)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def as_user(secured: NatsServer, subjects: Subjects, passwords: dict[str, str]) -> AsUser:
+    def make(name: str, password: str | None = None) -> NatsSettings:
+        pw = passwords[name] if password is None else password
+        return NatsSettings(servers=(secured.url,), user=user_name(subjects, name), password=Secret(pw))
+
+    return make
+
+
+@pytest.fixture
+async def admin(as_user: AsUser, subjects: Subjects) -> AsyncIterator[Bus]:
+    bus = await Bus.connect(as_user(ADMIN), subjects, "admin", connect_timeout=2.0)
+    await bus.ensure_streams()
+    yield bus
+    await bus.close(grace=1.0)
+
+
+def _logged(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
+
+
+def _no_secrets_in(text: str, passwords: dict[str, str]) -> None:
+    for name, value in passwords.items():
+        assert value not in text, f"the password of {name} was logged"
+
+
+async def test_checkpoint_service_runs_under_its_own_user(
+    admin: Bus,
+    as_user: AsUser,
+    subjects: Subjects,
+    settings: Settings,
+    passwords: dict[str, str],
+    redis_client: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    # a configuration to apply, so the service also announces config.applied under its own user
+    await ConfigStore(redis_client, subjects).write("checkpoint", CheckpointPolicy(), 0, "admin")
+    running = await start_service(CheckpointService(), replace(settings, nats=as_user("checkpoint")))
+    driver = await Bus.connect(as_user("driver"), subjects, "driver/node-1", connect_timeout=2.0)
+    try:
+        await driver.publish(DrainRequested(node="node-1", drain_id="drain-7"))
+        await eventually(lambda: "drain-7" in running.ctx.status["drains"])
+
+        durable = subjects.durable("checkpoint", "drains")
+
+        async def acked() -> bool:
+            info = await admin.js.consumer_info(subjects.events_stream.name, durable)
+            return info.num_ack_pending == 0 and info.ack_floor.stream_seq >= 1
+
+        await eventually(acked)
+        applied = subjects.pattern("config.applied", name="checkpoint", service="checkpoint")
+        msg = await eventually(lambda: _last_msg(admin, subjects, applied))
+        assert b'"service":"checkpoint"' in msg.data
+    finally:
+        await driver.close(grace=1.0)
+        await running.stop(grace=1)
+    logged = _logged(caplog)
+    assert "permissions violation" not in logged.lower()
+    assert "authorization violation" not in logged.lower()
+    _no_secrets_in(logged, passwords)
+
+
+async def _last_msg(bus: Bus, subjects: Subjects, subject: str) -> RawStreamMsg | None:
+    try:
+        return await bus.js.get_last_msg(subjects.events_stream.name, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+async def test_checkpoint_user_cannot_publish_driver_events(
+    admin: Bus,
+    as_user: AsUser,
+    subjects: Subjects,
+    passwords: dict[str, str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    errors: list[Exception] = []
+    bus = await Bus.connect(as_user("checkpoint"), subjects, "checkpoint", connect_timeout=2.0, on_error=errors.append)
+    bus.publish_deadline = 1.0
+    try:
+        forged = DriverUpgradeStateChanged(node="node-1", state="upgrade-done")
+        forged_subject = subjects.for_event(forged)
+        with pytest.raises(PublishFailed):
+            await bus.publish(forged)
+        # the server says 'Permissions Violation for Publish to "<subject>"'; nats-py hands it on lower-cased
+        refusal = f'permissions violation for publish to "{forged_subject}"'.lower()
+        await eventually(lambda: any(refusal in str(e).lower() for e in errors), timeout=5)
+        assert bus.connected  # refused, not disconnected
+
+        verdict = DrainCompleted(node="node-1", drain_id="drain-7", sessions_committed=3)
+        await bus.publish(verdict)
+    finally:
+        await bus.close(grace=1.0)
+    stored = await _last_msg(admin, subjects, subjects.for_event(verdict))
+    assert stored is not None and verdict.event_id.encode() in (stored.data or b"")
+    assert await _last_msg(admin, subjects, forged_subject) is None
+    _no_secrets_in(_logged(caplog) + "".join(map(str, errors)), passwords)
+
+
+async def test_a_wrong_password_cannot_connect(
+    as_user: AsUser,
+    subjects: Subjects,
+    passwords: dict[str, str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    errors: list[Exception] = []
+    wrong = as_user("checkpoint", password=passwords["driver"])
+    with pytest.raises(ConnectionRefusedError, match="NATS refused the credentials"):
+        await Bus.connect(wrong, subjects, "checkpoint", connect_timeout=1.0, on_error=errors.append)
+    assert any("authorization violation" in str(e).lower() for e in errors)
+    _no_secrets_in(_logged(caplog) + "".join(map(str, errors)), passwords)
