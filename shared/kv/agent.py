@@ -1,0 +1,383 @@
+"""The KV agent: the inference server's sessions, saved to a checkpoint store and restored byte for byte.
+
+Usage, inside an inference server::
+
+    agent = KvAgent(store, pod="llama-7", node="node-1", namespace="llm", deployment="llama", layout=layout)
+    agent.register_session("s-42")
+    agent.append_block("s-42", block_tensor)      # as the session grows; full blocks never change again
+    agent.set_tokens("s-42", 4096)
+    report = await agent.save(["s-42"], deadline_s=20)
+    restored = await agent.restore("s-42", into=preallocated_blocks)
+
+Invariants the agent relies on, as paged-attention engines guarantee them: a full block is immutable; only the
+session's last block may still change, so the agent copies that one before hashing it. Bytes go from the
+engine's memory to the store directly (through a reused pinned staging buffer for GPU memory); the checkpoint
+service only decides, orders and records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from shared.kv.buffers import Block, Staging, as_block
+from shared.kv.crypto import ChunkCipher
+from shared.kv.manifest import (
+    CheckpointManifest,
+    ChunkRef,
+    KvLayout,
+    check_compatible,
+    digest,
+    new_checkpoint_id,
+)
+from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt, StoreError
+
+log = logging.getLogger(__name__)
+
+ROUND_BYTES = 256 * 1024 * 1024  # commit a pack and its sessions' manifests at least this often
+BATCH_BYTES = 64 * 1024 * 1024  # bytes handed to the store per write call
+
+
+class SessionUnknown(KeyError):
+    pass
+
+
+class DeadlineExceeded(TimeoutError):
+    pass
+
+
+@dataclass
+class Session:
+    session_id: str
+    blocks: list[Block] = field(default_factory=list)
+    token_count: int = 0
+    last: CheckpointManifest | None = None
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    session_id: str
+    reason: str
+
+
+@dataclass
+class SaveReport:
+    committed: list[CheckpointManifest] = field(default_factory=list)
+    failed: list[SaveFailure] = field(default_factory=list)
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(m.bytes_total for m in self.committed)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(m.bytes_written for m in self.committed)
+
+
+@dataclass
+class RestoredSession:
+    manifest: CheckpointManifest
+    blocks: list[Any]
+    fell_back_from: list[str] = field(default_factory=list)
+
+
+class KvAgent:
+    """Owns nothing but references: the engine keeps its memory; the agent keeps the list of blocks."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        pod: str,
+        node: str,
+        namespace: str,
+        deployment: str,
+        layout: KvLayout,
+        cipher: ChunkCipher | None = None,
+        staging_bytes: int = BATCH_BYTES,
+    ) -> None:
+        self.store = store
+        self.pod = pod
+        self.node = node
+        self.namespace = namespace
+        self.deployment = deployment
+        self.layout = layout
+        self.cipher = cipher
+        self._sessions: dict[str, Session] = {}
+        self._staging_bytes = staging_bytes
+        self._staging: Staging | None = None
+        self._save_lock = asyncio.Lock()
+
+    # -- what the engine calls ----------------------------------------------------------------------------------
+    def register_session(self, session_id: str, token_count: int = 0) -> None:
+        self._sessions.setdefault(session_id, Session(session_id, token_count=token_count))
+
+    def append_block(self, session_id: str, buffer: Any, tokens: int | None = None) -> None:
+        session = self._session(session_id)
+        block = as_block(buffer)
+        session.blocks.append(block)
+        session.token_count = tokens if tokens is not None else session.token_count + self.layout.block_tokens
+
+    def set_tokens(self, session_id: str, token_count: int) -> None:
+        self._session(session_id).token_count = token_count
+
+    def forget_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def sessions(self) -> list[str]:
+        return list(self._sessions)
+
+    def session_bytes(self, session_id: str) -> int:
+        return sum(b.nbytes for b in self._session(session_id).blocks)
+
+    def _session(self, session_id: str) -> Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionUnknown(f"session {session_id!r} is not registered on pod {self.pod}") from None
+
+    # -- save -----------------------------------------------------------------------------------------------------
+    async def save(
+        self, session_ids: Sequence[str] | None = None, deadline_s: float | None = None, reason: str = ""
+    ) -> SaveReport:
+        """Checkpoint the sessions (all when None). Each session ends committed or failed with a reason; a
+        session that fails never leaves a visible partial checkpoint, and its previous checkpoint still
+        restores. Incremental: blocks whose digest the session's last checkpoint already holds are referenced,
+        not written again."""
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        async with self._save_lock:
+            report = SaveReport()
+            todo: list[Session] = []
+            for sid in session_ids if session_ids is not None else list(self._sessions):
+                session = self._sessions.get(sid)
+                if session is None:
+                    report.failed.append(SaveFailure(sid, f"not registered on pod {self.pod}"))
+                else:
+                    todo.append(session)
+            round_: list[Session] = []
+            round_bytes = 0
+            for session in todo:
+                round_.append(session)
+                round_bytes += sum(b.nbytes for b in session.blocks)
+                if round_bytes >= ROUND_BYTES:
+                    await self._save_round(round_, deadline, reason, report)
+                    round_, round_bytes = [], 0
+            if round_:
+                await self._save_round(round_, deadline, reason, report)
+            return report
+
+    def _staging_for(self, nbytes: int) -> Staging:
+        if self._staging is None or self._staging.nbytes < nbytes:
+            self._staging = Staging(max(nbytes, self._staging_bytes))
+        return self._staging
+
+    async def _parent(self, session: Session) -> CheckpointManifest | None:
+        if session.last is not None:
+            return session.last
+        try:
+            ids = await self.store.checkpoints(session.session_id)
+            if ids:
+                parent = await self.store.manifest(session.session_id, ids[0])
+                if parent.layout == self.layout:
+                    session.last = parent
+        except StoreError:
+            return None
+        return session.last
+
+    async def _save_round(
+        self, sessions: list[Session], deadline: float | None, reason: str, report: SaveReport
+    ) -> None:
+        writer = self.store.open_pack()
+        pending: list[tuple[Session, list[ChunkRef | None], int, int]] = []
+        batch: list[memoryview] = []
+        batch_slots: list[tuple[list[ChunkRef | None], int, str, int, bytes]] = []
+        batch_bytes = 0
+
+        async def flush() -> None:
+            nonlocal batch, batch_slots, batch_bytes
+            if not batch:
+                return
+            offsets = await writer.append(batch)
+            for (slots, index, dg, size, nonce), offset, data in zip(batch_slots, offsets, batch, strict=True):
+                slots[index] = ChunkRef(
+                    digest=dg, size=size, pack=writer.pack_id, offset=offset, length=len(data), nonce=nonce
+                )
+            batch, batch_slots, batch_bytes = [], [], 0
+
+        try:
+            for session in sessions:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DeadlineExceeded("deadline passed before the session was written")
+                parent = await self._parent(session)
+                known = {ref.digest: ref for ref in parent.blocks} if parent else {}
+                blocks = list(session.blocks)
+                token_count = session.token_count
+                slots: list[ChunkRef | None] = [None] * len(blocks)
+                written = 0
+                views = await self._host_views(blocks)
+                full_blocks = token_count // self.layout.block_tokens if self.layout.block_tokens else len(blocks)
+                for i, (block, view) in enumerate(zip(blocks, views, strict=True)):
+                    if i >= full_blocks or block.on_device:
+                        view = memoryview(bytes(view))  # may still change, or sits in reused staging
+                    dg = digest(view)
+                    ref = known.get(dg)
+                    if ref is not None and ref.size == len(view):
+                        slots[i] = ref
+                        continue
+                    nonce = b""
+                    data = view
+                    if self.cipher is not None:
+                        nonce, sealed = self.cipher.seal(view, dg)
+                        data = memoryview(sealed)
+                    batch.append(data)
+                    batch_slots.append((slots, i, dg, len(view), nonce))
+                    batch_bytes += len(data)
+                    written += len(data)
+                    if batch_bytes >= BATCH_BYTES:
+                        await flush()
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise DeadlineExceeded("deadline passed while writing")
+                pending.append((session, slots, written, token_count))
+            await flush()
+            await writer.commit()
+        except (StoreError, DeadlineExceeded, OSError) as exc:
+            await writer.abort()
+            why = f"deadline exceeded: {exc}" if isinstance(exc, DeadlineExceeded) else str(exc)
+            for session in sessions:
+                report.failed.append(SaveFailure(session.session_id, why))
+            log.warning("checkpoint round failed", extra={"sessions": len(sessions), "error": why})
+            return
+        now = datetime.now(UTC)
+        for session, slots, written, token_count in pending:
+            parent = session.last
+            manifest = CheckpointManifest(
+                checkpoint_id=new_checkpoint_id(now),
+                session_id=session.session_id,
+                namespace=self.namespace,
+                deployment=self.deployment,
+                pod=self.pod,
+                node=self.node,
+                layout=self.layout,
+                token_count=token_count,
+                blocks=[s for s in slots if s is not None],
+                created_at=now,
+                parent_id=parent.checkpoint_id if parent else "",
+                key_id=self.cipher.key_id if self.cipher else "",
+                bytes_written=written,
+                reason=reason,
+            )
+            try:
+                await self.store.commit_manifest(manifest)
+            except StoreError as exc:
+                report.failed.append(SaveFailure(session.session_id, str(exc)))
+                continue
+            session.last = manifest
+            report.committed.append(manifest)
+
+    async def _host_views(self, blocks: list[Block]) -> list[memoryview]:
+        device = [b for b in blocks if b.on_device]
+        if not device:
+            return [b.host for b in blocks if b.host is not None]
+        staging = self._staging_for(sum(b.nbytes for b in device))
+        copied = iter(await asyncio.to_thread(staging.device_to_host, device))
+        return [next(copied) if b.on_device else b.host for b in blocks]  # type: ignore[misc]
+
+    # -- restore --------------------------------------------------------------------------------------------------
+    async def restore(
+        self,
+        session_id: str,
+        checkpoint_id: str | None = None,
+        into: Sequence[Any] | None = None,
+        fall_back: bool = True,
+    ) -> RestoredSession:
+        """Restore a session's newest committed checkpoint (or ``checkpoint_id``), verifying every digest.
+
+        ``into``: the engine's own preallocated blocks to fill in place (host or device); otherwise new host
+        arrays are returned. A corrupt chunk falls back to the previous checkpoint when ``fall_back``; a
+        checkpoint for another model, version, tokenizer, dtype or layout is refused. The session is then
+        registered on this agent with the restored blocks."""
+        ids = [checkpoint_id] if checkpoint_id else await self.store.checkpoints(session_id)
+        if not ids:
+            raise CheckpointNotFound(f"session {session_id!r} has no committed checkpoint")
+        failures: list[str] = []
+        for cid in ids:
+            manifest = await self.store.manifest(session_id, cid)
+            check_compatible(manifest, self.layout)
+            try:
+                blocks = await self._read_verified(manifest, into)
+            except ChunkCorrupt as exc:
+                log.warning("corrupt checkpoint; trying an older one", extra={"error": str(exc)})
+                failures.append(str(exc))
+                if not fall_back:
+                    raise
+                continue
+            session = Session(session_id, [as_block(b) for b in blocks], manifest.token_count, manifest)
+            self._sessions[session_id] = session
+            return RestoredSession(manifest, blocks, failures)
+        raise ChunkCorrupt(ids[-1], -1, "every checkpoint of the session is corrupt: " + " | ".join(failures))
+
+    async def _read_verified(self, manifest: CheckpointManifest, into: Sequence[Any] | None) -> list[Any]:
+        refs = manifest.blocks
+        if into is not None:
+            if len(into) != len(refs):
+                raise ValueError(
+                    f"restore of {manifest.session_id}: {len(refs)} blocks in the checkpoint, {len(into)} given"
+                )
+            targets = [as_block(b) for b in into]
+            for i, (t, ref) in enumerate(zip(targets, refs, strict=True)):
+                if t.nbytes != ref.size:
+                    raise ValueError(f"restore target block {i} has {t.nbytes} bytes, checkpoint block {ref.size}")
+            out = list(into)
+        else:
+            out = [np.empty(ref.size, dtype=np.uint8) for ref in refs]
+            targets = [as_block(a) for a in out]
+        direct = self.cipher is None and manifest.key_id == ""
+        in_place = [direct and not t.on_device for t in targets]
+        staged = sum(r.length for r, ok in zip(refs, in_place, strict=True) if not ok)
+        staging = self._staging_for(staged) if staged else None
+        views: list[memoryview] = []
+        offsets: list[int] = []
+        offset = 0
+        for ref, target, ok in zip(refs, targets, in_place, strict=True):
+            if ok:
+                assert target.host is not None
+                views.append(target.host)
+                offsets.append(-1)
+            else:
+                assert staging is not None
+                views.append(staging.view[offset : offset + ref.length])
+                offsets.append(offset)
+                offset += ref.length
+        try:
+            await self.store.read_chunks(refs, views)
+        except StoreError as exc:
+            raise ChunkCorrupt(manifest.checkpoint_id, -1, str(exc)) from exc
+        to_device: list[tuple[int, Block]] = []
+        for i, (ref, view, target) in enumerate(zip(refs, views, targets, strict=True)):
+            if manifest.key_id:
+                if self.cipher is None or self.cipher.key_id != manifest.key_id:
+                    raise ChunkCorrupt(manifest.checkpoint_id, i, f"encrypted with key {manifest.key_id!r}, not held")
+                try:
+                    plain = self.cipher.open(view, ref.nonce, ref.digest)
+                except ValueError as exc:
+                    raise ChunkCorrupt(manifest.checkpoint_id, i, str(exc)) from None
+                view = view[: ref.size]
+                view[:] = plain
+            if digest(view) != ref.digest:
+                raise ChunkCorrupt(manifest.checkpoint_id, i, "digest mismatch")
+            if target.on_device:
+                to_device.append((offsets[i], target))
+            elif not in_place[i]:
+                assert target.host is not None
+                target.host[:] = view
+        if to_device:
+            assert staging is not None
+            await asyncio.to_thread(staging.host_to_device, to_device)
+        return out

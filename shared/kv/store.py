@@ -1,0 +1,83 @@
+"""The checkpoint store port: packs of chunk bytes, and manifests that commit them.
+
+A save writes the blocks that are new into one pack (large sequential writes, one durability barrier), then
+commits one manifest per session. Readers only ever follow manifests, so a pack without a manifest is garbage
+to be collected, never a half-visible checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.kv.manifest import CheckpointManifest, ChunkRef
+
+
+class StoreError(RuntimeError):
+    """The store failed (disk full, write error, server gone). The message says which operation and why."""
+
+
+class CheckpointNotFound(StoreError):
+    pass
+
+
+class ChunkCorrupt(StoreError):
+    """A chunk's bytes do not match its digest (bit flip, truncation) or cannot be decrypted."""
+
+    def __init__(self, checkpoint_id: str, index: int, detail: str) -> None:
+        super().__init__(f"checkpoint {checkpoint_id}: block {index} is corrupt: {detail}")
+        self.checkpoint_id = checkpoint_id
+        self.index = index
+
+
+@dataclass(frozen=True, slots=True)
+class PackInfo:
+    pack_id: str
+    size: int
+    modified: float
+
+
+class PackWriter(Protocol):
+    pack_id: str
+
+    async def append(self, chunks: Sequence[memoryview]) -> list[int]:
+        """Append chunks in order; returns each one's offset in the pack."""
+        ...
+
+    async def commit(self) -> None:
+        """Make every appended byte durable and the pack readable under ``pack_id``."""
+        ...
+
+    async def abort(self) -> None: ...
+
+
+class CheckpointStore(Protocol):
+    url: str
+
+    def open_pack(self) -> PackWriter: ...
+
+    async def commit_manifest(self, manifest: CheckpointManifest) -> None:
+        """Durably and atomically make the checkpoint visible; after this it restores."""
+        ...
+
+    async def manifest(self, session_id: str, checkpoint_id: str) -> CheckpointManifest: ...
+
+    async def checkpoints(self, session_id: str) -> list[str]:
+        """Committed checkpoint ids of a session, newest first."""
+        ...
+
+    async def sessions(self) -> list[str]: ...
+
+    async def read_chunks(self, refs: Sequence[ChunkRef], targets: Sequence[memoryview]) -> None:
+        """Read each chunk's stored bytes into its target (``len(target) == ref.length``). Raises
+        ``ChunkCorrupt``-free ``StoreError`` when bytes are missing; digest checks are the caller's."""
+        ...
+
+    async def delete_checkpoint(self, session_id: str, checkpoint_id: str) -> None: ...
+
+    async def packs(self) -> list[PackInfo]: ...
+
+    async def delete_pack(self, pack_id: str) -> None: ...
+
+    async def close(self) -> None: ...

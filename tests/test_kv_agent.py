@@ -1,0 +1,246 @@
+"""The KV agent and the file store: save, incremental save, restore byte for byte, and every way it can fail."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.kv.agent import KvAgent
+from shared.kv.crypto import ChunkCipher, cipher_from_env
+from shared.kv.filestore import FileStore
+from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
+from shared.kv.store import ChunkCorrupt
+
+LAYOUT = KvLayout(
+    model_id="meta-llama/Meta-Llama-3-8B",
+    model_version="1",
+    tokenizer_id="llama3",
+    dtype="float16",
+    block_tokens=16,
+    layers=2,
+    kv_heads=2,
+    head_dim=64,
+)  # 16 tokens x 2 x 2 x 64 x 2 x 2 B = 16 KiB per block
+
+
+def block_content(session_id: str, index: int, nbytes: int) -> np.ndarray:
+    seed = int.from_bytes(uuid.uuid5(uuid.NAMESPACE_URL, f"{session_id}/{index}").bytes[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def make_agent(store: FileStore, pod: str = "llama-1", cipher: ChunkCipher | None = None) -> KvAgent:
+    return KvAgent(store, pod=pod, node="node-1", namespace="llm", deployment="llama", layout=LAYOUT, cipher=cipher)
+
+
+def fill(agent: KvAgent, session_id: str, blocks: int) -> list[np.ndarray]:
+    agent.register_session(session_id)
+    arrays = [block_content(session_id, i, LAYOUT.block_bytes).reshape(2, -1) for i in range(blocks)]
+    for a in arrays:
+        agent.append_block(session_id, a)
+    return arrays
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FileStore:
+    return FileStore(tmp_path / "store")
+
+
+async def test_save_and_restore_byte_for_byte_on_another_pod(store: FileStore) -> None:
+    saver = make_agent(store)
+    originals = {sid: fill(saver, sid, 5) for sid in ("s1", "s2", "s3")}
+    report = await saver.save(deadline_s=30, reason="drain")
+    assert not report.failed and len(report.committed) == 3
+    assert report.bytes_written == report.bytes_total == 3 * 5 * LAYOUT.block_bytes
+    restorer = make_agent(store, pod="llama-2")
+    for sid, blocks in originals.items():
+        restored = await restorer.restore(sid)
+        assert restored.manifest.token_count == 5 * 16
+        assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks]
+    assert set(restorer.sessions()) == {"s1", "s2", "s3"}
+
+
+async def test_restore_into_preallocated_buffers_of_any_kind(store: FileStore) -> None:
+    saver = make_agent(store)
+    blocks = fill(saver, "s1", 3)
+    await saver.save()
+    pool = [np.zeros((2, LAYOUT.block_bytes // 2), dtype=np.uint8), bytearray(LAYOUT.block_bytes)]
+    dlpack_target = np.zeros(LAYOUT.block_bytes // 2, dtype=np.float16)
+    restorer = make_agent(store, pod="llama-2")
+    await restorer.restore("s1", into=[*pool, dlpack_target])
+    assert pool[0].tobytes() == blocks[0].tobytes()
+    assert bytes(pool[1]) == blocks[1].tobytes()
+    assert dlpack_target.tobytes() == blocks[2].tobytes()
+    with pytest.raises(ValueError, match="3 blocks in the checkpoint, 1 given"):
+        await restorer.restore("s1", into=[bytearray(LAYOUT.block_bytes)])
+
+
+async def test_incremental_save_writes_only_changed_blocks(store: FileStore) -> None:
+    agent = make_agent(store)
+    blocks = fill(agent, "s1", 10)
+    first = (await agent.save()).committed[0]
+    blocks[3][:] = 7  # one full block rewritten (a real engine would add blocks; the cost is the same)
+    agent.append_block("s1", block_content("s1", 10, LAYOUT.block_bytes))
+    second = (await agent.save()).committed[0]
+    assert second.parent_id == first.checkpoint_id
+    assert second.bytes_written == 2 * LAYOUT.block_bytes
+    assert second.bytes_total == 11 * LAYOUT.block_bytes
+    restored = await make_agent(store, pod="p2").restore("s1")
+    assert bytes(restored.blocks[3]) == bytes([7]) * LAYOUT.block_bytes
+    # the new agent learns the parent from the store, so its next save is incremental too
+    again = make_agent(store, pod="p2")
+    await again.restore("s1")
+    third = (await again.save()).committed[0]
+    assert third.bytes_written == 0 and third.parent_id == second.checkpoint_id
+
+
+async def test_partial_last_block_is_copied_before_hashing(store: FileStore) -> None:
+    agent = make_agent(store)
+    fill(agent, "s1", 2)
+    agent.set_tokens("s1", 20)  # block 1 is partial: the engine may still write it
+    manifest = (await agent.save()).committed[0]
+    assert manifest.token_count == 20 and len(manifest.blocks) == 2
+
+
+def flip_byte(store: FileStore, pack: str, offset: int) -> None:
+    path = store.packs_dir / f"{pack}.pack"
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+async def test_bit_flip_is_detected_names_the_block_and_falls_back(store: FileStore) -> None:
+    agent = make_agent(store)
+    blocks = fill(agent, "s1", 4)
+    older = (await agent.save()).committed[0]
+    blocks[2][0, 0] ^= 0xFF
+    newer = (await agent.save()).committed[0]
+    changed = newer.blocks[2]
+    assert changed.pack != older.blocks[2].pack
+    flip_byte(store, changed.pack, changed.offset + 100)
+    restorer = make_agent(store, pod="p2")
+    with pytest.raises(ChunkCorrupt, match=f"checkpoint {newer.checkpoint_id}: block 2 is corrupt: digest mismatch"):
+        await restorer.restore("s1", fall_back=False)
+    restored = await restorer.restore("s1")
+    assert restored.manifest.checkpoint_id == older.checkpoint_id
+    assert "block 2" in restored.fell_back_from[0]
+    assert bytes(restored.blocks[2]) != blocks[2].tobytes()  # the older content, verified
+    # a flipped byte in a block both checkpoints share: nothing good is left, and it says so
+    flip_byte(store, older.blocks[0].pack, older.blocks[0].offset)
+    with pytest.raises(ChunkCorrupt, match="every checkpoint of the session is corrupt"):
+        await make_agent(store, pod="p3").restore("s1")
+
+
+async def test_truncated_pack_is_detected(store: FileStore) -> None:
+    agent = make_agent(store)
+    fill(agent, "s1", 4)
+    manifest = (await agent.save()).committed[0]
+    path = store.packs_dir / f"{manifest.blocks[0].pack}.pack"
+    os.truncate(path, path.stat().st_size - 10)
+    with pytest.raises(ChunkCorrupt, match="truncated"):
+        await make_agent(store, pod="p2").restore("s1")
+
+
+async def test_restore_into_another_model_or_layout_is_refused(store: FileStore) -> None:
+    agent = make_agent(store)
+    fill(agent, "s1", 2)
+    await agent.save()
+    other = KvAgent(
+        store,
+        pod="p2",
+        node="n2",
+        namespace="llm",
+        deployment="llama",
+        layout=KvLayout(**{**{f: getattr(LAYOUT, f) for f in KvLayout.__struct_fields__}, "model_version": "2"}),
+    )
+    with pytest.raises(IncompatibleCheckpoint, match="model_version: checkpoint has '1', this pod has '2'"):
+        await other.restore("s1")
+
+
+async def test_encrypted_at_rest_and_refused_without_the_key(store: FileStore) -> None:
+    key = os.urandom(32)
+    cipher = cipher_from_env({"GPUWARDEN_CHECKPOINT_KEY": base64.b64encode(key).decode()})
+    assert cipher is not None
+    agent = make_agent(store, cipher=cipher)
+    blocks = fill(agent, "s1", 3)
+    manifest = (await agent.save()).committed[0]
+    assert manifest.key_id == cipher.key_id
+    raw = (store.packs_dir / f"{manifest.blocks[0].pack}.pack").read_bytes()
+    assert blocks[0].tobytes()[:64] not in raw
+    restored = await make_agent(store, pod="p2", cipher=ChunkCipher(key)).restore("s1")
+    assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks]
+    with pytest.raises(ChunkCorrupt, match="encrypted with key"):
+        await make_agent(store, pod="p3").restore("s1", fall_back=False)
+    with pytest.raises(ChunkCorrupt, match="authentication failed"):
+        await make_agent(store, pod="p4", cipher=ChunkCipher(os.urandom(32), cipher.key_id)).restore(
+            "s1", fall_back=False
+        )
+
+
+async def test_deadline_fails_the_sessions_by_name_and_leaves_nothing_visible(store: FileStore) -> None:
+    agent = make_agent(store)
+    fill(agent, "s1", 2)
+    report = await agent.save(deadline_s=-1)
+    assert [f.session_id for f in report.failed] == ["s1"] and "deadline" in report.failed[0].reason
+    assert await store.checkpoints("s1") == []
+    assert not list(store.packs_dir.iterdir())
+    missing = await agent.save(["nope"])
+    assert missing.failed[0].reason == "not registered on pod llama-1"
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path``: a real ENOSPC. Needs root, as the tests and CI run."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs for a real ENOSPC needs root")
+async def test_disk_full_fails_the_save_with_the_reason_and_keeps_older_checkpoints(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "tiny", "1m") as root:
+        store = FileStore(root)
+        agent = make_agent(store)
+        blocks = fill(agent, "s1", 8)  # 128 KiB
+        older = (await agent.save()).committed[0]
+        for i in range(60):  # about 1 MiB more than fits
+            agent.append_block("s1", block_content("s1", 100 + i, LAYOUT.block_bytes))
+        report = await agent.save()
+        assert report.failed and "disk full" in report.failed[0].reason
+        assert await store.checkpoints("s1") == [older.checkpoint_id]
+        assert not [p for p in store.packs_dir.iterdir() if p.name.startswith(".tmp")]
+        restored = await make_agent(store, pod="p2").restore("s1")
+        assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks]
+
+
+def test_write_error_from_a_file_size_limit_is_a_store_error(tmp_path: Path) -> None:
+    """Without root: RLIMIT_FSIZE makes the kernel refuse the write (EFBIG), like a failing disk would."""
+    import asyncio
+
+    store = FileStore(tmp_path / "s")
+    agent = make_agent(store)
+    fill(agent, "s1", 8)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, hard))
+    try:
+        report = asyncio.run(agent.save())
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert report.failed and "File too large" in report.failed[0].reason
+    assert asyncio.run(store.checkpoints("s1")) == []
