@@ -10,11 +10,30 @@ from shared.plumbing.errors import SettingsError
 @dataclass(frozen=True)
 class CheckpointSettings:
     store: str = "file:///var/lib/gpuwarden/checkpoints"
+    gc_interval_s: float = 60.0
+    gc_grace_s: float = 600.0
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected seconds") from None
+    if value < 0:
+        raise SettingsError(f"{name}={raw!r}: must not be negative")
+    return value
 
 
 def load(env: Mapping[str, str] | None = None) -> CheckpointSettings:
     env = os.environ if env is None else env
     store = env.get("GPUWARDEN_CHECKPOINT_STORE", "file:///var/lib/gpuwarden/checkpoints")
-    if not (store.startswith("file://") or store.startswith("nats://")):
-        raise SettingsError(f"GPUWARDEN_CHECKPOINT_STORE={store!r}: expected file:///path or nats://<bucket>")
-    return CheckpointSettings(store=store)
+    if not (store.startswith("file:///") or store.startswith("nats://")):
+        raise SettingsError(f"GPUWARDEN_CHECKPOINT_STORE={store!r}: expected file:///absolute/path or nats://<bucket>")
+    return CheckpointSettings(
+        store=store,
+        gc_interval_s=_seconds(env, "GPUWARDEN_CHECKPOINT_GC_S", 60.0),
+        gc_grace_s=_seconds(env, "GPUWARDEN_CHECKPOINT_GC_GRACE_S", 600.0),
+    )

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import msgspec
+
 from shared.contract.base import Event, Token
+from shared.contract.node import SessionFailure
 
 
 class CheckpointSaved(Event, frozen=True, kw_only=True, tag="checkpoint.saved"):
@@ -43,3 +46,69 @@ class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored
     pod: str = ""
     bytes_total: int = 0
     duration_s: float = 0.0
+
+
+class CommittedCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    checkpoint_id: str
+    bytes_total: int = 0
+    bytes_written: int = 0
+    chunks: int = 0
+    token_count: int = 0
+
+
+class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.command"):
+    """A command to one pod's KV agent: save these sessions (all it holds when ``session_ids`` is empty) and
+    answer with a ``SaveSessionsReport`` before ``deadline_s``. Idempotent: saving twice costs only changes."""
+
+    family: ClassVar[str] = "checkpoint"
+
+    pod: Token
+    session_ids: list[str] = msgspec.field(default_factory=list)
+    drain_id: str = ""
+    deadline_s: float = 20.0
+    reason: str = "drain"
+
+
+class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.report"):
+    family: ClassVar[str] = "checkpoint"
+
+    pod: Token
+    node: str = ""
+    store: str = ""
+    committed: list[CommittedCheckpoint] = msgspec.field(default_factory=list)
+    failed: list[SessionFailure] = msgspec.field(default_factory=list)
+
+
+class AgentSessions(Event, frozen=True, kw_only=True, tag="checkpoint.agent.sessions"):
+    """A KV agent's announcement of the sessions its pod holds (on change and periodically): the checkpoint
+    service keeps the session registry in Redis from these."""
+
+    family: ClassVar[str] = "checkpoint"
+
+    pod: Token
+    node: Token
+    namespace: str = ""
+    deployment: str = ""
+    sessions: list[str] = msgspec.field(default_factory=list)
+    bytes_held: int = 0
+
+
+class LocateCheckpoint(Event, frozen=True, kw_only=True, tag="checkpoint.locate"):
+    """Where is this session's newest committed checkpoint? Asked by a new pod, or on a session's next request."""
+
+    family: ClassVar[str] = "checkpoint"
+
+    session_id: Token
+    pod: str = ""
+    node: str = ""
+
+
+class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.location"):
+    family: ClassVar[str] = "checkpoint"
+
+    session_id: Token
+    found: bool
+    checkpoint_id: str = ""
+    store: str = ""
+    bytes_total: int = 0

@@ -42,6 +42,7 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "checkpoint.saved",
         "checkpoint.failed",
         "checkpoint.restored",
+        "checkpoint.save.command",
     ),
 }
 

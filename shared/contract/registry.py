@@ -7,7 +7,16 @@ from typing import Any, Union
 import msgspec
 
 from shared.contract.base import Event
-from shared.contract.checkpoint import CheckpointFailed, CheckpointSaved, SessionRestored
+from shared.contract.checkpoint import (
+    AgentSessions,
+    CheckpointFailed,
+    CheckpointLocation,
+    CheckpointSaved,
+    LocateCheckpoint,
+    SaveSessions,
+    SaveSessionsReport,
+    SessionRestored,
+)
 from shared.contract.config import ConfigApplied
 from shared.contract.deadletter import DeadLetter
 from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuXid
@@ -35,6 +44,11 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     CheckpointSaved,
     CheckpointFailed,
     SessionRestored,
+    SaveSessions,
+    SaveSessionsReport,
+    AgentSessions,
+    LocateCheckpoint,
+    CheckpointLocation,
     ConfigApplied,
     InferenceRequest,
     DeadLetter,

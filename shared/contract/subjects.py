@@ -68,6 +68,19 @@ ROUTES: dict[str, Route] = {
     "checkpoint.restored": Route(
         "checkpoint.{session_id}.restored", Delivery.JETSTREAM, "A session was restored from a checkpoint."
     ),
+    "checkpoint.save.command": Route(
+        "cmd.kvagent.{pod}.save", Delivery.CORE, "Request/reply: a pod's KV agent saves sessions, then reports."
+    ),
+    "checkpoint.save.report": Route(
+        "kvagent.{pod}.report", Delivery.CORE, "A KV agent's save report (the reply to a save command)."
+    ),
+    "checkpoint.agent.sessions": Route(
+        "kvagent.{pod}.sessions", Delivery.CORE, "A KV agent announces the sessions its pod holds."
+    ),
+    "checkpoint.locate": Route(
+        "cmd.checkpoint.locate", Delivery.CORE, "Request/reply: where is a session's newest committed checkpoint?"
+    ),
+    "checkpoint.location": Route("kvagent.location.{session_id}", Delivery.CORE, "The answer to a locate request."),
     "config.applied": Route(
         "config.{name}.applied.{service}", Delivery.JETSTREAM, "A service applied a configuration version."
     ),

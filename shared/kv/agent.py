@@ -303,7 +303,9 @@ class KvAgent:
         arrays are returned. A corrupt chunk falls back to the previous checkpoint when ``fall_back``; a
         checkpoint for another model, version, tokenizer, dtype or layout is refused. The session is then
         registered on this agent with the restored blocks."""
-        ids = [checkpoint_id] if checkpoint_id else await self.store.checkpoints(session_id)
+        ids = await self.store.checkpoints(session_id)
+        if checkpoint_id:
+            ids = [checkpoint_id, *(i for i in ids if i < checkpoint_id)] if fall_back else [checkpoint_id]
         if not ids:
             raise CheckpointNotFound(f"session {session_id!r} has no committed checkpoint")
         failures: list[str] = []
