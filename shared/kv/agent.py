@@ -134,6 +134,13 @@ class KvAgent:
     def sessions(self) -> list[str]:
         return list(self._sessions)
 
+    def tokens(self, session_id: str) -> int:
+        return self._session(session_id).token_count
+
+    def blocks(self, session_id: str) -> list[Any]:
+        """The engine's own block objects, in order."""
+        return [b.obj for b in self._session(session_id).blocks]
+
     def session_bytes(self, session_id: str) -> int:
         return sum(b.nbytes for b in self._session(session_id).blocks)
 

@@ -1,0 +1,299 @@
+"""The simulated control plane as a value: nodes, deployments and pods, and the few rules that move pods.
+
+This is a stand-in for the Kubernetes scheduler, the ReplicaSet controller and the Eviction API, not a second
+Kubernetes: pods are bound by free GPUs alone, start the moment they are bound (there are no images to pull), and a
+PodDisruptionBudget is a deployment's ``max_unavailable``.
+
+There is no I/O and no clock here; whatever depends on time takes ``now``. Operations change the state in place and
+return the changes they caused, in order. Every change to the state is reported by at least one change record, so
+an operation that returns none left the state exactly as it was; the Redis adapter relies on this to write only
+when something happened, which keeps the revisions of its change stream dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import msgspec
+
+from shared.ports.cluster import ClusterChange, ClusterError, EvictionOutcome, PodPhase
+from shared.sim.spec import SimSpec
+
+ChangeType = Literal["ADDED", "MODIFIED", "DELETED"]
+
+
+def object_key(namespace: str, name: str) -> str:
+    """How deployments and pods are keyed: ``namespace/name``, as ``kubectl`` writes them."""
+    return f"{namespace}/{name}"
+
+
+class SimNode(msgspec.Struct, kw_only=True):
+    name: str
+    gpus: int
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    annotations: dict[str, str] = msgspec.field(default_factory=dict)
+    schedulable: bool = True
+    ready: bool = True
+
+
+class SimDeployment(msgspec.Struct, kw_only=True):
+    name: str
+    namespace: str
+    replicas: int
+    gpus_per_pod: int = 1
+    max_unavailable: int = 1
+    grace_period_s: float = 30.0
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return object_key(self.namespace, self.name)
+
+
+class SimPod(msgspec.Struct, kw_only=True):
+    """A pod of a deployment. ``node`` is empty exactly while the pod is Pending; a Terminating pod keeps its node
+    and its GPUs until it is gone, as a real one does while its preStop hook runs."""
+
+    name: str
+    namespace: str
+    deployment: str
+    gpus: int
+    created_seq: int
+    node: str = ""
+    phase: PodPhase = "Pending"
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    terminating_since: float | None = None
+    prestop_done: bool = False
+
+    @property
+    def key(self) -> str:
+        return object_key(self.namespace, self.name)
+
+
+class ClusterState(msgspec.Struct, kw_only=True):
+    """The whole simulated cluster.
+
+    After ``reconcile(now)``: each deployment has exactly ``replicas`` pods that are not Terminating; no node holds
+    more GPUs (Running plus Terminating pods) than it has; every Pending pod fits on no ready, schedulable node; no
+    Terminating pod has finished its preStop or outlived its grace period. Pod names are ``<deployment>-<seq>``
+    with a cluster-wide sequence, so a name is never used twice. ``revision`` counts the adapter's writes.
+    """
+
+    nodes: dict[str, SimNode]
+    deployments: dict[str, SimDeployment]
+    pods: dict[str, SimPod] = msgspec.field(default_factory=dict)
+    next_seq: int = 1
+    revision: int = 0
+
+    # -- reading ------------------------------------------------------------------------------------------------
+    def node(self, name: str) -> SimNode:
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise ClusterError(
+                f"node {name!r} is not in the simulated cluster (nodes: {', '.join(sorted(self.nodes))})"
+            ) from None
+
+    def deployment(self, namespace: str, name: str) -> SimDeployment:
+        try:
+            return self.deployments[object_key(namespace, name)]
+        except KeyError:
+            raise ClusterError(
+                f"deployment {object_key(namespace, name)} is not in the simulated cluster "
+                f"(deployments: {', '.join(sorted(self.deployments))})"
+            ) from None
+
+    def pods_of(self, deployment: SimDeployment) -> list[SimPod]:
+        """The deployment's pods, oldest first."""
+        return sorted(
+            (p for p in self.pods.values() if p.namespace == deployment.namespace and p.deployment == deployment.name),
+            key=lambda p: p.created_seq,
+        )
+
+    def allocated_gpus(self, node: str) -> int:
+        """GPUs held on ``node`` by pods that are Running or still Terminating."""
+        return sum(p.gpus for p in self.pods.values() if p.node == node)
+
+    def free_gpus(self, node: str) -> int:
+        return self.nodes[node].gpus - self.allocated_gpus(node)
+
+    def available(self, deployment: SimDeployment) -> int:
+        """Pods of the deployment that serve: Running, which in this simulation is also ready."""
+        return sum(1 for p in self.pods_of(deployment) if p.phase == "Running")
+
+    def as_added(self) -> list[ClusterChange]:
+        """ADDED for every node, deployment and pod: what a watch that began before the cluster existed has seen."""
+        return [
+            *(ClusterChange("node", "ADDED", n) for n in self.nodes),
+            *(ClusterChange("deployment", "ADDED", d.name, d.namespace) for d in self.deployments.values()),
+            *(_pod_change("ADDED", p) for p in self.pods.values()),
+        ]
+
+    # -- nodes --------------------------------------------------------------------------------------------------
+    def cordon(self, node: str) -> list[ClusterChange]:
+        """Keep new pods off ``node``; the pods already there stay, as Kubernetes leaves them."""
+        return self._set_schedulable(node, False)
+
+    def uncordon(self, node: str) -> list[ClusterChange]:
+        return self._set_schedulable(node, True)
+
+    def _set_schedulable(self, node: str, schedulable: bool) -> list[ClusterChange]:
+        target = self.node(node)
+        if target.schedulable == schedulable:
+            return []
+        target.schedulable = schedulable
+        return [ClusterChange("node", "MODIFIED", node)]
+
+    def set_labels(self, node: str, labels: Mapping[str, str | None]) -> list[ClusterChange]:
+        """Set labels; a value of None removes the label. One change when anything differs, none otherwise."""
+        return _merge(self.node(node).labels, labels, node)
+
+    def set_annotations(self, node: str, annotations: Mapping[str, str | None]) -> list[ClusterChange]:
+        return _merge(self.node(node).annotations, annotations, node)
+
+    # -- deployments --------------------------------------------------------------------------------------------
+    def scale(self, namespace: str, deployment: str, replicas: int) -> list[ClusterChange]:
+        """Set the desired replica count; ``reconcile`` adds or removes the pods."""
+        if replicas < 0:
+            raise ClusterError(f"deployment {object_key(namespace, deployment)}: replicas must be >= 0, not {replicas}")
+        target = self.deployment(namespace, deployment)
+        if target.replicas == replicas:
+            return []
+        target.replicas = replicas
+        return [ClusterChange("deployment", "MODIFIED", deployment, namespace)]
+
+    # -- pods ---------------------------------------------------------------------------------------------------
+    def evict(self, namespace: str, pod: str, now: float) -> tuple[EvictionOutcome, list[ClusterChange]]:
+        """The Eviction API. A Running pod becomes Terminating (its preStop runs) unless that would leave its
+        deployment more than ``max_unavailable`` short of ``replicas`` in Running pods: then BLOCKED_BY_PDB, and
+        nothing changes. A Pending pod serves no one and is deleted at once. A missing or already Terminating pod
+        is NOT_FOUND."""
+        target = self.pods.get(object_key(namespace, pod))
+        if target is None or target.phase == "Terminating":
+            return EvictionOutcome.NOT_FOUND, []
+        if target.phase == "Pending":
+            del self.pods[target.key]
+            return EvictionOutcome.EVICTED, [_pod_change("DELETED", target)]
+        owner = self.deployments.get(object_key(namespace, target.deployment))
+        if owner is not None and owner.replicas - self.available(owner) + 1 > owner.max_unavailable:
+            return EvictionOutcome.BLOCKED_BY_PDB, []
+        return EvictionOutcome.EVICTED, self._terminate(target, now)
+
+    def mark_prestop_done(self, namespace: str, pod: str) -> list[ClusterChange]:
+        """The workload finished its preStop hook (its checkpoint is safe); the pod goes at the next reconcile.
+        Idempotent: a pod that is gone, not Terminating or already done is left alone."""
+        target = self.pods.get(object_key(namespace, pod))
+        if target is None or target.phase != "Terminating" or target.prestop_done:
+            return []
+        target.prestop_done = True
+        return [_pod_change("MODIFIED", target)]
+
+    def _terminate(self, pod: SimPod, now: float) -> list[ClusterChange]:
+        pod.phase = "Terminating"
+        pod.terminating_since = now
+        return [_pod_change("MODIFIED", pod)]
+
+    # -- the controllers ----------------------------------------------------------------------------------------
+    def reconcile(self, now: float) -> list[ClusterChange]:
+        """Remove finished Terminating pods, bring each deployment to its replica count, then bind Pending pods.
+
+        A Terminating pod is gone once its preStop is done, or when its grace period has run out (SIGKILL).
+        Missing pods are created; surplus ones go unbound first, then newest first (bound ones terminate
+        gracefully). Pending pods, oldest first, go to the ready, schedulable node with the most free GPUs that
+        has enough, ties broken by name, and run at once. Idempotent: a second call with the same ``now`` finds
+        nothing to do.
+        """
+        changes = self._remove_finished(now)
+        for deployment in sorted(self.deployments.values(), key=lambda d: d.key):
+            changes += self._scale_pods(deployment, now)
+        changes += self._schedule()
+        return changes
+
+    def _remove_finished(self, now: float) -> list[ClusterChange]:
+        changes: list[ClusterChange] = []
+        for pod in sorted(self.pods.values(), key=lambda p: p.created_seq):
+            if pod.phase != "Terminating":
+                continue
+            owner = self.deployments.get(object_key(pod.namespace, pod.deployment))
+            grace = owner.grace_period_s if owner is not None else 0.0
+            since = pod.terminating_since if pod.terminating_since is not None else now
+            if pod.prestop_done or now - since >= grace:
+                del self.pods[pod.key]
+                changes.append(_pod_change("DELETED", pod))
+        return changes
+
+    def _scale_pods(self, deployment: SimDeployment, now: float) -> list[ClusterChange]:
+        active = [p for p in self.pods_of(deployment) if p.phase != "Terminating"]
+        changes: list[ClusterChange] = []
+        for _ in range(deployment.replicas - len(active)):
+            pod = SimPod(
+                name=f"{deployment.name}-{self.next_seq}",
+                namespace=deployment.namespace,
+                deployment=deployment.name,
+                gpus=deployment.gpus_per_pod,
+                created_seq=self.next_seq,
+                labels={"app": deployment.name},
+            )
+            self.next_seq += 1
+            self.pods[pod.key] = pod
+            changes.append(_pod_change("ADDED", pod))
+        surplus = len(active) - deployment.replicas
+        if surplus > 0:
+            for pod in sorted(active, key=lambda p: (p.phase != "Pending", -p.created_seq))[:surplus]:
+                if pod.phase == "Pending":
+                    del self.pods[pod.key]
+                    changes.append(_pod_change("DELETED", pod))
+                else:
+                    changes += self._terminate(pod, now)
+        return changes
+
+    def _schedule(self) -> list[ClusterChange]:
+        changes: list[ClusterChange] = []
+        free = {n.name: n.gpus - self.allocated_gpus(n.name) for n in self.nodes.values() if n.ready and n.schedulable}
+        for pod in sorted(self.pods.values(), key=lambda p: p.created_seq):
+            if pod.phase != "Pending":
+                continue
+            fitting = [name for name, gpus in free.items() if gpus >= pod.gpus]
+            if not fitting:
+                continue
+            node = min(fitting, key=lambda name: (-free[name], name))
+            free[node] -= pod.gpus
+            pod.node = node
+            pod.phase = "Running"
+            changes.append(_pod_change("MODIFIED", pod))
+        return changes
+
+
+def from_spec(spec: SimSpec) -> ClusterState:
+    """The cluster a spec describes, with no pods yet: ``reconcile`` creates and binds them."""
+    return ClusterState(
+        nodes={n.name: SimNode(name=n.name, gpus=n.gpu_count, labels=dict(n.labels)) for n in spec.nodes},
+        deployments={
+            object_key(d.namespace, d.name): SimDeployment(
+                name=d.name,
+                namespace=d.namespace,
+                replicas=d.replicas,
+                gpus_per_pod=d.gpus_per_pod,
+                max_unavailable=d.max_unavailable,
+                grace_period_s=d.grace_period_s,
+                labels={"app": d.name},
+            )
+            for d in spec.deployments
+        },
+    )
+
+
+def _pod_change(type_: ChangeType, pod: SimPod) -> ClusterChange:
+    return ClusterChange("pod", type_, pod.name, pod.namespace)
+
+
+def _merge(target: dict[str, str], update: Mapping[str, str | None], node: str) -> list[ClusterChange]:
+    changed = False
+    for key, value in update.items():
+        if value is None:
+            changed |= target.pop(key, None) is not None
+        elif target.get(key) != value:
+            target[key] = value
+            changed = True
+    return [ClusterChange("node", "MODIFIED", node)] if changed else []

@@ -1,0 +1,81 @@
+"""Retention and pack garbage collection: pure rules with properties, then the service applying them to a store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.checkpoint.config import CheckpointSettings
+from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.retention import CheckpointRecord, RetentionPolicy, expired, unreferenced_packs
+from shared.kv.filestore import FileStore
+from shared.plumbing.runner import start_service
+from shared.plumbing.settings import Settings
+from tests.test_kv_agent import fill, make_agent
+
+records = st.lists(
+    st.builds(
+        CheckpointRecord,
+        session_id=st.sampled_from(["a", "b", "c"]),
+        checkpoint_id=st.text("0123456789", min_size=6, max_size=6),
+        created_at=st.floats(0, 1000),
+        packs=st.frozensets(st.sampled_from(["p1", "p2", "p3", "p4"]), max_size=3),
+    ),
+    max_size=25,
+    unique_by=lambda r: r.checkpoint_id,
+)
+
+
+@given(
+    records,
+    st.integers(1, 4),
+    st.floats(1, 2000),
+    st.integers(0, 5000),
+)
+def test_newest_checkpoint_of_every_session_is_never_expired(
+    recs: list[CheckpointRecord], keep: int, max_age: float, budget: int
+) -> None:
+    sizes = {"p1": 1000, "p2": 2000, "p3": 500, "p4": 10}
+    doomed = expired(recs, RetentionPolicy(keep, max_age, budget), sizes, now=1500.0)
+    doomed_ids = {r.checkpoint_id for r in doomed}
+    for session in {r.session_id for r in recs}:
+        newest = max((r for r in recs if r.session_id == session), key=lambda r: r.checkpoint_id)
+        assert newest.checkpoint_id not in doomed_ids
+        kept = [r for r in recs if r.session_id == session and r.checkpoint_id not in doomed_ids]
+        assert len(kept) <= max(keep, 1)
+
+
+@given(records, st.floats(0, 100))
+def test_referenced_or_young_packs_are_never_collected(recs: list[CheckpointRecord], grace: float) -> None:
+    ages = {"p1": 0.0, "p2": 50.0, "p3": 99.0, "p4": 100.0, "p5": 10.0}
+    garbage = unreferenced_packs(ages, recs, now=100.0, grace_s=grace)
+    referenced = set().union(*(r.packs for r in recs)) if recs else set()
+    for pack in garbage:
+        assert pack not in referenced
+        assert 100.0 - ages[pack] > grace
+
+
+async def test_service_applies_retention_and_collects_unreferenced_packs(settings: Settings, tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    agent = make_agent(store)
+    blocks = fill(agent, "s1", 3)
+    for generation in range(4):
+        blocks[0][:] = generation  # a changed block per save: each save writes a new pack
+        await agent.save()
+    assert len(await store.checkpoints("s1")) == 4
+    assert len(await store.packs()) == 4
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0, gc_grace_s=0), store=store)
+    running = await start_service(service, settings)
+    try:
+        deleted, packs = await service.collect_garbage(now=None)
+        assert deleted == 2  # keep_per_session defaults to 2
+        remaining = await store.checkpoints("s1")
+        assert len(remaining) == 2
+        # the oldest pack holds blocks 1 and 2, which the kept checkpoints still reference
+        assert packs == 1 and len(await store.packs()) == 3
+        restored = await make_agent(store, pod="p2").restore("s1")
+        assert bytes(restored.blocks[0]) == bytes([3]) * len(restored.blocks[0])
+    finally:
+        await running.stop(grace=1)
