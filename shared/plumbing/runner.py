@@ -53,7 +53,7 @@ class ServiceContext:
     bus: Bus
     config: ConfigWatcher
     telemetry: Telemetry
-    status: dict[str, Any] = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)  # shown in /healthz; callables are called each time
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _consumers: list[Consumer] = field(default_factory=list)
 
@@ -114,7 +114,7 @@ class ServiceContext:
             "simulated": self.settings.simulated,
             "components": components,
             "config_versions": configs,
-            **self.status,
+            **{key: value() if callable(value) else value for key, value in self.status.items()},
         }
 
 

@@ -1,0 +1,91 @@
+"""``python -m shared.sim`` (``gpuwarden sim``): the SIMULATED cluster, GPUs and inference workload, as one process
+on the service runner (health, metrics and JSON logs like the services).
+
+It creates the simulated state in Redis when absent (from ``GPUWARDEN_SIM_SPEC`` or the default spec), plays
+every pod of the spec's deployments with a real KV agent and the real checkpoint store
+(``GPUWARDEN_CHECKPOINT_STORE``), answers fault-injection requests, and, with ``--rate``, sends a steady load of
+inference requests so that sessions grow and GPUs look busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from shared.plumbing.configsync import redis_client
+from shared.plumbing.runner import ServiceContext, run
+from shared.sim.cluster import SimCluster
+from shared.sim.faults import serve_faults
+from shared.sim.gpus import SimGpus
+from shared.sim.spec import SimSpec, load_spec
+from shared.sim.workload import SimWorkload, publish_requests
+
+log = logging.getLogger(__name__)
+
+
+class Simulation:
+    name = "sim"
+    config_names: tuple[str, ...] = ()
+
+    def __init__(self, spec: SimSpec, store_url: str, rate: float, sessions: int, prompt: int, new: int) -> None:
+        self.spec = spec
+        self.store_url = store_url
+        self.rate = rate
+        self.sessions = sessions
+        self.prompt = prompt
+        self.new = new
+        self.workload: SimWorkload | None = None
+
+    async def start(self, ctx: ServiceContext) -> None:
+        from shared.kv.stores import open_store
+
+        client = redis_client(ctx.settings.redis)
+        cluster = await SimCluster.create(client, ctx.subjects, self.spec)
+        gpus: dict[str, Any] = {}
+        for node in self.spec.nodes:
+            port = SimGpus(client, ctx.subjects, self.spec, node.name)
+            await port.attach()
+            gpus[node.name] = port
+        await serve_faults(ctx.bus, client, ctx.subjects, self.spec)
+        store = open_store(self.store_url, ctx.bus.nc)
+        self.workload = SimWorkload(ctx.bus, cluster, store, self.spec, gpus=gpus)
+        await self.workload.start()
+        ctx.status["simulation"] = self.workload.status
+        if self.rate > 0:
+
+            async def load() -> None:
+                await publish_requests(
+                    ctx.bus, self.spec, self.sessions, self.rate, self.prompt, self.new, seconds=float("inf")
+                )
+
+            ctx.spawn(load, "sim-load")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpuwarden sim", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--rate", type=float, default=2.0, help="inference requests per second (0: none)")
+    parser.add_argument("--sessions", type=int, default=12, help="sessions per deployment the load cycles over")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    for name in ("rate", "sessions", "prompt_tokens", "new_tokens"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative")
+    try:
+        spec = load_spec()
+    except ValueError as exc:
+        print(f"gpuwarden sim: {exc}", file=sys.stderr)
+        return 2
+    store = os.environ.get("GPUWARDEN_CHECKPOINT_STORE", "file:///var/lib/gpuwarden/checkpoints")
+    with contextlib.suppress(KeyboardInterrupt):
+        return run(Simulation(spec, store, args.rate, max(1, args.sessions), args.prompt_tokens, args.new_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
