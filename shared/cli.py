@@ -245,6 +245,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         raise UsageError(str(exc)) from None
     nodes = [n for n in args.nodes.split(",") if n]
+    if not nodes and env["GPUWARDEN_BACKEND"] == "sim":
+        from shared.sim.spec import SpecError, load_spec
+
+        try:
+            nodes = [n.name for n in load_spec(env.get("GPUWARDEN_SIM_SPEC")).nodes]
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+    if not nodes:
+        raise UsageError("--nodes: at least one node name")
     plan: list[tuple[str, str, dict[str, str]]] = []
     for name in SERVICES:
         for node in nodes if name in NODE_SCOPED else [nodes[0]]:
@@ -252,7 +261,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             child.setdefault("GPUWARDEN_CHECKPOINT_STORE", f"file://{Path('.gpuwarden/checkpoints').resolve()}")
             child.setdefault("GPUWARDEN_SCALER_ADDR", f"127.0.0.1:{free_port()}")
             label = f"{name}@{node}" if name in NODE_SCOPED else name
-            plan.append((label, name, child))
+            plan.append((label, f"services.{name}", child))
+    sim_env = dict(env, GPUWARDEN_NODE=nodes[0], GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
+    sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", f"file://{Path('.gpuwarden/checkpoints').resolve()}")
+    if env["GPUWARDEN_BACKEND"] == "sim":
+        plan.append(("sim", "shared.sim", sim_env))
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
     log_dir = STATE_FILE.parent / "logs"
     log_dir.mkdir(exist_ok=True)
@@ -266,10 +279,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     STATE_FILE.write_text(json.dumps(state, indent=2))
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    extra = {"sim": ["--rate", str(args.rate)]}
 
-    def launch(label: str, name: str, child: dict[str, str]) -> None:
+    def launch(label: str, module: str, child: dict[str, str]) -> None:
         out = open(log_dir / f"{label.replace('@', '-')}.log", "ab")
-        procs[label] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=child, stdout=out, stderr=out)
+        procs[label] = subprocess.Popen(
+            [sys.executable, "-m", module, *extra.get(label, [])], env=child, stdout=out, stderr=out
+        )
 
     stopping = False
 
@@ -287,7 +303,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for label, url in state["services"].items():
         print(f"  {label:<18} {url}")
     print(f"  logs   {state['logs']}")
-    print("  try:   gpuwarden drain node-1 --wait      (Ctrl-C stops everything)")
+    print("  try:   .venv/bin/gpuwarden drain node-1 --wait      (Ctrl-C stops everything)")
     sys.stdout.flush()
     started = time.monotonic()
     restarts: dict[str, int] = {}
@@ -317,6 +333,63 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- sim, agent, nats-auth ------------------------------------------------------------------------------------
+def cmd_sim_run(args: argparse.Namespace) -> int:
+    env = _env_with_state()
+    os.execve(sys.executable, [sys.executable, "-m", "shared.sim", *args.sim_args], env)
+    return 0  # not reached
+
+
+def cmd_sim_fault(args: argparse.Namespace) -> int:
+    from shared.sim.faults import run_fault
+
+    return run_fault(args, _settings())
+
+
+def cmd_agent_final_save(args: argparse.Namespace) -> int:
+    """The preStop hook of an inference pod: ask the pod's KV agent to save everything, wait for the report."""
+    from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
+
+    settings = _settings()
+    try:
+        command = SaveSessions(pod=args.pod, deadline_s=args.deadline, reason="prestop")
+        msgspec.json.decode(codec.encode(command), type=SaveSessions)
+    except msgspec.ValidationError as exc:
+        raise UsageError(f"agent final-save: {exc}") from None
+
+    async def main() -> int:
+        bus = await _connect(settings, "prestop")
+        try:
+            reply = await bus.request(bus.subjects.for_event(command), command, timeout=args.deadline + 2)
+        finally:
+            await bus.close(1)
+        print(codec.encode(reply).decode())
+        return 0 if isinstance(reply, SaveSessionsReport) and not reply.failed else 1
+
+    return asyncio.run(main())
+
+
+def cmd_nats_auth(args: argparse.Namespace) -> int:
+    """Print a nats-server authorization block: one least-privilege user per service, plus an admin."""
+    from shared.contract.permissions import SERVICES as USERS
+    from shared.contract.permissions import nats_auth_config
+
+    settings = _settings()
+    directory = Path(args.password_dir)
+    passwords: dict[str, str] = {}
+    for user in (*USERS, "admin"):
+        path = directory / user
+        try:
+            passwords[user] = path.read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"{path}: {exc.strerror} (one file per user holding its password)") from None
+    try:
+        print(nats_auth_config(Subjects(settings.root), passwords, node=args.node or None))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
 # -- schemas --------------------------------------------------------------------------------------------------
 def cmd_schemas(args: argparse.Namespace) -> int:
     from shared.contract import schemas
@@ -325,12 +398,15 @@ def cmd_schemas(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shared.sim.faults import add_fault_arguments
+
     parser = argparse.ArgumentParser(prog="gpuwarden", description=__doc__.splitlines()[0] if __doc__ else "")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="servers, the five services and the simulated cluster, in the foreground")
-    p.add_argument("--nodes", default="node-1,node-2,node-3", help="comma-separated node names")
+    p.add_argument("--nodes", default="", help="comma-separated node names (default: the simulation spec's nodes)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--rate", type=float, default=2.0, help="simulated inference requests per second")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("service", help="run one service in the foreground (python -m services.NAME)")
@@ -364,6 +440,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("deadletters", help="show the newest dead letters")
     p.add_argument("--limit", type=int, default=20)
     p.set_defaults(func=cmd_deadletters)
+
+    p = sub.add_parser("sim", help="the SIMULATED cluster, GPUs and workload")
+    simsub = p.add_subparsers(dest="sim_command", required=True)
+    r = simsub.add_parser("run", help="run the simulation (python -m shared.sim)", add_help=False)
+    r.add_argument("sim_args", nargs=argparse.REMAINDER, help="--rate, --sessions, --prompt-tokens, --new-tokens")
+    r.set_defaults(func=cmd_sim_run)
+    f = simsub.add_parser("fault", help="inject a fault: xid, lose_gpu, driver_install or slow_copies")
+    add_fault_arguments(f)
+    f.set_defaults(func=cmd_sim_fault)
+
+    p = sub.add_parser("agent", help="talk to a pod's KV agent")
+    asub = p.add_subparsers(dest="action", required=True)
+    f = asub.add_parser("final-save", help="preStop hook: save every session of the pod before it stops")
+    f.add_argument("--pod", default=os.environ.get("GPUWARDEN_POD_NAME", ""), help="default $GPUWARDEN_POD_NAME")
+    f.add_argument("--deadline", type=float, default=25.0)
+    f.set_defaults(func=cmd_agent_final_save)
+
+    p = sub.add_parser("nats-auth", help="print a nats-server authorization block, one user per service")
+    p.add_argument("--password-dir", required=True, help="folder with one file per user holding its password")
+    p.add_argument("--node", default="", help="scope the node-scoped services to this node")
+    p.set_defaults(func=cmd_nats_auth)
 
     p = sub.add_parser("schemas", help="write (or --check) the JSON Schema and AsyncAPI files in proto/events")
     p.add_argument("--check", action="store_true")

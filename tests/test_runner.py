@@ -12,9 +12,11 @@ import sys
 import time
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.handlers import CheckpointService
 from services.device.handlers import DeviceService
 from services.driver.handlers import DriverService
@@ -47,8 +49,11 @@ async def health_status(port: int) -> str:
     return str(json.loads((await fetch(port, "/healthz"))[1])["status"])
 
 
-async def test_all_five_services_start_report_health_and_follow_their_events(settings: Settings, bus: Bus) -> None:
-    services = [DriverService(), DeviceService(), MetricsService(), ScalerService(), CheckpointService()]
+async def test_all_five_services_start_report_health_and_follow_their_events(
+    settings: Settings, bus: Bus, tmp_path: Path
+) -> None:
+    checkpoints = CheckpointService(CheckpointSettings(store=f"file://{tmp_path}"))
+    services = [DriverService(), DeviceService(), MetricsService(), ScalerService(), checkpoints]
     running = [await start_service(s, settings) for s in services]
     try:
         for r in running:
@@ -59,7 +64,7 @@ async def test_all_five_services_start_report_health_and_follow_their_events(set
         driver, device, metrics, scaler, checkpoint = running
         await bus.publish(DrainRequested(node="node-1", drain_id="d1"))
         await bus.publish(DrainCompleted(node="node-1", drain_id="d1"))
-        await eventually(lambda: checkpoint.ctx.status["drains"] == {"d1": "node-1"})
+        await eventually(lambda: checkpoint.ctx.status["drains"] == {"d1": "completed"})  # no sessions there
         await eventually(lambda: driver.ctx.status["drain_verdicts"].get("d1") == "completed")
         await eventually(lambda: "node-1" in metrics.ctx.status["gpus"])  # the device's inventory reached it
         await eventually(lambda: scaler.ctx.status["drains_in_flight"] == {})
@@ -113,7 +118,7 @@ async def _is(value: object, expected: str) -> bool:
     return await value == expected  # type: ignore[misc]
 
 
-def test_service_process_starts_answers_and_stops_on_sigterm(settings: Settings) -> None:
+def test_service_process_starts_answers_and_stops_on_sigterm(settings: Settings, tmp_path: Path) -> None:
     port = free_port()
     env = dict(
         os.environ,
@@ -122,6 +127,7 @@ def test_service_process_starts_answers_and_stops_on_sigterm(settings: Settings)
         GPUWARDEN_ROOT=settings.root,
         GPUWARDEN_NODE="node-9",
         GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{port}",
+        GPUWARDEN_CHECKPOINT_STORE=f"file://{tmp_path}",
     )
     proc = subprocess.Popen([sys.executable, "-m", "services.checkpoint"], env=env, stderr=subprocess.PIPE)
     try:

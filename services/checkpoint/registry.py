@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -56,6 +57,10 @@ return #ARGV - 6
 """
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 @dataclass(frozen=True)
 class SessionLocation:
     session_id: str
@@ -89,18 +94,18 @@ class SessionRegistry:
         )
 
     async def sessions_on_node(self, node: str) -> list[SessionLocation]:
-        sids = sorted(s.decode() for s in await self.client.smembers(self._key("node", node)))
+        sids = sorted(_text(s) for s in await self.client.smembers(self._key("node", node)))
         out = []
         for sid in sids:
             fields = await self.client.hgetall(self._key("session", sid))
-            if fields and fields.get(b"node", b"").decode() == node:
+            if fields and _text(fields.get(b"node", b"")) == node:
                 out.append(
                     SessionLocation(
                         sid,
-                        fields[b"pod"].decode(),
+                        _text(fields[b"pod"]),
                         node,
-                        fields.get(b"namespace", b"").decode(),
-                        fields.get(b"deployment", b"").decode(),
+                        _text(fields.get(b"namespace", b"")),
+                        _text(fields.get(b"deployment", b"")),
                     )
                 )
         return out
@@ -126,7 +131,7 @@ class SessionRegistry:
         newest = await self.client.zrevrange(self._key("checkpoints", session_id), 0, 0)
         if not newest:
             return None
-        raw = await self.client.get(self._key("checkpoint", newest[0].decode()))
+        raw = await self.client.get(self._key("checkpoint", _text(newest[0])))
         return json.loads(raw) if raw else None
 
     async def forget_checkpoint(self, session_id: str, checkpoint_id: str) -> None:

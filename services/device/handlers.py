@@ -1,27 +1,92 @@
-"""What the device service decides. So far: it announces its node's inventory and follows the node's cordon
-state; the GPU port, health rules and the device plugin come with the device issue."""
+"""What the device service decides: the node's GPU inventory, and which GPUs the health rules take out.
+
+The health rules follow NVIDIA's device plugin: an XID is critical unless it is one of the application XIDs
+(13, 31, 43, 45, 68, 109: the fault of the program running, not of the GPU); a critical XID or a lost GPU makes
+the GPU unhealthy, and nothing but a restart of the service makes it healthy again. Every XID is published as
+``GpuXid``; a GPU getting worse is published as ``DeviceHealthChanged``, and the inventory follows. The device
+plugin and the MIG controller come with the device issue.
+"""
 
 from __future__ import annotations
 
-from shared.contract.device import DeviceInventory
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuXid
 from shared.contract.node import NodeCordoned, NodeUncordoned
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.runner import ServiceContext
+from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
+from shared.ports.select import gpu_port, serve_sim_faults
 
 from .config import DeviceSettings, load
+
+log = logging.getLogger(__name__)
+
+APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+
+GpuHealth = Literal["healthy", "unhealthy", "lost"]
+_SEVERITY: dict[GpuHealth, int] = {"healthy": 0, "unhealthy": 1, "lost": 2}
+
+
+def is_critical_xid(xid: int, application_xids: frozenset[int] = APPLICATION_XIDS) -> bool:
+    return xid not in application_xids
+
+
+@dataclass(frozen=True, slots=True)
+class HealthVerdict:
+    """What one health event means for its GPU: ``health`` is the GPU's state afterwards, ``changed`` whether it
+    got worse (and so is announced), ``critical`` whether an XID counts."""
+
+    health: GpuHealth
+    changed: bool
+    critical: bool
+    reason: str
+
+
+def judge(
+    event: GpuHealthEvent, current: GpuHealth, application_xids: frozenset[int] = APPLICATION_XIDS
+) -> HealthVerdict:
+    """Health only gets worse: healthy, then unhealthy (a critical XID), then lost. Nothing here makes a GPU
+    healthy again."""
+    if event.kind == "lost":
+        observed: GpuHealth = "lost"
+        critical = True
+        reason = "GPU is lost" + (f": {event.message}" if event.message else "")
+    else:
+        critical = is_critical_xid(event.xid, application_xids)
+        observed = "unhealthy" if critical else "healthy"
+        reason = f"XID {event.xid}" + (f": {event.message}" if event.message else "")
+    worse = _SEVERITY[observed] > _SEVERITY[current]
+    return HealthVerdict(health=observed if worse else current, changed=worse, critical=critical, reason=reason)
 
 
 class DeviceService:
     name = "device"
     config_names: tuple[str, ...] = ()
 
-    def __init__(self, settings: DeviceSettings | None = None) -> None:
+    def __init__(self, settings: DeviceSettings | None = None, gpus: GpuPort | None = None) -> None:
         self.settings = settings or load()
+        self.gpus = gpus
+        self._owns_gpus = gpus is None
         self.cordoned = False
         self.ctx: ServiceContext | None = None
+        self.health: dict[str, GpuHealth] = {}
+        self.reasons: dict[str, str] = {}
+        self.inventory: DeviceInventory | None = None
+        self._inventory_lock = asyncio.Lock()
 
     async def start(self, ctx: ServiceContext) -> None:
+        """Reads the GPUs before subscribing to anything: a node whose GPUs cannot be read does not start."""
         self.ctx = ctx
+        if self.gpus is None:
+            self.gpus = gpu_port(ctx.settings, ctx.subjects)
+        gpus = self.gpus
+        first = await self._read_inventory(gpus, ctx.node)
         s = ctx.subjects
         await ctx.consume(
             ConsumerSpec(
@@ -35,11 +100,104 @@ class DeviceService:
             ),
             self.on_cordon,
         )
-        ctx.status["node_cordoned"] = False
-        await ctx.publish(DeviceInventory(node=ctx.node, simulated=ctx.settings.simulated))
+        faults = await serve_sim_faults(gpus, ctx.bus)
+        ctx.status.update(node_cordoned=False, simulated=gpus.simulated, sim_faults=faults, unhealthy={})
+        if gpus.simulated:
+            log.info("GPUs are SIMULATED", extra={"gpus": len(first.gpus), "fault_injection": faults})
+        await self._publish_if_changed(first)
+        ctx.spawn(self.watch_health, "device-health")
+        ctx.spawn(self.watch_inventory, "device-inventory")
 
     async def on_cordon(self, event: NodeCordoned | NodeUncordoned) -> None:
         """Idempotent: the latest cordon event sets the state."""
         self.cordoned = isinstance(event, NodeCordoned)
         if self.ctx is not None:
             self.ctx.status["node_cordoned"] = self.cordoned
+
+    async def on_health(self, event: GpuHealthEvent) -> None:
+        """Publishes every XID; announces a GPU that got worse, then the inventory.
+
+        Idempotent for health: the GPU's state changes only once its ``DeviceHealthChanged`` is published, so an
+        event handled again after a failure announces what was not announced, and nothing twice. Its ``GpuXid``
+        may be published twice then (at-least-once)."""
+        assert self.ctx is not None
+        node = self.ctx.node
+        verdict = judge(event, self.health.get(event.uuid, "healthy"))
+        if event.kind == "xid":
+            await self.ctx.publish(
+                GpuXid(node=node, gpu_uuid=event.uuid, xid=event.xid, critical=verdict.critical, message=event.message)
+            )
+        if not verdict.changed:
+            return
+        log.warning("GPU unhealthy", extra={"gpu": event.uuid, "health": verdict.health, "reason": verdict.reason})
+        await self.ctx.publish(
+            DeviceHealthChanged(
+                node=node,
+                gpu_uuid=event.uuid,
+                healthy=False,
+                reason=verdict.reason,
+                xid=event.xid if event.kind == "xid" else None,
+            )
+        )
+        self.health[event.uuid] = verdict.health
+        self.reasons[event.uuid] = verdict.reason
+        self.ctx.status["unhealthy"] = dict(self.reasons)
+        try:
+            await self.refresh_inventory()
+        except GpuError as exc:
+            log.warning("cannot read the GPUs; the inventory loop will publish", extra={"error": str(exc)})
+
+    async def watch_health(self) -> None:
+        """Runs for the service's lifetime; the port it opened itself is closed when the service stops."""
+        assert self.gpus is not None
+        try:
+            async for event in self.gpus.health_events():
+                await self.on_health(event)
+        except asyncio.CancelledError:
+            if self._owns_gpus:
+                await self.gpus.close()
+            raise
+
+    async def watch_inventory(self) -> None:
+        """Level-triggered: reads the GPUs every ``inventory_s`` and re-publishes when anything changed."""
+        while True:
+            await asyncio.sleep(self.settings.inventory_s)
+            try:
+                await self.refresh_inventory()
+            except GpuError as exc:
+                log.warning("cannot read the GPUs; keeping the last inventory", extra={"error": str(exc)})
+                if self.ctx is not None:
+                    self.ctx.status["gpu_error"] = str(exc)
+
+    async def refresh_inventory(self) -> None:
+        """Idempotent: publishes the inventory only when it differs from the last one published."""
+        assert self.gpus is not None and self.ctx is not None
+        await self._publish_if_changed(await self._read_inventory(self.gpus, self.ctx.node))
+        self.ctx.status.pop("gpu_error", None)
+
+    async def _read_inventory(self, gpus: GpuPort, node: str) -> DeviceInventory:
+        devices = await gpus.devices()
+        versions = await gpus.versions()
+        marked = [msgspec.structs.replace(d, healthy=self.health.get(d.uuid, "healthy") == "healthy") for d in devices]
+        return DeviceInventory(
+            node=node,
+            driver_version=versions.driver,
+            cuda_version=versions.cuda,
+            gpus=marked,
+            simulated=gpus.simulated,
+        )
+
+    async def _publish_if_changed(self, inventory: DeviceInventory) -> None:
+        assert self.ctx is not None
+        async with self._inventory_lock:
+            last = self.inventory
+            if last is not None and (last.driver_version, last.cuda_version, last.gpus) == (
+                inventory.driver_version,
+                inventory.cuda_version,
+                inventory.gpus,
+            ):
+                return
+            self.ctx.status["gpus"] = [g.uuid for g in inventory.gpus]
+            self.ctx.status["driver_version"] = inventory.driver_version
+            await self.ctx.publish(inventory)
+            self.inventory = inventory

@@ -71,9 +71,8 @@ class AgentEndpoint:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
 
     def sessions_changed(self) -> None:
         """Tell the endpoint the engine added or ended sessions; the registry hears of it promptly."""

@@ -187,8 +187,7 @@ class ConfigWatcher:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task], timeout=3.0)
         if self._client:
             with contextlib.suppress(Exception):
                 await self._client.aclose()

@@ -186,7 +186,8 @@ class RunningService:
         await asyncio.gather(*(c.stop(grace) for c in self.ctx._consumers), return_exceptions=True)
         for task in list(self.ctx._tasks):
             task.cancel()
-        await asyncio.gather(*self.ctx._tasks, return_exceptions=True)
+        if self.ctx._tasks:
+            await asyncio.wait(list(self.ctx._tasks), timeout=5.0)
         await self.ctx.config.stop()
         await self.ctx.bus.close(grace)
         await self.http.stop()

@@ -1,4 +1,4 @@
-"""``python -m shared.sim`` (``gpuwarden sim``): the SIMULATED cluster, GPUs and inference workload, as one process
+"""``python -m shared.sim`` (``gpuwarden sim run``): the SIMULATED cluster, GPUs and inference workload, as one process
 on the service runner (health, metrics and JSON logs like the services).
 
 It creates the simulated state in Redis when absent (from ``GPUWARDEN_SIM_SPEC`` or the default spec), plays
@@ -67,7 +67,7 @@ class Simulation:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpuwarden sim", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser = argparse.ArgumentParser(prog="gpuwarden sim run", description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--rate", type=float, default=2.0, help="inference requests per second (0: none)")
     parser.add_argument("--sessions", type=int, default=12, help="sessions per deployment the load cycles over")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = load_spec()
     except ValueError as exc:
-        print(f"gpuwarden sim: {exc}", file=sys.stderr)
+        print(f"gpuwarden sim run: {exc}", file=sys.stderr)
         return 2
     store = os.environ.get("GPUWARDEN_CHECKPOINT_STORE", "file:///var/lib/gpuwarden/checkpoints")
     with contextlib.suppress(KeyboardInterrupt):

@@ -71,6 +71,7 @@ class PodRuntime:
     agent: KvAgent
     endpoint: AgentEndpoint
     gpu_uuid: str = ""
+    gpu_memory_mib: float = 0.0
     served: int = 0
     stopping: bool = False
 
@@ -138,11 +139,17 @@ class SimWorkload:
         log.info("SIMULATED workload started", extra={"deployments": len(self.deployments), "simulated": True})
 
     async def stop(self) -> None:
+        """Cancel the loops and wait a bounded time: redis-py may swallow a cancellation mid-command, so a
+        loop gets a second cancel rather than an unbounded wait."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        pending = {t for t in self._tasks if not t.done()}
+        for _ in range(3):
+            if not pending:
+                break
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            for task in pending:
+                task.cancel()
         for runtime in list(self.runtimes.values()):
             await runtime.endpoint.stop()
         self.runtimes.clear()
@@ -206,14 +213,15 @@ class SimWorkload:
         endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s)
         await endpoint.start(periodic_s=self.periodic_s)
         neighbours = sorted(p.name for p in pods if p.node == pod.node and p.phase != "Pending")
-        gpu_uuid = ""
+        gpu_uuid, memory = "", 0.0
         gpus = self.gpus.get(pod.node)
         if gpus is not None:
             with contextlib.suppress(Exception):
                 devices = await gpus.devices()
                 if devices:
-                    gpu_uuid = devices[neighbours.index(pod.name) % len(devices)].uuid
-        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, gpu_uuid)
+                    device = devices[neighbours.index(pod.name) % len(devices)]
+                    gpu_uuid, memory = device.uuid, float(device.memory_total_mib)
+        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, gpu_uuid, memory)
         log.info("SIMULATED pod serving", extra={"pod": pod.name, "node": pod.node, "simulated": True})
 
     async def _pre_stop(self, runtime: PodRuntime) -> None:
@@ -241,7 +249,8 @@ class SimWorkload:
             util = min(100.0, runtime.served / window * 10.0)
             runtime.served = 0
             with contextlib.suppress(Exception):
-                await gpus.set_load(runtime.gpu_uuid, util, held / 2**20, min(100.0, util / 4))
+                memory = runtime.gpu_memory_mib or held / 2**20
+                await gpus.set_load(runtime.gpu_uuid, util, min(held / 2**20, memory), min(100.0, util / 4))
 
     # -- requests -------------------------------------------------------------------------------------------------
     async def on_request(self, request: InferenceRequest) -> None:

@@ -1,0 +1,611 @@
+"""Simulated GPUs: the GPU port for one node of the node spec, with the node's state in Redis.
+
+Separate processes (the device and driver services, the simulated workload, the fault CLI) share one simulated
+node by sharing its Redis keys, all under the subject root:
+
+- ``<root>:sim:gpus:<node>``: the node's state, one JSON document (``SimNodeState``). It is created from the spec
+  with ``SET NX`` by whichever process attaches first; later processes see that state, not their own copy of the
+  spec. Changes are read-modify-write under ``WATCH``, so concurrent MIG changes and faults never lose an update.
+- ``<root>:sim:gpus:<node>:health``: a stream of health events (XID errors, lost GPUs), written in the same
+  transaction as the state change that caused them.
+- ``<root>:sim:load:<node>``: a hash ``gpu uuid -> {"util", "mem_used_mib", "copy_util"}`` that the simulated
+  workload writes; utilisation samples follow it.
+- ``<root>:sim:gpu-nodes``: the set of nodes whose state exists (for error messages).
+
+Like NVML, a lost GPU is gone: it leaves ``devices()`` and ``utilisation()`` and stays gone until its state is
+deleted. Everything here is labelled simulated (``simulated = True``, log lines say SIMULATED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import uuid as uuidlib
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Literal, TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from shared.contract.device import GpuDevice, MigInstance
+from shared.contract.subjects import Subjects
+from shared.ports.gpu import (
+    DriverInstallError,
+    DriverValidation,
+    DriverVersions,
+    GpuError,
+    GpuHealthEvent,
+    GpuUtilisation,
+)
+from shared.sim.spec import SimSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MIG_COMPUTE_SLICES = 7
+MIG_PROFILE_RE = re.compile(r"^(?P<slices>[1-7])g\.(?P<gb>[1-9][0-9]*)gb(?:\+me)?$")
+DRIVER_VERSION_RE = re.compile(r"^[0-9]{3}(\.[0-9]{1,3}){1,2}$")
+IDLE_POWER_W = 70.0
+IDLE_TEMPERATURE_C = 35.0
+HEALTH_STREAM_MAXLEN = 1000
+
+# The highest CUDA version each driver branch supports (what NVML and nvidia-smi report as "CUDA Version").
+CUDA_BY_DRIVER_BRANCH: dict[int, str] = {
+    525: "12.0",
+    530: "12.1",
+    535: "12.2",
+    545: "12.3",
+    550: "12.4",
+    555: "12.5",
+    560: "12.6",
+    565: "12.7",
+    570: "12.8",
+    575: "12.9",
+    580: "13.0",
+}
+
+_UUID_NAMESPACE = uuidlib.UUID("5b0c1d2e-7f1a-4c55-9a59-6770756172de")
+
+
+class SimGpu(msgspec.Struct, frozen=True, kw_only=True):
+    """One simulated GPU as stored in Redis. ``mig_profiles`` empty means not MIG-capable."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+    pci_bus_id: str
+    numa_node: int
+    nvlink_peers: list[str] = msgspec.field(default_factory=list)
+    mig_profiles: list[str] = msgspec.field(default_factory=list)
+    mig_enabled: bool = False
+    mig_instances: list[MigInstance] = msgspec.field(default_factory=list)
+    next_instance: int = 0
+    lost: bool = False
+    copy_slowdown: float = 1.0
+
+
+InstallFault = Literal["", "fail", "hang"]
+
+
+class SimNodeState(msgspec.Struct, frozen=True, kw_only=True):
+    """A simulated node's GPUs and driver. ``install_fault`` persists until cleared: every install fails or hangs."""
+
+    node: str
+    driver_version: str
+    cuda_version: str
+    gpus: list[SimGpu]
+    install_fault: InstallFault = ""
+    install_fault_reason: str = ""
+
+    def gpu(self, uuid: str) -> SimGpu:
+        """The GPU with ``uuid``, lost or not; ``GpuError`` when the node has none."""
+        for g in self.gpus:
+            if g.uuid == uuid:
+                return g
+        raise GpuError(f"{self.node}: no GPU {uuid!r} (GPUs: {', '.join(g.uuid for g in self.gpus)})")
+
+    def visible(self, uuid: str) -> SimGpu:
+        """The GPU with ``uuid`` if it has not been lost; NVML answers "GPU is lost" for a lost one."""
+        g = self.gpu(uuid)
+        if g.lost:
+            raise GpuError(f"{self.node}: GPU {g.index} ({uuid}) is lost")
+        return g
+
+    def replace_gpu(self, gpu: SimGpu) -> SimNodeState:
+        return msgspec.structs.replace(self, gpus=[gpu if g.uuid == gpu.uuid else g for g in self.gpus])
+
+
+class SimLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """What the simulated workload puts on one GPU: percentages 0-100 and MiB."""
+
+    util: float = 0.0
+    mem_used_mib: float = 0.0
+    copy_util: float = 0.0
+
+
+_state_decoder = msgspec.json.Decoder(SimNodeState)
+_load_decoder = msgspec.json.Decoder(SimLoad)
+
+
+# -- pure rules ---------------------------------------------------------------------------------------------------
+def gpu_uuid(root: str, node: str, index: int) -> str:
+    """Deterministic: every process (and every run) names a simulated GPU the same way."""
+    return "GPU-" + str(uuidlib.uuid5(_UUID_NAMESPACE, f"{root}/{node}/{index}"))
+
+
+def mig_profile_slices(profile: str) -> tuple[int, int]:
+    """``"3g.40gb"`` is ``(3, 40)``: compute slices out of 7, and memory in GB. ``ValueError`` for anything else."""
+    match = MIG_PROFILE_RE.match(profile)
+    if not match:
+        raise ValueError(f"{profile!r} is not a MIG profile such as '1g.10gb' or '3g.40gb'")
+    return int(match["slices"]), int(match["gb"])
+
+
+def check_spec(spec: SimSpec) -> None:
+    """Refuse a spec whose MIG profiles cannot exist; the error names the field."""
+    for i, node in enumerate(spec.nodes):
+        for j, group in enumerate(node.gpus):
+            for k, profile in enumerate(group.mig_profiles):
+                try:
+                    mig_profile_slices(profile)
+                except ValueError as exc:
+                    raise SpecError(f"$.nodes[{i}].gpus[{j}].mig_profiles[{k}]: {exc}") from None
+
+
+def pci_bus_id(index: int) -> str:
+    return f"{index // 14:08X}:{0x18 + 0x10 * (index % 14):02X}:00.0"
+
+
+def cuda_for_driver(driver_version: str, fallback: str) -> str:
+    try:
+        branch = int(driver_version.split(".")[0])
+    except ValueError:
+        return fallback
+    return CUDA_BY_DRIVER_BRANCH.get(branch, fallback)
+
+
+def initial_state(spec: SimSpec, node: str, root: str) -> SimNodeState:
+    """The node's GPUs as the spec describes them: indexes in spec order, NUMA nodes spread evenly, NVLink
+    between the GPUs of one spec entry that has ``nvlink``."""
+    node_spec = spec.node(node)
+    total = node_spec.gpu_count
+    gpus: list[SimGpu] = []
+    index = 0
+    for group in node_spec.gpus:
+        members = [gpu_uuid(root, node, index + k) for k in range(group.count)]
+        for k in range(group.count):
+            gpus.append(
+                SimGpu(
+                    index=index,
+                    uuid=members[k],
+                    model=group.model,
+                    memory_mib=group.memory_mib,
+                    pci_bus_id=pci_bus_id(index),
+                    numa_node=index * node_spec.numa_nodes // total,
+                    nvlink_peers=[u for u in members if u != members[k]] if group.nvlink else [],
+                    mig_profiles=list(group.mig_profiles),
+                )
+            )
+            index += 1
+    driver = node_spec.driver_version or spec.driver_version
+    cuda = spec.cuda_version if driver == spec.driver_version else cuda_for_driver(driver, spec.cuda_version)
+    return SimNodeState(node=node, driver_version=driver, cuda_version=cuda, gpus=gpus)
+
+
+def as_device(gpu: SimGpu, lost: frozenset[str] = frozenset()) -> GpuDevice:
+    return GpuDevice(
+        index=gpu.index,
+        uuid=gpu.uuid,
+        model=gpu.model,
+        pci_bus_id=gpu.pci_bus_id,
+        memory_total_mib=gpu.memory_mib,
+        numa_node=gpu.numa_node,
+        nvlink_peers=[p for p in gpu.nvlink_peers if p not in lost],
+        mig_capable=bool(gpu.mig_profiles),
+        mig_enabled=gpu.mig_enabled,
+        mig_instances=list(gpu.mig_instances),
+    )
+
+
+def tdp_watts(model: str) -> float:
+    """Board power limit by model name; 300 W for models this table does not know."""
+    name = model.upper()
+    pcie = "PCIE" in name
+    if "H100" in name or "H200" in name or "B200" in name:
+        return 350.0 if pcie else 700.0
+    if "A100" in name:
+        return 300.0 if pcie else 400.0
+    if "L40" in name:
+        return 350.0
+    if "L4" in name:
+        return 72.0
+    return 300.0
+
+
+def sample(gpu: SimGpu, load: SimLoad) -> GpuUtilisation:
+    """Deterministic in the load: power rises linearly from 70 W idle to the TDP, temperature from 35 °C by
+    0.5 °C per percent, and slow copies keep the copy engines busy ``copy_slowdown`` times longer."""
+    util = min(max(load.util, 0.0), 100.0)
+    used = min(max(load.mem_used_mib, 0.0), float(gpu.memory_mib))
+    tdp = tdp_watts(gpu.model)
+    return GpuUtilisation(
+        uuid=gpu.uuid,
+        gpu_util=util,
+        mem_copy_util=min(max(load.copy_util, 0.0) * gpu.copy_slowdown, 100.0),
+        mem_used_mib=used,
+        mem_free_mib=float(gpu.memory_mib) - used,
+        power_w=IDLE_POWER_W + util / 100.0 * max(tdp - IDLE_POWER_W, 0.0),
+        temperature_c=IDLE_TEMPERATURE_C + 0.5 * util,
+    )
+
+
+def with_mig_mode(state: SimNodeState, uuid: str, enabled: bool) -> SimNodeState:
+    gpu = state.visible(uuid)
+    if not gpu.mig_profiles:
+        raise GpuError(f"{state.node}: GPU {gpu.index} ({gpu.model}) is not MIG-capable (no mig_profiles in the spec)")
+    if gpu.mig_enabled == enabled:
+        return state
+    if not enabled and gpu.mig_instances:
+        raise GpuError(
+            f"{state.node}: GPU {gpu.index} still has {len(gpu.mig_instances)} MIG instance(s); destroy them before "
+            "disabling MIG mode"
+        )
+    return state.replace_gpu(msgspec.structs.replace(gpu, mig_enabled=enabled))
+
+
+def with_mig_instance(state: SimNodeState, uuid: str, profile: str) -> tuple[SimNodeState, MigInstance]:
+    """Add an instance of ``profile``: the profile must be one the spec allows and its compute slices must fit
+    in what the GPU's other instances leave of the 7."""
+    gpu = state.visible(uuid)
+    if not gpu.mig_profiles:
+        raise GpuError(f"{state.node}: GPU {gpu.index} ({gpu.model}) is not MIG-capable (no mig_profiles in the spec)")
+    if not gpu.mig_enabled:
+        raise GpuError(f"{state.node}: GPU {gpu.index} is not in MIG mode; enable MIG mode first")
+    if profile not in gpu.mig_profiles:
+        raise GpuError(
+            f"{state.node}: MIG profile {profile!r} is not allowed on GPU {gpu.index} "
+            f"(allowed: {', '.join(gpu.mig_profiles)})"
+        )
+    slices, gb = mig_profile_slices(profile)
+    used = sum(mig_profile_slices(i.profile)[0] for i in gpu.mig_instances)
+    if used + slices > MIG_COMPUTE_SLICES:
+        raise GpuError(
+            f"{state.node}: no room for {profile} on GPU {gpu.index}: {used} of {MIG_COMPUTE_SLICES} compute slices "
+            f"are in use, {profile} needs {slices}"
+        )
+    instance = MigInstance(
+        uuid="MIG-" + str(uuidlib.uuid5(_UUID_NAMESPACE, f"{gpu.uuid}/{gpu.next_instance}")),
+        profile=profile,
+        memory_mib=min(gb * 1024, gpu.memory_mib),
+    )
+    changed = msgspec.structs.replace(
+        gpu, mig_instances=[*gpu.mig_instances, instance], next_instance=gpu.next_instance + 1
+    )
+    return state.replace_gpu(changed), instance
+
+
+def without_mig_instance(state: SimNodeState, uuid: str, instance_uuid: str) -> SimNodeState:
+    gpu = state.visible(uuid)
+    remaining = [i for i in gpu.mig_instances if i.uuid != instance_uuid]
+    if len(remaining) == len(gpu.mig_instances):
+        known = ", ".join(i.uuid for i in gpu.mig_instances) or "none"
+        raise GpuError(f"{state.node}: GPU {gpu.index} has no MIG instance {instance_uuid!r} (instances: {known})")
+    return state.replace_gpu(msgspec.structs.replace(gpu, mig_instances=remaining))
+
+
+def validation(state: SimNodeState, expected_version: str) -> DriverValidation:
+    """OK only when the installed version is the expected one and no GPU is lost (nvidia-smi fails on a lost
+    GPU, so a node with one never validates)."""
+    visible = sum(1 for g in state.gpus if not g.lost)
+    if state.driver_version != expected_version:
+        return DriverValidation(
+            ok=False,
+            version=state.driver_version,
+            visible_gpus=visible,
+            reason=f"driver {state.driver_version} is installed, {expected_version} was expected",
+        )
+    lost = [f"GPU {g.index} ({g.uuid})" for g in state.gpus if g.lost]
+    if lost:
+        return DriverValidation(
+            ok=False, version=state.driver_version, visible_gpus=visible, reason=f"lost: {', '.join(lost)}"
+        )
+    return DriverValidation(ok=True, version=state.driver_version, visible_gpus=visible)
+
+
+def _stream_id(raw: bytes | str) -> tuple[int, int]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+# -- the Redis layout ---------------------------------------------------------------------------------------------
+class SimGpuStore:
+    """The Redis keys of the simulated GPUs, shared by the adapter and by fault injection."""
+
+    def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
+        self.client = client
+        self.subjects = subjects
+
+    def state_key(self, node: str) -> str:
+        return self.subjects.redis_key("sim", "gpus", node)
+
+    def health_key(self, node: str) -> str:
+        return self.subjects.redis_key("sim", "gpus", node, "health")
+
+    def load_key(self, node: str) -> str:
+        return self.subjects.redis_key("sim", "load", node)
+
+    @property
+    def nodes_key(self) -> str:
+        return self.subjects.redis_key("sim", "gpu-nodes")
+
+    async def read(self, node: str) -> SimNodeState | None:
+        raw = await self.client.get(self.state_key(node))
+        return None if raw is None else _state_decoder.decode(raw)
+
+    async def ensure(self, state: SimNodeState) -> tuple[SimNodeState, bool]:
+        """The stored state of ``state.node``, created from ``state`` when absent; says whether it was created."""
+        created = bool(await self.client.set(self.state_key(state.node), msgspec.json.encode(state), nx=True))
+        await self.client.sadd(self.nodes_key, state.node)
+        stored = await self.read(state.node)
+        return (stored if stored is not None else state), created
+
+    async def nodes(self) -> list[str]:
+        return sorted(_text(n) for n in await self.client.smembers(self.nodes_key))
+
+    async def update(
+        self,
+        node: str,
+        change: Callable[[SimNodeState], tuple[SimNodeState, T]],
+        health: Sequence[GpuHealthEvent] = (),
+    ) -> T:
+        """Apply ``change`` (pure; it may raise to refuse) atomically, and append ``health`` in the same
+        transaction. Retried when another writer changed the node in between."""
+        key = self.state_key(node)
+        async with self.client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        raise GpuError(f"{node}: the simulated state is gone from Redis")
+                    state, result = change(_state_decoder.decode(raw))
+                    pipe.multi()
+                    pipe.set(key, msgspec.json.encode(state))
+                    for event in health:
+                        self._append(pipe, node, event)
+                    await pipe.execute()
+                    return result
+                except redis.exceptions.WatchError:
+                    continue
+
+    async def emit(self, node: str, event: GpuHealthEvent) -> None:
+        await self.client.xadd(
+            self.health_key(node), self._fields(event), maxlen=HEALTH_STREAM_MAXLEN, approximate=True
+        )
+
+    def _append(self, pipe: Any, node: str, event: GpuHealthEvent) -> None:
+        pipe.xadd(self.health_key(node), self._fields(event), maxlen=HEALTH_STREAM_MAXLEN, approximate=True)
+
+    @staticmethod
+    def _fields(event: GpuHealthEvent) -> dict[Any, Any]:
+        return {"uuid": event.uuid, "kind": event.kind, "xid": event.xid, "message": event.message}
+
+    async def health_end(self, node: str) -> str:
+        """The id of the newest health event, or ``0-0``: reading after it yields only what comes next."""
+        newest = await self.client.xrevrange(self.health_key(node), count=1)
+        return _text(newest[0][0]) if newest else "0-0"
+
+    async def set_load(self, node: str, uuid: str, load: SimLoad) -> None:
+        await self.client.hset(self.load_key(node), uuid, msgspec.json.encode(load))
+
+    async def loads(self, node: str) -> dict[str, SimLoad]:
+        raw = await self.client.hgetall(self.load_key(node))
+        return {_text(k): _load_decoder.decode(v) for k, v in raw.items()}
+
+
+def health_event(fields: dict[Any, Any]) -> GpuHealthEvent:
+    values = {_text(k): _text(v) for k, v in fields.items()}
+    kind: Literal["xid", "lost"] = "lost" if values.get("kind") == "lost" else "xid"
+    return GpuHealthEvent(
+        uuid=values.get("uuid", ""), kind=kind, xid=int(values.get("xid") or 0), message=values.get("message", "")
+    )
+
+
+def raise_if_cancelled() -> None:
+    """redis-py's asyncio client can finish a command whose task was cancelled meanwhile and drop the
+    cancellation (redis/redis-py#2028, #2551); a loop over Redis calls this after each command so that a caller's
+    timeout or a service's stop still ends it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+@contextlib.contextmanager
+def _redis_errors(node: str) -> Iterator[None]:
+    try:
+        yield
+    except (redis.exceptions.RedisError, OSError) as exc:
+        raise GpuError(f"simulated GPUs of {node}: Redis did not answer: {type(exc).__name__}: {exc}") from exc
+
+
+# -- the adapter --------------------------------------------------------------------------------------------------
+class SimGpus:
+    """The GPU port for one simulated node (``simulated = True``).
+
+    The first call attaches: it creates the node's state from the spec unless another process already did, and
+    marks the end of the health stream. ``health_events()`` reads after the port's cursor: the end of the stream
+    at attach time, moved on as events are handled. So a service that reads its devices at start and then starts
+    its health loop misses nothing in between, and a health loop restarted after a crash sees again the event it
+    was handling.
+    """
+
+    simulated = True
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        subjects: Subjects,
+        spec: SimSpec,
+        node: str,
+        *,
+        owns_client: bool = False,
+        poll_s: float = 0.1,
+        block_ms: int = 1000,
+    ) -> None:
+        check_spec(spec)
+        self.client = client
+        self.subjects = subjects
+        self.spec = spec
+        self.node = node
+        self.store = SimGpuStore(client, subjects)
+        self._initial = initial_state(spec, node, subjects.root)
+        self._owns_client = owns_client
+        self._poll_s = poll_s
+        self._block_ms = block_ms
+        self._attached = False
+        self._cursor = "0-0"
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"SimGpus(node={self.node!r}, root={self.subjects.root!r}, SIMULATED)"
+
+    async def attach(self) -> None:
+        """Idempotent: create the node's state when absent and mark the end of its health stream."""
+        if self._attached:
+            return
+        with _redis_errors(self.node):
+            state, created = await self.store.ensure(self._initial)
+            self._cursor = await self.store.health_end(self.node)
+        self._attached = True
+        log.info(
+            "SIMULATED GPUs attached",
+            extra={"node": self.node, "gpus": len(state.gpus), "state_created": created, "simulated": True},
+        )
+
+    async def state(self) -> SimNodeState:
+        await self.attach()
+        with _redis_errors(self.node):
+            found = await self.store.read(self.node)
+            if found is None:
+                found, _ = await self.store.ensure(self._initial)
+        return found
+
+    async def _update(self, change: Callable[[SimNodeState], tuple[SimNodeState, T]]) -> T:
+        await self.state()
+        with _redis_errors(self.node):
+            return await self.store.update(self.node, change)
+
+    # -- inventory and samples ------------------------------------------------------------------------------------
+    async def devices(self) -> list[GpuDevice]:
+        state = await self.state()
+        lost = frozenset(g.uuid for g in state.gpus if g.lost)
+        return [as_device(g, lost) for g in state.gpus if not g.lost]
+
+    async def versions(self) -> DriverVersions:
+        state = await self.state()
+        return DriverVersions(driver=state.driver_version, cuda=state.cuda_version)
+
+    async def utilisation(self) -> list[GpuUtilisation]:
+        state = await self.state()
+        with _redis_errors(self.node):
+            loads = await self.store.loads(self.node)
+        return [sample(g, loads.get(g.uuid, SimLoad())) for g in state.gpus if not g.lost]
+
+    async def set_load(self, uuid: str, util: float, mem_used_mib: float, copy_util: float) -> None:
+        """What the simulated workload puts on a GPU now; the next samples follow it."""
+        gpu = (await self.state()).visible(uuid)
+        for name, value, top in (("util", util, 100.0), ("copy_util", copy_util, 100.0)):
+            if not 0.0 <= value <= top:
+                raise GpuError(f"set_load {name}={value}: expected a percentage from 0 to 100")
+        if not 0.0 <= mem_used_mib <= gpu.memory_mib:
+            raise GpuError(f"set_load mem_used_mib={mem_used_mib}: expected 0 to {gpu.memory_mib} (the GPU's memory)")
+        with _redis_errors(self.node):
+            await self.store.set_load(
+                self.node, uuid, SimLoad(util=util, mem_used_mib=mem_used_mib, copy_util=copy_util)
+            )
+
+    async def copy_slowdown(self, uuid: str) -> float:
+        """How many times slower than normal device-to-host copies on this GPU run (1.0: normal)."""
+        return (await self.state()).visible(uuid).copy_slowdown
+
+    # -- health ---------------------------------------------------------------------------------------------------
+    async def health_events(self) -> AsyncIterator[GpuHealthEvent]:
+        await self.attach()
+        cursor = self._cursor
+        failures = 0
+        key = self.store.health_key(self.node)
+        while not self._closed:
+            try:
+                reply: Any = await self.client.xread({key: cursor}, count=100, block=self._block_ms)
+                raise_if_cancelled()
+                failures = 0
+            except (redis.exceptions.RedisError, OSError) as exc:
+                if self._closed:
+                    return
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    log.warning("SIMULATED GPU health stream unreadable; retrying", extra={"error": str(exc)})
+                await asyncio.sleep(min(0.1 * failures, 2.0))
+                continue
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    yield health_event(fields)
+                    cursor = _text(entry_id)
+                    if _stream_id(cursor) > _stream_id(self._cursor):
+                        self._cursor = cursor
+
+    # -- MIG ------------------------------------------------------------------------------------------------------
+    async def set_mig_mode(self, uuid: str, enabled: bool) -> None:
+        await self._update(lambda s: (with_mig_mode(s, uuid, enabled), None))
+
+    async def create_mig_instance(self, uuid: str, profile: str) -> MigInstance:
+        return await self._update(lambda s: with_mig_instance(s, uuid, profile))
+
+    async def destroy_mig_instance(self, uuid: str, instance_uuid: str) -> None:
+        await self._update(lambda s: (without_mig_instance(s, uuid, instance_uuid), None))
+
+    # -- driver ---------------------------------------------------------------------------------------------------
+    async def install_driver(self, version: str) -> None:
+        """Install ``version``. An injected ``fail`` raises ``DriverInstallError`` with the injected reason; an
+        injected ``hang`` waits until the fault is cleared (or changed), so the caller's timeout decides."""
+        if not DRIVER_VERSION_RE.match(version):
+            raise DriverInstallError(f"{self.node}: {version!r} is not a driver version such as '550.54.15'")
+        hanging = False
+        while True:
+            state = await self.state()
+            if state.install_fault == "fail":
+                reason = state.install_fault_reason or "injected install failure"
+                raise DriverInstallError(f"{self.node}: installing driver {version} failed: {reason} (SIMULATED)")
+            if state.install_fault != "hang":
+                break
+            if not hanging:
+                hanging = True
+                log.warning("SIMULATED driver install hangs", extra={"node": self.node, "version": version})
+            raise_if_cancelled()
+            await asyncio.sleep(self._poll_s)
+
+        def install(s: SimNodeState) -> tuple[SimNodeState, None]:
+            cuda = cuda_for_driver(version, s.cuda_version)
+            return msgspec.structs.replace(s, driver_version=version, cuda_version=cuda), None
+
+        await self._update(install)
+        log.info("SIMULATED driver installed", extra={"node": self.node, "version": version})
+
+    async def validate_driver(self, expected_version: str) -> DriverValidation:
+        return validation(await self.state(), expected_version)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._owns_client:
+            with contextlib.suppress(Exception):
+                await self.client.aclose()
