@@ -262,9 +262,8 @@ class KvAgent:
             log.warning("checkpoint round failed", extra={"sessions": len(sessions), "error": why})
             return
         now = datetime.now(UTC)
-        for session, slots, written, token_count in pending:
-            parent = session.last
-            manifest = CheckpointManifest(
+        manifests = [
+            CheckpointManifest(
                 checkpoint_id=new_checkpoint_id(now),
                 session_id=session.session_id,
                 namespace=self.namespace,
@@ -275,16 +274,19 @@ class KvAgent:
                 token_count=token_count,
                 blocks=[s for s in slots if s is not None],
                 created_at=now,
-                parent_id=parent.checkpoint_id if parent else "",
+                parent_id=session.last.checkpoint_id if session.last else "",
                 key_id=self.cipher.key_id if self.cipher else "",
                 bytes_written=written,
                 reason=reason,
             )
-            try:
-                await self.store.commit_manifest(manifest)
-            except StoreError as exc:
-                report.failed.append(SaveFailure(session.session_id, str(exc)))
-                continue
+            for session, slots, written, token_count in pending
+        ]
+        try:
+            await self.store.commit_manifests(manifests)
+        except StoreError as exc:
+            report.failed += [SaveFailure(m.session_id, str(exc)) for m in manifests]
+            return
+        for (session, *_), manifest in zip(pending, manifests, strict=True):
             session.last = manifest
             report.committed.append(manifest)
 

@@ -61,6 +61,11 @@ class CheckpointStore(Protocol):
         """Durably and atomically make the checkpoint visible; after this it restores."""
         ...
 
+    async def commit_manifests(self, manifests: Sequence[CheckpointManifest]) -> None:
+        """``commit_manifest`` for many, at the cost of about one; each stays atomic on its own. On error some
+        may be committed and others not: the caller reports all of them failed, which is conservative."""
+        ...
+
     async def manifest(self, session_id: str, checkpoint_id: str) -> CheckpointManifest: ...
 
     async def checkpoints(self, session_id: str) -> list[str]:

@@ -1,0 +1,405 @@
+"""``python -m bench.checkpoint``: KV checkpoints against the physical limit and a peer, in one run.
+
+The same blocks (Llama-3-8B shape: 2 MiB per 16-token block, deterministic content) go through:
+
+- plain large sequential writes + fsync, and reads, of one file per session (the disk's own limit: ``raw_*``);
+- the KV agent into the file store (``save_gbps``/``restore_gbps``, every digest verified on restore);
+- safetensors, one file per session with an fsync after each (``safetensors_*``, a peer users know);
+- a second checkpoint after 10% of the blocks changed (``incremental_save_gbps``, logical bytes per second);
+- the NATS object store through our adapter and through nats-py's own object store (``objstore_*``, ``raw_objstore_*``);
+- a drain of a whole simulated node through the checkpoint service (``drain_seconds``).
+
+Reads are from the disk, not the page cache: every file read is dropped from the cache first
+(``posix_fadvise(DONTNEED)`` after fsync), for our files and the peers' alike.
+With ``--device cuda`` (on a machine with a GPU and torch) the blocks are CUDA tensors, and the report adds the
+device-to-host GB/s next to the copy rate torch itself reaches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import BenchOptions, Target, finish, machine_info, nats_server
+from shared.kv.agent import KvAgent
+from shared.kv.filestore import FileStore
+from shared.kv.manifest import KvLayout
+from shared.sim.workload import expected_block
+
+LAYOUT = KvLayout(
+    model_id="meta-llama/Meta-Llama-3-8B",
+    model_version="1",
+    tokenizer_id="llama3",
+    dtype="float16",
+    block_tokens=16,
+    layers=32,
+    kv_heads=8,
+    head_dim=128,
+)  # 128 KiB per token, 2 MiB per block
+
+
+def drop_cache(directory: Path) -> None:
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def make_sessions(count: int, blocks: int, device: str) -> dict[str, list[Any]]:
+    sessions: dict[str, list[Any]] = {}
+    for s in range(count):
+        sid = f"bench-{s}"
+        arrays = [expected_block(sid, b, LAYOUT.block_bytes) for b in range(blocks)]
+        if device == "cuda":
+            import torch
+
+            sessions[sid] = [torch.from_numpy(a).to("cuda") for a in arrays]
+        else:
+            sessions[sid] = arrays
+    return sessions
+
+
+def host_bytes(block: Any) -> memoryview:
+    if hasattr(block, "is_cuda") and block.is_cuda:
+        return memoryview(block.cpu().numpy())
+    return memoryview(block)
+
+
+def raw_write(directory: Path, sessions: dict[str, list[Any]]) -> float:
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    for sid, blocks in sessions.items():
+        fd = os.open(directory / f"{sid}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            views = [host_bytes(b) for b in blocks]
+            for i in range(0, len(views), 512):
+                os.writev(fd, views[i : i + 512])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    dfd = os.open(directory, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+    return time.perf_counter() - started
+
+
+def preallocated(sessions: dict[str, list[Any]]) -> dict[str, list[np.ndarray]]:
+    """Destination blocks already in memory, as an inference engine's preallocated KV pool is: touched, so a
+    read measures the disk, not first-touch page faults."""
+    return {sid: [np.ones(LAYOUT.block_bytes, np.uint8) for _ in blocks] for sid, blocks in sessions.items()}
+
+
+def raw_read(directory: Path, sessions: dict[str, list[Any]]) -> float:
+    drop_cache(directory)
+    targets = preallocated(sessions)
+    started = time.perf_counter()
+    for sid, arrays in targets.items():
+        fd = os.open(directory / f"{sid}.bin", os.O_RDONLY)
+        try:
+            os.preadv(fd, [memoryview(a) for a in arrays], 0)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - started
+
+
+def safetensors_save(directory: Path, sessions: dict[str, list[Any]]) -> float:
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    for sid, blocks in sessions.items():
+        path = directory / f"{sid}.safetensors"
+        save_file({f"block{i}": np.asarray(host_bytes(b)) for i, b in enumerate(blocks)}, str(path))
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    dfd = os.open(directory, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+    return time.perf_counter() - started
+
+
+def safetensors_load(directory: Path, sessions: dict[str, list[Any]]) -> float:
+    from safetensors.numpy import load_file
+
+    drop_cache(directory)
+    started = time.perf_counter()
+    for sid in sessions:
+        loaded = load_file(str(directory / f"{sid}.safetensors"))
+        assert len(loaded) == len(sessions[sid])
+    return time.perf_counter() - started
+
+
+def agent_for(store: Any, pod: str = "bench-pod") -> KvAgent:
+    return KvAgent(store, pod=pod, node="node-1", namespace="bench", deployment="llama", layout=LAYOUT)
+
+
+async def agent_save(store: Any, sessions: dict[str, list[Any]]) -> tuple[float, KvAgent]:
+    agent = agent_for(store)
+    for sid, blocks in sessions.items():
+        agent.register_session(sid)
+        for block in blocks:
+            agent.append_block(sid, block)
+    started = time.perf_counter()
+    report = await agent.save()
+    elapsed = time.perf_counter() - started
+    assert not report.failed, report.failed
+    return elapsed, agent
+
+
+async def agent_restore(store: Any, sessions: dict[str, list[Any]], device: str) -> float:
+    restorer = agent_for(store, "bench-restorer")
+    targets = preallocated(sessions)
+    if device == "cuda":
+        import torch
+
+        targets = {
+            sid: [torch.empty(LAYOUT.block_bytes, dtype=torch.uint8, device="cuda") for _ in b]
+            for sid, b in sessions.items()
+        }  # type: ignore[misc]
+    started = time.perf_counter()
+    for sid, into in targets.items():
+        await restorer.restore(sid, into=into)
+    return time.perf_counter() - started
+
+
+async def incremental(agent: KvAgent, sessions: dict[str, list[Any]]) -> tuple[float, int, int]:
+    changed = 0
+    for blocks in sessions.values():
+        for i in range(0, len(blocks), 10):  # 10% of the blocks
+            block = blocks[i]
+            if hasattr(block, "is_cuda"):
+                block.add_(1)
+            else:
+                block += 1
+            changed += 1
+    started = time.perf_counter()
+    report = await agent.save()
+    elapsed = time.perf_counter() - started
+    assert not report.failed
+    return elapsed, report.bytes_total, report.bytes_written
+
+
+async def objstore_figures(url: str, sessions: dict[str, list[Any]], total: int) -> dict[str, float]:
+    import nats
+    from nats.js.api import ObjectMeta, ObjectMetaOptions
+    from shared.kv.objstore import NatsObjectStore
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    bucket = "bench" + uuid.uuid4().hex[:8]
+    ours = NatsObjectStore(nc, bucket)
+    try:
+        save_s, _ = await agent_save(ours, sessions)
+        restore_s = await agent_restore(ours, sessions, "cpu")
+        peer_bucket = "peer" + uuid.uuid4().hex[:8]
+        obs = await js.create_object_store(peer_bucket)
+        payloads = {sid: b"".join(bytes(host_bytes(b)) for b in blocks) for sid, blocks in sessions.items()}
+        chunk = max(128 * 1024, min(nc.max_payload - 4096, 1024 * 1024))
+        started = time.perf_counter()
+        for sid, data in payloads.items():
+            await obs.put(sid, data, meta=ObjectMeta(name=sid, options=ObjectMetaOptions(max_chunk_size=chunk)))
+        put_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for sid, data in payloads.items():
+            buffer = tempfile.TemporaryFile()
+            await obs.get(sid, writeinto=buffer)
+            buffer.close()
+        get_s = time.perf_counter() - started
+        with contextlib.suppress(Exception):
+            await js.delete_object_store(peer_bucket)
+        return {
+            "objstore_save_gbps": total / save_s / 1e9,
+            "objstore_restore_gbps": total / restore_s / 1e9,
+            "raw_objstore_put_gbps": total / put_s / 1e9,
+            "raw_objstore_get_gbps": total / get_s / 1e9,
+        }
+    finally:
+        with contextlib.suppress(Exception):
+            await js.delete_object_store(bucket)
+        await nc.close()
+
+
+async def drain_figure(url: str, directory: Path, sessions: dict[str, list[Any]], pods: int) -> float:
+    """A drain of one simulated node holding every session on ``pods`` pods: DrainRequested to DrainCompleted."""
+    from services.checkpoint.config import CheckpointSettings
+    from services.checkpoint.handlers import CheckpointService
+    from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+    from shared.contract.subjects import Subjects
+    from shared.kv.endpoint import AgentEndpoint
+    from shared.plumbing.bus import Bus
+    from shared.plumbing.devservers import RedisServer
+    from shared.plumbing.runner import start_service
+    from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
+
+    redis_server = RedisServer().start()
+    subjects = Subjects("drainbench" + uuid.uuid4().hex[:6])
+    settings = Settings(
+        nats=NatsSettings(servers=(url,)), redis=RedisSettings(url=redis_server.url), root=subjects.root, node="node-1"
+    )
+    store = FileStore(directory)
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
+    running = await start_service(service, settings)
+    bus = await Bus.connect(settings.nats, subjects, "bench")
+    endpoints: list[AgentEndpoint] = []
+    verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    async def on_verdict(event: Any) -> None:
+        if not verdict.done():
+            verdict.set_result(event)
+
+    try:
+        await bus.subscribe(subjects.pattern("node.drain.completed"), on_verdict, (DrainCompleted,))
+        await bus.subscribe(subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,))
+        names = list(sessions)
+        for p in range(pods):
+            agent = KvAgent(store, pod=f"pod-{p}", node="node-1", namespace="bench", deployment="llama", layout=LAYOUT)
+            for sid in names[p::pods]:
+                agent.register_session(sid)
+                for block in sessions[sid]:
+                    agent.append_block(sid, block)
+            endpoint = AgentEndpoint(agent, bus, announce_s=60)
+            await endpoint.start()
+            endpoints.append(endpoint)
+        deadline = time.monotonic() + 10
+        while len(await service.registry.sessions_on_node("node-1")) < len(names):
+            if time.monotonic() > deadline:
+                raise RuntimeError("sessions never reached the registry")
+            await asyncio.sleep(0.02)
+        started = time.perf_counter()
+        await bus.publish(DrainRequested(node="node-1", drain_id="bench", deadline_s=600, grace_period_s=900))
+        result = await asyncio.wait_for(verdict, timeout=900)
+        elapsed = time.perf_counter() - started
+        if not isinstance(result, DrainCompleted):
+            raise RuntimeError(f"drain failed: {result}")
+        return elapsed
+    finally:
+        for endpoint in endpoints:
+            await endpoint.stop()
+        await bus.close(1)
+        await running.stop(grace=1)
+        redis_server.cleanup()
+
+
+async def measure(options: BenchOptions, sessions_n: int, blocks_n: int, device: str, pods: int) -> dict[str, Any]:
+    sessions = make_sessions(sessions_n, blocks_n, device)
+    total = sessions_n * blocks_n * LAYOUT.block_bytes
+    root = Path(tempfile.mkdtemp(prefix="gw-bench-", dir=os.environ.get("GPUWARDEN_BENCH_DIR") or None))
+    results: dict[str, Any] = {"bytes": total, "sessions": sessions_n, "blocks_per_session": blocks_n}
+    try:
+        w = raw_write(root / "raw", sessions)
+        r = raw_read(root / "raw", sessions)
+        shutil.rmtree(root / "raw")
+        store = FileStore(root / "store")
+        save_s, agent = await agent_save(store, sessions)
+        drop_cache(root / "store")
+        restore_s = await agent_restore(store, sessions, device)
+        inc_s, inc_logical, inc_written = await incremental(agent, sessions)
+        shutil.rmtree(root / "store")
+        st_w = safetensors_save(
+            root / "st", make_sessions(sessions_n, blocks_n, "cpu") if device == "cuda" else sessions
+        )
+        st_r = safetensors_load(root / "st", sessions)
+        shutil.rmtree(root / "st")
+        results |= {
+            "raw_write_gbps": total / w / 1e9,
+            "raw_read_gbps": total / r / 1e9,
+            "save_gbps": total / save_s / 1e9,
+            "restore_gbps": total / restore_s / 1e9,
+            "safetensors_save_gbps": total / st_w / 1e9,
+            "safetensors_load_gbps": total / st_r / 1e9,
+            "incremental_save_gbps": inc_logical / inc_s / 1e9,
+            "incremental_bytes_written": inc_written,
+        }
+        results["save_vs_raw"] = results["save_gbps"] / results["raw_write_gbps"]
+        results["restore_vs_raw"] = results["restore_gbps"] / results["raw_read_gbps"]
+        results["incremental_vs_full"] = results["incremental_save_gbps"] / results["save_gbps"]
+        results["save_vs_safetensors"] = results["save_gbps"] / results["safetensors_save_gbps"]
+        results["restore_vs_safetensors"] = results["restore_gbps"] / results["safetensors_load_gbps"]
+        if device == "cuda":
+            results |= cuda_copy_figures(sessions)
+        with nats_server(options.nats_url) as url:
+            results |= await objstore_figures(url, make_sessions(sessions_n, blocks_n, "cpu"), total)
+            results["objstore_restore_vs_raw_get"] = results["objstore_restore_gbps"] / results["raw_objstore_get_gbps"]
+            results["objstore_save_vs_raw_put"] = results["objstore_save_gbps"] / results["raw_objstore_put_gbps"]
+            results["drain_seconds"] = await drain_figure(url, root / "drain", sessions, pods)
+        results["drain_limit_seconds"] = 1.3 * total / (results["raw_write_gbps"] * 1e9) + 1.0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def cuda_copy_figures(sessions: dict[str, list[Any]]) -> dict[str, float]:
+    """torch's own device-to-host copy rate into pinned memory, next to the agent's staging path."""
+    import torch
+
+    from shared.kv.buffers import Staging, as_block
+
+    blocks = [as_block(b) for bs in sessions.values() for b in bs]
+    nbytes = sum(b.nbytes for b in blocks)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    offset = 0
+    for b in blocks:
+        pinned[offset : offset + b.nbytes].copy_(b.device, non_blocking=True)
+        offset += b.nbytes
+    torch.cuda.synchronize()
+    torch_s = time.perf_counter() - started
+    staging = Staging(nbytes)
+    started = time.perf_counter()
+    staging.device_to_host(blocks)
+    ours_s = time.perf_counter() - started
+    return {"torch_d2h_gbps": nbytes / torch_s / 1e9, "agent_d2h_gbps": nbytes / ours_s / 1e9}
+
+
+TARGETS = [
+    Target("save_vs_raw", ">=", 0.9, "file store save >= 0.9x plain sequential writes + fsync"),
+    Target("restore_vs_raw", ">=", 0.9, "file store restore (digests verified) >= 0.9x plain reads"),
+    Target("save_vs_safetensors", ">=", 1.0, "file store save at least as fast as safetensors (+fsync)"),
+    Target("restore_vs_safetensors", ">=", 1.0, "file store restore faster than safetensors load"),
+    Target("objstore_restore_vs_raw_get", ">=", 5.0, "object store restore >= 5x nats-py object store get"),
+    Target("objstore_save_vs_raw_put", ">=", 1.5, "object store save >= 1.5x nats-py object store put"),
+    Target("incremental_vs_full", ">=", 5.0, "incremental save >= 5x full save in logical bytes/s"),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    known, rest = extra.parse_known_args(argv)
+    from bench.common import exit_code, parse_args
+
+    options = parse_args("checkpoint", __doc__.splitlines()[0] if __doc__ else "", rest)
+    sessions_n, blocks_n, pods = (8, 4, 2) if options.quick else (16, 32, 4)
+    results = asyncio.run(measure(options, sessions_n, blocks_n, known.device, pods))
+    results["device"] = known.device
+    targets = [
+        *TARGETS,
+        Target("drain_margin", ">=", 0.0, "node drain within 1.3x raw write time + 1 s (limit minus measured)"),
+    ]
+    results["drain_margin"] = results["drain_limit_seconds"] - results["drain_seconds"]
+    params = {"sessions": sessions_n, "blocks_per_session": blocks_n, "block_bytes": LAYOUT.block_bytes, "pods": pods}
+    report = finish(options, results, targets, params, machine_info())
+    return exit_code(options, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
