@@ -199,6 +199,7 @@ async def incremental(agent: KvAgent, sessions: dict[str, list[Any]]) -> tuple[f
 async def objstore_figures(url: str, sessions: dict[str, list[Any]], total: int) -> dict[str, float]:
     import nats
     from nats.js.api import ObjectMeta, ObjectMetaOptions
+
     from shared.kv.objstore import NatsObjectStore
 
     nc = await nats.connect(url)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -94,6 +95,7 @@ class Consumer:
     task: asyncio.Task[None] | None = None
     stats: ConsumerStats = field(default_factory=ConsumerStats)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    meters: tuple[Any, Any] | None = None  # (handler seconds, acks) metric children, looked up once
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop fetching, let in-flight handlers finish for up to ``grace`` seconds, nak what is left."""
@@ -130,6 +132,9 @@ class Bus:
         self._consumers: list[Consumer] = []
         self._subscriptions: list[Any] = []
         self._streams_ready: set[str] = set()
+        # Metric children looked up once: ``labels()`` costs a lock and a dict lookup on every message.
+        self._published_core = telemetry.published.labels("core")
+        self._published_js = telemetry.published.labels("jetstream")
         self._refused: dict[str, float] = {}
 
     # -- connection ---------------------------------------------------------------------------------------------
@@ -161,7 +166,8 @@ class Bus:
 
         async def disconnected_cb() -> None:
             up.set(0)
-            log.warning("nats disconnected; reconnecting")
+            if not nc.is_closed:  # close() sets CLOSED before it calls back: a deliberate close is no outage
+                log.warning("nats disconnected; reconnecting")
 
         async def reconnected_cb() -> None:
             up.set(1)
@@ -277,10 +283,10 @@ class Bus:
         data = self.encode(event)
         if not self.subjects.is_jetstream(event):
             await self.nc.publish(subject, data)
-            self.telemetry.published.labels("core").inc()
+            self._published_core.inc()
             return
         await self._publish_js(subject, data, event.event_id)
-        self.telemetry.published.labels("jetstream").inc()
+        self._published_js.inc()
 
     async def _publish_js(self, subject: str, data: bytes, msg_id: str) -> None:
         started = time.monotonic()
@@ -311,11 +317,14 @@ class Bus:
         pending: list[tuple[asyncio.Future[Any], str, bytes, str]] = []
 
         async def settle(batch: list[tuple[asyncio.Future[Any], str, bytes, str]]) -> None:
+            if not batch:
+                return
+            done, _ = await asyncio.wait([f for f, *_ in batch], timeout=5.0)
             for future, subject, data, msg_id in batch:
-                try:
-                    await asyncio.wait_for(future, timeout=5.0)
-                except Exception:  # retried one by one, still deduplicated by the same id
-                    await self._publish_js(subject, data, msg_id)
+                if future in done and not future.cancelled() and future.exception() is None:
+                    continue
+                future.cancel()  # retried one by one, still deduplicated by the same id
+                await self._publish_js(subject, data, msg_id)
 
         for event in events:
             if not event.source:
@@ -331,7 +340,7 @@ class Bus:
                 await settle(pending)
                 pending = []
         await settle(pending)
-        self.telemetry.published.labels("jetstream").inc(len(events))
+        self._published_js.inc(len(events))
 
     # -- core subscriptions and request/reply -------------------------------------------------------------------
     async def subscribe(
@@ -344,6 +353,9 @@ class Bus:
     ) -> None:
         """Core NATS subscription (telemetry). Bad input is dead-lettered like on a durable consumer."""
         label = name or subject
+        handled = self.telemetry.messages.labels(label, "ack")
+        failed = self.telemetry.messages.labels(label, "error")
+        seconds = self.telemetry.handler_seconds.labels(label)
 
         async def on_msg(msg: Msg) -> None:
             event, reason = self._decode(msg.data, accepts, DEFAULT_MAX_EVENT_BYTES)
@@ -353,12 +365,12 @@ class Bus:
             started = time.perf_counter()
             try:
                 await handler(event)
-                self.telemetry.messages.labels(label, "ack").inc()
+                handled.inc()
             except Exception as exc:
                 log.exception("core handler failed", extra={"subject": msg.subject, "error": str(exc)})
-                self.telemetry.messages.labels(label, "error").inc()
+                failed.inc()
             finally:
-                self.telemetry.handler_seconds.labels(label).observe(time.perf_counter() - started)
+                seconds.observe(time.perf_counter() - started)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         self._subscriptions.append(sub)
@@ -406,13 +418,13 @@ class Bus:
         """Start the consumer loop for ``spec`` in the background; returns once the consumer exists."""
         await self.ensure_stream(spec.stream)
         await self.ensure_stream(self.subjects.deadletter_stream)
-        psub = await self._pull_subscription(spec)
+        await self._ensure_consumer(spec)
         consumer = Consumer(spec=spec)
-        consumer.task = asyncio.create_task(self._consume_loop(spec, handler, psub, consumer), name=spec.durable)
+        consumer.task = asyncio.create_task(self._consume_loop(spec, handler, consumer), name=spec.durable)
         self._consumers.append(consumer)
         return consumer
 
-    async def _pull_subscription(self, spec: ConsumerSpec) -> Any:
+    async def _ensure_consumer(self, spec: ConsumerSpec) -> None:
         config = js_api.ConsumerConfig(
             durable_name=spec.durable,
             ack_policy=js_api.AckPolicy.EXPLICIT,
@@ -430,68 +442,105 @@ class Bus:
                 await self.js.add_consumer(spec.stream.name, config)
             except nats.js.errors.BadRequestError:
                 await self.js.consumer_info(spec.stream.name, spec.durable)
-        return await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream.name)
 
-    async def _consume_loop(self, spec: ConsumerSpec, handler: Handler, psub: Any, consumer: Consumer) -> None:
+    PULL_EXPIRES = 1.0  # seconds a pull request stays open on the server
+
+    async def _consume_loop(self, spec: ConsumerSpec, handler: Handler, consumer: Consumer) -> None:
+        """A continuous pull. Pull requests stay open on the server, which pushes each message into this loop's
+        inbox as soon as it is stored; each is handled as it comes. No ``fetch()`` round trip per batch (nor its
+        wait for a batch to fill), no task per message inside nats-py.
+
+        Never more is asked for than can start at once (``concurrency`` minus handlers running, at most
+        ``batch``), so no message waits here while its ``ack_wait`` runs. A request that ends (expired, no
+        messages, 409) is written off and renewed; when nothing at all has been heard for a few expiry periods
+        (a reconnect, a restarted server) the stream and consumer are ensured again before asking anew."""
+        nc = self.nc
+        loop = asyncio.get_running_loop()
+        next_subject = f"{self.js._prefix}.CONSUMER.MSG.NEXT.{spec.stream.name}.{spec.durable}"
+        inbox = nc.new_inbox()
         slots = asyncio.Semaphore(spec.concurrency)
         inflight: set[asyncio.Task[None]] = set()
-        failures = 0
-        while not consumer.stopping.is_set():
-            free = spec.concurrency - len(inflight)
-            if free <= 0:
-                await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-                continue
-            fetch = asyncio.ensure_future(psub.fetch(min(spec.batch, free), timeout=1.0))
-            stop = asyncio.ensure_future(consumer.stopping.wait())
-            await asyncio.wait((fetch, stop), return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
+        most = min(spec.batch, spec.concurrency)
+        low_water = max(1, most // 2)
+        owed = 0  # messages asked for, neither delivered yet nor written off by a status message
+        heard = time.monotonic()
+        wake = asyncio.Event()
+
+        def finished(task: asyncio.Task[None]) -> None:
+            inflight.discard(task)
+            slots.release()
+            wake.set()
+
+        async def on_msg(msg: Msg) -> None:
+            nonlocal owed, heard
+            heard = time.monotonic()
+            status = msg.headers.get("Status") if msg.headers and not msg.data else None
+            if status:
+                if status != "100":  # not a heartbeat: 404 no messages, 408 expired, 409 ...: the request is over
+                    pending = msg.headers.get("Nats-Pending-Messages") if msg.headers else None
+                    owed = max(0, owed - int(pending)) if pending else 0
+                    if status == "409":
+                        consumer.stats.fetch_errors += 1
+                        consumer.stats.last_error = f"pull: 409 {(msg.headers or {}).get('Description', '')}"
+                        heard = 0.0  # ensure the consumer again before the next request
+                    wake.set()
+                return
+            owed = max(0, owed - 1)
             if consumer.stopping.is_set():
-                await self._abandon_fetch(fetch)
-                break
-            try:
-                msgs = fetch.result()
-                failures = 0
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                consumer.stats.fetch_errors += 1
-                consumer.stats.last_error = f"fetch: {exc!r}"
-                if failures in (1, 10) or failures % 100 == 0:
-                    log.warning("fetch failed; retrying", extra={"consumer": spec.durable, "error": repr(exc)})
-                await asyncio.sleep(min(0.1 * failures, 1.0))
-                if isinstance(exc, nats.js.errors.NotFoundError) or failures % 20 == 0:
-                    with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):
+                    await msg.nak()
+                return
+            await slots.acquire()
+            task = asyncio.create_task(self._handle(spec, handler, msg, consumer))
+            inflight.add(task)
+            task.add_done_callback(finished)
+
+        ticker: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal ticker
+            wake.set()
+            ticker = loop.call_later(self.PULL_EXPIRES, tick)
+
+        ticker = loop.call_later(self.PULL_EXPIRES, tick)
+        stop_watch = asyncio.ensure_future(consumer.stopping.wait())
+        stop_watch.add_done_callback(lambda _: wake.set())
+        sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=max(most * 4, 1024))
+        wake.set()
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                if consumer.stopping.is_set():
+                    break
+                if time.monotonic() - heard > 3 * self.PULL_EXPIRES:
+                    try:  # silence: the request was lost with a connection or a server; start again
                         self._streams_ready.discard(spec.stream.name)
                         await self.ensure_stream(spec.stream)
-                        psub = await self._pull_subscription(spec)
-                continue
-            for msg in msgs:
-                await slots.acquire()
-                task = asyncio.create_task(self._handle(spec, handler, msg, consumer))
-                inflight.add(task)
-
-                def done(t: asyncio.Task[None]) -> None:
-                    inflight.discard(t)
-                    slots.release()
-
-                task.add_done_callback(done)
-        if inflight:
-            _, pending = await asyncio.wait(inflight, timeout=10.0)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-
-    @staticmethod
-    async def _abandon_fetch(fetch: asyncio.Future[list[Msg]]) -> None:
-        """On shutdown: a fetch that already brought messages gives them back at once, not after ack_wait."""
-        if not fetch.done():
-            fetch.cancel()
-        with contextlib.suppress(BaseException):
-            for msg in await fetch:
-                await msg.nak()
+                        await self._ensure_consumer(spec)
+                        owed, heard = 0, time.monotonic()
+                    except Exception as exc:
+                        consumer.stats.fetch_errors += 1
+                        consumer.stats.last_error = f"pull: {exc!r}"
+                        log.warning("pull failed; retrying", extra={"consumer": spec.durable, "error": repr(exc)})
+                        heard = time.monotonic() - 2 * self.PULL_EXPIRES  # try again a tick later
+                        continue
+                room = min(spec.batch, spec.concurrency - len(inflight)) - owed
+                if room > 0 and (owed == 0 or room >= low_water):
+                    owed += room
+                    request = {"batch": room, "expires": int(self.PULL_EXPIRES * 1e9)}
+                    await nc.publish(next_subject, json.dumps(request).encode(), reply=inbox)
+        finally:
+            ticker.cancel()
+            stop_watch.cancel()
+            if inflight:
+                _, pending = await asyncio.wait(inflight, timeout=10.0)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+            # messages the open requests still deliver meanwhile are nak'ed by on_msg; later ones wait ack_wait
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     def _decode(self, data: bytes, accepts: tuple[type[Event], ...], max_bytes: int) -> tuple[Event | None, str]:
         if len(data) > max_bytes:
@@ -507,13 +556,22 @@ class Bus:
             return None, f"unexpected kind {event.kind!r} here; this consumer takes: {names}"
         return event, ""
 
-    async def _handle(self, spec: ConsumerSpec, handler: Handler, msg: Msg, consumer: Consumer) -> None:
+    @staticmethod
+    def _delivery(msg: Msg) -> tuple[int | None, int]:
+        """(stream sequence, deliveries so far), parsed from the reply subject: only on the failure paths."""
         metadata = msg.metadata
-        deliveries = metadata.num_delivered or 1
-        stream_seq = metadata.sequence.stream if metadata.sequence else None
+        return (metadata.sequence.stream if metadata.sequence else None), (metadata.num_delivered or 1)
+
+    async def _handle(self, spec: ConsumerSpec, handler: Handler, msg: Msg, consumer: Consumer) -> None:
+        meters = consumer.meters
+        if meters is None:
+            meters = consumer.meters = (
+                self.telemetry.handler_seconds.labels(spec.durable),
+                self.telemetry.messages.labels(spec.durable, "ack"),
+            )
         event, reason = self._decode(msg.data, spec.accepts, spec.max_event_bytes)
         if event is None:
-            await self._reject(spec, msg, reason, stream_seq, deliveries, consumer)
+            await self._reject(spec, msg, reason, *self._delivery(msg), consumer)
             return
         loop = asyncio.get_running_loop()
         heartbeat: asyncio.TimerHandle | None = None
@@ -529,7 +587,7 @@ class Bus:
             await handler(event)
         except PermanentError as exc:
             heartbeat.cancel()
-            await self._reject(spec, msg, f"permanent: {exc}", stream_seq, deliveries, consumer)
+            await self._reject(spec, msg, f"permanent: {exc}", *self._delivery(msg), consumer)
             return
         except asyncio.CancelledError:
             heartbeat.cancel()
@@ -538,13 +596,13 @@ class Bus:
             raise
         except Exception as exc:
             heartbeat.cancel()
-            await self._retry(spec, msg, exc, stream_seq, deliveries, consumer)
+            await self._retry(spec, msg, exc, *self._delivery(msg), consumer)
             return
         heartbeat.cancel()
-        self.telemetry.handler_seconds.labels(spec.durable).observe(time.perf_counter() - started)
+        meters[0].observe(time.perf_counter() - started)
         await msg.ack()
         consumer.stats.handled += 1
-        self.telemetry.messages.labels(spec.durable, "ack").inc()
+        meters[1].inc()
 
     async def _retry(
         self, spec: ConsumerSpec, msg: Msg, exc: Exception, seq: int | None, deliveries: int, consumer: Consumer
