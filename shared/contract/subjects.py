@@ -94,6 +94,22 @@ _FIELD_RE = re.compile(r"\{(\w+)\}")
 _ROOT_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]{0,31}$")
 
 
+_COMPILED: dict[str, list[tuple[str, str]]] = {}
+
+
+def _compiled(kind: str) -> list[tuple[str, str]]:
+    """A route template as (literal, field) pairs, split once per kind: subjects are built on the hot path."""
+    compiled = _COMPILED.get(kind)
+    if compiled is None:
+        template, compiled, last = ROUTES[kind].template, [], 0
+        for match in _FIELD_RE.finditer(template):
+            compiled.append((template[last : match.start()], match.group(1)))
+            last = match.end()
+        compiled.append((template[last:], ""))
+        _COMPILED[kind] = compiled
+    return compiled
+
+
 class SubjectError(ValueError):
     """A subject cannot be built: a field is not a valid subject token."""
 
@@ -122,18 +138,18 @@ class Subjects:
         return ROUTES[kind]
 
     def for_event(self, event: Event) -> str:
-        route = ROUTES[event.kind]
-
-        def fill(match: re.Match[str]) -> str:
-            value = getattr(event, match.group(1))
-            if not isinstance(value, str) or not is_token(value):
-                raise SubjectError(
-                    f"{event.kind}: field {match.group(1)}={value!r} is not a subject token "
-                    "(letters, digits, '-', '_' and '.')"
-                )
-            return subject_token(value)
-
-        return f"{self.root}.{_FIELD_RE.sub(fill, route.template)}"
+        parts = [self.root, "."]
+        for literal, name in _compiled(event.kind):
+            parts.append(literal)
+            if name:
+                value = getattr(event, name)
+                if not isinstance(value, str) or not is_token(value):
+                    raise SubjectError(
+                        f"{event.kind}: field {name}={value!r} is not a subject token "
+                        "(letters, digits, '-', '_' and '.')"
+                    )
+                parts.append(value.replace(".", "_"))
+        return "".join(parts)
 
     def pattern(self, kind: str, **fields: str) -> str:
         """A subscription pattern for ``kind``: given fields are filled, the others become ``*``."""

@@ -1,26 +1,57 @@
-"""Choose the checkpoint store from ``GPUWARDEN_CHECKPOINT_STORE``: ``file:///abs/path`` or ``nats://<bucket>``."""
+"""Choose the checkpoint store from ``GPUWARDEN_CHECKPOINT_STORE``.
+
+    file:///absolute/path          FileStore on a filesystem or PersistentVolume
+    nats://<bucket>                NatsObjectStore on the JetStream Object Store bucket (reachable from every
+    nats://<bucket>?replicas=3     node; created on first use with file storage and the given replicas)
+
+The NATS store rides on the service's existing connection (its credentials, TLS and reconnects), so ``nc`` is
+required for ``nats://`` and the URL carries no server address.
+"""
 
 from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from nats.aio.client import Client
 
 from shared.kv.filestore import FileStore
 from shared.kv.store import CheckpointStore
 
-_BUCKET = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+VARIABLE = "GPUWARDEN_CHECKPOINT_STORE"
+FORMS = "file:///absolute/path or nats://<bucket>[?replicas=N]"
+_BUCKET = re.compile(r"^[A-Za-z0-9_-]{1,240}$")
 
 
-def open_store(url: str, nc: Any = None) -> CheckpointStore:
-    if url.startswith("file:///"):
-        return FileStore(url.removeprefix("file://"))
+def open_store(url: str, nc: Client | None = None) -> CheckpointStore:
+    """The store a ``GPUWARDEN_CHECKPOINT_STORE`` value names. Raises ``ValueError`` naming the variable and the
+    allowed forms for anything else."""
+    if url.startswith("file://"):
+        path = url[len("file://") :]
+        if not path.startswith("/") or path.rstrip("/") == "":
+            raise ValueError(f"{VARIABLE}={url!r}: the path must be absolute and not '/': expected {FORMS}")
+        return FileStore(path)
     if url.startswith("nats://"):
-        bucket = url.removeprefix("nats://").strip("/")
-        if not _BUCKET.match(bucket):
-            raise ValueError(f"GPUWARDEN_CHECKPOINT_STORE={url!r}: bucket names are letters, digits, '_' and '-'")
+        parts = urlsplit(url)
+        bucket = parts.netloc
+        if parts.path not in ("", "/") or parts.fragment or not _BUCKET.match(bucket):
+            raise ValueError(
+                f"{VARIABLE}={url!r}: the bucket name is letters, digits, '_' and '-' only: expected {FORMS}"
+            )
+        options: dict[str, Any] = {}
+        for key, values in parse_qs(parts.query, keep_blank_values=True).items():
+            if key != "replicas":
+                raise ValueError(f"{VARIABLE}={url!r}: unknown option {key!r}: expected {FORMS}")
+            try:
+                options["replicas"] = int(values[-1])
+            except ValueError:
+                raise ValueError(f"{VARIABLE}={url!r}: replicas must be a number from 1 to 5") from None
+            if not 1 <= options["replicas"] <= 5:
+                raise ValueError(f"{VARIABLE}={url!r}: replicas must be a number from 1 to 5")
         if nc is None:
-            raise ValueError(f"GPUWARDEN_CHECKPOINT_STORE={url!r}: the object store needs a NATS connection")
+            raise ValueError(f"{VARIABLE}={url!r}: the NATS object store needs a connected NATS client (nc)")
         from shared.kv.objstore import NatsObjectStore
 
-        return NatsObjectStore(nc, bucket)  # type: ignore[return-value]
-    raise ValueError(f"GPUWARDEN_CHECKPOINT_STORE={url!r}: expected file:///absolute/path or nats://<bucket>")
+        return NatsObjectStore(nc, bucket, **options)
+    raise ValueError(f"{VARIABLE}={url!r}: expected {FORMS}")
