@@ -38,12 +38,13 @@ layers: install
 
 bench: install
 	$(BIN)/python -m bench.bus $(BENCH_ARGS)
+	$(BIN)/python -m bench.checkpoint $(BENCH_ARGS)
 
 schemas: install
 	$(BIN)/python -m shared.contract.schemas
 
 proto: install
-	@echo "no .proto files yet: the device plugin and KEDA scaler issues add them"
+	@echo "no .proto files yet: the device plugin (issue 5) and KEDA scaler (issue 7) add them"
 
 clean:
 	rm -rf $(VENV) bench/results .mypy_cache .ruff_cache .pytest_cache

@@ -159,3 +159,99 @@ async def test_a_drain_with_an_impossible_deadline_is_dead_lettered(
     await eventually(lambda: letters)
     assert "must be positive and shorter than grace_period_s=30" in letters[0].reason
     await asyncio.sleep(0)
+
+
+async def test_agent_killed_mid_save_leaves_no_partial_checkpoint_and_the_drain_names_what_is_missing(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.kv_agent_worker import layout
+
+    store_dir = tmp_path / "store"
+    store = FileStore(store_dir)
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
+    running = await start_service(service, settings)
+    seen = await verdicts(bus, subjects)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.kv_agent_worker",
+            settings.nats.servers[0],
+            subjects.root,
+            str(store_dir),
+            "doomed",
+            "node-1",
+            "3",
+            "8",
+            "24",
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert worker.stdout is not None
+        line = await asyncio.get_running_loop().run_in_executor(None, worker.stdout.readline)
+        assert line.strip() == b"ready"
+        first = {sid: await store.checkpoints(sid) for sid in ("doomed-s0", "doomed-s1", "doomed-s2")}
+        assert all(len(ids) == 1 for ids in first.values())
+        await eventually(lambda: _count(service, "node-1", 3))
+        await bus.publish(DrainRequested(node="node-1", drain_id="d-kill", deadline_s=4, grace_period_s=30))
+        await eventually(lambda: any(p.name.startswith(".tmp-") for p in store.packs_dir.iterdir()), timeout=10)
+        worker.send_signal(signal.SIGKILL)  # mid-save: its pack is half written, no manifest yet
+        worker.wait(10)
+        await eventually(lambda: seen, timeout=15)
+        verdict = seen[0]
+        assert isinstance(verdict, DrainFailed)
+        assert sorted(f.session_id for f in verdict.failed_sessions) == ["doomed-s0", "doomed-s1", "doomed-s2"]
+        assert all("did not answer" in f.reason for f in verdict.failed_sessions)
+        for sid, ids in first.items():
+            assert await store.checkpoints(sid) == ids  # nothing partial became visible
+            restorer = KvAgent(store, pod="p2", node="node-2", namespace="llm", deployment="llama", layout=layout(8))
+            restored = await restorer.restore(sid)
+            s = int(sid[-1])
+            assert all(bytes(b) == bytes([(s * 31 + i) % 251]) * len(b) for i, b in enumerate(restored.blocks))
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        await running.stop(grace=1)
+
+
+async def test_periodic_and_prestop_saves_are_recorded(
+    mesh: dict[str, object], bus: Bus, subjects: Subjects, settings: Settings
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    saved: list[CheckpointSaved] = []
+
+    async def on_saved(event: CheckpointSaved) -> None:
+        saved.append(event)
+
+    await bus.subscribe(subjects.pattern("checkpoint.saved"), on_saved, (CheckpointSaved,))
+    pod: Pod = await mesh["add_pod"]("llama-7", "node-1", 2, serve=False)  # type: ignore[operator]
+    await pod.endpoint.start(periodic_s=0.2)
+    await eventually(lambda: len({e.session_id for e in saved}) == 2)
+    assert all(e.drain_id == "" for e in saved)
+    # the preStop hook, as a pod runs it: a separate process asks the agent for a final save
+    env = dict(os.environ, GPUWARDEN_NATS_URL=settings.nats.servers[0], GPUWARDEN_ROOT=subjects.root)
+    result = await asyncio.get_running_loop().run_in_executor(
+        None,
+        lambda: subprocess.run(
+            [sys.executable, "-m", "shared.cli", "agent", "final-save", "--pod", "llama-7", "--deadline", "10"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ),
+    )
+    assert result.returncode == 0, result.stderr
+    assert '"kind":"checkpoint.save.report"' in result.stdout and '"failed":[]' in result.stdout
+    import json
+
+    final_ids = {c["checkpoint_id"] for c in json.loads(result.stdout)["committed"]}
+    assert len(final_ids) == 2
+    await eventually(lambda: final_ids <= {e.checkpoint_id for e in saved})  # the final save was recorded too

@@ -244,3 +244,14 @@ def test_write_error_from_a_file_size_limit_is_a_store_error(tmp_path: Path) -> 
         signal.signal(signal.SIGXFSZ, previous)
     assert report.failed and "File too large" in report.failed[0].reason
     assert asyncio.run(store.checkpoints("s1")) == []
+
+
+def test_the_documented_example_runs(tmp_path: Path) -> None:
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "shared.kv.example", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "byte for byte True" in result.stdout
+    assert "incremental save of a: 262,144 of 2,097,152 bytes written" in result.stdout

@@ -93,7 +93,14 @@ class AgentEndpoint:
                 "seconds": round(time.monotonic() - started, 3),
             },
         )
-        return report_event(self.agent, report)
+        event = report_event(self.agent, report)
+        if not command.drain_id and event.committed:  # a drain's saves are recorded by the service that asked
+            await self._record(event)
+        return event
+
+    async def _record(self, event: SaveSessionsReport) -> None:
+        with contextlib.suppress(Exception):
+            await self.bus.request(self.bus.subjects.command("checkpoint", "record"), event, 5.0)
 
     async def announce(self) -> None:
         sessions = tuple(sorted(self.agent.sessions()))
@@ -127,16 +134,12 @@ class AgentEndpoint:
             await asyncio.sleep(interval)
             report = await self.agent.save(reason="periodic")
             if report.committed:
-                with contextlib.suppress(Exception):
-                    await self.bus.request(
-                        self.bus.subjects.command("checkpoint", "record"), report_event(self.agent, report), 5.0
-                    )
+                await self._record(report_event(self.agent, report))
 
     async def final_save(self, deadline_s: float) -> SaveSessionsReport:
         """The preStop hook's save: everything the pod holds, recorded by the checkpoint service."""
         report = report_event(self.agent, await self.agent.save(deadline_s=deadline_s, reason="prestop"))
-        with contextlib.suppress(Exception):
-            await self.bus.request(self.bus.subjects.command("checkpoint", "record"), report, 5.0)
+        await self._record(report)
         return report
 
     async def restore(
