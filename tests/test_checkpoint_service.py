@@ -188,7 +188,7 @@ async def test_agent_killed_mid_save_leaves_no_partial_checkpoint_and_the_drain_
             "3",
             "8",
             "24",
-        ],  # fmt: skip
+        ],
         stdout=subprocess.PIPE,
     )
     try:
