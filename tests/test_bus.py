@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import msgspec
@@ -229,3 +230,36 @@ def test_dead_letter_json_is_readable() -> None:
     letter = DeadLetter(origin_subject="gw.node.n1.drain.requested", reason="malformed payload: x", payload=b"{")
     doc = json.loads(codec.encode(letter))
     assert doc["kind"] == "deadletter" and doc["reason"] == "malformed payload: x"
+
+
+async def test_a_message_whose_handler_never_answers_is_dead_lettered_from_the_advisory(
+    bus: Bus, subjects: Subjects
+) -> None:
+    """A consumer that takes a message and dies (here: a raw fetch that never acks) on every delivery: the
+    server gives up after max_deliver and the bus dead-letters it from the advisory."""
+    from nats.js import api as js_api
+
+    letters = await collect_dead_letters(bus, subjects)
+    spec = drain_spec(subjects, durable="crashy", max_deliver=2, ack_wait=0.3)
+    await bus.ensure_stream(spec.stream)
+    await bus.js.add_consumer(
+        spec.stream.name,
+        js_api.ConsumerConfig(
+            durable_name="crashy",
+            ack_policy=js_api.AckPolicy.EXPLICIT,
+            ack_wait=0.3,
+            max_deliver=2,
+            filter_subject=spec.filter_subjects[0],
+        ),
+    )
+    await bus.watch_exhausted(spec)
+    psub = await bus.js.pull_subscribe_bind(durable="crashy", stream=spec.stream.name)
+    await bus.publish(DrainRequested(node="n1", drain_id="lost-cause"))
+    for _ in range(2):  # take it and never answer, twice
+        await psub.fetch(1, timeout=5)
+    with contextlib.suppress(Exception):  # a waiting pull is what makes the server look at it again
+        await psub.fetch(1, timeout=1.5)
+    await eventually(lambda: letters, timeout=10)
+    assert letters[0].consumer == "crashy"
+    assert "exhausted 2 deliveries without an answer" in letters[0].reason
+    assert msgspec.json.decode(letters[0].payload)["drain_id"] == "lost-cause"

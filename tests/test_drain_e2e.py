@@ -4,10 +4,7 @@ byte for byte against its deterministic content."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
-
-import pytest
 
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.handlers import CheckpointService
@@ -112,10 +109,15 @@ async def _registered(service: CheckpointService, node: str, count: int) -> bool
     return len(await service.registry.sessions_on_node(node)) == count
 
 
-@pytest.fixture
-def file_store(tmp_path: Path) -> AsyncIterator[FileStore]:
-    return FileStore(tmp_path / "checkpoints")  # type: ignore[return-value]
-
-
 async def test_drain_with_the_file_store(settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path) -> None:
     await run_drain_scenario(settings, subjects, bus, FileStore(tmp_path / "checkpoints"))
+
+
+async def test_drain_with_the_nats_object_store(settings: Settings, subjects: Subjects, bus: Bus) -> None:
+    from shared.kv.objstore import NatsObjectStore
+
+    bucket = f"{subjects.root}-ckpt"
+    try:
+        await run_drain_scenario(settings, subjects, bus, NatsObjectStore(bus.nc, bucket))
+    finally:
+        await bus.js.delete_object_store(bucket)

@@ -4,6 +4,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shared.kv.stores import parse_store_url
 from shared.plumbing.errors import SettingsError
 
 
@@ -30,8 +31,10 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
 def load(env: Mapping[str, str] | None = None) -> CheckpointSettings:
     env = os.environ if env is None else env
     store = env.get("GPUWARDEN_CHECKPOINT_STORE", "file:///var/lib/gpuwarden/checkpoints")
-    if not (store.startswith("file:///") or store.startswith("nats://")):
-        raise SettingsError(f"GPUWARDEN_CHECKPOINT_STORE={store!r}: expected file:///absolute/path or nats://<bucket>")
+    try:
+        parse_store_url(store)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     return CheckpointSettings(
         store=store,
         gc_interval_s=_seconds(env, "GPUWARDEN_CHECKPOINT_GC_S", 60.0),

@@ -364,6 +364,9 @@ class CheckpointService:
         garbage = unreferenced_packs({p.pack_id: p.modified for p in packs}, kept, now, self.settings.gc_grace_s)
         for pack_id in garbage:
             await self.store.delete_pack(pack_id)
+        sweep = getattr(self.store, "sweep_orphans", None)  # object store: chunks an aborted save left behind
+        if sweep is not None:
+            await sweep(self.settings.gc_grace_s)
         if doomed or garbage:
             log.info("retention", extra={"checkpoints_deleted": len(doomed), "packs_deleted": len(garbage)})
         return len(doomed), len(garbage)

@@ -32,6 +32,9 @@ truncated pack, never silently shifted bytes. The object's SHA-256 is verified w
 read (manifests always; packs when a restore reads all of one). Per-block integrity stays with the caller's
 digests (``ChunkRef.digest``), which also catch corruption that happened before the bytes reached NATS.
 
+Deleting an object purges its meta subject first (it disappears at once), then its chunks. A write aborted
+while the server was unreachable leaves chunks without a meta; ``sweep_orphans`` purges them once old enough.
+
 Durability is the server's: use replicas 3 and ``sync_interval: always`` for checkpoints that must survive
 power loss (by default the server fsyncs every 2 minutes).
 """
@@ -71,7 +74,7 @@ SEQUENCES_HEADER = "Gpuwarden-Chunk-Sequences"
 PACK_PREFIX = "packs/"
 SESSION_PREFIX = "sessions/"
 
-MAX_CHUNK_SIZE = 1024 * 1024  # measured fastest with nats-py (bigger messages only add buffering)
+MAX_CHUNK_SIZE = 1024 * 1024  # 256 KiB..1 MiB measured alike; 1 MiB: fewer messages, 2 MiB blocks align
 WINDOW_BYTES = 16 * 1024 * 1024  # outstanding publish acks, and bytes per pull request pair, per object
 READ_CONCURRENCY = 2  # chunk runs read at once (each with its own consumer)
 HASH_BACKLOG = 16  # chunk payloads queued for the hashing thread before the reader waits
@@ -231,7 +234,7 @@ class ObjectWriter:
         self.seqs: list[int] = []
         self._sha = hashlib.sha256()
         self._hasher: ThreadPoolExecutor | None = None
-        self._stage = bytearray(self.chunk_size)
+        self._stage: bytearray | None = None  # one chunk, for the seams between appended buffers
         self._fill = 0
         self._pending: deque[asyncio.Future[Any]] = deque()
         self._window = max(1, store.window_bytes // self.chunk_size)
@@ -239,33 +242,45 @@ class ObjectWriter:
         self._meta_sent = False
         self._failed: str | None = None
         self._done = False
+        self._sealed = False
 
     # -- writing ------------------------------------------------------------------------------------------------
-    async def append(self, chunks: Sequence[Any]) -> list[int]:
+    async def append(self, chunks: Sequence[Any], last: bool = False) -> list[int]:
         """Append buffers in order; returns each one's offset in the object. The buffers are hashed and handed
-        to the connection (copied) before this returns, so the caller may reuse them afterwards."""
+        to the connection (copied) before this returns, so the caller may reuse them afterwards. ``last``: no
+        more appends follow, so the final short chunk goes out now, without staging."""
         self._check_open()
-        await self.store._ensure()
+        if self._sealed:
+            raise StoreError(f"writing {self.name}: append after the last one")
+        self._sealed = last
         views = [_byte_view(c) for c in chunks]
         offsets = []
         for view in views:
             offsets.append(self.size)
             self.size += len(view)
+        try:
+            await self.store._ensure()
+            await self._append(views, offsets, last)
+        except BaseException as exc:  # a failed or interrupted append leaves the object unusable
+            self._fail(str(exc) or type(exc).__name__)
+            raise
+        return offsets
+
+    async def _append(self, views: list[memoryview], offsets: list[int], last: bool) -> None:
         total = self.size - offsets[0] if offsets else 0
         if total < INLINE_HASH_BYTES:
             _update_all(self._sha, views)  # small (manifests): a thread hop costs more than the hash
-            for view in views:
-                await self._feed(view)
-            return offsets
+            for i, view in enumerate(views):
+                await self._feed(view, last and i == len(views) - 1)
+            return
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="objstore-sha")
         hashing = asyncio.get_running_loop().run_in_executor(self._hasher, _update_all, self._sha, views)
         try:
-            for view in views:
-                await self._feed(view)
+            for i, view in enumerate(views):
+                await self._feed(view, last and i == len(views) - 1)
         finally:
             await asyncio.shield(hashing)
-        return offsets
 
     def _check_open(self) -> None:
         if self._failed is not None:
@@ -273,11 +288,12 @@ class ObjectWriter:
         if self._done:
             raise StoreError(f"writing {self.name}: already committed or aborted")
 
-    async def _feed(self, view: memoryview) -> None:
+    async def _feed(self, view: memoryview, last: bool = False) -> None:
         cs = self.chunk_size
         pos = 0
         n = len(view)
         if self._fill:
+            assert self._stage is not None
             take = min(cs - self._fill, n)
             self._stage[self._fill : self._fill + take] = view[:take]
             self._fill += take
@@ -289,6 +305,11 @@ class ObjectWriter:
             await self._send(view[pos : pos + cs])
             pos += cs
         if pos < n:
+            if last and not self._fill:
+                await self._send(view[pos:])
+                return
+            if self._stage is None:
+                self._stage = bytearray(cs)
             rest = n - pos
             self._stage[:rest] = view[pos:]
             self._fill = rest
@@ -332,13 +353,18 @@ class ObjectWriter:
             self._done = True  # nothing to reference: no empty pack object
             self._close_hasher()
             return
-        await self._finish_chunks()
-        await self._settle_meta(await self._send_meta())
+        try:
+            await self._finish_chunks()
+            await self._settle_meta(await self._send_meta())
+        except BaseException as exc:
+            self._fail(str(exc) or type(exc).__name__)
+            raise
 
     async def _finish_chunks(self) -> None:
         self._check_open()
         await self.store._ensure()
         if self._fill:
+            assert self._stage is not None
             await self._send(memoryview(self._stage)[: self._fill])
             self._fill = 0
         while self._pending:
@@ -593,7 +619,7 @@ class NatsObjectStore:
         info = await self._api(
             what,
             f"CONSUMER.CREATE.{self.stream}.{name}",
-            {"stream_name": self.stream, "config": config, "action": "create"},
+            {"stream_name": self.stream, "config": config},
         )
         try:
             total = count_from_pending(int(info.get("num_pending") or 0))
@@ -644,20 +670,28 @@ class NatsObjectStore:
                 result = on_msg(k, msg)
                 if result is not None:
                     await result
-            except StoreError as exc:
+                if received == total:
+                    if not done.done():
+                        done.set_result(None)
+                else:
+                    await request_more()
+            except Exception as exc:
                 if not done.done():
-                    done.set_exception(exc)
-                return
-            if received == total:
-                if not done.done():
-                    done.set_result(None)
-            else:
-                await request_more()
+                    done.set_exception(exc if isinstance(exc, StoreError) else StoreError(f"{what}: {exc!r}"))
 
         pending_bytes = 8 * window_bytes + 16 * 1024 * 1024
-        sub = await self.nc.subscribe(inbox, cb=handle, pending_msgs_limit=1 << 20, pending_bytes_limit=pending_bytes)
         try:
-            await request_more()
+            sub = await self.nc.subscribe(
+                inbox, cb=handle, pending_msgs_limit=1 << 20, pending_bytes_limit=pending_bytes
+            )
+        except nats.errors.Error as exc:
+            self._spawn(self._delete_consumer(name))
+            raise StoreError(f"{what}: {exc or type(exc).__name__}") from exc
+        try:
+            try:
+                await request_more()
+            except nats.errors.Error as exc:
+                raise StoreError(f"{what}: {exc or type(exc).__name__}") from exc
             while not done.done():
                 seen = received
                 await asyncio.wait([done], timeout=self.read_timeout)
@@ -744,16 +778,14 @@ class NatsObjectStore:
             if hasher is not None:
                 hasher.shutdown(wait=False)
 
-    def _plan(self, meta: ObjectMeta, refs: Iterable[tuple[int, int, memoryview]], whole_check: bool) -> list[_Run]:
+    def _plan(self, meta: ObjectMeta, refs: Iterable[tuple[int, int, memoryview]]) -> list[_Run]:
         """Runs of chunks holding the wanted (offset, length, target) ranges, with the copies to make."""
         cs = meta.chunk_size
         ops: dict[int, list[tuple[int, int, memoryview]]] = {}
-        covered = 0
         for offset, length, target in refs:
             if length == 0:
                 continue
             end = offset + length
-            covered += length
             for c in range(offset // cs, (end - 1) // cs + 1):
                 base = c * cs
                 lo = max(offset, base)
@@ -766,8 +798,8 @@ class NatsObjectStore:
                 runs[-1].last = c
             else:
                 runs.append(_Run(meta, c, c, ops))
-        if whole_check and len(runs) == 1 and runs[0].first == 0 and runs[0].last == meta.chunks - 1:
-            runs[0].verify_digest = covered >= meta.size
+        if len(runs) == 1 and runs[0].first == 0 and runs[0].last == meta.chunks - 1:
+            runs[0].verify_digest = True  # every chunk passes by: check the object's own digest on the way
         return runs
 
     # -- CheckpointStore ----------------------------------------------------------------------------------------
@@ -785,7 +817,7 @@ class NatsObjectStore:
         writers = [ObjectWriter(self, _manifest_name(m.session_id, m.checkpoint_id)) for m in manifests]
         try:
             for writer, manifest in zip(writers, manifests, strict=True):
-                await writer.append([memoryview(encode_manifest(manifest))])
+                await writer.append([memoryview(encode_manifest(manifest))], last=True)
             for writer in writers:
                 await writer._finish_chunks()
             metas = [await writer._send_meta() for writer in writers]
@@ -804,7 +836,7 @@ class NatsObjectStore:
         if meta is None:
             raise StoreError(f"{name} is missing")
         buffer = bytearray(meta.size)
-        for run in self._plan(meta, [(0, meta.size, memoryview(buffer))], whole_check=True):
+        for run in self._plan(meta, [(0, meta.size, memoryview(buffer))]):
             await self._read_run(run)
         return bytes(buffer)
 
@@ -816,7 +848,7 @@ class NatsObjectStore:
             raise CheckpointNotFound(f"no checkpoint {checkpoint_id} for session {session_id}")
         buffer = bytearray(meta.size)
         try:
-            for run in self._plan(meta, [(0, meta.size, memoryview(buffer))], whole_check=True):
+            for run in self._plan(meta, [(0, meta.size, memoryview(buffer))]):
                 await self._read_run(run)
         except StoreError as exc:
             raise StoreError(f"checkpoint {checkpoint_id}: manifest unreadable: {exc}") from exc
@@ -859,7 +891,7 @@ class NatsObjectStore:
                     raise StoreError(
                         f"pack {pack} is truncated: wanted {length} bytes at {offset}, it holds {meta.size}"
                     )
-            runs.extend(self._plan(meta, by_pack[pack], whole_check=True))
+            runs.extend(self._plan(meta, by_pack[pack]))
         if len(runs) == 1 or self.read_concurrency == 1:
             for run in runs:
                 await self._read_run(run)
@@ -912,14 +944,20 @@ class NatsObjectStore:
             if m.name.startswith(PACK_PREFIX) and not m.deleted
         ]
 
-    async def _scan_metas(self) -> list[ObjectMeta]:
-        """Every object's current meta, through one consumer (last message per meta subject)."""
+    async def _scan_metas(self, strict: bool = False) -> list[ObjectMeta]:
+        """Every object's current meta, through one consumer (last message per meta subject). ``strict``: a
+        meta that cannot be read fails the scan instead of being skipped (the sweep must never take a live
+        object's chunks for orphans)."""
         await self._ensure()
         metas: list[ObjectMeta] = []
 
         def on_msg(k: int, msg: Msg) -> None:
-            with contextlib.suppress(ValueError, KeyError, TypeError):
+            try:
                 metas.append(ObjectMeta.parse(msg.data))
+            except (ValueError, KeyError, TypeError) as exc:
+                if strict:
+                    raise StoreError(f"listing {self.bucket}: unreadable meta on {msg.subject}: {exc}") from exc
+                log.warning("skipping an unreadable object meta", extra={"subject": msg.subject, "error": str(exc)})
 
         await self._consume(
             f"listing {self.bucket}",
@@ -927,7 +965,7 @@ class NatsObjectStore:
             lambda pending: pending,
             on_msg,
             window_bytes=4 * 1024 * 1024,
-            msg_bytes=1024,
+            msg_bytes=16 * 1024,  # metas are ~0.5 KiB, more when interleaved writers fragment the sequences
         )
         return metas
 
@@ -938,7 +976,7 @@ class NatsObjectStore:
         """Purge chunk subjects that no meta references and whose first chunk is older than ``older_than_s``
         (writes that were aborted while the server was unreachable). Returns how many were purged."""
         await self._ensure()
-        live = {m.nuid for m in await self._scan_metas()}
+        live = {m.nuid for m in await self._scan_metas(strict=True)}
         prefix = f"$O.{self.bucket}.C."
         offset = 0
         orphans: list[str] = []

@@ -24,14 +24,14 @@ FORMS = "file:///absolute/path or nats://<bucket>[?replicas=N]"
 _BUCKET = re.compile(r"^[A-Za-z0-9_-]{1,240}$")
 
 
-def open_store(url: str, nc: Client | None = None) -> CheckpointStore:
-    """The store a ``GPUWARDEN_CHECKPOINT_STORE`` value names. Raises ``ValueError`` naming the variable and the
-    allowed forms for anything else."""
+def parse_store_url(url: str) -> tuple[str, str, dict[str, Any]]:
+    """``("file", path, {})`` or ``("nats", bucket, options)``; ``ValueError`` naming the variable and the allowed
+    forms for anything else. Settings can call this to fail at start-up, before any connection exists."""
     if url.startswith("file://"):
         path = url[len("file://") :]
         if not path.startswith("/") or path.rstrip("/") == "":
             raise ValueError(f"{VARIABLE}={url!r}: the path must be absolute and not '/': expected {FORMS}")
-        return FileStore(path)
+        return "file", path, {}
     if url.startswith("nats://"):
         parts = urlsplit(url)
         bucket = parts.netloc
@@ -49,9 +49,18 @@ def open_store(url: str, nc: Client | None = None) -> CheckpointStore:
                 raise ValueError(f"{VARIABLE}={url!r}: replicas must be a number from 1 to 5") from None
             if not 1 <= options["replicas"] <= 5:
                 raise ValueError(f"{VARIABLE}={url!r}: replicas must be a number from 1 to 5")
-        if nc is None:
-            raise ValueError(f"{VARIABLE}={url!r}: the NATS object store needs a connected NATS client (nc)")
-        from shared.kv.objstore import NatsObjectStore
-
-        return NatsObjectStore(nc, bucket, **options)
+        return "nats", bucket, options
     raise ValueError(f"{VARIABLE}={url!r}: expected {FORMS}")
+
+
+def open_store(url: str, nc: Client | None = None) -> CheckpointStore:
+    """The store a ``GPUWARDEN_CHECKPOINT_STORE`` value names (see ``parse_store_url``). ``nats://`` needs the
+    service's connected client."""
+    kind, where, options = parse_store_url(url)
+    if kind == "file":
+        return FileStore(where)
+    if nc is None:
+        raise ValueError(f"{VARIABLE}={url!r}: the NATS object store needs a connected NATS client (nc)")
+    from shared.kv.objstore import NatsObjectStore
+
+    return NatsObjectStore(nc, where, **options)

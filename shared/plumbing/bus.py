@@ -429,9 +429,39 @@ class Bus:
         await self.ensure_stream(self.subjects.deadletter_stream)
         await self._ensure_consumer(spec)
         consumer = Consumer(spec=spec)
+        await self.watch_exhausted(spec)
         consumer.task = asyncio.create_task(self._consume_loop(spec, handler, consumer), name=spec.durable)
         self._consumers.append(consumer)
         return consumer
+
+    async def watch_exhausted(self, spec: ConsumerSpec) -> None:
+        """Dead-letter what the server gave up on without this loop seeing the last failure: a message whose
+        handler crashed the process or hung past ``ack_wait`` on its last delivery. The server announces it on
+        the MAX_DELIVERIES advisory with the stream sequence; the message is read back from the stream.
+        The dead letter's id is the same as the loop's own, so both paths store it once."""
+
+        async def on_advisory(msg: Msg) -> None:
+            try:
+                advisory = msgspec.json.decode(msg.data)
+                seq = int(advisory["stream_seq"])
+                stored = await self.js.get_msg(spec.stream.name, seq)
+            except Exception as exc:
+                log.warning("max-deliveries advisory not handled", extra={"error": repr(exc)})
+                return
+            letter = Msg(self.nc, subject=stored.subject or "", data=stored.data or b"")
+            deliveries = int(advisory.get("deliveries", spec.max_deliver))
+            with contextlib.suppress(Exception):
+                await self._dead_letter(
+                    spec.durable,
+                    letter,
+                    f"exhausted {deliveries} deliveries without an answer (handler crashed or hung)",
+                    seq,
+                    deliveries,
+                    stream=spec.stream.name,
+                )
+
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.stream.name}.{spec.durable}"
+        self._subscriptions.append(await self.nc.subscribe(subject, cb=on_advisory))
 
     async def _ensure_consumer(self, spec: ConsumerSpec) -> None:
         config = js_api.ConsumerConfig(
