@@ -23,6 +23,7 @@ test: install
 
 check: install format lint types layers
 	$(BIN)/python -m shared.contract.schemas --check
+	$(BIN)/python -m services.scaler.protogen --check
 
 format: install
 	$(BIN)/ruff format --check shared services tests bench
@@ -39,12 +40,13 @@ layers: install
 bench: install
 	$(BIN)/python -m bench.bus $(BENCH_ARGS)
 	$(BIN)/python -m bench.checkpoint $(BENCH_ARGS)
+	$(BIN)/python -m bench.scaler $(BENCH_ARGS)
 
 schemas: install
 	$(BIN)/python -m shared.contract.schemas
 
 proto: install
-	@echo "no .proto files yet: the device plugin (issue 5) and KEDA scaler (issue 7) add them"
+	$(BIN)/python -m services.scaler.protogen
 
 clean:
 	rm -rf $(VENV) bench/results .mypy_cache .ruff_cache .pytest_cache

@@ -21,6 +21,7 @@ from services.checkpoint.handlers import CheckpointService
 from services.device.handlers import DeviceService
 from services.driver.handlers import DriverService
 from services.metrics.handlers import MetricsService
+from services.scaler.config import ScalerSettings
 from services.scaler.handlers import ScalerService
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainCompleted, DrainRequested
@@ -53,7 +54,13 @@ async def test_all_five_services_start_report_health_and_follow_their_events(
     settings: Settings, bus: Bus, tmp_path: Path
 ) -> None:
     checkpoints = CheckpointService(CheckpointSettings(store=f"file://{tmp_path}"))
-    services = [DriverService(), DeviceService(), MetricsService(), ScalerService(), checkpoints]
+    services = [
+        DriverService(),
+        DeviceService(),
+        MetricsService(),
+        ScalerService(ScalerSettings(host="127.0.0.1", port=0)),
+        checkpoints,
+    ]
     running = [await start_service(s, settings) for s in services]
     try:
         for r in running:

@@ -1,27 +1,364 @@
-"""What the scaler decides. So far: it tracks drains in flight and deployment utilisation; the gRPC scaler and
-the replica formula come with the scaler issue."""
+"""What the scaler knows and decides: inputs kept fresh in the background, one decision per ScaledObject.
+
+``ScalerCore`` holds the inputs (queue depths, utilisation, drains in flight, pod placement) and each watched
+ScaledObject's current ``Decision`` (``decision.py``). The gRPC layer only reads it: every answer comes from
+memory. Inputs are refreshed by loops and events, level-triggered: a periodic JetStream read of each watched
+queue (every ``GPUWARDEN_SCALER_REFRESH_S``), the first request of an empty queue heard at once on a core
+subscription, utilisation from the metrics service's events, drains from the node events. Each change of a
+decision is published as a ``ScaleDecision`` event with its inputs and reason.
+
+The one wait on a request path: the first call for a ScaledObject the scaler has not seen yet waits (at most
+``FIRST_READ_TIMEOUT_S``) for its queue's first read, so that KEDA's first answer is not a made-up number.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
 from shared.contract.metrics import DeploymentUtilisation
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.scaler import ScaleDecision
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.runner import ServiceContext
 
+from .adapters import JetStreamQueue, simulated_placement
 from .config import ScalerSettings, load
+from .decision import Decision, Inputs, Stabiliser, decide
+from .grpcserver import ScalerServer
+from .ports import Placement, RequestQueue
+from .trigger import Trigger, parse_trigger
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+Deployment = tuple[str, str]  # (namespace, deployment)
+
+ARRIVAL_HOLD_S = 1.0  # a request just heard counts as depth >= 1 for this long, until a JetStream read confirms
+FIRST_READ_TIMEOUT_S = 2.0
+PLACEMENT_EVERY = 2.0  # placement is read every this many queue refresh periods
+PLACEMENT_STALE_S = 30.0
+IDLE_WATCH_S = 900.0  # a ScaledObject KEDA has not asked about for this long (deleted) is forgotten
+
+
+@dataclass
+class QueueView:
+    depth: int | None = None
+    read_at: float | None = None
+    arrived_at: float = float("-inf")
+    error: str = ""
+    unsubscribe: Callable[[], Awaitable[None]] | None = None
+    first_read: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class UtilView:
+    util: float
+    sampled_at: float
+    gpus: int
+
+
+@dataclass
+class Watch:
+    """One ScaledObject (KEDA's namespace and name) as the scaler follows it."""
+
+    trigger: Trigger
+    stabiliser: Stabiliser
+    decision: Decision | None = None
+    inputs: Inputs = field(default_factory=Inputs)
+    last_used: float = 0.0
+    streams: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def deployment(self) -> Deployment:
+        return (self.trigger.namespace, self.trigger.deployment)
+
+
+class ScalerCore:
+    """The scaler's state and decisions; no transport here, only the ports."""
+
+    def __init__(
+        self,
+        queue: RequestQueue,
+        placement: Placement | None = None,
+        publish: Callable[[ScaleDecision], Awaitable[None]] | None = None,
+        clock: Clock = time.time,
+        refresh_s: float = 1.0,
+    ) -> None:
+        self.queue = queue
+        self.placement = placement
+        self.publish = publish
+        self.clock = clock
+        self.refresh_s = refresh_s
+        self.watches: dict[tuple[str, str], Watch] = {}
+        self.queues: dict[Deployment, QueueView] = {}
+        self.utilisation: dict[Deployment, UtilView] = {}
+        self.drains_in_flight: dict[str, str] = {}  # drain id -> node
+        self._drain_expiry: dict[str, float] = {}
+        self.pods: dict[Deployment, tuple[Mapping[str, int], float]] = {}
+        self.decisions_published = 0
+        self._parsed: dict[tuple[Any, ...], Trigger] = {}  # metadata as KEDA sends it -> its checked trigger
+        self._wake = asyncio.Event()
+        self._outbox: asyncio.Queue[ScaleDecision] = asyncio.Queue(maxsize=10_000)
+
+    # -- the gRPC layer's entry ---------------------------------------------------------------------------------
+    async def watch(self, ref_namespace: str, ref_name: str, metadata: Mapping[str, str]) -> Watch:
+        """The ScaledObject's watch, created on first sight. Raises ``TriggerError`` for bad metadata."""
+        cache_key = (ref_namespace, *sorted(metadata.items()))
+        trigger = self._parsed.get(cache_key)
+        if trigger is None:
+            trigger = parse_trigger(metadata, ref_namespace)
+            if len(self._parsed) > 10_000:
+                self._parsed.clear()
+            self._parsed[cache_key] = trigger
+        key = (ref_namespace, ref_name or trigger.deployment)
+        watch = self.watches.get(key)
+        if watch is None:
+            watch = self.watches[key] = Watch(trigger=trigger, stabiliser=Stabiliser(trigger.stabilisation_window_s))
+            await self._follow_queue(watch.deployment)
+            self._evaluate(watch)
+        elif watch.trigger != trigger:  # the ScaledObject was edited: same watch (open streams follow), new rule
+            watch.trigger, watch.stabiliser = trigger, Stabiliser(trigger.stabilisation_window_s)
+            await self._follow_queue(watch.deployment)
+            self._evaluate(watch)
+        watch.last_used = self.clock()
+        if watch.decision is None or not watch.decision.available:
+            view = self.queues[watch.deployment]
+            if not view.first_read.is_set():
+                self._wake.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(view.first_read.wait(), FIRST_READ_TIMEOUT_S)
+                self._evaluate(watch)
+        return watch
+
+    # -- inputs -------------------------------------------------------------------------------------------------
+    async def _follow_queue(self, deployment: Deployment) -> None:
+        if deployment in self.queues:
+            return
+        view = self.queues[deployment] = QueueView()
+        view.unsubscribe = await self.queue.on_arrival(*deployment, lambda: self._on_arrival(deployment))
+        self._wake.set()
+
+    def _on_arrival(self, deployment: Deployment) -> None:
+        view = self.queues.get(deployment)
+        if view is None:
+            return
+        now = self.clock()
+        first = not view.depth and now - view.arrived_at > ARRIVAL_HOLD_S
+        view.arrived_at = now
+        if first:
+            self._evaluate_deployment(deployment)
+            self._wake.set()
+
+    async def refresh_queues(self) -> None:
+        """Read every followed queue's depth from JetStream once, then decide again."""
+        deployments = list(self.queues)
+        results = await asyncio.gather(*(self.queue.depth(*d) for d in deployments), return_exceptions=True)
+        now = self.clock()
+        for deployment, result in zip(deployments, results, strict=True):
+            view = self.queues.get(deployment)
+            if view is None:
+                continue
+            if isinstance(result, BaseException):
+                if view.error != repr(result):
+                    log.warning(
+                        "queue depth unreadable", extra={"deployment": "/".join(deployment), "error": repr(result)}
+                    )
+                view.error = repr(result)
+                continue
+            view.depth, view.read_at, view.error = result, now, ""
+            view.first_read.set()
+        self._evaluate_all()
+
+    async def refresh_placement(self) -> None:
+        if self.placement is None:
+            return
+        for deployment in {w.deployment for w in self.watches.values()}:
+            try:
+                self.pods[deployment] = (await self.placement.pods_by_node(*deployment), self.clock())
+            except Exception as exc:
+                log.debug("placement unreadable", extra={"deployment": "/".join(deployment), "error": repr(exc)})
+        self._evaluate_all()
+
+    async def on_drain(self, event: DrainRequested | DrainCompleted | DrainFailed) -> None:
+        """Idempotent: a drain is in flight from its request until its verdict (keyed by drain id), or until its
+        deadline plus the pods' grace period has passed, should the verdict never come."""
+        match event:
+            case DrainRequested():
+                expires = event.occurred_at.timestamp() + event.deadline_s + event.grace_period_s
+                if expires > self.clock():
+                    self.drains_in_flight[event.drain_id] = event.node
+                    self._drain_expiry[event.drain_id] = expires
+            case DrainCompleted() | DrainFailed():
+                self.drains_in_flight.pop(event.drain_id, None)
+                self._drain_expiry.pop(event.drain_id, None)
+        self._evaluate_all()
+
+    async def on_utilisation(self, event: DeploymentUtilisation) -> None:
+        """Idempotent: keeps the newest sample per deployment (an older one arriving late is ignored)."""
+        sampled = (event.sampled_at or event.occurred_at).timestamp()
+        key = (event.namespace, event.deployment)
+        current = self.utilisation.get(key)
+        if current is not None and current.sampled_at > sampled:
+            return
+        self.utilisation[key] = UtilView(util=event.mean_util, sampled_at=sampled, gpus=event.gpus)
+        self._evaluate_deployment(key)
+
+    def _expire_drains(self, now: float) -> None:
+        for drain_id in [d for d, expires in self._drain_expiry.items() if expires <= now]:
+            self.drains_in_flight.pop(drain_id, None)
+            del self._drain_expiry[drain_id]
+
+    # -- deciding -----------------------------------------------------------------------------------------------
+    def inputs(self, deployment: Deployment, now: float) -> Inputs:
+        view = self.queues.get(deployment) or QueueView()
+        depth, read_at = view.depth, view.read_at
+        if now - view.arrived_at <= ARRIVAL_HOLD_S:
+            depth, read_at = max(depth or 0, 1), max(read_at or view.arrived_at, view.arrived_at)
+        util = self.utilisation.get(deployment)
+        placed = self.pods.get(deployment)
+        current: int | None = None
+        draining = 0
+        if placed is not None and now - placed[1] <= PLACEMENT_STALE_S:
+            current = sum(placed[0].values())
+            self._expire_drains(now)
+            nodes = set(self.drains_in_flight.values())
+            draining = sum(n for node, n in placed[0].items() if node in nodes)
+        elif util is not None and util.gpus > 0:
+            current = util.gpus
+        return Inputs(
+            queue_depth=depth,
+            queue_read_at=read_at,
+            gpu_util=util.util if util else None,
+            util_sampled_at=util.sampled_at if util else None,
+            current_replicas=current,
+            draining_pods=draining,
+        )
+
+    def _evaluate_all(self) -> None:
+        for watch in list(self.watches.values()):
+            self._evaluate(watch)
+
+    def _evaluate_deployment(self, deployment: Deployment) -> None:
+        for watch in list(self.watches.values()):
+            if watch.deployment == deployment:
+                self._evaluate(watch)
+
+    def _evaluate(self, watch: Watch) -> None:
+        now = self.clock()
+        inputs = self.inputs(watch.deployment, now)
+        previous = watch.decision
+        decision = decide(watch.trigger, inputs, now, watch.stabiliser, previous)
+        watch.decision, watch.inputs = decision, inputs
+        if previous is not None and (previous.desired, previous.active, previous.available) == (
+            decision.desired,
+            decision.active,
+            decision.available,
+        ):
+            return
+        old, watch.changed = watch.changed, asyncio.Event()
+        old.set()
+        if decision.available:
+            self._announce(watch, decision, inputs)
+
+    def _announce(self, watch: Watch, decision: Decision, inputs: Inputs) -> None:
+        event = ScaleDecision(
+            namespace=watch.trigger.namespace,
+            deployment=watch.trigger.deployment,
+            desired_replicas=decision.desired,
+            current_replicas=inputs.current_replicas or 0,
+            queue_depth=inputs.queue_depth or 0,
+            gpu_util=inputs.gpu_util,
+            drain_surge=decision.surge,
+            reason=decision.reason,
+        )
+        with contextlib.suppress(asyncio.QueueFull):
+            self._outbox.put_nowait(event)
+
+    # -- loops (spawned by the service) -------------------------------------------------------------------------
+    async def refresh_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.refresh_s)
+            self._wake.clear()
+            self._forget_idle()
+            if self.queues:
+                await self.refresh_queues()
+
+    async def placement_loop(self) -> None:
+        while True:
+            await self.refresh_placement()
+            await asyncio.sleep(PLACEMENT_EVERY * self.refresh_s)
+
+    async def publish_loop(self) -> None:
+        while True:
+            event = await self._outbox.get()
+            if self.publish is None:
+                continue
+            try:
+                await self.publish(event)
+                self.decisions_published += 1
+            except Exception as exc:
+                log.warning("scale decision not published", extra={"error": repr(exc)})
+
+    def _forget_idle(self) -> None:
+        now = self.clock()
+        for key, watch in list(self.watches.items()):
+            if watch.streams == 0 and now - watch.last_used > IDLE_WATCH_S:
+                del self.watches[key]
+        followed = {w.deployment for w in self.watches.values()}
+        for deployment in [d for d in self.queues if d not in followed]:
+            view = self.queues.pop(deployment)
+            if view.unsubscribe is not None:
+                asyncio.ensure_future(view.unsubscribe())
+
+    async def close(self) -> None:
+        for view in self.queues.values():
+            if view.unsubscribe is not None:
+                await view.unsubscribe()
+        self.queues.clear()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "/".join(key): {
+                "deployment": "/".join(w.deployment),
+                "desired": w.decision.desired if w.decision else None,
+                "active": w.decision.active if w.decision else None,
+                "available": w.decision.available if w.decision else None,
+                "reason": w.decision.reason if w.decision else "",
+                "streams": w.streams,
+            }
+            for key, w in self.watches.items()
+        }
 
 
 class ScalerService:
     name = "scaler"
     config_names: tuple[str, ...] = ()
 
-    def __init__(self, settings: ScalerSettings | None = None) -> None:
+    def __init__(
+        self, settings: ScalerSettings | None = None, placement: Placement | None = None, clock: Clock = time.time
+    ) -> None:
         self.settings = settings or load()
-        self.drains_in_flight: dict[str, str] = {}
-        self.utilisation: dict[str, float] = {}
+        self._placement = placement
+        self.clock = clock
+        self.core: ScalerCore | None = None
+        self.port = 0
 
     async def start(self, ctx: ServiceContext) -> None:
         s = ctx.subjects
+        placement, close_placement = self._placement, None
+        if placement is None and ctx.settings.simulated:
+            placement, close_placement = simulated_placement(ctx.settings, s)
+        core = self.core = ScalerCore(
+            JetStreamQueue(ctx.bus), placement, ctx.publish, clock=self.clock, refresh_s=self.settings.refresh_s
+        )
         await ctx.consume(
             ConsumerSpec(
                 durable=s.durable("scaler", "drains"),
@@ -33,20 +370,28 @@ class ScalerService:
                 accepts=(DrainRequested, DrainCompleted, DrainFailed),
                 stream=s.events_stream,
             ),
-            self.on_drain,
+            core.on_drain,
         )
         await ctx.bus.subscribe(
-            s.pattern("metrics.deployment.utilisation"), self.on_utilisation, accepts=(DeploymentUtilisation,)
+            s.pattern("metrics.deployment.utilisation"), core.on_utilisation, accepts=(DeploymentUtilisation,)
         )
-        ctx.status["drains_in_flight"] = self.drains_in_flight
+        server = ScalerServer(core, self.settings, serving=lambda: ctx.bus.connected)
+        self.port = await server.start()
 
-    async def on_drain(self, event: DrainRequested | DrainCompleted | DrainFailed) -> None:
-        """Idempotent: a drain is in flight from its request until its verdict, keyed by drain id."""
-        match event:
-            case DrainRequested():
-                self.drains_in_flight[event.drain_id] = event.node
-            case DrainCompleted() | DrainFailed():
-                self.drains_in_flight.pop(event.drain_id, None)
+        async def serve() -> None:
+            try:
+                await server.wait()
+            finally:
+                await server.stop(grace=1.0)
+                await core.close()
+                if close_placement is not None:
+                    await close_placement()
 
-    async def on_utilisation(self, event: DeploymentUtilisation) -> None:
-        self.utilisation[f"{event.namespace}/{event.deployment}"] = event.mean_util
+        ctx.spawn(serve, "scaler-grpc")
+        ctx.spawn(core.refresh_loop, "scaler-refresh")
+        ctx.spawn(core.publish_loop, "scaler-publish")
+        if placement is not None:
+            ctx.spawn(core.placement_loop, "scaler-placement")
+        ctx.status["drains_in_flight"] = core.drains_in_flight
+        ctx.status["grpc"] = f"{self.settings.host}:{self.port}"
+        ctx.status["scaled_objects"] = core.status

@@ -1,0 +1,267 @@
+"""The KEDA external scaler's latencies, as KEDA sees them: over real gRPC to a scaler in its own process.
+
+``python -m bench.scaler [--quick] [--nats-url URL] [--out PATH] [--strict]`` writes ``bench/results/scaler.json``.
+
+The scaler (``ScalerCore`` + ``ScalerServer``, what ``python -m services.scaler`` runs, without the Redis-backed
+runner around it) runs in a child process on a private NATS server; the callers run in this process.
+
+1. ``GetMetrics`` with 100 concurrent callers on one channel (KEDA shares one connection per scaler address),
+   each calling every ``caller_interval_s`` (0.5 s: 200 calls/s in all, about 12 times what KEDA sends for 100
+   ScaledObjects: GetMetrics + IsActive per HPA sync of 15 s, IsActive per 30 s poll); latency per call from its
+   scheduled start, p50/p99. Answers come
+   from memory. Then the same callers back to back (``getmetrics_saturated_*``, ``getmetrics_max_calls_per_s``):
+   the ceiling of one Python process, where latency is simply 100 / throughput.
+2. Activation through ``StreamIsActive`` (trigger ``external-push``): per trial a fresh, empty queue; the stream's
+   first answer (false) is read, then one ``InferenceRequest`` is published to JetStream; latency = publish start
+   -> ``true`` received. p50/p99 over the trials.
+3. The same activation as KEDA's built-in way has it: a client that polls ``IsActive`` every ``poll_interval_s``
+   (shortened from KEDA's default ``pollingInterval`` of 30 s); the request is published at a random phase of the
+   poll cycle. ``poll_activation_p50_ms`` is the measured median scaled by 30 s / ``poll_interval_s`` (the wait is
+   dominated by the phase, uniform over the interval); the measured figure is reported too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import random
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.common import (
+    BenchOptions,
+    Target,
+    build_report,
+    default_out,
+    exit_code,
+    finish,
+    latency_summary,
+    machine_info,
+    median,
+    nats_server,
+    parse_args,
+    write_report,
+)
+from services.scaler.adapters import JetStreamQueue
+from services.scaler.config import ScalerSettings
+from services.scaler.gen import externalscaler_pb2 as pb
+from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
+from services.scaler.grpcserver import ScalerServer
+from services.scaler.handlers import ScalerCore
+from shared.contract.requests import InferenceRequest
+from shared.contract.subjects import Subjects
+from shared.plumbing.bus import Bus
+from shared.plumbing.settings import NatsSettings
+
+KEDA_POLLING_INTERVAL_S = 30.0
+NAMESPACE = "bench"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    callers: int = 100
+    caller_interval_s: float = 0.5  # 100 callers -> 200 calls/s, ~12x what KEDA sends for 100 ScaledObjects
+    calls_per_caller: int = 50
+    saturation_calls_per_caller: int = 50
+    activation_trials: int = 200
+    poll_trials: int = 40
+    poll_interval_s: float = 0.2
+    refresh_s: float = 1.0
+
+
+QUICK = Sizes(
+    calls_per_caller=10, saturation_calls_per_caller=5, activation_trials=20, poll_trials=8, poll_interval_s=0.1
+)
+
+
+def ref(deployment: str) -> pb.ScaledObjectRef:
+    metadata = {"scalerAddress": "127.0.0.1", "deployment": deployment, "queueDepthPerReplica": "4"}
+    return pb.ScaledObjectRef(name=deployment, namespace=NAMESPACE, scalerMetadata=metadata)
+
+
+# -- the scaler, in a process of its own ------------------------------------------------------------------------
+def serve(nats_url: str, root: str, refresh_s: float, conn: Connection) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_serve(nats_url, root, refresh_s, conn))
+
+
+async def _serve(nats_url: str, root: str, refresh_s: float, conn: Connection) -> None:
+    bus = await Bus.connect(NatsSettings(servers=(nats_url,)), Subjects(root), "bench-scaler")
+    await bus.ensure_streams()
+    core = ScalerCore(JetStreamQueue(bus), refresh_s=refresh_s)
+    server = ScalerServer(core, ScalerSettings(host="127.0.0.1", port=0, refresh_s=refresh_s))
+    port = await server.start()
+    loops = [asyncio.create_task(core.refresh_loop()), asyncio.create_task(core.publish_loop())]
+    conn.send(port)
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    for task in loops:
+        task.cancel()
+    await server.stop(grace=0.5)
+    await core.close()
+    await bus.close(grace=1.0)
+
+
+# -- the measurements -------------------------------------------------------------------------------------------
+async def measure_getmetrics(stub: pb_grpc.ExternalScalerStub, sizes: Sizes) -> list[float]:
+    """100 callers, each calling every ``caller_interval_s`` from a random phase; latency from the scheduled
+    start (a late start counts against the server: no coordinated omission)."""
+    request = pb.GetMetricsRequest(scaledObjectRef=ref("metrics"), metricName="s0-gpuwarden-bench-metrics")
+    for _ in range(50):
+        await stub.GetMetrics(request)
+    latencies: list[float] = []
+    rng = random.Random(11)
+
+    async def caller(phase: float) -> None:
+        scheduled = time.perf_counter() + phase
+        for _ in range(sizes.calls_per_caller):
+            await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
+            await stub.GetMetrics(request)
+            latencies.append(time.perf_counter() - scheduled)
+            scheduled += sizes.caller_interval_s
+
+    await asyncio.gather(*(caller(rng.uniform(0, sizes.caller_interval_s)) for _ in range(sizes.callers)))
+    return latencies
+
+
+async def measure_saturation(stub: pb_grpc.ExternalScalerStub, sizes: Sizes) -> tuple[list[float], float]:
+    """The same callers back to back, for the server's ceiling: latency is then concurrency / throughput."""
+    request = pb.GetMetricsRequest(scaledObjectRef=ref("metrics"), metricName="s0-gpuwarden-bench-metrics")
+    latencies: list[float] = []
+
+    async def caller() -> None:
+        for _ in range(sizes.saturation_calls_per_caller):
+            started = time.perf_counter()
+            await stub.GetMetrics(request)
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(sizes.callers)))
+    return latencies, time.perf_counter() - started
+
+
+async def measure_push(stub: pb_grpc.ExternalScalerStub, bus: Bus, sizes: Sizes) -> list[float]:
+    latencies = []
+    for i in range(sizes.activation_trials):
+        deployment = f"push-{i}"
+        stream = stub.StreamIsActive(ref(deployment))
+        first = await asyncio.wait_for(stream.read(), 10)
+        assert first.result is False, "the queue should start empty"
+        started = time.perf_counter()
+        await bus.publish(InferenceRequest(namespace=NAMESPACE, deployment=deployment, session_id=f"s{i}"))
+        reply = await asyncio.wait_for(stream.read(), 10)
+        latencies.append(time.perf_counter() - started)
+        assert reply.result is True
+        stream.cancel()
+    return latencies
+
+
+async def poll_until_active(stub: pb_grpc.ExternalScalerStub, so: pb.ScaledObjectRef, interval_s: float) -> float:
+    """KEDA's ``external`` trigger: ask ``IsActive`` every ``interval_s``; the time the answer turned true."""
+    while True:
+        if (await stub.IsActive(so)).result:
+            return time.perf_counter()
+        await asyncio.sleep(interval_s)
+
+
+async def measure_poll(stub: pb_grpc.ExternalScalerStub, bus: Bus, sizes: Sizes) -> list[float]:
+    latencies = []
+    rng = random.Random(7)
+    for i in range(sizes.poll_trials):
+        so = ref(f"poll-{i}")
+        assert (await stub.IsActive(so)).result is False
+        polling = asyncio.create_task(poll_until_active(stub, so, sizes.poll_interval_s))
+        await asyncio.sleep(rng.uniform(0, sizes.poll_interval_s))  # a random phase of the poll cycle
+        started = time.perf_counter()
+        await bus.publish(InferenceRequest(namespace=NAMESPACE, deployment=f"poll-{i}", session_id=f"p{i}"))
+        latencies.append(await asyncio.wait_for(polling, 10) - started)
+    return latencies
+
+
+async def measure(nats_url: str, sizes: Sizes) -> dict[str, Any]:
+    root = "bench" + secrets.token_hex(4)
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(
+        target=serve, args=(nats_url, root, sizes.refresh_s, child), daemon=True
+    )
+    process.start()
+    loop = asyncio.get_running_loop()
+    bus = await Bus.connect(NatsSettings(servers=(nats_url,)), Subjects(root), "bench-client")
+    try:
+        if not await loop.run_in_executor(None, parent.poll, 30):
+            raise RuntimeError("the scaler process did not start")
+        port = parent.recv()
+        await bus.ensure_streams()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalScalerStub(channel)
+            getmetrics = await measure_getmetrics(stub, sizes)
+            saturated, saturated_wall = await measure_saturation(stub, sizes)
+            push = await measure_push(stub, bus, sizes)
+            poll = await measure_poll(stub, bus, sizes)
+    finally:
+        parent.send("stop")
+        await loop.run_in_executor(None, process.join, 10)
+        if process.is_alive():
+            process.kill()
+        for spec in bus.subjects.streams:
+            try:
+                await bus.js.delete_stream(spec.name)
+            except Exception:
+                pass
+        await bus.close(grace=1.0)
+    poll_measured_ms = median(poll) * 1000.0
+    results: dict[str, Any] = {
+        **latency_summary(getmetrics, "getmetrics"),
+        "getmetrics_offered_calls_per_s": round(sizes.callers / sizes.caller_interval_s, 1),
+        **latency_summary(saturated, "getmetrics_saturated"),
+        "getmetrics_max_calls_per_s": round(len(saturated) / saturated_wall, 1),
+        **latency_summary(push, "activation"),
+        "poll_activation_p50_ms": round(poll_measured_ms * KEDA_POLLING_INTERVAL_S / sizes.poll_interval_s, 1),
+        "poll_activation_measured_p50_ms": round(poll_measured_ms, 3),
+        "getmetrics_calls": len(getmetrics),
+        "activation_trials": len(push),
+        "poll_trials": len(poll),
+    }
+    return results
+
+
+TARGETS = (
+    Target("getmetrics_p99_ms", "<=", 5.0, "GetMetrics p99 with 100 concurrent callers"),
+    Target("activation_p99_ms", "<=", 100.0, "first request in an empty queue -> true on StreamIsActive"),
+)
+
+
+def run(
+    nats_url: str | None,
+    sizes: Sizes,
+    out: Path | None = None,
+    quick: bool = False,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    options = BenchOptions(name="scaler", quick=quick, nats_url=nats_url, out=out or default_out("scaler"))
+    with nats_server(nats_url) as url:
+        results = asyncio.run(measure(url, sizes))
+    params = {**asdict(sizes), "server": "given" if nats_url else "private", "keda_polling_interval_s": 30.0}
+    if quiet:
+        report = build_report(options, results, TARGETS, params, machine_info())
+        write_report(report, options.out)
+        return report
+    return finish(options, results, TARGETS, params, machine_info())
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parse_args("scaler", __doc__ or "", argv)
+    logging.basicConfig(level=logging.WARNING)
+    report = run(options.nats_url, QUICK if options.quick else Sizes(), options.out, options.quick)
+    return exit_code(options, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The gRPC server KEDA talks to: ``externalscaler.ExternalScaler`` and ``grpc.health.v1``, plain, TLS or mTLS.
+
+The servicer is a thin translator over ``ScalerCore``: it checks the trigger metadata (``INVALID_ARGUMENT``
+naming the key and what is allowed), answers from the decision kept in memory, answers ``UNAVAILABLE`` when there
+is no decision to give (so KEDA's ``fallback`` applies), and on ``StreamIsActive`` sends the current state first,
+then every change, until KEDA hangs up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .config import ScalerSettings
+from .decision import METRIC_TARGET, Decision
+from .gen import externalscaler_pb2 as pb
+from .gen import externalscaler_pb2_grpc as pb_grpc
+from .trigger import TriggerError
+
+if TYPE_CHECKING:
+    from .handlers import ScalerCore, Watch
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "externalscaler.ExternalScaler"
+HEALTH_POLL_S = 1.0
+
+
+class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
+    def __init__(self, core: ScalerCore) -> None:
+        self.core = core
+
+    async def _watch(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> Watch:
+        try:
+            return await self.core.watch(ref.namespace, ref.name, dict(ref.scalerMetadata))
+        except TriggerError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort raises; this line only satisfies the type checker
+
+    @staticmethod
+    async def _decision(watch: Watch, context: grpc.aio.ServicerContext) -> Decision:
+        decision = watch.decision
+        if decision is None or not decision.available:
+            reason = decision.reason if decision else "no decision yet"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{'/'.join(watch.deployment)}: {reason}")
+            raise AssertionError("unreachable")
+        return decision
+
+    async def IsActive(self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> pb.IsActiveResponse:
+        watch = await self._watch(request, context)
+        decision = await self._decision(watch, context)
+        return pb.IsActiveResponse(result=decision.active)
+
+    async def StreamIsActive(
+        self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.IsActiveResponse]:
+        watch = await self._watch(request, context)
+        watch.streams += 1
+        try:
+            sent: bool | None = None
+            while True:
+                changed = watch.changed
+                decision = watch.decision
+                active = bool(decision and decision.available and decision.active)
+                if active != sent:
+                    yield pb.IsActiveResponse(result=active)
+                    sent = active
+                await changed.wait()
+        finally:
+            watch.streams -= 1
+
+    async def GetMetricSpec(
+        self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
+    ) -> pb.GetMetricSpecResponse:
+        watch = await self._watch(request, context)
+        return pb.GetMetricSpecResponse(metricSpecs=[self._spec(watch)])
+
+    async def StreamMetricSpec(
+        self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GetMetricSpecResponse]:
+        """The spec follows from the metadata alone, which a stream cannot change: it is sent once, and the
+        stream stays open until KEDA closes it."""
+        watch = await self._watch(request, context)
+        watch.streams += 1
+        try:
+            yield pb.GetMetricSpecResponse(metricSpecs=[self._spec(watch)])
+            await asyncio.Event().wait()
+        finally:
+            watch.streams -= 1
+
+    async def GetMetrics(
+        self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetMetricsResponse:
+        watch = await self._watch(request.scaledObjectRef, context)
+        decision = await self._decision(watch, context)
+        return pb.GetMetricsResponse(
+            metricValues=[
+                pb.MetricValue(
+                    metricName=request.metricName or watch.trigger.metric_name,
+                    metricValue=decision.desired,
+                    metricValueFloat=decision.metric_value,
+                )
+            ]
+        )
+
+    @staticmethod
+    def _spec(watch: Watch) -> pb.MetricSpec:
+        return pb.MetricSpec(
+            metricName=watch.trigger.metric_name, targetSize=int(METRIC_TARGET), targetSizeFloat=METRIC_TARGET
+        )
+
+
+def server_credentials(settings: ScalerSettings) -> grpc.ServerCredentials | None:
+    """TLS from the PEM files in the settings; with a client CA, clients must present a certificate it signed."""
+    tls = settings.tls
+    if tls.cert is None or tls.key is None:
+        return None
+    return grpc.ssl_server_credentials(
+        [(tls.key.read_bytes(), tls.cert.read_bytes())],
+        root_certificates=tls.client_ca.read_bytes() if tls.client_ca else None,
+        require_client_auth=tls.client_ca is not None,
+    )
+
+
+class ScalerServer:
+    """The grpc.aio server; ``start()`` binds and returns the port (a free one for port 0)."""
+
+    def __init__(self, core: ScalerCore, settings: ScalerSettings, serving: Callable[[], bool] = lambda: True) -> None:
+        self.core = core
+        self.settings = settings
+        self.serving = serving
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalScalerServicer_to_server(ExternalScalerServicer(core), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        address = f"{self.settings.host}:{self.settings.port}"
+        if ":" in self.settings.host:
+            address = f"[{self.settings.host}]:{self.settings.port}"
+        credentials = server_credentials(self.settings)
+        if credentials is None:
+            port = self.server.add_insecure_port(address)
+        else:
+            port = self.server.add_secure_port(address, credentials)
+        if port == 0:
+            raise OSError(f"GPUWARDEN_SCALER_ADDR={address}: cannot listen there")
+        await self.server.start()
+        await self._set_health(self.serving())
+        self._health_task = asyncio.create_task(self._follow_health(), name="scaler-grpc-health")
+        log.info(
+            "external scaler serving",
+            extra={
+                "grpc": f"{self.settings.host}:{port}",
+                "tls": credentials is not None,
+                "mtls": self.settings.tls.mutual,
+            },
+        )
+        return port
+
+    async def _set_health(self, ok: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _follow_health(self) -> None:
+        """SERVING while the connection to NATS is up: without it the queue depth goes stale."""
+        last = self.serving()
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            now = self.serving()
+            if now != last:
+                await self._set_health(now)
+                last = now
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        with contextlib.suppress(Exception):
+            await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)

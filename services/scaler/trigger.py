@@ -1,0 +1,181 @@
+"""The ScaledObject trigger's ``metadata:`` as the scaler reads it: parsed and checked once per change.
+
+KEDA passes the whole map on every call (``ScaledObjectRef.scalerMetadata``, all values strings). Every key is
+checked: a missing, malformed or unknown key is refused with ``TriggerError``, which the gRPC layer answers as
+``INVALID_ARGUMENT`` naming the key and what is allowed, so a typo shows in the ScaledObject's events instead of
+silently running on a default.
+
+| key | allowed | default |
+|---|---|---|
+| ``deployment`` | the Deployment whose request queue is ``<root>.requests.<namespace>.<deployment>`` | required |
+| ``namespace`` | its namespace | the ScaledObject's namespace |
+| ``queueDepthPerReplica`` | integer >= 1: queued plus in-progress requests one replica serves | 10 |
+| ``gpuUtilTarget`` | percent, 1-100: mean GPU utilisation per replica to aim for | unset: GPU signal off |
+| ``combine`` | ``max`` or ``sum`` of the queue and GPU replica counts | max |
+| ``activationQueueDepth`` | integer >= 0: active (0 -> 1) when the queue is deeper than this | 0 |
+| ``activationGpuUtil`` | percent, 0-100: also active when utilisation is above this | unset: queue only |
+| ``minReplicas`` / ``maxReplicas`` | integers, 0 <= min <= max, max >= 1 (match the ScaledObject's bounds) | 0 / 100 |
+| ``stabilisationWindow`` | seconds (``300``, ``90s``, ``5m``): scale down only to the highest count seen in it | 60s |
+| ``drainSurge`` | ``true`` or ``false``: add the pods of draining nodes | true |
+| ``queueStaleAfter`` / ``utilStaleAfter`` | seconds: an input older than this is stale | 15s / 60s |
+
+KEDA's own keys (``scalerAddress``, ``enableTLS``, ``unsafeSsl``, ``tlsCertFile``, ``caCert``, ``tlsClientCert``,
+``tlsClientKey``) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+KEDA_KEYS = frozenset(
+    {"scalerAddress", "enableTLS", "unsafeSsl", "tlsCertFile", "caCert", "tlsClientCert", "tlsClientKey"}
+)
+KEYS = frozenset(
+    {
+        "deployment",
+        "namespace",
+        "queueDepthPerReplica",
+        "gpuUtilTarget",
+        "combine",
+        "activationQueueDepth",
+        "activationGpuUtil",
+        "minReplicas",
+        "maxReplicas",
+        "stabilisationWindow",
+        "drainSurge",
+        "queueStaleAfter",
+        "utilStaleAfter",
+    }
+)
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_DURATION = re.compile(r"^(?P<n>\d+(\.\d+)?)(?P<unit>ms|s|m|h)?$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class TriggerError(ValueError):
+    """Trigger metadata the scaler cannot use; the message names the key and what is allowed."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"metadata {key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger:
+    """One ScaledObject trigger, checked. Frozen and hashable: it keys the scaler's view of a ScaledObject."""
+
+    namespace: str
+    deployment: str
+    queue_depth_per_replica: int = 10
+    gpu_util_target: float | None = None
+    combine: Literal["max", "sum"] = "max"
+    activation_queue_depth: int = 0
+    activation_gpu_util: float | None = None
+    min_replicas: int = 0
+    max_replicas: int = 100
+    stabilisation_window_s: float = 60.0
+    drain_surge: bool = True
+    queue_stale_after_s: float = 15.0
+    util_stale_after_s: float = 60.0
+
+    @property
+    def metric_name(self) -> str:
+        """The metric name KEDA registers (it prefixes ``s<index>-``): lower case, dots and slashes as dashes."""
+        return f"gpuwarden-{self.namespace}-{self.deployment}".replace(".", "-")
+
+
+def _int(meta: Mapping[str, str], key: str, default: int, low: int) -> int:
+    raw = meta.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise TriggerError(key, f"{raw!r} is not an integer; expected an integer >= {low}") from None
+    if value < low:
+        raise TriggerError(key, f"{raw!r} is below {low}; expected an integer >= {low}")
+    return value
+
+
+def _percent(meta: Mapping[str, str], key: str, low: float, strictly_above_low: bool) -> float | None:
+    raw = meta.get(key)
+    if raw is None:
+        return None
+    allowed = f"a percentage {'above' if strictly_above_low else 'from'} {low:g} up to 100, like '70'"
+    try:
+        value = float(raw.strip().removesuffix("%"))
+    except ValueError:
+        raise TriggerError(key, f"{raw!r} is not a number; expected {allowed}") from None
+    if not math.isfinite(value) or value > 100 or value < low or (strictly_above_low and value == low):
+        raise TriggerError(key, f"{raw!r} is out of range; expected {allowed}")
+    return value
+
+
+def _seconds(meta: Mapping[str, str], key: str, default: float, low: float) -> float:
+    raw = meta.get(key)
+    if raw is None:
+        return default
+    match = _DURATION.match(raw.strip())
+    if not match:
+        raise TriggerError(key, f"{raw!r} is not a duration; expected seconds like '300', '90s' or '5m'")
+    value = float(match["n"]) * _UNIT[match["unit"] or "s"]
+    if value < low:
+        raise TriggerError(key, f"{raw!r} is too short; expected at least {low:g}s")
+    return value
+
+
+def _bool(meta: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = meta.get(key)
+    if raw is None:
+        return default
+    lowered = raw.strip().lower()
+    if lowered not in ("true", "false"):
+        raise TriggerError(key, f"{raw!r}: expected 'true' or 'false'")
+    return lowered == "true"
+
+
+def _name(meta: Mapping[str, str], key: str, default: str) -> str:
+    raw = meta.get(key, default).strip()
+    if not raw:
+        raise TriggerError(key, "missing; expected the name of a Kubernetes object (lower case DNS name)")
+    if not _NAME.match(raw):
+        raise TriggerError(key, f"{raw!r} is not a Kubernetes name; expected lower case letters, digits, '-', '.'")
+    return raw
+
+
+def parse_trigger(meta: Mapping[str, str], default_namespace: str = "") -> Trigger:
+    """The trigger described by ``meta``, or ``TriggerError`` for the first key that is wrong."""
+    for key in sorted(meta):
+        if key not in KEYS and key not in KEDA_KEYS:
+            close = difflib.get_close_matches(key, sorted(KEYS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TriggerError(key, f"unknown key; {hint}the scaler reads: {', '.join(sorted(KEYS))}")
+    deployment = _name(meta, "deployment", "")
+    namespace = _name(meta, "namespace", default_namespace)
+    combine = meta.get("combine", "max").strip().lower()
+    if combine not in ("max", "sum"):
+        raise TriggerError("combine", f"{meta['combine']!r}: expected 'max' or 'sum'")
+    min_replicas = _int(meta, "minReplicas", 0, 0)
+    max_replicas = _int(meta, "maxReplicas", 100, 1)
+    if min_replicas > max_replicas:
+        raise TriggerError("minReplicas", f"{min_replicas} is above maxReplicas {max_replicas}")
+    return Trigger(
+        namespace=namespace,
+        deployment=deployment,
+        queue_depth_per_replica=_int(meta, "queueDepthPerReplica", 10, 1),
+        gpu_util_target=_percent(meta, "gpuUtilTarget", 0.0, strictly_above_low=True),
+        combine="sum" if combine == "sum" else "max",
+        activation_queue_depth=_int(meta, "activationQueueDepth", 0, 0),
+        activation_gpu_util=_percent(meta, "activationGpuUtil", 0.0, strictly_above_low=False),
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        stabilisation_window_s=_seconds(meta, "stabilisationWindow", 60.0, 0.0),
+        drain_surge=_bool(meta, "drainSurge", True),
+        queue_stale_after_s=_seconds(meta, "queueStaleAfter", 15.0, 0.1),
+        util_stale_after_s=_seconds(meta, "utilStaleAfter", 60.0, 0.1),
+    )

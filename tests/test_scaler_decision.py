@@ -1,0 +1,198 @@
+"""The scaler's pure core: trigger metadata and the replica rule, with time passed in."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scaler.decision import METRIC_TARGET, Inputs, Stabiliser, decide, recommend
+from services.scaler.trigger import Trigger, TriggerError, parse_trigger
+
+NOW = 1_000_000.0
+
+
+def fresh(depth: int = 0, util: float | None = None, current: int | None = None, draining: int = 0) -> Inputs:
+    return Inputs(
+        queue_depth=depth,
+        queue_read_at=NOW - 0.5,
+        gpu_util=util,
+        util_sampled_at=NOW - 1 if util is not None else None,
+        current_replicas=current,
+        draining_pods=draining,
+    )
+
+
+def test_queue_only_is_depth_over_per_replica_rounded_up() -> None:
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=4)
+    assert recommend(t, fresh(0), NOW).desired == 0
+    assert not recommend(t, fresh(0), NOW).active
+    assert recommend(t, fresh(1), NOW).desired == 1
+    assert recommend(t, fresh(8), NOW).desired == 2
+    assert recommend(t, fresh(9), NOW).desired == 3
+
+
+def test_utilisation_only_follows_the_hpa_formula() -> None:
+    t = Trigger(namespace="llm", deployment="d", gpu_util_target=50)
+    d = recommend(t, fresh(0, util=90, current=2), NOW)
+    assert d.util_replicas == 4 and d.desired == 4 and not d.active  # the queue is empty: KEDA may go to zero
+    t = Trigger(namespace="llm", deployment="d", gpu_util_target=70, activation_gpu_util=10)
+    d = recommend(t, fresh(0, util=70, current=3), NOW)
+    assert d.desired == 3 and d.active  # exactly on target: no float rounding up to 4
+
+
+def test_combined_max_and_sum() -> None:
+    base = {"namespace": "llm", "deployment": "d", "queue_depth_per_replica": 4, "gpu_util_target": 50.0}
+    inputs = fresh(10, util=90, current=2)
+    assert recommend(Trigger(**base, combine="max"), inputs, NOW).desired == 4  # type: ignore[arg-type]
+    assert recommend(Trigger(**base, combine="sum"), inputs, NOW).desired == 7  # type: ignore[arg-type]
+
+
+def test_drain_surge_adds_the_pods_of_draining_nodes_within_limits() -> None:
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=4, max_replicas=6)
+    d = recommend(t, fresh(8, draining=3), NOW)
+    assert d.surge == 3 and d.desired == 5 and "drain surge 3" in d.reason
+    assert recommend(t, fresh(16, draining=3), NOW).desired == 6
+    off = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=4, drain_surge=False)
+    assert recommend(off, fresh(8, draining=3), NOW).desired == 2
+
+
+def test_stale_inputs_never_scale_down_and_nothing_fresh_holds_or_is_unavailable() -> None:
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=1, gpu_util_target=50)
+    before = recommend(t, fresh(5, util=50, current=5), NOW)
+    assert before.desired == 5
+    old_util = Inputs(queue_depth=1, queue_read_at=NOW, gpu_util=90, util_sampled_at=NOW - 600, current_replicas=5)
+    d = recommend(t, old_util, NOW, before)
+    assert d.util_replicas is None and "gpu" in d.stale and d.desired == 5 and d.held
+    old_queue = Inputs(queue_depth=50, queue_read_at=NOW - 60)
+    d = recommend(t, old_queue, NOW, before)
+    assert d.available and d.held and d.desired == 5 and set(d.stale) == {"queue", "replicas"}
+    d = recommend(t, old_queue, NOW, None)
+    assert not d.available and "no fresh input" in d.reason
+
+
+def test_metric_value_makes_the_hpa_average_value_formula_exact() -> None:
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=3, max_replicas=1000)
+    for depth in range(0, 3000, 7):
+        d = recommend(t, fresh(depth), NOW)
+        assert math.ceil(d.metric_value / METRIC_TARGET) == d.desired
+
+
+def test_stabiliser_scales_up_at_once_and_down_after_the_window() -> None:
+    s = Stabiliser(window_s=60)
+    assert s.apply(0, 2) == 2
+    assert s.apply(1, 5) == 5
+    assert s.apply(30, 3) == 5
+    assert s.apply(61, 3) == 5  # t=30 carried 3, t=1 carried 5 and aged out only after 61
+    assert s.apply(62, 3) == 3
+    assert s.apply(63, 1) == 3
+
+
+@pytest.mark.parametrize(
+    ("meta", "key", "words"),
+    [
+        ({}, "deployment", "missing"),
+        ({"deployment": "Bad_Name"}, "deployment", "Kubernetes name"),
+        ({"deployment": "d", "queueDepthPerReplica": "0"}, "queueDepthPerReplica", ">= 1"),
+        ({"deployment": "d", "queueDepthPerReplica": "x"}, "queueDepthPerReplica", "not an integer"),
+        ({"deployment": "d", "gpuUtilTarget": "150"}, "gpuUtilTarget", "up to 100"),
+        ({"deployment": "d", "combine": "avg"}, "combine", "'max' or 'sum'"),
+        ({"deployment": "d", "minReplicas": "5", "maxReplicas": "2"}, "minReplicas", "above maxReplicas"),
+        ({"deployment": "d", "stabilisationWindow": "soon"}, "stabilisationWindow", "'5m'"),
+        ({"deployment": "d", "drainSurge": "yes"}, "drainSurge", "'true' or 'false'"),
+        ({"deployment": "d", "queueDepthPerReplca": "3"}, "queueDepthPerReplca", "did you mean 'queueDepthPerReplica'"),
+    ],
+)
+def test_bad_metadata_names_the_key_and_what_is_allowed(meta: dict[str, str], key: str, words: str) -> None:
+    with pytest.raises(TriggerError) as info:
+        parse_trigger(meta, "llm")
+    assert info.value.key == key and words in str(info.value)
+
+
+def test_metadata_defaults_and_keda_keys() -> None:
+    t = parse_trigger(
+        {"deployment": "d", "scalerAddress": "x:9090", "enableTLS": "true", "stabilisationWindow": "5m"}, "llm"
+    )
+    assert t == Trigger(namespace="llm", deployment="d", stabilisation_window_s=300.0)
+    assert t.metric_name == "gpuwarden-llm-d"
+
+
+triggers = st.builds(
+    Trigger,
+    namespace=st.just("llm"),
+    deployment=st.just("d"),
+    queue_depth_per_replica=st.integers(1, 50),
+    gpu_util_target=st.one_of(st.none(), st.floats(1, 100)),
+    combine=st.sampled_from(["max", "sum"]),
+    activation_queue_depth=st.integers(0, 20),
+    min_replicas=st.integers(0, 5),
+    max_replicas=st.integers(5, 200),
+    stabilisation_window_s=st.floats(0, 600),
+)
+utils = st.one_of(st.none(), st.floats(0, 100))
+currents = st.one_of(st.none(), st.integers(0, 50))
+
+
+@settings(max_examples=300, deadline=None)
+@given(triggers, st.integers(0, 10_000), st.integers(0, 10_000), utils, currents, st.integers(0, 8))
+def test_monotone_in_queue_depth(
+    t: Trigger, a: int, b: int, util: float | None, current: int | None, draining: int
+) -> None:
+    low, high = sorted((a, b))
+    d_low = recommend(t, fresh(low, util, current, draining), NOW)
+    d_high = recommend(t, fresh(high, util, current, draining), NOW)
+    assert d_low.desired <= d_high.desired
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    triggers,
+    st.lists(st.tuples(st.integers(0, 10_000), utils, currents, st.integers(0, 8), st.booleans()), max_size=20),
+)
+def test_within_limits_whatever_the_inputs(
+    t: Trigger, steps: list[tuple[int, float | None, int | None, int, bool]]
+) -> None:
+    stabiliser, previous, now = Stabiliser(t.stabilisation_window_s), None, NOW
+    for depth, util, current, draining, stale_queue in steps:
+        now += 1
+        inputs = fresh(depth, util, current, draining)
+        if stale_queue:
+            inputs = Inputs(queue_depth=depth, queue_read_at=now - 3600, current_replicas=current)
+        d = decide(t, inputs, now, stabiliser, previous)
+        if d.available:
+            assert t.min_replicas <= d.desired <= t.max_replicas
+            assert d.metric_value == d.desired * METRIC_TARGET
+            previous = d
+
+
+@settings(max_examples=200, deadline=None)
+@given(triggers, st.integers(0, 10_000), utils, currents, st.integers(0, 8), st.integers(2, 50))
+def test_no_flapping_under_a_stable_input(
+    t: Trigger, depth: int, util: float | None, current: int | None, draining: int, ticks: int
+) -> None:
+    stabiliser, previous = Stabiliser(t.stabilisation_window_s), None
+    seen = set()
+    for i in range(ticks):
+        now = NOW + i * 7.0
+        inputs = Inputs(
+            queue_depth=depth,
+            queue_read_at=now,
+            gpu_util=util,
+            util_sampled_at=now if util is not None else None,
+            current_replicas=current,
+            draining_pods=draining,
+        )
+        previous = decide(t, inputs, now, stabiliser, previous)
+        seen.add((previous.desired, previous.active))
+    assert len(seen) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(triggers, st.integers(1, 10_000), st.floats(0, 1))
+def test_a_dip_inside_the_window_does_not_scale_down(t: Trigger, depth: int, fraction: float) -> None:
+    stabiliser = Stabiliser(t.stabilisation_window_s)
+    high = decide(t, fresh(depth), NOW, stabiliser)
+    dip = decide(t, fresh(0), NOW + t.stabilisation_window_s * fraction, stabiliser, high)
+    assert dip.desired == high.desired
