@@ -9,8 +9,9 @@ import resource
 import signal
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,7 +56,33 @@ def store(tmp_path: Path) -> FileStore:
     return FileStore(tmp_path / "store")
 
 
-async def test_save_and_restore_byte_for_byte_on_another_pod(store: FileStore) -> None:
+@pytest.fixture(params=["file", "nats"])
+async def any_store(request: pytest.FixtureRequest, tmp_path: Path, servers: Any, root: str) -> AsyncIterator[Any]:
+    """Each behaviour both stores promise runs against both: the file store and the NATS object store."""
+    if request.param == "file":
+        yield FileStore(tmp_path / "store")
+        return
+    import nats
+
+    from shared.kv.objstore import NatsObjectStore
+
+    nc = await nats.connect(servers.nats_url)
+    objects = NatsObjectStore(nc, root)
+    yield objects
+    await objects.close()
+    with contextlib.suppress(Exception):
+        await nc.jetstream().delete_object_store(root)
+    await nc.close()
+
+
+async def stored_pack_bytes(store: Any, pack: str) -> bytes:
+    if isinstance(store, FileStore):
+        return (store.packs_dir / f"{pack}.pack").read_bytes()
+    return bytes(await store.read_object(f"packs/{pack}"))
+
+
+async def test_save_and_restore_byte_for_byte_on_another_pod(any_store: Any) -> None:
+    store = any_store
     saver = make_agent(store)
     originals = {sid: fill(saver, sid, 5) for sid in ("s1", "s2", "s3")}
     report = await saver.save(deadline_s=30, reason="drain")
@@ -69,7 +96,8 @@ async def test_save_and_restore_byte_for_byte_on_another_pod(store: FileStore) -
     assert set(restorer.sessions()) == {"s1", "s2", "s3"}
 
 
-async def test_restore_into_preallocated_buffers_of_any_kind(store: FileStore) -> None:
+async def test_restore_into_preallocated_buffers_of_any_kind(any_store: Any) -> None:
+    store = any_store
     saver = make_agent(store)
     blocks = fill(saver, "s1", 3)
     await saver.save()
@@ -84,7 +112,8 @@ async def test_restore_into_preallocated_buffers_of_any_kind(store: FileStore) -
         await restorer.restore("s1", into=[bytearray(LAYOUT.block_bytes)])
 
 
-async def test_incremental_save_writes_only_changed_blocks(store: FileStore) -> None:
+async def test_incremental_save_writes_only_changed_blocks(any_store: Any) -> None:
+    store = any_store
     agent = make_agent(store)
     blocks = fill(agent, "s1", 10)
     first = (await agent.save()).committed[0]
@@ -94,8 +123,12 @@ async def test_incremental_save_writes_only_changed_blocks(store: FileStore) -> 
     assert second.parent_id == first.checkpoint_id
     assert second.bytes_written == 2 * LAYOUT.block_bytes
     assert second.bytes_total == 11 * LAYOUT.block_bytes
+    sizes = {p.pack_id: p.size for p in await store.packs()}
+    assert sizes[second.blocks[3].pack] == 2 * LAYOUT.block_bytes  # only the changed blocks were written
     restored = await make_agent(store, pod="p2").restore("s1")
-    assert bytes(restored.blocks[3]) == bytes([7]) * LAYOUT.block_bytes
+    assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks] + [
+        block_content("s1", 10, LAYOUT.block_bytes).tobytes()
+    ]
     # the new agent learns the parent from the store, so its next save is incremental too
     again = make_agent(store, pod="p2")
     await again.restore("s1")
@@ -103,7 +136,8 @@ async def test_incremental_save_writes_only_changed_blocks(store: FileStore) -> 
     assert third.bytes_written == 0 and third.parent_id == second.checkpoint_id
 
 
-async def test_partial_last_block_is_copied_before_hashing(store: FileStore) -> None:
+async def test_partial_last_block_is_copied_before_hashing(any_store: Any) -> None:
+    store = any_store
     agent = make_agent(store)
     fill(agent, "s1", 2)
     agent.set_tokens("s1", 20)  # block 1 is partial: the engine may still write it
@@ -152,7 +186,8 @@ async def test_truncated_pack_is_detected(store: FileStore) -> None:
         await make_agent(store, pod="p2").restore("s1")
 
 
-async def test_restore_into_another_model_or_layout_is_refused(store: FileStore) -> None:
+async def test_restore_into_another_model_or_layout_is_refused(any_store: Any) -> None:
+    store = any_store
     agent = make_agent(store)
     fill(agent, "s1", 2)
     await agent.save()
@@ -168,7 +203,8 @@ async def test_restore_into_another_model_or_layout_is_refused(store: FileStore)
         await other.restore("s1")
 
 
-async def test_encrypted_at_rest_and_refused_without_the_key(store: FileStore) -> None:
+async def test_encrypted_at_rest_and_refused_without_the_key(any_store: Any) -> None:
+    store = any_store
     key = os.urandom(32)
     cipher = cipher_from_env({"GPUWARDEN_CHECKPOINT_KEY": base64.b64encode(key).decode()})
     assert cipher is not None
@@ -176,7 +212,7 @@ async def test_encrypted_at_rest_and_refused_without_the_key(store: FileStore) -
     blocks = fill(agent, "s1", 3)
     manifest = (await agent.save()).committed[0]
     assert manifest.key_id == cipher.key_id
-    raw = (store.packs_dir / f"{manifest.blocks[0].pack}.pack").read_bytes()
+    raw = await stored_pack_bytes(store, manifest.blocks[0].pack)
     assert blocks[0].tobytes()[:64] not in raw
     restored = await make_agent(store, pod="p2", cipher=ChunkCipher(key)).restore("s1")
     assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks]
@@ -188,13 +224,14 @@ async def test_encrypted_at_rest_and_refused_without_the_key(store: FileStore) -
         )
 
 
-async def test_deadline_fails_the_sessions_by_name_and_leaves_nothing_visible(store: FileStore) -> None:
+async def test_deadline_fails_the_sessions_by_name_and_leaves_nothing_visible(any_store: Any) -> None:
+    store = any_store
     agent = make_agent(store)
     fill(agent, "s1", 2)
     report = await agent.save(deadline_s=-1)
     assert [f.session_id for f in report.failed] == ["s1"] and "deadline" in report.failed[0].reason
     assert await store.checkpoints("s1") == []
-    assert not list(store.packs_dir.iterdir())
+    assert await store.packs() == []
     missing = await agent.save(["nope"])
     assert missing.failed[0].reason == "not registered on pod llama-1"
 

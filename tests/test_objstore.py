@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import nats
-import numpy as np
 import pytest
 from nats.aio.client import Client
 
 from shared.kv.agent import KvAgent
-from shared.kv.crypto import ChunkCipher, cipher_from_env
+from shared.kv.crypto import ChunkCipher
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import ChunkRef
 from shared.kv.objstore import NatsObjectStore, decode_sequences, encode_sequences
@@ -66,61 +65,7 @@ async def _chunk_count(nc: Client, bucket: str, expected: int) -> bool:
     return sum((await stream_subjects(nc, bucket, "C")).values()) == expected
 
 
-# -- the file store's behaviours -----------------------------------------------------------------------------------
-async def test_save_and_restore_byte_for_byte_on_another_pod(store: NatsObjectStore) -> None:
-    saver = make_agent(store)
-    originals = {sid: fill(saver, sid, 5) for sid in ("s1", "s2", "s3")}
-    report = await saver.save(deadline_s=30, reason="drain")
-    assert not report.failed and len(report.committed) == 3
-    assert report.bytes_written == report.bytes_total == 3 * 5 * LAYOUT.block_bytes
-    restorer = make_agent(store, pod="llama-2")
-    for sid, blocks in originals.items():
-        restored = await restorer.restore(sid)
-        assert restored.manifest.token_count == 5 * 16
-        assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks]
-    assert await store.sessions() == ["s1", "s2", "s3"]
-    assert await store.checkpoints("s1") == [report.committed[0].checkpoint_id]
-
-
-async def test_restore_into_preallocated_buffers_of_any_kind(store: NatsObjectStore) -> None:
-    saver = make_agent(store)
-    blocks = fill(saver, "s1", 3)
-    await saver.save()
-    pool = [np.zeros((2, LAYOUT.block_bytes // 2), dtype=np.uint8), bytearray(LAYOUT.block_bytes)]
-    dlpack_target = np.zeros(LAYOUT.block_bytes // 2, dtype=np.float16)
-    restorer = make_agent(store, pod="llama-2")
-    await restorer.restore("s1", into=[*pool, dlpack_target])
-    assert pool[0].tobytes() == blocks[0].tobytes()
-    assert bytes(pool[1]) == blocks[1].tobytes()
-    assert dlpack_target.tobytes() == blocks[2].tobytes()
-    with pytest.raises(ValueError, match="3 blocks in the checkpoint, 1 given"):
-        await restorer.restore("s1", into=[bytearray(LAYOUT.block_bytes)])
-
-
-async def test_incremental_save_writes_only_changed_blocks(store: NatsObjectStore) -> None:
-    agent = make_agent(store)
-    blocks = fill(agent, "s1", 10)
-    first = (await agent.save()).committed[0]
-    blocks[3][:] = 7
-    agent.append_block("s1", block_content("s1", 10, LAYOUT.block_bytes))
-    second = (await agent.save()).committed[0]
-    assert second.parent_id == first.checkpoint_id
-    assert second.bytes_written == 2 * LAYOUT.block_bytes
-    assert second.bytes_total == 11 * LAYOUT.block_bytes
-    sizes = {p.pack_id: p.size for p in await store.packs()}
-    assert sizes[second.blocks[3].pack] == 2 * LAYOUT.block_bytes  # only the changed blocks were written
-    restored = await make_agent(store, pod="p2").restore("s1")
-    assert bytes(restored.blocks[3]) == bytes([7]) * LAYOUT.block_bytes
-    assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks] + [
-        block_content("s1", 10, LAYOUT.block_bytes).tobytes()
-    ]
-    again = make_agent(store, pod="p2")
-    await again.restore("s1")
-    third = (await again.save()).committed[0]
-    assert third.bytes_written == 0 and third.parent_id == second.checkpoint_id
-    assert len(await store.packs()) == 2  # a save that writes nothing makes no empty pack
-
-
+# -- only the object store (the behaviours both stores share run against both in test_kv_agent.py) -----------
 class _FlipInTransit:
     """A store whose packs get one byte flipped after the agent hashed the block (memory or NIC fault on the
     way to NATS). The Object Store's own SHA-256 is computed over the flipped bytes and agrees with them, so
@@ -208,26 +153,6 @@ async def test_deleted_chunk_is_a_truncated_pack_and_restore_falls_back(store: N
 
 def _b64(name: str) -> str:
     return base64.urlsafe_b64encode(name.encode()).decode()
-
-
-async def test_encrypted_at_rest_and_refused_without_the_key(store: NatsObjectStore) -> None:
-    key = os.urandom(32)
-    cipher = cipher_from_env({"GPUWARDEN_CHECKPOINT_KEY": base64.b64encode(key).decode()})
-    assert cipher is not None
-    agent = make_agent(store, cipher=cipher)
-    blocks = fill(agent, "s1", 3)
-    manifest = (await agent.save()).committed[0]
-    assert manifest.key_id == cipher.key_id
-    raw = await store.read_object(f"packs/{manifest.blocks[0].pack}")
-    assert blocks[0].tobytes()[:64] not in raw
-    restored = await make_agent(store, pod="p2", cipher=ChunkCipher(key)).restore("s1")
-    assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks]
-    with pytest.raises(ChunkCorrupt, match="encrypted with key"):
-        await make_agent(store, pod="p3").restore("s1", fall_back=False)
-    with pytest.raises(ChunkCorrupt, match="authentication failed"):
-        await make_agent(store, pod="p4", cipher=ChunkCipher(os.urandom(32), cipher.key_id)).restore(
-            "s1", fall_back=False
-        )
 
 
 async def test_deadline_and_abort_leave_nothing_visible(store: NatsObjectStore, nc: Client) -> None:
