@@ -41,6 +41,7 @@ bench: install
 	$(BIN)/python -m bench.bus $(BENCH_ARGS)
 	$(BIN)/python -m bench.checkpoint $(BENCH_ARGS)
 	$(BIN)/python -m bench.scaler $(BENCH_ARGS)
+	$(BIN)/python -m bench.metrics $(BENCH_ARGS)
 
 schemas: install
 	$(BIN)/python -m shared.contract.schemas

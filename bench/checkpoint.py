@@ -165,7 +165,7 @@ async def agent_save(store: Any, sessions: dict[str, list[Any]]) -> tuple[float,
 
 async def agent_restore(store: Any, sessions: dict[str, list[Any]], device: str) -> float:
     restorer = agent_for(store, "bench-restorer")
-    targets = preallocated(sessions)
+    targets: dict[str, list[Any]] = dict(preallocated(sessions))
     if device == "cuda":
         import torch
 

@@ -260,6 +260,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             child = dict(env, GPUWARDEN_NODE=node, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
             child.setdefault("GPUWARDEN_CHECKPOINT_STORE", f"file://{Path('.gpuwarden/checkpoints').resolve()}")
             child.setdefault("GPUWARDEN_SCALER_ADDR", f"127.0.0.1:{free_port()}")
+            if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters
+                child.setdefault("GPUWARDEN_METRICS_SOURCE", "dcgm")
+                child.setdefault("GPUWARDEN_METRICS_AGGREGATE", "bus" if node == nodes[0] else "off")
             label = f"{name}@{node}" if name in NODE_SCOPED else name
             plan.append((label, f"services.{name}", child))
     sim_env = dict(env, GPUWARDEN_NODE=nodes[0], GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
@@ -331,6 +334,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         STATE_FILE.unlink(missing_ok=True)
     print("stopped")
     return 0
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------
+def cmd_metrics_scrape(args: argparse.Namespace) -> int:
+    """Runs ``services.metrics.scrape_cli`` as a process: the CLI imports no service."""
+    argv = [sys.executable, "-m", "services.metrics.scrape_cli", args.url, "--timeout", str(args.timeout)]
+    if args.json:
+        argv.append("--json")
+    os.execv(sys.executable, argv)
+    return 0  # not reached
 
 
 # -- sim, agent, nats-auth ------------------------------------------------------------------------------------
@@ -440,6 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("deadletters", help="show the newest dead letters")
     p.add_argument("--limit", type=int, default=20)
     p.set_defaults(func=cmd_deadletters)
+
+    p = sub.add_parser("metrics", help="GPU metrics sources")
+    msub = p.add_subparsers(dest="action", required=True)
+    m = msub.add_parser("scrape", help="fetch one dcgm-exporter page; print per GPU and per pod what is derived")
+    m.add_argument("url", help="e.g. http://10.0.0.7:9400/metrics")
+    m.add_argument("--json", action="store_true", help="JSON: per-GPU entries keyed by UUID, and per pod")
+    m.add_argument("--timeout", type=float, default=5.0, help="seconds for the fetch (default 5)")
+    m.set_defaults(func=cmd_metrics_scrape)
 
     p = sub.add_parser("sim", help="the SIMULATED cluster, GPUs and workload")
     simsub = p.add_subparsers(dest="sim_command", required=True)

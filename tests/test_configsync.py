@@ -56,7 +56,7 @@ async def test_invalid_documents_are_refused_at_write_and_ignored_at_read(
     with pytest.raises(InvalidConfig, match="unknown configuration document 'nope'"):
         await store.write_raw("nope", b"{}", 0, "x")
     assert await store.read("driver") is None
-    await store.write("driver", DriverPolicy(desired_version="550"), 0, "admin")
+    await store.write("driver", DriverPolicy(desired_version="550.54.15"), 0, "admin")
     watcher = ConfigWatcher(settings.redis, subjects, ["driver"], reread_s=0.2)
     await watcher.start()
     try:
@@ -66,7 +66,7 @@ async def test_invalid_documents_are_refused_at_write_and_ignored_at_read(
         await redis_client.publish(subjects.config_channel, "driver 2")
         await asyncio.sleep(0.6)
         assert watcher.current("driver").version == 1  # type: ignore[union-attr]
-        assert watcher.current("driver").doc.desired_version == "550"  # type: ignore[union-attr]
+        assert watcher.current("driver").doc.desired_version == "550.54.15"  # type: ignore[union-attr]
     finally:
         await watcher.stop()
 
@@ -77,7 +77,7 @@ async def test_redis_down_keeps_last_good_config_then_catches_up(
     settings = with_redis(settings, own_redis.url)
     client = aioredis.Redis.from_url(own_redis.url)
     store = ConfigStore(client, subjects)
-    await store.write("driver", DriverPolicy(desired_version="550"), 0, "admin")
+    await store.write("driver", DriverPolicy(desired_version="550.54.15"), 0, "admin")
     watcher = ConfigWatcher(settings.redis, subjects, ["driver"], reread_s=0.3)
     await watcher.start()
     try:
@@ -85,14 +85,14 @@ async def test_redis_down_keeps_last_good_config_then_catches_up(
         own_redis.stop()
         await eventually(lambda: not watcher.connected)
         assert watcher.last_error
-        assert watcher.current("driver").doc.desired_version == "550"  # type: ignore[union-attr]
+        assert watcher.current("driver").doc.desired_version == "550.54.15"  # type: ignore[union-attr]
         await asyncio.get_running_loop().run_in_executor(None, own_redis.start)
         await eventually(lambda: watcher.connected)
         # Redis restarted empty (no persistence): a writer sets it again; the watcher catches up
         client2 = aioredis.Redis.from_url(own_redis.url)
-        await ConfigStore(client2, subjects).write("driver", DriverPolicy(desired_version="560"), 0, "admin")
+        await ConfigStore(client2, subjects).write("driver", DriverPolicy(desired_version="560.35.03"), 0, "admin")
         await client2.aclose()
-        await eventually(lambda: watcher.current("driver").doc.desired_version == "560")  # type: ignore[union-attr]
+        await eventually(lambda: watcher.current("driver").doc.desired_version == "560.35.03")  # type: ignore[union-attr]
     finally:
         await watcher.stop()
         await client.aclose()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import ClassVar
 
+import msgspec
+
 from shared.contract.base import Event, Token
 
 
@@ -23,6 +25,10 @@ class GpuSample(Event, frozen=True, kw_only=True, tag="metrics.gpu.sample"):
     pod: str = ""
     namespace: str = ""
     sampled_at: datetime | None = None
+    gpu_instance_id: str = ""  # MIG: the GPU instance this sample is about ("" for a whole GPU)
+    mig_profile: str = ""
+    missing: list[str] = msgspec.field(default_factory=list)
+    """Fields the source had no usable value for (absent, NaN): their 0.0 here means unknown, not zero."""
 
 
 class DeploymentUtilisation(Event, frozen=True, kw_only=True, tag="metrics.deployment.utilisation"):
@@ -36,3 +42,29 @@ class DeploymentUtilisation(Event, frozen=True, kw_only=True, tag="metrics.deplo
     mem_pressure: float = 0.0
     gpus: int = 0
     sampled_at: datetime | None = None
+    pods: int = 0
+    samples: int = 0
+    stale: bool = False
+    """True when the newest sample is older than the service's staleness limit: the figures are the last known."""
+
+
+class UtilisationRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What the metrics service keeps in Redis per pod (``<root>:metrics:pod:<ns>:<pod>``) and per deployment
+    (``<root>:metrics:deployment:<ns>:<name>``), JSON. ``sampled_at`` (seconds since the epoch) is the newest sample
+    behind the figures: a reader compares it with its clock. With no sample in the window the figures are null and
+    ``stale`` is true; a missing figure is never written as 0."""
+
+    namespace: str
+    name: str
+    scope: str  # "pod" or "deployment"
+    window_s: float
+    mean_util: float | None = None
+    max_util: float | None = None
+    mem_pressure: float | None = None  # the highest used/(used+free+reserved) of its GPUs in the window, 0..1
+    gpus: int = 0
+    stale_gpus: int = 0
+    pods: int = 0
+    samples: int = 0
+    sampled_at: float | None = None
+    written_at: float = 0.0
+    stale: bool = True

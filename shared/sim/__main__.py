@@ -14,12 +14,13 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.runner import ServiceContext, run
 from shared.sim.cluster import SimCluster
+from shared.sim.exporter import PodRef, SimExporter
 from shared.sim.faults import serve_faults
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import SimSpec, load_spec
@@ -40,6 +41,7 @@ class Simulation:
         self.prompt = prompt
         self.new = new
         self.workload: SimWorkload | None = None
+        self.exporters: list[SimExporter] = []
 
     async def start(self, ctx: ServiceContext) -> None:
         from shared.kv.stores import open_store
@@ -56,6 +58,11 @@ class Simulation:
         self.workload = SimWorkload(ctx.bus, cluster, store, self.spec, gpus=gpus)
         await self.workload.start()
         ctx.status["simulation"] = self.workload.status
+        for name, port in gpus.items():  # a dcgm-exporter page per node, announced in Redis for the metrics service
+            exporter = SimExporter(port, pods=self._pods_of(name))
+            await exporter.start(ctx.settings.http_host)
+            self.exporters.append(exporter)
+        ctx.status["exporters"] = {e.node: e.url for e in self.exporters}
         if self.rate > 0:
 
             async def load() -> None:
@@ -64,6 +71,20 @@ class Simulation:
                 )
 
             ctx.spawn(load, "sim-load")
+
+    def _pods_of(self, node: str) -> Callable[[], dict[str, PodRef]]:
+        """The pods using each GPU of ``node``, as the workload placed them (the kubelet's view on a real node)."""
+
+        def pods() -> dict[str, PodRef]:
+            if self.workload is None:
+                return {}
+            return {
+                r.gpu_uuid: PodRef(r.info.name, r.info.namespace)
+                for r in self.workload.runtimes.values()
+                if r.info.node == node and r.gpu_uuid
+            }
+
+        return pods
 
 
 def main(argv: Sequence[str] | None = None) -> int:
