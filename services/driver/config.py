@@ -10,15 +10,31 @@ from shared.plumbing.errors import SettingsError
 @dataclass(frozen=True)
 class DriverSettings:
     reconcile_s: float = 10.0
+    coordinate: bool = True
+    """Take part in the election of the cluster-wide upgrade coordinator (every replica may; one leads)."""
+    lease_ttl_s: float = 15.0
+    install_timeout_s: float = 600.0
+
+
+def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
+    raw = env.get(name, default)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected seconds") from None
+    if value <= 0:
+        raise SettingsError(f"{name}={raw!r}: must be positive")
+    return value
 
 
 def load(env: Mapping[str, str] | None = None) -> DriverSettings:
     env = os.environ if env is None else env
-    raw = env.get("GPUWARDEN_DRIVER_RECONCILE_S", "10")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"GPUWARDEN_DRIVER_RECONCILE_S={raw!r}: expected seconds") from None
-    if value <= 0:
-        raise SettingsError(f"GPUWARDEN_DRIVER_RECONCILE_S={raw!r}: must be positive")
-    return DriverSettings(reconcile_s=value)
+    coordinate = env.get("GPUWARDEN_DRIVER_COORDINATE", "true").lower()
+    if coordinate not in ("true", "false", "1", "0"):
+        raise SettingsError(f"GPUWARDEN_DRIVER_COORDINATE={coordinate!r}: expected true or false")
+    return DriverSettings(
+        reconcile_s=_seconds(env, "GPUWARDEN_DRIVER_RECONCILE_S", "10"),
+        coordinate=coordinate in ("true", "1"),
+        lease_ttl_s=_seconds(env, "GPUWARDEN_DRIVER_LEASE_TTL_S", "15"),
+        install_timeout_s=_seconds(env, "GPUWARDEN_DRIVER_INSTALL_TIMEOUT_S", "600"),
+    )

@@ -1,17 +1,24 @@
-"""What the driver service decides. So far: it follows the drain verdicts of its node and the desired driver
-policy; the upgrade state machine comes with the driver issue."""
+"""What the driver service decides: it records every drain verdict, and (when it leads) coordinates the rolling
+driver upgrade of the cluster (``services.driver.coordinator`` over the pure ``services.driver.upgrade``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import uuid
 
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.runner import ServiceContext
+from shared.ports.cluster import ClusterPort
 
 from .config import DriverSettings, load
+from .coordinator import UpgradeCoordinator
+from .lease import RedisDrainVerdicts, RedisLeaderLease, cluster_port, open_redis, sim_gpu_factory
+from .ports import DrainVerdicts, GpuPortFactory
 
 log = logging.getLogger(__name__)
 
@@ -20,19 +27,30 @@ class DriverService:
     name = "driver"
     config_names: tuple[str, ...] = ("driver",)
 
-    def __init__(self, settings: DriverSettings | None = None) -> None:
+    def __init__(
+        self,
+        settings: DriverSettings | None = None,
+        *,
+        cluster: ClusterPort | None = None,
+        gpus: GpuPortFactory | None = None,
+    ) -> None:
         self.settings = settings or load()
         self.verdicts: dict[str, str] = {}
+        self.cluster = cluster
+        self.gpus = gpus
+        self.coordinator: UpgradeCoordinator | None = None
+        self.book: DrainVerdicts | None = None
+        self._wake = asyncio.Event()
 
     async def start(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
         s = ctx.subjects
+        client = open_redis(ctx.settings.redis)
+        self.book = RedisDrainVerdicts(client, s)
         await ctx.consume(
             ConsumerSpec(
-                durable=s.durable("driver", "drain-verdicts", ctx.node),
-                filter_subjects=(
-                    s.pattern("node.drain.completed", node=ctx.node),
-                    s.pattern("node.drain.failed", node=ctx.node),
-                ),
+                durable=s.durable("driver", "drain-verdicts"),
+                filter_subjects=(s.pattern("node.drain.completed"), s.pattern("node.drain.failed")),
                 accepts=(DrainCompleted, DrainFailed),
                 stream=s.events_stream,
             ),
@@ -40,16 +58,40 @@ class DriverService:
         )
         ctx.config.on_change(self.on_policy)
         ctx.status["drain_verdicts"] = self.verdicts
+        if self.settings.coordinate:
+            cluster = self.cluster or await cluster_port(ctx.settings, s, client)
+            holder = f"{ctx.node or 'driver'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            self.coordinator = UpgradeCoordinator(
+                cluster,
+                self.gpus or sim_gpu_factory(client, s),
+                RedisLeaderLease(client, s, holder, ttl_s=self.settings.lease_ttl_s),
+                self.book,
+                ctx.publish,
+                self.policy,
+                install_timeout_s=self.settings.install_timeout_s,
+            )
+            coordinator = self.coordinator
+            ctx.status["upgrade"] = coordinator.status
+            ctx.spawn(lambda: coordinator.run(self.settings.reconcile_s, self._wake), "driver-upgrade")
+
+    def policy(self) -> DriverPolicy:
+        current = self.ctx.config.current("driver")
+        return current.doc if current and isinstance(current.doc, DriverPolicy) else DriverPolicy()
 
     async def on_verdict(self, event: DrainCompleted | DrainFailed) -> None:
         """Idempotent: records the verdict of a drain by its id; a redelivered verdict writes the same value."""
         match event:
             case DrainCompleted():
-                self.verdicts[event.drain_id] = "completed"
+                verdict = "completed"
             case DrainFailed():
-                self.verdicts[event.drain_id] = f"failed: {event.reason}"
-        log.info("drain verdict", extra={"drain_id": event.drain_id, "verdict": self.verdicts[event.drain_id]})
+                verdict = f"failed: {event.reason}"
+        if self.book is not None:
+            await self.book.record(event.drain_id, verdict)
+        self.verdicts[event.drain_id] = verdict
+        self._wake.set()
+        log.info("drain verdict", extra={"drain_id": event.drain_id, "verdict": verdict})
 
     def on_policy(self, applied: VersionedConfig) -> None:
         if isinstance(applied.doc, DriverPolicy):
             log.info("driver policy", extra={"desired": applied.doc.desired_version, "version": applied.version})
+            self._wake.set()

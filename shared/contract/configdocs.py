@@ -9,6 +9,18 @@ import msgspec
 
 Percent = Annotated[str, msgspec.Meta(pattern=r"^(\d+|\d{1,3}%)$", description="a count like '2' or a percent '25%'")]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
+DRIVER_VERSION_PATTERN = r"^[0-9]{3}(\.[0-9]{1,3}){1,2}$"
+DriverVersion = Annotated[
+    str, msgspec.Meta(pattern=r"^$|" + DRIVER_VERSION_PATTERN, description="a driver version like '550.54.15'")
+]
+MaxUnavailable = Annotated[
+    str,
+    msgspec.Meta(pattern=r"^(\d{1,4}|(100|[1-9]?[0-9])%)$", description="a node count like '2' or a percent 0-100%"),
+]
+PoolSelector = Annotated[
+    str,
+    msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./\-]*=[A-Za-z0-9_.\-]*$", description="'label=value' of a pool"),
+]
 
 
 class ConfigDocument(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -18,14 +30,27 @@ class ConfigDocument(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class DriverPolicy(ConfigDocument, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The desired GPU driver and how to roll it out (names as NVIDIA's GPU Operator users know them)."""
 
-    desired_version: str = ""
-    pool_overrides: dict[str, str] = msgspec.field(default_factory=dict)
+    desired_version: DriverVersion = ""
+    pool_overrides: dict[PoolSelector, Annotated[str, msgspec.Meta(pattern=DRIVER_VERSION_PATTERN)]] = msgspec.field(
+        default_factory=dict
+    )
     auto_upgrade: bool = False
     max_parallel_upgrades: Annotated[int, msgspec.Meta(ge=0)] = 1
-    max_unavailable: Percent = "25%"
+    max_unavailable: MaxUnavailable = "25%"
     drain_timeout_s: Seconds = 300.0
     pod_deletion_timeout_s: Seconds = 300.0
     on_drain_failure: Literal["stop", "continue"] = "stop"
+    max_failed_nodes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """No node starts while more nodes than this are in upgrade-failed."""
+    drain_pod_selector: dict[str, str] = msgspec.field(default_factory=dict)
+    """Labels of the pods the upgrade evicts (empty: all but those labelled to skip)."""
+    wait_for_jobs_selector: dict[str, str] = msgspec.field(default_factory=dict)
+    """Labels of job pods waited for before the drain (empty: none)."""
+    wait_for_jobs_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """0: wait for the jobs forever."""
+    validation_timeout_s: Seconds = 600.0
+    eviction_backoff_s: Seconds = 2.0
+    """First delay after a PodDisruptionBudget refusal; it doubles up to 60 s."""
 
 
 class CheckpointPolicy(ConfigDocument, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,0 +1,341 @@
+"""The cluster-wide upgrade coordinator: one leader at a time moves each node through the upgrade states.
+
+Each pass: take or renew the leader lease (its fencing token), read every node (labels, annotations, pods, the
+installed driver through that node's GPU port, the verdict of its drain), and for each node in name order apply
+what ``upgrade.next_step`` says, re-reading the node after each step. Nothing is remembered between passes that the
+cluster does not hold, except the eviction backoff and which drains this process has published; so a coordinator
+killed at any point and started again resumes where the labels say, and never evicts a pod twice (a Terminating pod
+is never evicted again; evictions go through the Eviction API only, and nothing is deleted).
+
+Writes are fenced: before any write the coordinator checks its token is still the lease's and is not older than
+the token stamped on the node by the last writer; it stamps its own with every write. A stale leader's write
+raises ``StaleLeader`` and the pass ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, cast, get_args
+
+from shared.contract.base import Event
+from shared.contract.configdocs import DriverPolicy
+from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged, UpgradeState
+from shared.contract.node import DrainRequested
+from shared.ports.cluster import ClusterError, ClusterPort, EvictionOutcome, NodeInfo
+from shared.ports.gpu import GpuError, GpuPort
+
+from .ports import DrainVerdicts, GpuPortFactory, LeaderLease, StaleLeader
+from .upgrade import (
+    DRAIN_ANNOTATION,
+    EXTERNAL_DRAIN_ANNOTATION,
+    EXTERNAL_DRAIN_REASON,
+    FAILURE_ANNOTATION,
+    FENCE_ANNOTATION,
+    STATE_LABEL,
+    TARGET_ANNOTATION,
+    Action,
+    ClusterView,
+    NodeView,
+    PodView,
+    after_validation,
+    desired_version,
+    next_step,
+)
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[Event], Awaitable[None]]
+Clock = Callable[[], float]
+_MAX_STEPS_PER_NODE = 12
+_MAX_BACKOFF_S = 60.0
+_DRAIN_DEADLINE_S = 25.0
+
+
+class UpgradeCoordinator:
+    """Drives rolling driver upgrades. ``reconcile_once`` is one level-triggered pass; ``run`` repeats it."""
+
+    def __init__(
+        self,
+        cluster: ClusterPort,
+        gpus: GpuPortFactory,
+        lease: LeaderLease,
+        verdicts: DrainVerdicts,
+        publish: Publish,
+        policy: Callable[[], DriverPolicy],
+        *,
+        clock: Clock = time.time,
+        install_timeout_s: float = 600.0,
+        on_transition: Callable[[str, str, str], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.gpu_factory = gpus
+        self.lease = lease
+        self.verdicts = verdicts
+        self.publish = publish
+        self.policy = policy
+        self.clock = clock
+        self.install_timeout_s = install_timeout_s
+        self.on_transition = on_transition
+        self.token = 0
+        self.states: dict[str, dict[str, str]] = {}
+        self._gpus: dict[str, GpuPort] = {}
+        self._backoff: dict[str, tuple[float, float]] = {}
+        self._published: set[str] = set()
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    async def run(self, interval_s: float, wake: asyncio.Event | None = None) -> None:
+        wake = wake or asyncio.Event()
+        while True:
+            try:
+                await self.reconcile_once()
+            except StaleLeader as exc:
+                log.warning("no longer the upgrade coordinator", extra={"error": str(exc)})
+                self.token = 0
+            except (ClusterError, GpuError) as exc:
+                log.warning("upgrade pass interrupted; retrying", extra={"error": str(exc)})
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=interval_s)
+            except TimeoutError:
+                pass
+            wake.clear()
+
+    async def reconcile_once(self) -> bool:
+        """One pass; False when another coordinator leads. Raises ``StaleLeader`` when the lease was lost mid-pass."""
+        token = await self.lease.acquire()
+        if token is None:
+            self.token = 0
+            return False
+        if token != self.token:
+            log.info("leading driver upgrades", extra={"holder": self.lease.holder, "fencing_token": token})
+        self.token = token
+        policy = self.policy()
+        infos = await self.cluster.nodes()
+        views = [await self._view(info) for info in infos]
+        for index in range(len(views)):
+            views[index] = await self._advance(views[index], views, policy)
+        self.states = {v.name: {"state": v.state, "reason": v.annotations.get(FAILURE_ANNOTATION, "")} for v in views}
+        return True
+
+    async def _advance(self, view: NodeView, views: list[NodeView], policy: DriverPolicy) -> NodeView:
+        for _ in range(_MAX_STEPS_PER_NODE):
+            await self._republish_drain(view)
+            cluster = ClusterView.of(views)
+            action = next_step(view, policy, cluster, self.clock())
+            if action.kind == "wait":
+                return view
+            before = (view.state, view.schedulable, dict(view.annotations))
+            await self._execute(view, action, policy)
+            info = await self.cluster.node(view.name)
+            if info is None:
+                return view
+            view = await self._view(info)
+            views[:] = [view if v.name == view.name else v for v in views]
+            if action.kind in ("evict", "request_drain", "external_drain") or before == (
+                view.state,
+                view.schedulable,
+                dict(view.annotations),
+            ):
+                return view
+        return view
+
+    # -- reading --------------------------------------------------------------------------------------------------
+    def gpu(self, node: str) -> GpuPort:
+        port = self._gpus.get(node)
+        if port is None:
+            port = self._gpus[node] = self.gpu_factory(node)
+        return port
+
+    async def _view(self, info: NodeInfo) -> NodeView:
+        try:
+            installed = (await self.gpu(info.name).versions()).driver
+        except GpuError as exc:
+            log.warning("driver version unreadable", extra={"node": info.name, "error": str(exc)})
+            installed = ""
+        pods = await self.cluster.pods(node=info.name)
+        drain_id = info.annotations.get(DRAIN_ANNOTATION, "") or info.annotations.get(EXTERNAL_DRAIN_ANNOTATION, "")
+        verdict = await self.verdicts.get(drain_id) if drain_id else ""
+        return NodeView(
+            name=info.name,
+            labels=dict(info.labels),
+            annotations=dict(info.annotations),
+            schedulable=info.schedulable,
+            ready=info.ready,
+            gpus=info.gpus,
+            installed_version=installed,
+            pods=tuple(PodView(p.name, p.namespace, p.phase, dict(p.labels)) for p in pods),
+            drain_verdict=verdict,
+            evict_after=self._backoff.get(info.name, (0.0, 0.0))[1],
+        )
+
+    # -- writing, fenced ------------------------------------------------------------------------------------------
+    async def _guard(self, node: NodeView) -> None:
+        current = await self.lease.current_token()
+        if current != self.token:
+            raise StaleLeader(f"fencing token {self.token} is stale: the lease holds {current}")
+        stamped = node.annotations.get(FENCE_ANNOTATION, "0")
+        if stamped.isdigit() and int(stamped) > self.token:
+            raise StaleLeader(f"{node.name} was written with fencing token {stamped}, newer than {self.token}")
+
+    async def _annotate(self, node: str, annotations: Mapping[str, str | None]) -> None:
+        await self.cluster.set_node_annotations(node, {**annotations, FENCE_ANNOTATION: str(self.token)})
+
+    async def _execute(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
+        await self._guard(view)
+        node = view.name
+        match action.kind:
+            case "cordon":
+                await self._annotate(node, {k: v for k, v in action.annotations.items() if v is not None})
+                await self.cluster.cordon(node)
+                await self._transition(view, action)
+            case "uncordon":
+                await self.cluster.uncordon(node)
+                await self._transition(view, action)
+            case "set_state" | "fail":
+                await self._transition(view, action)
+            case "request_drain":
+                drain_id = f"upgrade-{node}-{self.token}-{int(self.clock() * 1000)}"
+                await self._annotate(node, {DRAIN_ANNOTATION: drain_id})
+                await self._request_drain(node, drain_id, policy, "driver-upgrade")
+            case "external_drain":
+                drain_id = f"cordon-{node}-{self.token}-{int(self.clock() * 1000)}"
+                await self._annotate(node, {EXTERNAL_DRAIN_ANNOTATION: drain_id})
+                await self._request_drain(node, drain_id, policy, EXTERNAL_DRAIN_REASON)
+            case "forget_external_drain":
+                await self._annotate(node, {EXTERNAL_DRAIN_ANNOTATION: None})
+            case "evict":
+                await self._evict(view, action, policy)
+            case "install":
+                await self._install(view, action)
+            case "validate":
+                await self._validate(view, action, policy)
+
+    async def _transition(self, view: NodeView, action: Action) -> None:
+        """Set annotations, then the state label, then remove what the new state no longer needs: a coordinator
+        killed between two of these writes finds enough to redo the step."""
+        setting = {k: v for k, v in action.annotations.items() if v is not None}
+        removing = {k: v for k, v in action.annotations.items() if v is None}
+        await self._annotate(view.name, setting)
+        if action.state and action.state != view.state:
+            await self.cluster.set_node_labels(view.name, {STATE_LABEL: action.state})
+        if removing:
+            await self._annotate(view.name, removing)
+        if not action.state or action.state == view.state:
+            return
+        target = view.annotations.get(TARGET_ANNOTATION, "") or desired_version(self.policy(), view.labels)
+        if action.state == "upgrade-failed":
+            log.error(
+                "driver upgrade FAILED; the node stays cordoned until the failure is cleared",
+                extra={"node": view.name, "reason": action.why, "previous_state": view.state},
+            )
+        else:
+            log.info(
+                "driver upgrade state",
+                extra={"node": view.name, "state": action.state, "previous_state": view.state, "reason": action.why},
+            )
+        await self.publish(
+            DriverUpgradeStateChanged(
+                node=view.name,
+                state=_state(action.state),
+                previous_state=_state(view.state),
+                reason=action.why,
+                desired_version=target,
+                installed_version=view.installed_version,
+            )
+        )
+        if self.on_transition is not None:
+            self.on_transition(view.name, view.state, action.state)
+
+    async def _request_drain(self, node: str, drain_id: str, policy: DriverPolicy, reason: str) -> None:
+        deadline = min(_DRAIN_DEADLINE_S, policy.drain_timeout_s * 0.8)
+        await self.publish(
+            DrainRequested(node=node, drain_id=drain_id, reason=reason, requested_by="driver", deadline_s=deadline)
+        )
+        self._published.add(drain_id)
+        log.info("drain requested", extra={"node": node, "drain_id": drain_id, "reason": reason})
+
+    async def _republish_drain(self, view: NodeView) -> None:
+        """A drain named on the node but neither decided nor published by this process (its publisher died between
+        naming it and publishing it) is requested again; the checkpoint service runs a drain id once."""
+        drain_id = view.annotations.get(DRAIN_ANNOTATION, "")
+        if view.state == "checkpoint-required" and drain_id and not view.drain_verdict:
+            if drain_id not in self._published:
+                await self._guard(view)
+                await self._request_drain(view.name, drain_id, self.policy(), "driver-upgrade")
+
+    async def _evict(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
+        blocked = False
+        for namespace, pod in action.pods:
+            outcome = await self.cluster.evict(namespace, pod)
+            if outcome is EvictionOutcome.BLOCKED_BY_PDB:
+                blocked = True
+                log.info("eviction refused by a PodDisruptionBudget; backing off", extra={"pod": pod})
+            elif outcome is EvictionOutcome.EVICTED:
+                log.info("pod evicted", extra={"node": view.name, "pod": f"{namespace}/{pod}"})
+        if blocked:
+            delay, _ = self._backoff.get(view.name, (policy.eviction_backoff_s / 2, 0.0))
+            delay = min(delay * 2, _MAX_BACKOFF_S)
+            self._backoff[view.name] = (delay, self.clock() + delay)
+        else:
+            self._backoff.pop(view.name, None)
+
+    async def _install(self, view: NodeView, action: Action) -> None:
+        try:
+            await asyncio.wait_for(self.gpu(view.name).install_driver(action.version), self.install_timeout_s)
+        except (GpuError, TimeoutError) as exc:
+            reason = str(exc) or f"install of {action.version} did not finish in {self.install_timeout_s:g}s"
+            await self.publish(DriverInstallFailed(node=view.name, version=action.version, reason=reason))
+            fail = Action(
+                "fail",
+                view.name,
+                "upgrade-failed",
+                f"install failed: {reason}",
+                {
+                    FAILURE_ANNOTATION: f"install failed: {reason}",
+                    **{k: v for k, v in action.annotations.items() if v is not None},
+                },
+            )
+            await self._transition(view, fail)
+            return
+        await self.publish(DriverInstalled(node=view.name, version=action.version))
+        await self._transition(view, action)
+
+    async def _validate(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
+        try:
+            result = await self.gpu(view.name).validate_driver(action.version)
+            ok, reason = result.ok, result.reason
+            if ok and result.version != action.version:
+                ok, reason = False, f"driver {result.version} answers, {action.version} was expected"
+            if ok and result.visible_gpus < view.gpus:
+                ok, reason = False, f"{result.visible_gpus} GPU(s) visible, the node has more"
+        except GpuError as exc:
+            ok, reason = False, f"driver does not answer: {exc}"
+        outcome = after_validation(view, policy, ok, reason, self.clock())
+        if ok and view.state != "upgrade-failed":
+            await self.publish(DriverInstalled(node=view.name, version=action.version, validated=True))
+        if outcome.kind == "wait":
+            return
+        if outcome.state == "uncordon-required" and view.state == "upgrade-failed":
+            log.warning("driver upgrade failure RECOVERED by a later validation", extra={"node": view.name})
+        await self._transition(view, outcome)
+
+    # -- status ---------------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return {"leader": self.token > 0, "fencing_token": self.token, "nodes": self.states}
+
+    async def close(self) -> None:
+        for port in self._gpus.values():
+            try:
+                await port.close()
+            except Exception as exc:  # closing is best effort
+                log.debug("closing a GPU port failed", extra={"error": str(exc)})
+        self._gpus.clear()
+
+
+_STATES: frozenset[str] = frozenset(get_args(UpgradeState))
+
+
+def _state(value: str) -> UpgradeState:
+    return cast(UpgradeState, value) if value in _STATES else ""

@@ -1,0 +1,110 @@
+"""Adapters of the driver service: the coordinator's leader lease with fencing and the drain verdict book (Redis),
+and the simulated cluster and GPU ports.
+
+The lease is a hash ``<root>:driver:leader`` (holder, token) with a TTL; every new holder takes the next value of
+the counter ``<root>:driver:fence``, so tokens only grow. Taking and renewing are one Lua script each, atomic in
+Redis. A lease does not by itself guarantee one actor (a paused holder may wake after its lease expired), so the
+coordinator checks its token is still current before every write and stamps the token on the nodes it writes.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared.contract.subjects import Subjects
+from shared.plumbing.configsync import redis_client
+from shared.plumbing.settings import RedisSettings, Settings
+from shared.ports.cluster import ClusterError, ClusterPort
+from shared.ports.gpu import GpuPort
+from shared.sim.cluster import SimCluster
+from shared.sim.gpus import SimGpus
+from shared.sim.spec import load_spec
+
+from .ports import GpuPortFactory
+
+_ACQUIRE = """
+local holder = redis.call('HGET', KEYS[1], 'holder')
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(redis.call('HGET', KEYS[1], 'token'))
+end
+if holder then
+  return -1
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return token
+"""
+
+_RELEASE = """
+if redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_VERDICT_TTL_S = 7 * 24 * 3600
+
+
+class RedisLeaderLease:
+    """``LeaderLease`` in Redis. ``ttl_s`` should be a few times the renewal interval."""
+
+    def __init__(self, client: aioredis.Redis, subjects: Subjects, holder: str, ttl_s: float = 10.0) -> None:
+        self.client = client
+        self.holder = holder
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._key = subjects.redis_key("driver", "leader")
+        self._fence = subjects.redis_key("driver", "fence")
+        self._acquire = client.register_script(_ACQUIRE)
+        self._release = client.register_script(_RELEASE)
+
+    async def acquire(self) -> int | None:
+        token = int(await self._acquire(keys=[self._key, self._fence], args=[self.holder, self.ttl_ms]))
+        return None if token < 0 else token
+
+    async def current_token(self) -> int:
+        raw = await self.client.hget(self._key, "token")
+        return int(raw) if raw is not None else 0
+
+    async def release(self) -> None:
+        await self._release(keys=[self._key], args=[self.holder])
+
+
+class RedisDrainVerdicts:
+    """``DrainVerdicts`` in Redis: one string key per drain, kept a week."""
+
+    def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
+        self.client = client
+        self.subjects = subjects
+
+    async def record(self, drain_id: str, verdict: str) -> None:
+        await self.client.set(self.subjects.redis_key("driver", "verdict", drain_id), verdict, ex=_VERDICT_TTL_S)
+
+    async def get(self, drain_id: str) -> str:
+        raw = await self.client.get(self.subjects.redis_key("driver", "verdict", drain_id))
+        if raw is None:
+            return ""
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def open_redis(settings: RedisSettings) -> aioredis.Redis:
+    return redis_client(settings)
+
+
+def sim_gpu_factory(client: aioredis.Redis, subjects: Subjects) -> GpuPortFactory:
+    """Per-node GPU ports of the simulated nodes (the spec from ``GPUWARDEN_SIM_SPEC`` or the default)."""
+    spec = load_spec()
+
+    def factory(node: str) -> GpuPort:
+        return SimGpus(client, subjects, spec, node)
+
+    return factory
+
+
+async def cluster_port(settings: Settings, subjects: Subjects, client: aioredis.Redis) -> ClusterPort:
+    """The cluster: simulated for backend ``sim`` (attached, or created from the spec when this process is the
+    first to start); the Kubernetes adapter comes with ``shared.ports.kube``."""
+    if settings.backend != "sim":
+        raise ClusterError("the driver coordinator needs GPUWARDEN_BACKEND=sim until the Kubernetes adapter lands")
+    return await SimCluster.create(client, subjects)

@@ -1,0 +1,356 @@
+"""The rolling driver upgrade as a pure function: what to do next on one node, given what the cluster shows now.
+
+Level-triggered: ``next_step`` reads the node's state label and annotations and the facts gathered this pass (pods,
+installed version, the drain verdict) and returns one ``Action``; nothing is remembered between calls except what
+the cluster itself holds. A coordinator restarted at any point reads the same label and annotations and resumes.
+
+States and label values are NVIDIA's (``nvidia.com/gpu-driver-upgrade-state``), plus ``checkpoint-required``:
+before any pod is evicted, ``drain.requested`` is published and the checkpoint service's verdict awaited.
+
+    "" / upgrade-done --(installed != desired)--> upgrade-required --(a slot)--> cordon-required --> (cordon)
+    wait-for-jobs-required --> checkpoint-required --(drain.completed)--> pod-deletion-required --(node empty)-->
+    pod-restart-required --(install)--> validation-required --(valid)--> uncordon-required --> upgrade-done
+
+Any step may go to ``upgrade-failed``, which is sticky: the node stays cordoned with its reason until a person sets
+the clear annotation, or a later validation of the desired version passes (and is logged as a recovery).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.contract.configdocs import DriverPolicy
+from shared.contract.driver import UpgradeState
+
+STATE_LABEL = "nvidia.com/gpu-driver-upgrade-state"
+SKIP_NODE_LABEL = "nvidia.com/gpu-driver-upgrade.skip"
+SKIP_DRAIN_POD_LABEL = "nvidia.com/gpu-driver-upgrade-drain.skip"
+
+_PREFIX = "gpuwarden.io/driver-upgrade-"
+FAILURE_ANNOTATION = _PREFIX + "failure"
+"""Why the node is ``upgrade-failed``; kept until the failure is cleared."""
+CLEAR_ANNOTATION = _PREFIX + "clear"
+"""Set to ``true`` by a person to clear ``upgrade-failed``: the node starts over from ``upgrade-required``."""
+WAS_CORDONED_ANNOTATION = _PREFIX + "was-cordoned"
+"""``true`` when the node was already cordoned before the upgrade cordoned it: it stays cordoned after."""
+SINCE_ANNOTATION = _PREFIX + "since"
+"""When the node entered its current state (seconds since the epoch): the timeouts count from it."""
+TARGET_ANNOTATION = _PREFIX + "target"
+"""The version this upgrade installs, fixed when the node starts, so a policy edit mid-upgrade is not half-applied."""
+DRAIN_ANNOTATION = _PREFIX + "drain-id"
+"""The drain requested for this upgrade; its verdict moves the node on."""
+EXTERNAL_DRAIN_ANNOTATION = "gpuwarden.io/cordon-drain-id"
+"""The drain requested for a node someone else cordoned; removed when the node is schedulable again."""
+FENCE_ANNOTATION = "gpuwarden.io/driver-coordinator-fence"
+"""The fencing token of the coordinator that last wrote the node; a writer with a smaller token is stale."""
+
+UPGRADE_ANNOTATIONS = (
+    FAILURE_ANNOTATION,
+    WAS_CORDONED_ANNOTATION,
+    SINCE_ANNOTATION,
+    TARGET_ANNOTATION,
+    DRAIN_ANNOTATION,
+)
+
+ORDER: tuple[UpgradeState, ...] = (
+    "upgrade-required",
+    "cordon-required",
+    "wait-for-jobs-required",
+    "checkpoint-required",
+    "pod-deletion-required",
+    "pod-restart-required",
+    "validation-required",
+    "uncordon-required",
+    "upgrade-done",
+)
+"""The states a successful upgrade passes through, in order (``drain-required`` reads as ``pod-deletion-required``)."""
+
+IN_PROGRESS: frozenset[str] = frozenset(ORDER[1:-1]) | {"drain-required"}
+"""States holding an upgrade slot."""
+
+EXTERNAL_DRAIN_REASON = "cordoned"
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    name: str
+    namespace: str
+    phase: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """One node as the coordinator sees it this pass. ``installed_version`` is empty when the GPU port did not
+    answer; ``drain_verdict`` is the verdict of the drain named in ``DRAIN_ANNOTATION`` (or the external drain):
+    ``""`` (none yet), ``"completed"`` or ``"failed: <reason>"``. ``evict_after`` is when an eviction refused by a
+    PodDisruptionBudget may be tried again."""
+
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    schedulable: bool = True
+    ready: bool = True
+    gpus: int = 0
+    installed_version: str = ""
+    pods: Sequence[PodView] = ()
+    drain_verdict: str = ""
+    evict_after: float = 0.0
+
+    @property
+    def state(self) -> str:
+        return self.labels.get(STATE_LABEL, "")
+
+    @property
+    def skipped(self) -> bool:
+        return self.labels.get(SKIP_NODE_LABEL, "") == "true"
+
+    def since(self) -> float:
+        try:
+            return float(self.annotations.get(SINCE_ANNOTATION, "0"))
+        except ValueError:
+            return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """What the slot rules need: how many nodes there are, which hold a slot, which are unavailable or failed."""
+
+    total: int
+    in_progress: int
+    unavailable: int
+    failed: int
+
+    @classmethod
+    def of(cls, nodes: Sequence[NodeView]) -> ClusterView:
+        return cls(
+            total=len(nodes),
+            in_progress=sum(1 for n in nodes if n.state in IN_PROGRESS),
+            unavailable=sum(1 for n in nodes if not n.schedulable or not n.ready),
+            failed=sum(1 for n in nodes if n.state == "upgrade-failed"),
+        )
+
+
+ActionKind = Literal[
+    "wait",
+    "set_state",
+    "cordon",
+    "request_drain",
+    "evict",
+    "install",
+    "validate",
+    "uncordon",
+    "fail",
+    "external_drain",
+    "forget_external_drain",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step for the coordinator. ``state`` is the label value to write once the effect succeeded (empty: the
+    label stays); ``annotations`` are written with it (None removes one). ``why`` says in words why, for logs."""
+
+    kind: ActionKind
+    node: str
+    state: str = ""
+    why: str = ""
+    annotations: Mapping[str, str | None] = field(default_factory=dict)
+    pods: tuple[tuple[str, str], ...] = ()
+    version: str = ""
+
+
+def max_unavailable(policy: DriverPolicy, total: int) -> int:
+    """NVIDIA's rule: a count, or a percent of the nodes rounded up."""
+    raw = policy.max_unavailable
+    if raw.endswith("%"):
+        return math.ceil(total * int(raw[:-1]) / 100)
+    return int(raw)
+
+
+def desired_version(policy: DriverPolicy, labels: Mapping[str, str]) -> str:
+    """The pool override whose ``label=value`` the node carries (the first in sorted order), else the cluster-wide
+    version."""
+    for selector in sorted(policy.pool_overrides):
+        key, _, value = selector.partition("=")
+        if labels.get(key) == value:
+            return policy.pool_overrides[selector]
+    return policy.desired_version
+
+
+def may_start(policy: DriverPolicy, node: NodeView, cluster: ClusterView) -> str:
+    """Empty when ``node`` may take an upgrade slot now, else why not."""
+    if cluster.failed > policy.max_failed_nodes:
+        return f"{cluster.failed} node(s) in upgrade-failed, more than max_failed_nodes={policy.max_failed_nodes}"
+    if policy.max_parallel_upgrades and cluster.in_progress >= policy.max_parallel_upgrades:
+        return f"{cluster.in_progress} upgrade(s) in progress, max_parallel_upgrades={policy.max_parallel_upgrades}"
+    budget = max_unavailable(policy, cluster.total)
+    adds = 1 if node.schedulable and node.ready else 0
+    if cluster.unavailable + adds > budget:
+        return f"{cluster.unavailable} node(s) unavailable, max_unavailable={policy.max_unavailable} ({budget})"
+    return ""
+
+
+def _pods_to_evict(node: NodeView, policy: DriverPolicy) -> list[PodView]:
+    """Pods the upgrade must move: not marked to skip, matching the drain selector (empty: all)."""
+    chosen = []
+    for pod in node.pods:
+        if pod.labels.get(SKIP_DRAIN_POD_LABEL, "") == "true":
+            continue
+        if not _matches(pod.labels, policy.drain_pod_selector):
+            continue
+        chosen.append(pod)
+    return chosen
+
+
+def _matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _enter(now: float, **extra: str | None) -> dict[str, str | None]:
+    return {SINCE_ANNOTATION: f"{now:.3f}", **extra}
+
+
+def _fail(node: NodeView, why: str, now: float) -> Action:
+    return Action("fail", node.name, "upgrade-failed", why, {FAILURE_ANNOTATION: why, SINCE_ANNOTATION: f"{now:.3f}"})
+
+
+def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: float) -> Action:
+    """What to do next on ``node``. Pure: the same inputs give the same action."""
+    state = node.state
+    target = node.annotations.get(TARGET_ANNOTATION, "") or desired_version(policy, node.labels)
+    elapsed = now - node.since()
+
+    if state not in IN_PROGRESS and state != "upgrade-failed":
+        external = node.annotations.get(EXTERNAL_DRAIN_ANNOTATION, "")
+        if not node.schedulable and not external:
+            return Action("external_drain", node.name, why="cordoned by someone else: saving its sessions")
+        if node.schedulable and external:
+            return Action("forget_external_drain", node.name, why="schedulable again")
+
+    match state:
+        case "upgrade-failed":
+            if node.annotations.get(CLEAR_ANNOTATION, "") == "true":
+                return Action(
+                    "set_state",
+                    node.name,
+                    "upgrade-required",
+                    "failure cleared by a person",
+                    {CLEAR_ANNOTATION: None, FAILURE_ANNOTATION: None, DRAIN_ANNOTATION: None, **_enter(now)},
+                )
+            if target and node.installed_version == target:
+                return Action("validate", node.name, version=target, why="failed node has the desired version")
+            return Action("wait", node.name, why=node.annotations.get(FAILURE_ANNOTATION, "upgrade-failed"))
+        case "" | "upgrade-done":
+            want = desired_version(policy, node.labels)
+            if node.skipped or not want or not node.installed_version or node.installed_version == want:
+                return Action("wait", node.name, why="up to date, skipped or unknown")
+            if not policy.auto_upgrade:
+                return Action("wait", node.name, why=f"{node.installed_version} != {want}; auto_upgrade is off")
+            return Action("set_state", node.name, "upgrade-required", f"{node.installed_version} -> {want}")
+        case "upgrade-required":
+            want = desired_version(policy, node.labels)
+            if node.skipped or not policy.auto_upgrade:
+                return Action("wait", node.name, why="skipped or auto_upgrade off")
+            if node.installed_version == want:
+                return Action("set_state", node.name, "upgrade-done", "already on the desired version")
+            blocked = may_start(policy, node, cluster)
+            if blocked:
+                return Action("wait", node.name, why=blocked)
+            return Action(
+                "set_state",
+                node.name,
+                "cordon-required",
+                f"slot taken for {want}",
+                _enter(now, **{TARGET_ANNOTATION: want}),
+            )
+        case "cordon-required":
+            was = node.annotations.get(WAS_CORDONED_ANNOTATION) or ("false" if node.schedulable else "true")
+            return Action(
+                "cordon",
+                node.name,
+                "wait-for-jobs-required",
+                "cordoned",
+                _enter(now, **{WAS_CORDONED_ANNOTATION: was}),
+            )
+        case "wait-for-jobs-required":
+            waiting = [
+                p
+                for p in node.pods
+                if policy.wait_for_jobs_selector and _matches(p.labels, policy.wait_for_jobs_selector)
+            ]
+            timeout = policy.wait_for_jobs_timeout_s
+            if waiting and (timeout == 0 or elapsed < timeout):
+                return Action("wait", node.name, why=f"{len(waiting)} job pod(s) still running")
+            return Action("set_state", node.name, "checkpoint-required", "no jobs to wait for", _enter(now))
+        case "checkpoint-required":
+            drain_id = node.annotations.get(DRAIN_ANNOTATION, "")
+            if not drain_id:
+                return Action("request_drain", node.name, why="save every KV cache before any eviction")
+            if node.drain_verdict == "completed":
+                return Action(
+                    "set_state", node.name, "pod-deletion-required", f"drain {drain_id} completed", _enter(now)
+                )
+            failure = ""
+            if node.drain_verdict.startswith("failed"):
+                failure = f"drain {drain_id} {node.drain_verdict}"
+            elif elapsed >= policy.drain_timeout_s:
+                failure = f"drain {drain_id} had no verdict within drain_timeout_s={policy.drain_timeout_s:g}"
+            if not failure:
+                return Action("wait", node.name, why=f"waiting for drain {drain_id}")
+            if policy.on_drain_failure == "continue":
+                return Action(
+                    "set_state",
+                    node.name,
+                    "pod-deletion-required",
+                    failure + "; on_drain_failure=continue",
+                    _enter(now),
+                )
+            return _fail(node, failure + "; on_drain_failure=stop", now)
+        case "pod-deletion-required" | "drain-required":
+            remaining = _pods_to_evict(node, policy)
+            if not remaining:
+                return Action("set_state", node.name, "pod-restart-required", "no pods left to move", _enter(now))
+            if elapsed >= policy.pod_deletion_timeout_s:
+                names = ", ".join(p.name for p in remaining)
+                return _fail(node, f"pods still on the node after pod_deletion_timeout_s: {names}", now)
+            evictable = tuple((p.namespace, p.name) for p in remaining if p.phase != "Terminating")
+            if not evictable or now < node.evict_after:
+                return Action("wait", node.name, why=f"{len(remaining)} pod(s) terminating or eviction backing off")
+            return Action("evict", node.name, pods=evictable, why=f"evicting {len(evictable)} pod(s)")
+        case "pod-restart-required":
+            return Action(
+                "install", node.name, "validation-required", f"installing {target}", _enter(now), version=target
+            )
+        case "validation-required":
+            return Action("validate", node.name, "uncordon-required", f"validating {target}", version=target)
+        case "uncordon-required":
+            done = {key: None for key in UPGRADE_ANNOTATIONS}
+            if node.annotations.get(WAS_CORDONED_ANNOTATION) == "true":
+                return Action("set_state", node.name, "upgrade-done", "stays cordoned: it was before the upgrade", done)
+            return Action("uncordon", node.name, "upgrade-done", "uncordoned", done)
+    return Action("wait", node.name, why=f"unknown state {state!r}: left alone")
+
+
+def after_validation(node: NodeView, policy: DriverPolicy, ok: bool, reason: str, now: float) -> Action:
+    """What a validation result means: on from ``validation-required``, or a recovery from ``upgrade-failed``
+    (logged as such); a failing validation waits up to ``validation_timeout_s`` then fails the node."""
+    if node.state == "upgrade-failed":
+        if ok:
+            was = node.annotations.get(FAILURE_ANNOTATION, "")
+            return Action(
+                "set_state",
+                node.name,
+                "uncordon-required",
+                f"recovered: validation passed after failure ({was})",
+                {FAILURE_ANNOTATION: None, **_enter(now)},
+            )
+        return Action("wait", node.name, why=node.annotations.get(FAILURE_ANNOTATION, reason))
+    if ok:
+        return Action("set_state", node.name, "uncordon-required", "validation passed", _enter(now))
+    if now - node.since() >= policy.validation_timeout_s:
+        return _fail(node, f"validation failed for {policy.validation_timeout_s:g}s: {reason}", now)
+    return Action("wait", node.name, why=f"validation not passing yet: {reason}")

@@ -1,0 +1,283 @@
+"""The pure upgrade state machine: a hypothesis stateful test against a small reference model, and the driver
+policy refused at write time when it is wrong."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.driver.upgrade import (
+    CLEAR_ANNOTATION,
+    DRAIN_ANNOTATION,
+    FAILURE_ANNOTATION,
+    IN_PROGRESS,
+    ORDER,
+    STATE_LABEL,
+    WAS_CORDONED_ANNOTATION,
+    Action,
+    ClusterView,
+    NodeView,
+    PodView,
+    after_validation,
+    max_unavailable,
+    next_step,
+)
+from shared.contract.configdocs import DriverPolicy
+from shared.contract.subjects import Subjects
+from shared.plumbing.configsync import ConfigStore, InvalidConfig, parse_document
+
+NEW, OLD = "560.35.03", "550.54.15"
+NODES = ("n1", "n2", "n3", "n4")
+
+# The reference model: where each state may go, and nothing else.
+NEXT: dict[str, set[str]] = {
+    "": {"upgrade-required"},
+    "upgrade-done": {"upgrade-required"},
+    **{a: {b, "upgrade-failed"} for a, b in itertools.pairwise(ORDER)},
+    "upgrade-failed": {"upgrade-required", "uncordon-required"},
+}
+NEXT["upgrade-required"] = {"cordon-required", "upgrade-done"}
+NEXT["uncordon-required"] = {"upgrade-done"}
+
+
+@dataclass
+class SimNode:
+    """A node in the model's world: what the coordinator's effects do to it, in memory."""
+
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    schedulable: bool = True
+    installed: str = OLD
+    pods: int = 2
+    terminating: int = 0
+    verdict: str = ""
+    install_fails: bool = False
+    history: list[str] = field(default_factory=list)
+    evicted_with_verdict: list[str] = field(default_factory=list)
+    cordoned_before: bool | None = None
+
+    def view(self) -> NodeView:
+        pods = [PodView(f"{self.name}-p{i}", "llm", "Running") for i in range(self.pods)]
+        pods += [PodView(f"{self.name}-t{i}", "llm", "Terminating") for i in range(self.terminating)]
+        return NodeView(
+            name=self.name,
+            labels=dict(self.labels),
+            annotations=dict(self.annotations),
+            schedulable=self.schedulable,
+            installed_version=self.installed,
+            pods=tuple(pods),
+            drain_verdict=self.verdict if self.annotations.get(DRAIN_ANNOTATION) else "",
+            gpus=2,
+        )
+
+
+class UpgradeMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = DriverPolicy(
+            desired_version=NEW, auto_upgrade=True, max_parallel_upgrades=1, max_unavailable="50%", drain_timeout_s=60
+        )
+        self.nodes = {name: SimNode(name) for name in NODES}
+        self.now = 1000.0
+        self.max_in_progress = 0
+        self.over_budget_starts = 0
+
+    def cluster(self) -> ClusterView:
+        return ClusterView.of([n.view() for n in self.nodes.values()])
+
+    def apply(self, node: SimNode, action: Action) -> None:
+        """What the coordinator does for each action, on the in-memory node."""
+        annotations = {k: v for k, v in action.annotations.items() if v is not None}
+        removals = [k for k, v in action.annotations.items() if v is None]
+        match action.kind:
+            case "cordon":
+                if node.cordoned_before is None:
+                    node.cordoned_before = not node.schedulable
+                node.annotations.update(annotations)
+                node.schedulable = False
+            case "uncordon":
+                node.schedulable = True
+            case "request_drain" | "external_drain":
+                key = DRAIN_ANNOTATION if action.kind == "request_drain" else "gpuwarden.io/cordon-drain-id"
+                node.annotations[key] = f"d-{node.name}-{self.now}"
+                node.verdict = ""
+                return
+            case "forget_external_drain":
+                node.annotations.pop("gpuwarden.io/cordon-drain-id", None)
+                return
+            case "evict":
+                node.evicted_with_verdict.append(node.verdict)
+                node.terminating += node.pods
+                node.pods = 0
+                return
+            case "install":
+                if node.install_fails:
+                    self.apply(
+                        node, Action("fail", node.name, "upgrade-failed", "install failed", {FAILURE_ANNOTATION: "x"})
+                    )
+                    return
+                node.installed = action.version
+            case "validate":
+                ok = node.installed == action.version
+                self.apply(node, after_validation(node.view(), self.policy, ok, "", self.now))
+                return
+            case "wait":
+                return
+        node.annotations.update(annotations)
+        if action.state and action.state != node.labels.get(STATE_LABEL, ""):
+            node.history.append(action.state)
+            node.labels[STATE_LABEL] = action.state
+        for key in removals:
+            node.annotations.pop(key, None)
+
+    @rule(name=st.sampled_from(NODES))
+    def reconcile(self, name: str) -> None:
+        node = self.nodes[name]
+        before = node.labels.get(STATE_LABEL, "")
+        cluster = self.cluster()
+        action = next_step(node.view(), self.policy, cluster, self.now)
+        if action.state == "cordon-required":
+            budget = max_unavailable(self.policy, cluster.total)
+            if cluster.unavailable + (1 if node.schedulable else 0) > budget:
+                self.over_budget_starts += 1
+        self.apply(node, action)
+        after = node.labels.get(STATE_LABEL, "")
+        if after != before:
+            assert after in NEXT[before] or (before, after) == ("upgrade-failed", "uncordon-required"), (before, after)
+        self.max_in_progress = max(self.max_in_progress, self.cluster().in_progress)
+
+    @rule(name=st.sampled_from(NODES), ok=st.booleans())
+    def verdict(self, name: str, ok: bool) -> None:
+        node = self.nodes[name]
+        if node.annotations.get(DRAIN_ANNOTATION):
+            node.verdict = "completed" if ok else "failed: 1 session(s) not checkpointed"
+
+    @rule(name=st.sampled_from(NODES))
+    def pods_gone(self, name: str) -> None:
+        self.nodes[name].terminating = 0
+
+    @rule(dt=st.sampled_from([1.0, 30.0, 61.0, 700.0]))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(name=st.sampled_from(NODES))
+    def admin_cordons(self, name: str) -> None:
+        node = self.nodes[name]
+        if node.labels.get(STATE_LABEL, "") not in IN_PROGRESS:
+            node.schedulable = False
+
+    @rule(name=st.sampled_from(NODES), fails=st.booleans())
+    def install_outcome(self, name: str, fails: bool) -> None:
+        self.nodes[name].install_fails = fails
+
+    @precondition(lambda self: any(n.labels.get(STATE_LABEL) == "upgrade-failed" for n in self.nodes.values()))
+    @rule(name=st.sampled_from(NODES))
+    def person_clears(self, name: str) -> None:
+        node = self.nodes[name]
+        if node.labels.get(STATE_LABEL) == "upgrade-failed":
+            node.annotations[CLEAR_ANNOTATION] = "true"
+            node.install_fails = False
+
+    @invariant()
+    def one_upgrade_at_a_time(self) -> None:
+        assert self.max_in_progress <= self.policy.max_parallel_upgrades
+
+    @invariant()
+    def never_starts_over_budget(self) -> None:
+        assert self.over_budget_starts == 0
+
+    @invariant()
+    def no_eviction_before_the_sessions_are_saved(self) -> None:
+        for node in self.nodes.values():
+            assert all(v == "completed" for v in node.evicted_with_verdict), node.evicted_with_verdict
+
+    @invariant()
+    def failures_are_loud_and_cordoned(self) -> None:
+        for node in self.nodes.values():
+            if node.labels.get(STATE_LABEL) == "upgrade-failed":
+                assert node.annotations.get(FAILURE_ANNOTATION)
+                assert not node.schedulable
+            if node.labels.get(STATE_LABEL) in IN_PROGRESS - {"cordon-required"}:
+                assert not node.schedulable
+
+    @invariant()
+    def a_node_cordoned_before_stays_cordoned(self) -> None:
+        for node in self.nodes.values():
+            if node.labels.get(STATE_LABEL) == "upgrade-done" and node.cordoned_before:
+                assert not node.schedulable
+
+    @invariant()
+    def no_new_start_while_failures_exceed_the_budget(self) -> None:
+        failed = sum(1 for n in self.nodes.values() if n.labels.get(STATE_LABEL) == "upgrade-failed")
+        if failed > self.policy.max_failed_nodes:
+            for node in self.nodes.values():
+                if node.labels.get(STATE_LABEL) == "upgrade-required":
+                    view = node.view()
+                    assert next_step(view, self.policy, self.cluster(), self.now).kind == "wait"
+
+
+UpgradeMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestUpgradeStateMachine = UpgradeMachine.TestCase
+
+
+def test_an_untouched_cluster_upgrades_in_order() -> None:
+    machine = UpgradeMachine()
+    for _ in range(200):
+        for name in NODES:
+            machine.verdict(name, True)
+            machine.pods_gone(name)
+            machine.reconcile(name)
+        machine.time_passes(1.0)
+    for node in machine.nodes.values():
+        assert node.history == list(ORDER)
+        assert node.schedulable and node.installed == NEW
+        assert WAS_CORDONED_ANNOTATION not in node.annotations
+
+
+def test_pool_overrides_pick_the_version_by_label() -> None:
+    from services.driver.upgrade import desired_version
+
+    policy = DriverPolicy(desired_version=NEW, pool_overrides={"pool=a100": "550.90.07"})
+    assert desired_version(policy, {"pool": "a100"}) == "550.90.07"
+    assert desired_version(policy, {"pool": "h100"}) == NEW
+    assert max_unavailable(replace_policy(policy, "25%"), 3) == 1
+    assert max_unavailable(replace_policy(policy, "2"), 10) == 2
+
+
+def replace_policy(policy: DriverPolicy, max_unavail: str) -> DriverPolicy:
+    return msgspec.structs.replace(policy, max_unavailable=max_unavail)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field_name"),
+    [
+        (b'{"desired_version": "latest"}', "desired_version"),
+        (b'{"desired_version": "5.0"}', "desired_version"),
+        (b'{"max_unavailable": "150%"}', "max_unavailable"),
+        (b'{"max_unavailable": "-1"}', "max_unavailable"),
+        (b'{"max_parallel_upgrades": -1}', "max_parallel_upgrades"),
+        (b'{"pool_overrides": {"a100": "550.90.07"}}', "pool_overrides"),
+        (b'{"pool_overrides": {"pool=a100": "new"}}', "pool_overrides"),
+        (b'{"on_drain_failure": "ignore"}', "on_drain_failure"),
+    ],
+)
+def test_bad_driver_policy_is_refused_with_the_field(raw: bytes, field_name: str) -> None:
+    with pytest.raises(InvalidConfig, match=field_name):
+        parse_document("driver", raw)
+
+
+async def test_bad_driver_policy_is_refused_at_write_time(redis_client: aioredis.Redis, subjects: Subjects) -> None:
+    store = ConfigStore(redis_client, subjects)
+    with pytest.raises(InvalidConfig, match=r"desired_version"):
+        await store.write_raw("driver", b'{"desired_version": "v560"}', 0, "admin")
+    assert await store.read("driver") is None
+    ok = b'{"desired_version": "560.35.03", "max_unavailable": "100%", "pool_overrides": {"pool=a100": "550.90.07"}}'
+    assert await store.write_raw("driver", ok, 0, "admin") == 1
