@@ -104,7 +104,9 @@ async def test_config_change_reaches_service_and_is_announced(settings: Settings
 async def test_redis_down_is_degraded_health_not_a_crash(settings: Settings, own_redis: RedisServer) -> None:
     settings = with_redis(settings, own_redis.url)
     client = redis_client(settings.redis)
-    await ConfigStore(client, Subjects(settings.root)).write("driver", DriverPolicy(desired_version="550.54.15"), 0, "t")
+    await ConfigStore(client, Subjects(settings.root)).write(
+        "driver", DriverPolicy(desired_version="550.54.15"), 0, "t"
+    )
     await client.aclose()
     running = await start_service(DriverService(), settings)
     try:
