@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import RedisSettings, Settings
-from shared.ports.cluster import ClusterError, ClusterPort
+from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuPort
 from shared.sim.cluster import SimCluster
 from shared.sim.gpus import SimGpus
@@ -104,7 +104,9 @@ def sim_gpu_factory(client: aioredis.Redis, subjects: Subjects) -> GpuPortFactor
 
 async def cluster_port(settings: Settings, subjects: Subjects, client: aioredis.Redis) -> ClusterPort:
     """The cluster: simulated for backend ``sim`` (attached, or created from the spec when this process is the
-    first to start); the Kubernetes adapter comes with ``shared.ports.kube``."""
+    first to start); the Kubernetes API (``shared.ports.kube``) for ``real``."""
     if settings.backend != "sim":
-        raise ClusterError("the driver coordinator needs GPUWARDEN_BACKEND=sim until the Kubernetes adapter lands")
+        from shared.ports.select import cluster_port as select_cluster
+
+        return await select_cluster(settings, subjects)
     return await SimCluster.create(client, subjects)

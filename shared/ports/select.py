@@ -6,7 +6,9 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
+from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuError, GpuPort
+from shared.sim.cluster import SimCluster
 from shared.sim.faults import serve_faults
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import SpecError, load_spec
@@ -34,3 +36,13 @@ async def serve_sim_faults(port: GpuPort, bus: Bus) -> bool:
         return False
     await serve_faults(bus, port.client, port.subjects, port.spec)
     return True
+
+
+async def cluster_port(settings: Settings, subjects: Subjects, **kube_options: object) -> ClusterPort:
+    """The cluster: simulated (in Redis, created from the spec if absent) for backend ``sim``; the Kubernetes API
+    (in-cluster ServiceAccount, else kubeconfig) for ``real``. ``kube_options``: watch_kinds, watch_node."""
+    if settings.backend == "sim":
+        return await SimCluster.create(settings.redis, subjects)
+    from shared.ports.kube import KubeCluster
+
+    return await KubeCluster.connect(**kube_options)  # type: ignore[arg-type]
