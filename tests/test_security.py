@@ -76,7 +76,8 @@ def test_each_service_may_publish_exactly_its_own_kinds(subjects: Subjects, serv
     assert not may_publish(perms, subjects.pattern("config.applied", name="models", service=other))
     assert may_publish(perms, subjects.deadletter(f"{service}-drains"))
     assert may_publish(perms, "_INBOX.abc.def")
-    assert perms["subscribe"]["allow"] == [f"{subjects.root}.>", "_INBOX.>"]
+    advisories = [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.name}.>" for spec in subjects.streams]
+    assert perms["subscribe"]["allow"] == [f"{subjects.root}.>", "_INBOX.>", *advisories]
 
 
 @pytest.mark.parametrize("service", SERVICES)

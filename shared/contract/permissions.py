@@ -81,6 +81,7 @@ def jetstream_consumer_api(subjects: Subjects) -> list[str]:
     allowed: list[str] = []
     for spec in subjects.streams:
         allowed.append(f"{JS_API}.STREAM.INFO.{spec.name}")
+        allowed.append(f"{JS_API}.STREAM.MSG.GET.{spec.name}")  # reading back what a max-deliveries advisory names
         allowed.extend(f"{JS_API}.{api}.{spec.name}.>" for api in _CONSUMER_API)
         allowed.append(f"{JS_ACK}.{spec.name}.>")
     return allowed
@@ -105,7 +106,8 @@ def publish_allow(subjects: Subjects, service: str, node: str | None = None) -> 
 
 
 def subscribe_allow(subjects: Subjects) -> list[str]:
-    return [f"{subjects.root}.>", INBOX]
+    advisories = [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.name}.>" for spec in subjects.streams]
+    return [f"{subjects.root}.>", INBOX, *advisories]
 
 
 def service_permissions(subjects: Subjects, service: str, node: str | None = None) -> dict[str, Any]:
