@@ -181,13 +181,14 @@ async def agent_restore(store: Any, sessions: dict[str, list[Any]], device: str)
 
 async def incremental(agent: KvAgent, sessions: dict[str, list[Any]]) -> tuple[float, int, int]:
     changed = 0
-    for blocks in sessions.values():
-        for i in range(0, len(blocks), 10):  # 10% of the blocks
+    for sid, blocks in sessions.items():
+        for i in range(0, len(blocks), 10):  # 10% of the blocks, rewritten in place and declared so
             block = blocks[i]
             if hasattr(block, "is_cuda"):
                 block.add_(1)
             else:
                 block += 1
+            agent.update_block(sid, i)
             changed += 1
     started = time.perf_counter()
     report = await agent.save()

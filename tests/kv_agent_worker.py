@@ -47,6 +47,9 @@ async def main(url: str, root: str, store_dir: str, pod: str, node: str, session
     await agent.save(reason="first")
     for array in arrays:
         array += 1
+    for s in range(sessions):
+        for b in range(blocks):
+            agent.update_block(f"{pod}-s{s}", b)
     endpoint = AgentEndpoint(agent, bus, announce_s=0.5)
     await endpoint.start()
     print("ready", flush=True)

@@ -117,7 +117,8 @@ async def test_incremental_save_writes_only_changed_blocks(any_store: Any) -> No
     agent = make_agent(store)
     blocks = fill(agent, "s1", 10)
     first = (await agent.save()).committed[0]
-    blocks[3][:] = 7  # one full block rewritten (a real engine would add blocks; the cost is the same)
+    blocks[3][:] = 7  # one full block rewritten in place, which the engine declares
+    agent.update_block("s1", 3)
     agent.append_block("s1", block_content("s1", 10, LAYOUT.block_bytes))
     second = (await agent.save()).committed[0]
     assert second.parent_id == first.checkpoint_id
@@ -159,6 +160,7 @@ async def test_bit_flip_is_detected_names_the_block_and_falls_back(store: FileSt
     blocks = fill(agent, "s1", 4)
     older = (await agent.save()).committed[0]
     blocks[2][0, 0] ^= 0xFF
+    agent.update_block("s1", 2)
     newer = (await agent.save()).committed[0]
     changed = newer.blocks[2]
     assert changed.pack != older.blocks[2].pack

@@ -108,6 +108,7 @@ async def test_corruption_after_hashing_is_detected_names_the_block_and_falls_ba
     blocks = fill(agent, "s1", 4)
     older = (await agent.save()).committed[0]
     blocks[2][0, 0] ^= 0xFF
+    agent.update_block("s1", 2)
     agent.store = _FlipInTransit(store, at=100)  # type: ignore[assignment]
     newer = (await agent.save()).committed[0]
     assert newer.blocks[2].pack != older.blocks[2].pack
@@ -130,6 +131,7 @@ async def test_deleted_chunk_is_a_truncated_pack_and_restore_falls_back(store: N
     older = (await agent.save()).committed[0]
     for i in (0, 1, 3):
         blocks[i][:] = i
+        agent.update_block("s1", i)
     newer = (await agent.save()).committed[0]
     pack = newer.blocks[3].pack
     # the middle chunk of the newer pack goes missing (as when the server drops a message whose checksum fails)
@@ -288,6 +290,7 @@ async def test_server_side_block_file_corruption_is_caught_and_restore_falls_bac
     blocks = fill(agent, "s1", 4)
     older = (await agent.save()).committed[0]
     blocks[2][:] = 9
+    agent.update_block("s1", 2)
     newer = (await agent.save()).committed[0]
     await store.close()
     await client.close()

@@ -63,6 +63,7 @@ async def test_service_applies_retention_and_collects_unreferenced_packs(setting
     blocks = fill(agent, "s1", 3)
     for generation in range(4):
         blocks[0][:] = generation  # a changed block per save: each save writes a new pack
+        agent.update_block("s1", 0)
         await agent.save()
     assert len(await store.checkpoints("s1")) == 4
     assert len(await store.packs()) == 4

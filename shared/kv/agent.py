@@ -125,6 +125,18 @@ class KvAgent:
         session.blocks.append(block)
         session.token_count = tokens if tokens is not None else session.token_count + self.layout.block_tokens
 
+    def update_block(self, session_id: str, index: int, buffer: Any = None) -> None:
+        """Block ``index`` changed in place (or is now ``buffer``): the next save reads and hashes it again.
+
+        Paged-attention engines never change a full block, so the agent remembers each full block's digest once
+        it is checkpointed and does not read it again; an engine that does rewrite blocks says so here."""
+        blocks = self._session(session_id).blocks
+        blocks[index] = (
+            as_block(buffer)
+            if buffer is not None
+            else Block(blocks[index].obj, blocks[index].nbytes, blocks[index].host, blocks[index].device)
+        )
+
     def set_tokens(self, session_id: str, token_count: int) -> None:
         self._session(session_id).token_count = token_count
 
@@ -203,6 +215,7 @@ class KvAgent:
     ) -> None:
         writer = self.store.open_pack()
         pending: list[tuple[Session, list[ChunkRef | None], int, int]] = []
+        digested: list[tuple[Block, str]] = []  # full blocks hashed in this round: remembered once committed
         batch: list[memoryview] = []
         batch_slots: list[tuple[list[ChunkRef | None], int, str, int, bytes]] = []
         batch_bytes = 0
@@ -228,12 +241,22 @@ class KvAgent:
                 token_count = session.token_count
                 slots: list[ChunkRef | None] = [None] * len(blocks)
                 written = 0
-                views = await self._host_views(blocks)
                 full_blocks = token_count // self.layout.block_tokens if self.layout.block_tokens else len(blocks)
-                for i, (block, view) in enumerate(zip(blocks, views, strict=True)):
+                todo: list[int] = []
+                for i, block in enumerate(blocks):
+                    known_ref = known.get(block.digest) if i < full_blocks and block.digest else None
+                    if known_ref is not None and known_ref.size == block.nbytes:
+                        slots[i] = known_ref  # a full block already checkpointed: not read, not hashed again
+                    else:
+                        todo.append(i)
+                views = await self._host_views([blocks[i] for i in todo])
+                for i, view in zip(todo, views, strict=True):
+                    block = blocks[i]
                     if i >= full_blocks or block.on_device:
                         view = memoryview(bytes(view))  # may still change, or sits in reused staging
                     dg = digest(view)
+                    if i < full_blocks:
+                        digested.append((block, dg))
                     ref = known.get(dg)
                     if ref is not None and ref.size == len(view):
                         slots[i] = ref
@@ -289,6 +312,8 @@ class KvAgent:
         for (session, *_), manifest in zip(pending, manifests, strict=True):
             session.last = manifest
             report.committed.append(manifest)
+        for block, dg in digested:
+            block.digest = dg
 
     async def _host_views(self, blocks: list[Block]) -> list[memoryview]:
         device = [b for b in blocks if b.on_device]
@@ -329,7 +354,10 @@ class KvAgent:
                 if not fall_back:
                     raise
                 continue
-            session = Session(session_id, [as_block(b) for b in blocks], manifest.token_count, manifest)
+            restored_blocks = [as_block(b) for b in blocks]
+            for block, ref in zip(restored_blocks, manifest.blocks, strict=True):
+                block.digest = ref.digest  # verified just now
+            session = Session(session_id, restored_blocks, manifest.token_count, manifest)
             self._sessions[session_id] = session
             return RestoredSession(manifest, blocks, failures)
         raise ChunkCorrupt(ids[-1], -1, "every checkpoint of the session is corrupt: " + " | ".join(failures))

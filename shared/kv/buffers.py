@@ -28,6 +28,7 @@ class Block:
     nbytes: int
     host: memoryview | None = None
     device: Any = None
+    digest: str | None = None  # of a full block already checkpointed (full blocks never change)
 
     @property
     def on_device(self) -> bool:

@@ -44,7 +44,8 @@ async def main(directory: str) -> int:
     first = await server.save(deadline_s=20, reason="example")
     print(f"saved {len(first.committed)} sessions, {first.bytes_written:,} bytes written")
 
-    pool["a"][3][:] = 0  # the engine rewrote one block of session a
+    pool["a"][3][:] = 0  # the engine rewrote one full block of session a in place, and says so
+    server.update_block("a", 3)
     second = await server.save(["a"])
     print(f"incremental save of a: {second.bytes_written:,} of {second.bytes_total:,} bytes written")
 
