@@ -24,6 +24,7 @@ test: install
 check: install format lint types layers
 	$(BIN)/python -m shared.contract.schemas --check
 	$(BIN)/python -m services.scaler.protogen --check
+	$(BIN)/python -m services.device.protogen --check
 
 format: install
 	$(BIN)/ruff format --check shared services tests bench
@@ -48,6 +49,7 @@ schemas: install
 
 proto: install
 	$(BIN)/python -m services.scaler.protogen
+	$(BIN)/python -m services.device.protogen
 
 clean:
 	rm -rf $(VENV) bench/results .mypy_cache .ruff_cache .pytest_cache

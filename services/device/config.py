@@ -1,20 +1,135 @@
+"""The device service's settings (environment) and the device plugin's configuration document (a file).
+
+``DevicePluginConfig`` is what users of NVIDIA's device plugin write in its config file: the MIG strategy, sharing
+by time-slicing and how Allocate names devices. Unknown keys are refused, like every configuration document here.
+"""
+
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
 
 from shared.plumbing.errors import SettingsError
+
+MigStrategy = Literal["none", "single", "mixed"]
+DeviceListStrategy = Literal["envvar", "cdi"]
+GPU_RESOURCE = "nvidia.com/gpu"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+MIG_PROFILE_PATTERN = r"[1-7]g\.[1-9][0-9]*gb(\+me)?"
+RESOURCE_NAME_PATTERN = rf"^nvidia\.com/(gpu|mig-{MIG_PROFILE_PATTERN})$"
+ResourceName = Annotated[
+    str, msgspec.Meta(pattern=RESOURCE_NAME_PATTERN, description="'nvidia.com/gpu' or 'nvidia.com/mig-<profile>'")
+]
+Replicas = Annotated[int, msgspec.Meta(ge=2, le=1024, description="how many times each device is advertised")]
+
+
+class ConfigError(SettingsError):
+    """The device plugin's configuration is wrong; the message names the field (``$.sharing...``)."""
+
+
+class TimeSlicedResource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: ResourceName
+    replicas: Replicas
+
+
+class TimeSlicing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Each device of a listed resource is advertised ``replicas`` times as ``<uuid>::<k>``; no memory isolation."""
+
+    resources: list[TimeSlicedResource] = msgspec.field(default_factory=list)
+
+
+class Sharing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    time_slicing: TimeSlicing = msgspec.field(default_factory=TimeSlicing)
+
+
+class DevicePluginConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``mig_strategy``: ``none`` advertises whole GPUs as ``nvidia.com/gpu``; ``single`` the MIG slices of the
+    node's one profile as ``nvidia.com/gpu``; ``mixed`` one ``nvidia.com/mig-<profile>`` per profile (and GPUs not
+    in MIG mode as ``nvidia.com/gpu``). ``device_list_strategy``: Allocate answers ``NVIDIA_VISIBLE_DEVICES`` or
+    CDI device names (``nvidia.com/gpu=<uuid>``)."""
+
+    mig_strategy: MigStrategy = "none"
+    device_list_strategy: DeviceListStrategy = "envvar"
+    sharing: Sharing = msgspec.field(default_factory=Sharing)
+
+    def replicas(self, resource: str) -> int:
+        for r in self.sharing.time_slicing.resources:
+            if r.name == resource:
+                return r.replicas
+        return 1
+
+
+def check_plugin_config(config: DevicePluginConfig) -> DevicePluginConfig:
+    """What the types cannot say: a resource is time-sliced once, and ``nvidia.com/mig-*`` resources exist only
+    under ``mig_strategy: mixed``."""
+    seen: set[str] = set()
+    for i, r in enumerate(config.sharing.time_slicing.resources):
+        where = f"$.sharing.time_slicing.resources[{i}].name"
+        if r.name in seen:
+            raise ConfigError(f"{where}: {r.name!r} is listed twice")
+        seen.add(r.name)
+        if r.name.startswith(MIG_RESOURCE_PREFIX) and config.mig_strategy != "mixed":
+            raise ConfigError(
+                f"{where}: {r.name!r} is only advertised with mig_strategy: mixed "
+                f"(mig_strategy is {config.mig_strategy!r}; use {GPU_RESOURCE!r})"
+            )
+    return config
+
+
+_config_decoder = msgspec.json.Decoder(DevicePluginConfig)
+
+
+def parse_plugin_config(raw: str | bytes, source: str = "device plugin config") -> DevicePluginConfig:
+    """YAML or JSON; ``ConfigError`` naming ``source`` and the field. Nothing is applied from a refused document."""
+    try:
+        data = yaml.safe_load(raw) if raw else {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    try:
+        config = msgspec.convert(data, DevicePluginConfig)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if "mig_strategy" in text:
+            text += " (mig_strategy: none, single or mixed)"
+        elif "device_list_strategy" in text:
+            text += " (device_list_strategy: envvar or cdi)"
+        raise ConfigError(f"{source}: {text}") from None
+    try:
+        return check_plugin_config(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+PluginMode = Literal["auto", "on", "off"]
 
 
 @dataclass(frozen=True)
 class DeviceSettings:
     """``inventory_s``: how often the inventory is read again and re-published if it changed (MIG changes made by
-    anyone, GPUs that vanished); health events re-publish it at once."""
+    anyone, GPUs that vanished); health events re-publish it at once.
+
+    ``plugin``: ``auto`` serves the kubelet device plugin when ``plugin_dir`` exists, ``on`` requires it, ``off``
+    never serves it. ``kubelet_poll_s``: how often ``kubelet.sock`` is checked for a restarted kubelet.
+    ``cdi_dir``: where the CDI spec of the node's GPUs is written while the plugin runs."""
 
     plugin_dir: Path = Path("/var/lib/kubelet/device-plugins/")
     inventory_s: float = 10.0
+    plugin: PluginMode = "auto"
+    plugin_config: DevicePluginConfig = field(default_factory=DevicePluginConfig)
+    kubelet_poll_s: float = 1.0
+    cdi_dir: Path = Path("/var/run/cdi")
+
+    @property
+    def plugin_enabled(self) -> bool:
+        return self.plugin == "on" or (self.plugin == "auto" and self.plugin_dir.is_dir())
 
 
 def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
@@ -28,9 +143,42 @@ def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
     return value
 
 
+def _plugin_mode(env: Mapping[str, str]) -> PluginMode:
+    raw = env.get("GPUWARDEN_DEVICE_PLUGIN", "auto").strip().lower()
+    if raw not in ("auto", "on", "off"):
+        raise SettingsError(f"GPUWARDEN_DEVICE_PLUGIN={raw!r}: expected auto, on or off")
+    return raw  # type: ignore[return-value]
+
+
+def _plugin_config(env: Mapping[str, str]) -> DevicePluginConfig:
+    name = "GPUWARDEN_DEVICE_PLUGIN_CONFIG"
+    path = env.get(name, "")
+    if not path:
+        return DevicePluginConfig()
+    try:
+        raw = Path(path).read_text()
+    except OSError as exc:
+        raise SettingsError(f"{name}={path!r}: cannot read it: {exc.strerror or exc}") from None
+    return parse_plugin_config(raw, f"{name}={path}")
+
+
 def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
     env = os.environ if env is None else env
-    return DeviceSettings(
-        plugin_dir=Path(env.get("GPUWARDEN_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins/")),
+    plugin_dir = env.get("GPUWARDEN_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins/")
+    if not plugin_dir.strip():
+        raise SettingsError("GPUWARDEN_DEVICE_PLUGIN_DIR is empty: give the kubelet's device-plugins folder")
+    mode = _plugin_mode(env)
+    settings = DeviceSettings(
+        plugin_dir=Path(plugin_dir),
         inventory_s=_seconds(env, "GPUWARDEN_DEVICE_INVENTORY_S", "10"),
+        plugin=mode,
+        plugin_config=_plugin_config(env),
+        kubelet_poll_s=_seconds(env, "GPUWARDEN_KUBELET_POLL_S", "1"),
+        cdi_dir=Path(env.get("GPUWARDEN_CDI_DIR", "") or "/var/run/cdi"),
     )
+    if mode == "on" and not settings.plugin_dir.is_dir():
+        raise SettingsError(
+            f"GPUWARDEN_DEVICE_PLUGIN=on but GPUWARDEN_DEVICE_PLUGIN_DIR={plugin_dir!r} is not a folder "
+            "(mount the kubelet's device-plugins folder there)"
+        )
+    return settings

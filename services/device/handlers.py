@@ -3,8 +3,10 @@
 The health rules follow NVIDIA's device plugin: an XID is critical unless it is one of the application XIDs
 (13, 31, 43, 45, 68, 109: the fault of the program running, not of the GPU); a critical XID or a lost GPU makes
 the GPU unhealthy, and nothing but a restart of the service makes it healthy again. Every XID is published as
-``GpuXid``; a GPU getting worse is published as ``DeviceHealthChanged``, and the inventory follows. The device
-plugin and the MIG controller come with the device issue.
+``GpuXid``; a GPU getting worse is published as ``DeviceHealthChanged``, and the inventory follows.
+
+When the kubelet's device-plugins folder exists (or ``GPUWARDEN_DEVICE_PLUGIN=on``), the kubelet device plugin
+advertises every inventory it is given, health included, before the inventory is published.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
 from shared.ports.select import gpu_port, serve_sim_faults
 
 from .config import DeviceSettings, load
+from .plugin import KubeletDevicePlugin
+from .resources import ResourceError
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,7 @@ class DeviceService:
         self.reasons: dict[str, str] = {}
         self.inventory: DeviceInventory | None = None
         self._inventory_lock = asyncio.Lock()
+        self.plugin: KubeletDevicePlugin | None = None
 
     async def start(self, ctx: ServiceContext) -> None:
         """Reads the GPUs before subscribing to anything: a node whose GPUs cannot be read does not start."""
@@ -100,6 +105,9 @@ class DeviceService:
             ),
             self.on_cordon,
         )
+        if self.settings.plugin_enabled:
+            self.plugin = KubeletDevicePlugin(self.settings)
+            ctx.status["device_plugin"] = self.plugin.describe
         faults = await serve_sim_faults(gpus, ctx.bus)
         ctx.status.update(node_cordoned=False, simulated=gpus.simulated, sim_faults=faults, unhealthy={})
         if gpus.simulated:
@@ -107,6 +115,8 @@ class DeviceService:
         await self._publish_if_changed(first)
         ctx.spawn(self.watch_health, "device-health")
         ctx.spawn(self.watch_inventory, "device-inventory")
+        if self.plugin is not None:
+            ctx.spawn(self.plugin.run, "device-plugin")
 
     async def on_cordon(self, event: NodeCordoned | NodeUncordoned) -> None:
         """Idempotent: the latest cordon event sets the state."""
@@ -187,6 +197,16 @@ class DeviceService:
             simulated=gpus.simulated,
         )
 
+    async def _advertise(self, inventory: DeviceInventory) -> None:
+        """A layout the MIG strategy cannot describe is logged and shown in /healthz; the kubelet keeps the
+        last advertisement."""
+        if self.plugin is None:
+            return
+        try:
+            await self.plugin.update(inventory.gpus)
+        except ResourceError as exc:
+            log.error("cannot advertise the GPUs to the kubelet", extra={"error": str(exc)})
+
     async def _publish_if_changed(self, inventory: DeviceInventory) -> None:
         assert self.ctx is not None
         async with self._inventory_lock:
@@ -197,6 +217,7 @@ class DeviceService:
                 inventory.gpus,
             ):
                 return
+            await self._advertise(inventory)
             self.ctx.status["gpus"] = [g.uuid for g in inventory.gpus]
             self.ctx.status["driver_version"] = inventory.driver_version
             await self.ctx.publish(inventory)

@@ -1,0 +1,1 @@
+"""Stubs generated from ``proto/deviceplugin.proto`` by ``python -m services.device.protogen``; do not edit."""
