@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ROUND_BYTES = 256 * 1024 * 1024  # commit a pack and its sessions' manifests at least this often
 BATCH_BYTES = 64 * 1024 * 1024  # bytes handed to the store per write call
+RESTORE_ROUND_BYTES = 16 * 1024 * 1024  # bytes read per round on restore; the previous round is verified meanwhile
 
 
 class SessionUnknown(KeyError):
@@ -428,7 +429,7 @@ class KvAgent:
         rounds: list[list[int]] = []
         size = 0
         for i, ref in enumerate(refs):
-            if not rounds or size >= BATCH_BYTES:
+            if not rounds or size >= RESTORE_ROUND_BYTES:
                 rounds.append([])
                 size = 0
             rounds[-1].append(i)

@@ -226,8 +226,6 @@ class FileStore:
                     except FileNotFoundError:
                         raise StoreError(f"pack {ref.pack} is missing") from None
                     os.posix_fadvise(fds[ref.pack], 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            for ref in refs:  # start the disk on every range now; the reads below then mostly find it cached
-                os.posix_fadvise(fds[ref.pack], ref.offset, ref.length, os.POSIX_FADV_WILLNEED)
             work = sorted(zip(refs, targets, strict=True), key=lambda rt: (rt[0].pack, rt[0].offset))
             groups = _split(work, self.io_threads)
             for error in _io_pool(self.io_threads).map(lambda group: _pread_all(fds, group), groups):
