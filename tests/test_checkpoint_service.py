@@ -13,7 +13,7 @@ import pytest
 
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.handlers import CheckpointService
-from shared.contract.checkpoint import CheckpointSaved
+from shared.contract.checkpoint import CheckpointSaved, SaveProgress
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.subjects import Subjects
@@ -95,6 +95,12 @@ async def test_drain_commits_every_session_then_they_restore_elsewhere(
         saved.append(event)
 
     await bus.subscribe(subjects.pattern("checkpoint.saved"), on_saved, (CheckpointSaved,))
+    progress: list[SaveProgress] = []
+
+    async def on_progress(event: SaveProgress) -> None:
+        progress.append(event)
+
+    await bus.subscribe(subjects.pattern("checkpoint.save.progress"), on_progress, (SaveProgress,))
     p1 = await add_pod("llama-1", "node-1", 6)  # type: ignore[operator]
     p2 = await add_pod("llama-2", "node-1", 5)  # type: ignore[operator]
     await add_pod("llama-3", "node-2", 3)  # type: ignore[operator]
@@ -107,6 +113,10 @@ async def test_drain_commits_every_session_then_they_restore_elsewhere(
     assert verdict.bytes_saved == 11 * 4 * LAYOUT.block_bytes
     await eventually(lambda: len(saved) == 11)
     assert {e.drain_id for e in saved} == {"d1"}
+    await eventually(
+        lambda: {(p.pod, p.sessions_done, p.sessions_total) for p in progress} >= {("llama-1", 6, 6), ("llama-2", 5, 5)}
+    )
+    assert {p.drain_id for p in progress} == {"d1"}
     # a new pod on another node restores each session, asking the service where it is
     newcomer = await add_pod("llama-9", "node-2", 0)  # type: ignore[operator]
     for pod in (p1, p2):

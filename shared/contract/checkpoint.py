@@ -80,6 +80,19 @@ class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.
     failed: list[SessionFailure] = msgspec.field(default_factory=list)
 
 
+class SaveProgress(Event, frozen=True, kw_only=True, tag="checkpoint.save.progress"):
+    """A KV agent's progress through a save, after each committed round: what a drain is waiting for."""
+
+    family: ClassVar[str] = "checkpoint"
+
+    pod: Token
+    drain_id: str = ""
+    sessions_done: int = 0
+    sessions_failed: int = 0
+    sessions_total: int = 0
+    bytes_done: int = 0
+
+
 class AgentSessions(Event, frozen=True, kw_only=True, tag="checkpoint.agent.sessions"):
     """A KV agent's announcement of the sessions its pod holds (on change and periodically): the checkpoint
     service keeps the session registry in Redis from these."""

@@ -74,6 +74,9 @@ ROUTES: dict[str, Route] = {
     "checkpoint.save.report": Route(
         "kvagent.{pod}.report", Delivery.CORE, "A KV agent's save report (the reply to a save command)."
     ),
+    "checkpoint.save.progress": Route(
+        "kvagent.{pod}.progress", Delivery.CORE, "A KV agent's progress through a save, after each round."
+    ),
     "checkpoint.agent.sessions": Route(
         "kvagent.{pod}.sessions", Delivery.CORE, "A KV agent announces the sessions its pod holds."
     ),

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -166,7 +166,11 @@ class KvAgent:
 
     # -- save -----------------------------------------------------------------------------------------------------
     async def save(
-        self, session_ids: Sequence[str] | None = None, deadline_s: float | None = None, reason: str = ""
+        self,
+        session_ids: Sequence[str] | None = None,
+        deadline_s: float | None = None,
+        reason: str = "",
+        progress: Callable[[SaveReport, int], Awaitable[None]] | None = None,
     ) -> SaveReport:
         """Checkpoint the sessions (all when None). Each session ends committed or failed with a reason; a
         session that fails never leaves a visible partial checkpoint, and its previous checkpoint still
@@ -190,8 +194,12 @@ class KvAgent:
                 if round_bytes >= ROUND_BYTES:
                     await self._save_round(round_, deadline, reason, report)
                     round_, round_bytes = [], 0
+                    if progress is not None:
+                        await progress(report, len(todo))
             if round_:
                 await self._save_round(round_, deadline, reason, report)
+            if progress is not None:
+                await progress(report, len(todo))
             return report
 
     def _staging_for(self, nbytes: int) -> Staging:

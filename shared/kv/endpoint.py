@@ -19,6 +19,7 @@ from shared.contract.checkpoint import (
     CheckpointLocation,
     CommittedCheckpoint,
     LocateCheckpoint,
+    SaveProgress,
     SaveSessions,
     SaveSessionsReport,
     SessionRestored,
@@ -81,7 +82,21 @@ class AgentEndpoint:
     async def on_save(self, command: SaveSessions) -> SaveSessionsReport:
         """Idempotent: a repeated save of unchanged sessions commits checkpoints that write no new bytes."""
         started = time.monotonic()
-        report = await self.agent.save(command.session_ids or None, command.deadline_s, command.reason)
+
+        async def progress(so_far: SaveReport, total: int) -> None:
+            with contextlib.suppress(Exception):
+                await self.bus.publish(
+                    SaveProgress(
+                        pod=self.agent.pod,
+                        drain_id=command.drain_id,
+                        sessions_done=len(so_far.committed),
+                        sessions_failed=len(so_far.failed),
+                        sessions_total=total,
+                        bytes_done=so_far.bytes_total,
+                    )
+                )
+
+        report = await self.agent.save(command.session_ids or None, command.deadline_s, command.reason, progress)
         log.info(
             "saved",
             extra={
