@@ -122,6 +122,7 @@ class DeviceSettings:
 
     plugin_dir: Path = Path("/var/lib/kubelet/device-plugins/")
     inventory_s: float = 10.0
+    recovery_s: float = 300.0  # quiet period after the last critical XID before a probe may return a GPU; 0: never
     plugin: PluginMode = "auto"
     plugin_config: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     kubelet_poll_s: float = 1.0
@@ -141,6 +142,13 @@ def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
     if value <= 0:
         raise SettingsError(f"{name}={raw!r}: must be positive")
     return value
+
+
+def _recovery(env: Mapping[str, str]) -> float:
+    raw = env.get("GPUWARDEN_DEVICE_RECOVERY_S", "300")
+    if raw.strip() == "0":
+        return 0.0
+    return _seconds(env, "GPUWARDEN_DEVICE_RECOVERY_S", "300")
 
 
 def _plugin_mode(env: Mapping[str, str]) -> PluginMode:
@@ -171,6 +179,7 @@ def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
     settings = DeviceSettings(
         plugin_dir=Path(plugin_dir),
         inventory_s=_seconds(env, "GPUWARDEN_DEVICE_INVENTORY_S", "10"),
+        recovery_s=_recovery(env),
         plugin=mode,
         plugin_config=_plugin_config(env),
         kubelet_poll_s=_seconds(env, "GPUWARDEN_KUBELET_POLL_S", "1"),

@@ -2,7 +2,8 @@
 
 The health rules follow NVIDIA's device plugin: an XID is critical unless it is one of the application XIDs
 (13, 31, 43, 45, 68, 109: the fault of the program running, not of the GPU); a critical XID or a lost GPU makes
-the GPU unhealthy, and nothing but a restart of the service makes it healthy again. Every XID is published as
+the GPU unhealthy; after a quiet period with no critical XID and a passing probe it is offered again
+(``GPUWARDEN_DEVICE_RECOVERY_S``). Every XID is published as
 ``GpuXid``; a GPU getting worse is published as ``DeviceHealthChanged``, and the inventory follows.
 
 When the kubelet's device-plugins folder exists (or ``GPUWARDEN_DEVICE_PLUGIN=on``), the kubelet device plugin
@@ -12,6 +13,7 @@ advertises every inventory it is given, health included, before the inventory is
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -55,8 +57,8 @@ class HealthVerdict:
 def judge(
     event: GpuHealthEvent, current: GpuHealth, application_xids: frozenset[int] = APPLICATION_XIDS
 ) -> HealthVerdict:
-    """Health only gets worse: healthy, then unhealthy (a critical XID), then lost. Nothing here makes a GPU
-    healthy again."""
+    """An event only makes health worse: healthy, then unhealthy (a critical XID), then lost. Recovery is
+    ``may_recover``'s, after a quiet period, never an event's."""
     if event.kind == "lost":
         observed: GpuHealth = "lost"
         critical = True
@@ -67,6 +69,12 @@ def judge(
         reason = f"XID {event.xid}" + (f": {event.message}" if event.message else "")
     worse = _SEVERITY[observed] > _SEVERITY[current]
     return HealthVerdict(health=observed if worse else current, changed=worse, critical=critical, reason=reason)
+
+
+def may_recover(health: GpuHealth, last_critical: float, now: float, quiet_s: float) -> bool:
+    """Unlike NVIDIA's plugin, an unhealthy GPU can come back: once no critical XID has been seen for ``quiet_s``
+    (and a probe then passes). A lost GPU never comes back by itself; ``quiet_s`` 0 turns recovery off."""
+    return health == "unhealthy" and quiet_s > 0 and now - last_critical >= quiet_s
 
 
 class DeviceService:
@@ -80,6 +88,8 @@ class DeviceService:
         self.cordoned = False
         self.ctx: ServiceContext | None = None
         self.health: dict[str, GpuHealth] = {}
+        self.last_critical: dict[str, float] = {}
+        self.clock = time.monotonic
         self.reasons: dict[str, str] = {}
         self.inventory: DeviceInventory | None = None
         self._inventory_lock = asyncio.Lock()
@@ -133,6 +143,8 @@ class DeviceService:
         assert self.ctx is not None
         node = self.ctx.node
         verdict = judge(event, self.health.get(event.uuid, "healthy"))
+        if verdict.critical:
+            self.last_critical[event.uuid] = self.clock()
         if event.kind == "xid":
             await self.ctx.publish(
                 GpuXid(node=node, gpu_uuid=event.uuid, xid=event.xid, critical=verdict.critical, message=event.message)
@@ -173,11 +185,39 @@ class DeviceService:
         while True:
             await asyncio.sleep(self.settings.inventory_s)
             try:
+                await self.recover_quiet_gpus()
                 await self.refresh_inventory()
             except GpuError as exc:
                 log.warning("cannot read the GPUs; keeping the last inventory", extra={"error": str(exc)})
                 if self.ctx is not None:
                     self.ctx.status["gpu_error"] = str(exc)
+
+    async def recover_quiet_gpus(self) -> None:
+        """A GPU quiet for the recovery period is probed (still visible, the driver answers with its version)
+        and, if the probe passes, offered again and announced healthy. Idempotent: a healthy GPU is left alone."""
+        assert self.gpus is not None and self.ctx is not None
+        now = self.clock()
+        candidates = [
+            uuid
+            for uuid, health in self.health.items()
+            if may_recover(health, self.last_critical.get(uuid, now), now, self.settings.recovery_s)
+        ]
+        if not candidates:
+            return
+        visible = {d.uuid for d in await self.gpus.devices()}
+        versions = await self.gpus.versions()
+        probe = await self.gpus.validate_driver(versions.driver)
+        for uuid in candidates:
+            if uuid not in visible or not probe.ok:
+                log.info("GPU still unhealthy: probe failed", extra={"gpu": uuid, "reason": probe.reason})
+                continue
+            quiet = round(now - self.last_critical.get(uuid, now))
+            reason = f"recovered: no critical XID for {quiet}s and a passing probe"
+            await self.ctx.publish(DeviceHealthChanged(node=self.ctx.node, gpu_uuid=uuid, healthy=True, reason=reason))
+            self.health[uuid] = "healthy"
+            self.reasons.pop(uuid, None)
+            self.ctx.status["unhealthy"] = dict(self.reasons)
+            log.warning("GPU healthy again", extra={"gpu": uuid, "reason": reason})
 
     async def refresh_inventory(self) -> None:
         """Idempotent: publishes the inventory only when it differs from the last one published."""
