@@ -13,8 +13,8 @@ advertises every inventory it is given, health included, before the inventory is
 from __future__ import annotations
 
 import asyncio
-import time
 import logging
+import time
 from dataclasses import dataclass
 from typing import Literal
 
