@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from shared.kv.stores import parse_store_url
 from shared.plumbing.errors import SettingsError
+from shared.plumbing.settings import env_seconds
 
 
 @dataclass(frozen=True)
@@ -13,19 +14,6 @@ class CheckpointSettings:
     store: str = "file:///var/lib/gpuwarden/checkpoints"
     gc_interval_s: float = 60.0
     gc_grace_s: float = 600.0
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r}: expected seconds") from None
-    if value < 0:
-        raise SettingsError(f"{name}={raw!r}: must not be negative")
-    return value
 
 
 def load(env: Mapping[str, str] | None = None) -> CheckpointSettings:
@@ -37,6 +25,6 @@ def load(env: Mapping[str, str] | None = None) -> CheckpointSettings:
         raise SettingsError(str(exc)) from None
     return CheckpointSettings(
         store=store,
-        gc_interval_s=_seconds(env, "GPUWARDEN_CHECKPOINT_GC_S", 60.0),
-        gc_grace_s=_seconds(env, "GPUWARDEN_CHECKPOINT_GC_GRACE_S", 600.0),
+        gc_interval_s=env_seconds(env, "GPUWARDEN_CHECKPOINT_GC_S", 60.0, allow_zero=True),
+        gc_grace_s=env_seconds(env, "GPUWARDEN_CHECKPOINT_GC_GRACE_S", 600.0, allow_zero=True),
     )

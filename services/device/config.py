@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from shared.plumbing.errors import SettingsError
+from shared.plumbing.settings import env_seconds
 
 MigStrategy = Literal["none", "single", "mixed"]
 DeviceListStrategy = Literal["envvar", "cdi"]
@@ -133,24 +134,6 @@ class DeviceSettings:
         return self.plugin == "on" or (self.plugin == "auto" and self.plugin_dir.is_dir())
 
 
-def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
-    raw = env.get(name, default)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r}: expected seconds") from None
-    if value <= 0:
-        raise SettingsError(f"{name}={raw!r}: must be positive")
-    return value
-
-
-def _recovery(env: Mapping[str, str]) -> float:
-    raw = env.get("GPUWARDEN_DEVICE_RECOVERY_S", "300")
-    if raw.strip() == "0":
-        return 0.0
-    return _seconds(env, "GPUWARDEN_DEVICE_RECOVERY_S", "300")
-
-
 def _plugin_mode(env: Mapping[str, str]) -> PluginMode:
     raw = env.get("GPUWARDEN_DEVICE_PLUGIN", "auto").strip().lower()
     if raw not in ("auto", "on", "off"):
@@ -178,11 +161,11 @@ def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
     mode = _plugin_mode(env)
     settings = DeviceSettings(
         plugin_dir=Path(plugin_dir),
-        inventory_s=_seconds(env, "GPUWARDEN_DEVICE_INVENTORY_S", "10"),
-        recovery_s=_recovery(env),
+        inventory_s=env_seconds(env, "GPUWARDEN_DEVICE_INVENTORY_S", 10.0),
+        recovery_s=env_seconds(env, "GPUWARDEN_DEVICE_RECOVERY_S", 300.0, allow_zero=True),
         plugin=mode,
         plugin_config=_plugin_config(env),
-        kubelet_poll_s=_seconds(env, "GPUWARDEN_KUBELET_POLL_S", "1"),
+        kubelet_poll_s=env_seconds(env, "GPUWARDEN_KUBELET_POLL_S", 1.0),
         cdi_dir=Path(env.get("GPUWARDEN_CDI_DIR", "") or "/var/run/cdi"),
     )
     if mode == "on" and not settings.plugin_dir.is_dir():

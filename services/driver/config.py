@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.plumbing.errors import SettingsError
+from shared.plumbing.settings import env_seconds
 
 
 @dataclass(frozen=True)
@@ -16,25 +17,14 @@ class DriverSettings:
     install_timeout_s: float = 600.0
 
 
-def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
-    raw = env.get(name, default)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r}: expected seconds") from None
-    if value <= 0:
-        raise SettingsError(f"{name}={raw!r}: must be positive")
-    return value
-
-
 def load(env: Mapping[str, str] | None = None) -> DriverSettings:
     env = os.environ if env is None else env
     coordinate = env.get("GPUWARDEN_DRIVER_COORDINATE", "true").lower()
     if coordinate not in ("true", "false", "1", "0"):
         raise SettingsError(f"GPUWARDEN_DRIVER_COORDINATE={coordinate!r}: expected true or false")
     return DriverSettings(
-        reconcile_s=_seconds(env, "GPUWARDEN_DRIVER_RECONCILE_S", "10"),
+        reconcile_s=env_seconds(env, "GPUWARDEN_DRIVER_RECONCILE_S", 10.0),
         coordinate=coordinate in ("true", "1"),
-        lease_ttl_s=_seconds(env, "GPUWARDEN_DRIVER_LEASE_TTL_S", "15"),
-        install_timeout_s=_seconds(env, "GPUWARDEN_DRIVER_INSTALL_TIMEOUT_S", "600"),
+        lease_ttl_s=env_seconds(env, "GPUWARDEN_DRIVER_LEASE_TTL_S", 15.0),
+        install_timeout_s=env_seconds(env, "GPUWARDEN_DRIVER_INSTALL_TIMEOUT_S", 600.0),
     )

@@ -157,6 +157,20 @@ def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0
     return value
 
 
+def env_seconds(env: Mapping[str, str], name: str, default: float, *, allow_zero: bool = False) -> float:
+    """A duration setting: a number of seconds, positive (or zero, where zero means "off")."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected seconds") from None
+    if value < 0 or (value == 0 and not allow_zero):
+        raise SettingsError(f"{name}={raw!r}: must be {'zero or more' if allow_zero else 'positive'}")
+    return value
+
+
 def parse_host_port(name: str, raw: str) -> tuple[str, int]:
     match = _HOSTPORT.match(raw)
     if not match or int(match["port"]) > 65535:
