@@ -287,13 +287,18 @@ async def _trial_cleanup(js: Any, subjects: Subjects, durable: str) -> dict[str,
     """Check nothing is left unacked or was redelivered, then drop the consumer and the trial's messages."""
     stream = subjects.events_stream.name
     left: dict[str, int] = {}
-    with contextlib.suppress(Exception):
-        info = await js.consumer_info(stream, durable)
-        left = {
-            "num_pending": int(info.num_pending or 0),
-            "num_ack_pending": int(info.num_ack_pending or 0),
-            "num_redelivered": int(info.num_redelivered or 0),
-        }
+    deadline = time.monotonic() + 5.0
+    while True:  # acks are fire-and-forget publishes: on a busy machine the server may not have them all yet
+        with contextlib.suppress(Exception):
+            info = await js.consumer_info(stream, durable)
+            left = {
+                "num_pending": int(info.num_pending or 0),
+                "num_ack_pending": int(info.num_ack_pending or 0),
+                "num_redelivered": int(info.num_redelivered or 0),
+            }
+        if not left.get("num_ack_pending") or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
     with contextlib.suppress(Exception):
         await js.delete_consumer(stream, durable)
     with contextlib.suppress(Exception):
