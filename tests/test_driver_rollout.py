@@ -146,3 +146,68 @@ async def test_three_nodes_upgrade_one_at_a_time_and_lose_no_session(
         await running.stop(grace=1)
         await cluster.close()
         await driver_client.aclose()
+
+
+async def test_a_node_cordoned_by_someone_else_gets_its_sessions_saved(
+    settings: Settings, subjects: Subjects, bus: Bus, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """No upgrade at all: an admin (or the cluster autoscaler) cordons node-1; the driver asks for a drain so the
+    sessions there are committed before anything evicts them, and leaves the cordon alone."""
+    from shared.contract.node import DrainCompleted, DrainRequested
+
+    cluster = await SimCluster.create(redis_client, subjects, SPEC)
+    store = FileStore(tmp_path / "checkpoints")
+    checkpoint = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
+    running = await start_service(checkpoint, settings)
+    workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
+    workload = SimWorkload(workload_bus, cluster, store, SPEC, announce_s=1.0, tick_s=0.1)
+    driver_client = open_redis(settings.redis)
+    requested: list[DrainRequested] = []
+    completed: list[DrainCompleted] = []
+
+    async def on_requested(event: DrainRequested) -> None:
+        requested.append(event)
+
+    async def on_completed(event: DrainCompleted) -> None:
+        completed.append(event)
+
+    driver_running = None
+    try:
+        await bus.subscribe(subjects.pattern("node.drain.requested"), on_requested, (DrainRequested,))
+        await bus.subscribe(subjects.pattern("node.drain.completed"), on_completed, (DrainCompleted,))
+        await workload.start()
+        await eventually(lambda: len(workload.runtimes) == 4)
+        for i in range(12):
+            await bus.publish(
+                InferenceRequest(namespace="llm", deployment="llama", session_id=f"c-{i}", prompt_tokens=30)
+            )
+        await eventually(lambda: workload.stats.served >= 12, timeout=20)
+        on_node = sorted(s for r in workload.runtimes.values() if r.info.node == "node-1" for s in r.agent.sessions())
+        assert on_node
+        await eventually(lambda: _registered(checkpoint, "node-1", len(on_node)), timeout=10)
+
+        driver = DriverService(
+            DriverSettings(reconcile_s=0.2, lease_ttl_s=5),
+            cluster=SimCluster(driver_client, subjects),
+            gpus=lambda node: SimGpus(driver_client, subjects, SPEC, node),
+        )
+        driver_running = await start_service(driver, settings)
+        await cluster.cordon("node-1")
+        await eventually(lambda: any(c.node == "node-1" for c in completed), timeout=20)
+        assert [r.node for r in requested] == ["node-1"]
+        for sid in on_node:
+            assert await checkpoint.registry.newest_checkpoint(sid) is not None, sid
+        node = await cluster.node("node-1")
+        assert node is not None and not node.schedulable  # someone else's cordon stays
+    finally:
+        if driver_running is not None:
+            await driver_running.stop(grace=1)
+        await workload.stop()
+        await workload_bus.close(1)
+        await running.stop(grace=1)
+        await cluster.close()
+        await driver_client.aclose()
+
+
+async def _registered(checkpoint: CheckpointService, node: str, count: int) -> bool:
+    return len(await checkpoint.registry.sessions_on_node(node)) == count
