@@ -138,8 +138,10 @@ async def test_default_spec_runs_standalone_and_every_process_sees_one_state(
             await p.close()
     with pytest.raises(SpecError, match="GPUWARDEN_NODE=node-9: node 'node-9' is not in the spec"):
         gpu_port(replace(settings, node="node-9"), subjects)
-    with pytest.raises(GpuError, match="use GPUWARDEN_BACKEND=sim"):
-        gpu_port(replace(settings, backend="real"), subjects)
+    real = gpu_port(replace(settings, backend="real"), subjects)  # NVML, which this machine does not have
+    assert real.simulated is False
+    with pytest.raises(GpuError, match="NVML is not available on this node"):
+        await real.devices()
 
 
 # -- utilisation --------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterPort
-from shared.ports.gpu import GpuError, GpuPort
+from shared.ports.gpu import GpuPort
 from shared.sim.cluster import SimCluster
 from shared.sim.faults import serve_faults
 from shared.sim.gpus import SimGpus
@@ -15,10 +15,13 @@ from shared.sim.spec import SpecError, load_spec
 
 
 def gpu_port(settings: Settings, subjects: Subjects) -> GpuPort:
-    """The node's GPUs: simulated from the node spec (``GPUWARDEN_SIM_SPEC``, or the default spec) for backend
-    ``sim``. Raises ``SpecError`` for a bad spec or a node the spec lacks, before anything is started."""
+    """The node's GPUs: NVML for backend ``real``; simulated from the node spec (``GPUWARDEN_SIM_SPEC``, or the
+    default spec) for backend ``sim``. Raises ``SpecError`` for a bad spec or a node the spec lacks, before
+    anything is started."""
     if settings.backend != "sim":
-        raise GpuError("the NVML adapter comes with the device service issue; use GPUWARDEN_BACKEND=sim")
+        from shared.ports.nvml import NvmlGpus
+
+        return NvmlGpus()
     spec = load_spec()
     try:
         spec.node(settings.node)

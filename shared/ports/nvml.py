@@ -1,0 +1,562 @@
+"""The GPU port on NVML (nvidia-ml-py, module ``pynvml``): the real adapter (``simulated = False``).
+
+The nvml module is a constructor parameter so tests can hand in a small fake with the same functions. Every NVML
+failure becomes a ``GpuError`` that says which call failed and why; a GPU that answers "GPU is lost" leaves
+``devices()`` and ``utilisation()`` and is reported once on ``health_events()`` as ``kind="lost"``.
+
+Driver installs run the node's own command (``GPUWARDEN_DRIVER_INSTALL_COMMAND``, ``{version}`` substituted; for
+example a restart of the node's driver container); the caller validates afterwards with ``validate_driver``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shlex
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from shared.contract.device import GpuDevice, MigInstance
+from shared.ports.gpu import (
+    DriverInstallError,
+    DriverValidation,
+    DriverVersions,
+    GpuError,
+    GpuHealthEvent,
+    GpuUtilisation,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+INSTALL_COMMAND_ENV = "GPUWARDEN_DRIVER_INSTALL_COMMAND"
+DRIVER_VERSION_RE = re.compile(r"^\d+(\.\d+){1,2}$")
+STDERR_TAIL_CHARS = 2000
+MIB = 1024 * 1024
+_MIG_PROFILE_RE = re.compile(r"MIG\s+(\S+)\s*$")
+_CLOSED = object()
+
+
+def cuda_version_text(raw: int) -> str:
+    """NVML's CUDA driver version integer (12040) as text ("12.4")."""
+    return f"{raw // 1000}.{(raw % 1000) // 10}"
+
+
+def normalise_bus_id(raw: str | bytes) -> str:
+    """PCI bus ids in one form: NVML writes the domain with 8 or 4 hex digits depending on the call."""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    text = text.strip().lower()
+    domain, sep, rest = text.partition(":")
+    if not sep or rest.count(":") != 1:
+        return text
+    try:
+        return f"{int(domain, 16):08x}:{rest}"
+    except ValueError:
+        return text
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class NvmlGpus:
+    """The GPU port for this node's GPUs, on NVML.
+
+    NVML is initialised on first use (``open()``); the number of GPUs seen then is what ``validate_driver``
+    compares against. ``health_events()`` is fed by a thread that waits on an NVML event set for critical XID
+    errors and polls the GPUs for "GPU is lost".
+    """
+
+    simulated = False
+
+    def __init__(
+        self,
+        nvml: Any = None,
+        *,
+        install_command: str | None = None,
+        event_wait_ms: int = 500,
+    ) -> None:
+        self._nvml_arg = nvml
+        self._nvml: Any = None
+        self._install_command = install_command
+        self._event_wait_ms = event_wait_ms
+        self._open = False
+        self._closed = False
+        self._initial_count = 0
+        self._lock = threading.Lock()
+        self._lost: set[str] = set()
+        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"NvmlGpus(open={self._open}, gpus_at_open={self._initial_count})"
+
+    # -- NVML plumbing --------------------------------------------------------------------------------------------
+    def _module(self) -> Any:
+        if self._nvml is None:
+            if self._nvml_arg is not None:
+                self._nvml = self._nvml_arg
+            else:
+                try:
+                    import pynvml
+                except ImportError as exc:
+                    raise GpuError(
+                        f"NVML is not available on this node: nvidia-ml-py is not installed ({exc})"
+                    ) from exc
+                self._nvml = pynvml
+        return self._nvml
+
+    def _is_nvml_error(self, exc: BaseException) -> bool:
+        cls = getattr(self._nvml, "NVMLError", None)
+        return isinstance(cls, type) and isinstance(exc, cls)
+
+    def _code(self, exc: BaseException) -> Any:
+        return getattr(exc, "value", None)
+
+    def _is_lost(self, exc: BaseException) -> bool:
+        return self._is_nvml_error(exc) and self._code(exc) == getattr(self._nvml, "NVML_ERROR_GPU_IS_LOST", 15)
+
+    def open_sync(self) -> None:
+        """Initialise NVML (idempotent); ``GpuError`` when NVML is missing or refuses."""
+        if self._open:
+            return
+        if self._closed:
+            raise GpuError("the NVML GPU adapter is closed")
+        nvml = self._module()
+        try:
+            nvml.nvmlInit()
+            self._initial_count = int(nvml.nvmlDeviceGetCount())
+        except Exception as exc:
+            if self._is_nvml_error(exc) or isinstance(exc, OSError):
+                raise GpuError(f"NVML is not available on this node: {type(exc).__name__}: {exc}") from exc
+            raise
+        self._open = True
+        log.info("NVML initialised", extra={"gpus": self._initial_count})
+
+    async def open(self) -> None:
+        self.open_sync()
+
+    def _call(self, what: str, fn: Callable[..., T], *args: Any, uuid: str = "") -> T:
+        """One NVML call; an NVML failure becomes ``GpuError`` (and "GPU is lost" is reported on the health stream)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if not self._is_nvml_error(exc):
+                raise
+            if self._is_lost(exc) and uuid:
+                self._report_lost(uuid, f"{what}: {exc}")
+            where = f" on GPU {uuid}" if uuid else ""
+            raise GpuError(f"NVML {what}{where} failed: {exc}") from exc
+
+    def _handles(self) -> list[tuple[int, str, Any]]:
+        """(index, uuid, handle) of every GPU that answers; lost ones are reported and left out."""
+        self.open_sync()
+        nvml = self._nvml
+        count = int(self._call("nvmlDeviceGetCount", nvml.nvmlDeviceGetCount))
+        found: list[tuple[int, str, Any]] = []
+        for index in range(count):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            except Exception as exc:
+                if self._is_lost(exc):
+                    log.warning("GPU is lost", extra={"index": index, "error": str(exc)})
+                    self._report_lost(f"index:{index}", f"nvmlDeviceGetHandleByIndex({index}): {exc}")
+                    continue
+                if self._is_nvml_error(exc):
+                    raise GpuError(f"NVML could not open GPU {index}: {exc}") from exc
+                raise
+            if uuid in self._lost:
+                continue
+            found.append((index, uuid, handle))
+        return found
+
+    def _handle(self, uuid: str) -> Any:
+        self.open_sync()
+        if uuid in self._lost:
+            raise GpuError(f"GPU {uuid} is lost")
+        return self._call("nvmlDeviceGetHandleByUUID", self._nvml.nvmlDeviceGetHandleByUUID, uuid, uuid=uuid)
+
+    # -- inventory and samples ------------------------------------------------------------------------------------
+    def _devices(self) -> list[GpuDevice]:
+        nvml = self._nvml_after_open()
+        handles = self._handles()
+        bus_ids: dict[str, str] = {}
+        records: list[dict[str, Any]] = []
+        for index, uuid, h in handles:
+            try:
+                name = _text(self._call("nvmlDeviceGetName", nvml.nvmlDeviceGetName, h, uuid=uuid))
+                bus = normalise_bus_id(
+                    self._call("nvmlDeviceGetPciInfo", nvml.nvmlDeviceGetPciInfo, h, uuid=uuid).busId
+                )
+                memory = self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, h, uuid=uuid)
+            except GpuError:
+                if uuid in self._lost:
+                    continue
+                raise
+            bus_ids[bus] = uuid
+            records.append(
+                {
+                    "index": index,
+                    "uuid": uuid,
+                    "model": name,
+                    "pci_bus_id": bus,
+                    "memory_total_mib": int(memory.total) // MIB,
+                    "numa_node": self._numa_node(h),
+                    "handle": h,
+                }
+            )
+        devices: list[GpuDevice] = []
+        for r in records:
+            h = r.pop("handle")
+            capable, enabled = self._mig_mode(h)
+            devices.append(
+                GpuDevice(
+                    **r,
+                    nvlink_peers=self._nvlink_peers(h, r["uuid"], bus_ids),
+                    mig_capable=capable,
+                    mig_enabled=enabled,
+                    mig_instances=self._mig_instances(h) if enabled else [],
+                )
+            )
+        return devices
+
+    def _nvml_after_open(self) -> Any:
+        self.open_sync()
+        return self._nvml
+
+    def _numa_node(self, h: Any) -> int | None:
+        fn = getattr(self._nvml, "nvmlDeviceGetNumaNodeId", None)
+        if fn is None:
+            return None
+        try:
+            node = int(fn(h))
+        except Exception as exc:
+            if self._is_nvml_error(exc):
+                return None
+            raise
+        return node if node >= 0 else None
+
+    def _nvlink_peers(self, h: Any, uuid: str, bus_ids: dict[str, str]) -> list[str]:
+        nvml = self._nvml
+        enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
+        peers: list[str] = []
+        for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))):
+            try:
+                if nvml.nvmlDeviceGetNvLinkState(h, link) != enabled:
+                    continue
+                remote = normalise_bus_id(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId)
+            except Exception as exc:
+                if self._is_nvml_error(exc):
+                    continue
+                raise
+            peer = bus_ids.get(remote)
+            if peer is not None and peer != uuid and peer not in peers:
+                peers.append(peer)
+        return peers
+
+    def _mig_mode(self, h: Any) -> tuple[bool, bool]:
+        try:
+            current, _pending = self._nvml.nvmlDeviceGetMigMode(h)
+        except Exception as exc:
+            if self._is_nvml_error(exc):
+                return False, False
+            raise
+        return True, current == getattr(self._nvml, "NVML_DEVICE_MIG_ENABLE", 1)
+
+    def _mig_instances(self, h: Any) -> list[MigInstance]:
+        nvml = self._nvml
+        instances: list[MigInstance] = []
+        try:
+            count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(h))
+        except Exception as exc:
+            if self._is_nvml_error(exc):
+                return []
+            raise
+        for i in range(count):
+            try:
+                mh = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+                mig_uuid = _text(nvml.nvmlDeviceGetUUID(mh))
+                memory = int(nvml.nvmlDeviceGetMemoryInfo(mh).total) // MIB
+            except Exception as exc:
+                if self._is_nvml_error(exc):
+                    continue  # an empty slot answers NOT_FOUND
+                raise
+            profile = ""
+            with contextlib.suppress(Exception):
+                # MIG devices are named "<GPU name> MIG 1g.10gb"; the cheapest way to the profile.
+                match = _MIG_PROFILE_RE.search(_text(nvml.nvmlDeviceGetName(mh)))
+                profile = match.group(1) if match else ""
+            instances.append(MigInstance(uuid=mig_uuid, profile=profile, memory_mib=memory))
+        return instances
+
+    async def devices(self) -> list[GpuDevice]:
+        return await asyncio.to_thread(self._devices)
+
+    def _versions(self) -> DriverVersions:
+        nvml = self._nvml_after_open()
+        driver = _text(self._call("nvmlSystemGetDriverVersion", nvml.nvmlSystemGetDriverVersion))
+        cuda = int(self._call("nvmlSystemGetCudaDriverVersion_v2", nvml.nvmlSystemGetCudaDriverVersion_v2))
+        return DriverVersions(driver=driver, cuda=cuda_version_text(cuda))
+
+    async def versions(self) -> DriverVersions:
+        return await asyncio.to_thread(self._versions)
+
+    def _utilisation(self) -> list[GpuUtilisation]:
+        nvml = self._nvml_after_open()
+        samples: list[GpuUtilisation] = []
+        for _index, uuid, h in self._handles():
+            try:
+                rates = self._call("nvmlDeviceGetUtilizationRates", nvml.nvmlDeviceGetUtilizationRates, h, uuid=uuid)
+                memory = self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, h, uuid=uuid)
+                power_mw = self._call("nvmlDeviceGetPowerUsage", nvml.nvmlDeviceGetPowerUsage, h, uuid=uuid)
+                temp = self._call(
+                    "nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU, uuid=uuid
+                )
+            except GpuError:
+                if uuid in self._lost:
+                    continue
+                raise
+            samples.append(
+                GpuUtilisation(
+                    uuid=uuid,
+                    gpu_util=float(rates.gpu),
+                    mem_copy_util=float(rates.memory),
+                    mem_used_mib=int(memory.used) / MIB,
+                    mem_free_mib=int(memory.free) / MIB,
+                    power_w=float(power_mw) / 1000.0,
+                    temperature_c=float(temp),
+                )
+            )
+        return samples
+
+    async def utilisation(self) -> list[GpuUtilisation]:
+        return await asyncio.to_thread(self._utilisation)
+
+    # -- health ---------------------------------------------------------------------------------------------------
+    def _publish(self, item: Any) -> None:
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for loop, queue in subscribers:
+            with contextlib.suppress(RuntimeError):  # the subscriber's loop has closed
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _report_lost(self, uuid: str, message: str) -> None:
+        with self._lock:
+            if uuid in self._lost:
+                return
+            self._lost.add(uuid)
+        log.error("GPU is lost", extra={"gpu": uuid, "error": message})
+        self._publish(GpuHealthEvent(uuid=uuid, kind="lost", message=message))
+
+    async def health_events(self) -> AsyncIterator[GpuHealthEvent]:
+        await asyncio.to_thread(self.open_sync)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        entry = (asyncio.get_running_loop(), queue)
+        with self._lock:
+            self._subscribers.append(entry)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._watch, name="nvml-health", daemon=True)
+                self._thread.start()
+        try:
+            while not self._closed:
+                item = await queue.get()
+                if item is _CLOSED:
+                    return
+                yield item
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                self._subscribers.remove(entry)
+
+    def _watch(self) -> None:
+        """The health thread: wait for critical XIDs; between waits, check each GPU still answers."""
+        nvml = self._nvml
+        event_set: Any = None
+        handles: list[tuple[str, Any]] = []
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+        except Exception as exc:
+            log.warning("NVML event set unavailable; only lost GPUs will be reported", extra={"error": str(exc)})
+        try:
+            handles = [(uuid, h) for _i, uuid, h in self._handles()]
+        except GpuError as exc:
+            log.warning("NVML health watch could not list GPUs", extra={"error": str(exc)})
+        if event_set is not None:
+            for uuid, h in handles:
+                try:
+                    nvml.nvmlDeviceRegisterEvents(h, nvml.nvmlEventTypeXidCriticalError, event_set)
+                except Exception as exc:
+                    log.info("GPU does not report XID events; skipped", extra={"gpu": uuid, "error": str(exc)})
+        timeout_code = getattr(nvml, "NVML_ERROR_TIMEOUT", 10)
+        try:
+            while not self._stop.is_set():
+                if event_set is None:
+                    self._stop.wait(self._event_wait_ms / 1000)
+                else:
+                    try:
+                        data = nvml.nvmlEventSetWait_v2(event_set, self._event_wait_ms)
+                    except Exception as exc:
+                        if self._is_nvml_error(exc) and self._code(exc) == timeout_code:
+                            data = None
+                        elif self._is_lost(exc):
+                            data = None  # which GPU: the poll below finds out
+                        else:
+                            log.warning("NVML event wait failed", extra={"error": str(exc)})
+                            self._stop.wait(self._event_wait_ms / 1000)
+                            data = None
+                    if data is not None:
+                        self._xid(data)
+                for uuid, h in handles:
+                    if uuid in self._lost:
+                        continue
+                    try:
+                        nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
+                    except Exception as exc:
+                        if self._is_lost(exc):
+                            self._report_lost(uuid, f"nvmlDeviceGetTemperature: {exc}")
+        finally:
+            if event_set is not None:
+                with contextlib.suppress(Exception):
+                    nvml.nvmlEventSetFree(event_set)
+
+    def _xid(self, data: Any) -> None:
+        try:
+            uuid = _text(self._nvml.nvmlDeviceGetUUID(data.device))
+        except Exception as exc:
+            uuid = "unknown"
+            log.warning("XID event for a GPU whose UUID NVML did not give", extra={"error": str(exc)})
+        xid = int(data.eventData)
+        message = f"XID {xid}"
+        gi = getattr(data, "gpuInstanceId", None)
+        if gi is not None and gi != 0xFFFFFFFF:
+            message += f" (GPU instance {gi}, compute instance {getattr(data, 'computeInstanceId', '?')})"
+        log.warning("XID error", extra={"gpu": uuid, "xid": xid})
+        self._publish(GpuHealthEvent(uuid=uuid, kind="xid", xid=xid, message=message))
+
+    # -- MIG ------------------------------------------------------------------------------------------------------
+    def _set_mig_mode(self, uuid: str, enabled: bool) -> None:
+        nvml = self._nvml_after_open()
+        h = self._handle(uuid)
+        mode = nvml.NVML_DEVICE_MIG_ENABLE if enabled else nvml.NVML_DEVICE_MIG_DISABLE
+        self._call("nvmlDeviceSetMigMode", nvml.nvmlDeviceSetMigMode, h, mode, uuid=uuid)
+        current, pending = self._call("nvmlDeviceGetMigMode", nvml.nvmlDeviceGetMigMode, h, uuid=uuid)
+        if current != mode:
+            log.warning(
+                "MIG mode change pending (needs a GPU reset)",
+                extra={"gpu": uuid, "current": current, "pending": pending},
+            )
+
+    async def set_mig_mode(self, uuid: str, enabled: bool) -> None:
+        await asyncio.to_thread(self._set_mig_mode, uuid, enabled)
+
+    async def create_mig_instance(self, uuid: str, profile: str) -> MigInstance:
+        raise GpuError(f"creating MIG instance {profile!r} on GPU {uuid}: not supported by this adapter yet")
+
+    async def destroy_mig_instance(self, uuid: str, instance_uuid: str) -> None:
+        raise GpuError(f"destroying MIG instance {instance_uuid} on GPU {uuid}: not supported by this adapter yet")
+
+    # -- driver ---------------------------------------------------------------------------------------------------
+    async def install_driver(self, version: str) -> None:
+        if not DRIVER_VERSION_RE.match(version):
+            raise DriverInstallError(f"{version!r} is not a driver version such as '550.54.15'")
+        template = self._install_command if self._install_command is not None else os.environ.get(INSTALL_COMMAND_ENV)
+        if not template or not template.strip():
+            raise DriverInstallError(
+                f"cannot install driver {version}: set {INSTALL_COMMAND_ENV} to the shell command that installs a "
+                "driver on this node ({version} is substituted), e.g. one that restarts the node's driver container"
+            )
+        command = template.replace("{version}", shlex.quote(version))
+        log.info("installing driver", extra={"version": version, "command": command})
+        try:
+            proc = await asyncio.create_subprocess_shell(
+                command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            )
+        except OSError as exc:
+            raise DriverInstallError(f"installing driver {version}: could not run {command!r}: {exc}") from exc
+        try:
+            _stdout, stderr = await proc.communicate()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(proc.wait())
+            raise
+        if proc.returncode != 0:
+            tail = stderr.decode(errors="replace").strip()[-STDERR_TAIL_CHARS:]
+            raise DriverInstallError(
+                f"installing driver {version}: {command!r} exited with {proc.returncode}: {tail or '(no stderr)'}"
+            )
+        log.info("driver install command finished", extra={"version": version})
+
+    def _validate(self, expected_version: str) -> DriverValidation:
+        self.open_sync()
+        nvml = self._nvml
+        try:
+            nvml.nvmlInit()
+        except Exception as exc:
+            if self._is_nvml_error(exc) or isinstance(exc, OSError):
+                return DriverValidation(ok=False, version="", visible_gpus=0, reason=f"NVML does not start: {exc}")
+            raise
+        try:
+            try:
+                version = _text(nvml.nvmlSystemGetDriverVersion())
+                count = int(nvml.nvmlDeviceGetCount())
+            except Exception as exc:
+                if not self._is_nvml_error(exc):
+                    raise
+                return DriverValidation(ok=False, version="", visible_gpus=0, reason=f"NVML does not answer: {exc}")
+            visible = 0
+            lost: list[str] = []
+            for index in range(count):
+                try:
+                    h = nvml.nvmlDeviceGetHandleByIndex(index)
+                    uuid = _text(nvml.nvmlDeviceGetUUID(h))
+                    nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
+                except Exception as exc:
+                    if not self._is_nvml_error(exc):
+                        raise
+                    lost.append(f"GPU {index}: {exc}")
+                    continue
+                with self._lock:
+                    self._lost.discard(uuid)  # it answers again (a driver reload brings a lost GPU back)
+                visible += 1
+        finally:
+            with contextlib.suppress(Exception):
+                nvml.nvmlShutdown()
+        if version != expected_version:
+            return DriverValidation(
+                ok=False, version=version, visible_gpus=visible, reason=f"expected {expected_version}, found {version}"
+            )
+        if lost:
+            return DriverValidation(ok=False, version=version, visible_gpus=visible, reason="; ".join(lost))
+        if visible < self._initial_count:
+            return DriverValidation(
+                ok=False,
+                version=version,
+                visible_gpus=visible,
+                reason=f"{visible} of the {self._initial_count} GPUs seen at start are visible",
+            )
+        return DriverValidation(ok=True, version=version, visible_gpus=visible)
+
+    async def validate_driver(self, expected_version: str) -> DriverValidation:
+        return await asyncio.to_thread(self._validate, expected_version)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._publish(_CLOSED)
+        thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 5.0)
+        if self._open and self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+        self._open = False

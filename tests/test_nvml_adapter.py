@@ -1,0 +1,372 @@
+"""The NVML adapter against a hand-written fake NVML module: two GPUs joined by NVLink on NUMA nodes 0 and 1."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort
+from shared.ports.nvml import INSTALL_COMMAND_ENV, NvmlGpus, cuda_version_text, normalise_bus_id
+
+GIB = 1024**3
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return {15: "GPU is lost", 10: "Timeout", 3: "Not Supported", 12: "NVML Shared Library Not Found"}.get(
+            self.value, f"NVML error {self.value}"
+        )
+
+
+@dataclass
+class Pci:
+    busId: str
+
+
+@dataclass
+class Memory:
+    total: int
+    used: int
+    free: int
+
+
+@dataclass
+class Rates:
+    gpu: int
+    memory: int
+
+
+@dataclass
+class EventData:
+    device: Any
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    name: str
+    bus: str
+    numa: int
+    peer_bus: str
+    lost: bool = False
+    xid_capable: bool = True
+
+
+class FakeNvml:
+    """The functions the adapter calls, with pynvml's names and return shapes."""
+
+    NVMLError = NVMLError
+    NVML_ERROR_GPU_IS_LOST = 15
+    NVML_ERROR_TIMEOUT = 10
+    NVML_ERROR_NOT_SUPPORTED = 3
+    NVML_ERROR_NOT_FOUND = 6
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12
+    NVML_NVLINK_MAX_LINKS = 18
+    NVML_FEATURE_ENABLED = 1
+    NVML_TEMPERATURE_GPU = 0
+    NVML_DEVICE_MIG_ENABLE = 1
+    NVML_DEVICE_MIG_DISABLE = 0
+    nvmlEventTypeXidCriticalError = 8
+
+    def __init__(self) -> None:
+        self.gpus = [
+            FakeGpu("GPU-aaaa", "NVIDIA H100 80GB HBM3", "00000000:07:00.0", 0, "0000:0F:00.0"),
+            FakeGpu("GPU-bbbb", "NVIDIA H100 80GB HBM3", "00000000:0F:00.0", 1, "0000:07:00.0"),
+        ]
+        self.driver = "550.54.15"
+        self.cuda = 12040
+        self.init_error: int | None = None
+        self.inits = 0
+        self.events: queue.Queue[EventData] = queue.Queue()
+        self.registered: list[str] = []
+        self.mig_modes: dict[str, int] = {}
+
+    def _gpu(self, h: FakeGpu) -> FakeGpu:
+        if h.lost:
+            raise NVMLError(self.NVML_ERROR_GPU_IS_LOST)
+        return h
+
+    def nvmlInit(self) -> None:
+        if self.init_error is not None:
+            raise NVMLError(self.init_error)
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:
+        self.inits -= 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
+        return self.gpus[index]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeGpu:
+        for g in self.gpus:
+            if g.uuid == uuid:
+                return self._gpu(g)
+        raise NVMLError(self.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetUUID(self, h: FakeGpu) -> str:
+        return h.uuid
+
+    def nvmlDeviceGetName(self, h: FakeGpu) -> str:
+        return self._gpu(h).name
+
+    def nvmlDeviceGetPciInfo(self, h: FakeGpu) -> Pci:
+        return Pci(self._gpu(h).bus)
+
+    def nvmlDeviceGetMemoryInfo(self, h: FakeGpu) -> Memory:
+        self._gpu(h)
+        return Memory(total=80 * GIB, used=20 * GIB, free=60 * GIB)
+
+    def nvmlDeviceGetNumaNodeId(self, h: FakeGpu) -> int:
+        return self._gpu(h).numa
+
+    def nvmlDeviceGetNvLinkState(self, h: FakeGpu, link: int) -> int:
+        self._gpu(h)
+        if link >= 4:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return 1 if link < 2 else 0
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h: FakeGpu, link: int) -> Pci:
+        return Pci(self._gpu(h).peer_bus)
+
+    def nvmlDeviceGetMigMode(self, h: FakeGpu) -> list[int]:
+        self._gpu(h)
+        if h.uuid not in self.mig_modes:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return [self.mig_modes[h.uuid], self.mig_modes[h.uuid]]
+
+    def nvmlDeviceSetMigMode(self, h: FakeGpu, mode: int) -> int:
+        self._gpu(h)
+        if h.uuid not in self.mig_modes:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        self.mig_modes[h.uuid] = mode
+        return 0
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: FakeGpu) -> int:
+        return 0
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.driver
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        return self.cuda
+
+    def nvmlDeviceGetUtilizationRates(self, h: FakeGpu) -> Rates:
+        self._gpu(h)
+        return Rates(gpu=75 if h.numa == 0 else 5, memory=30)
+
+    def nvmlDeviceGetPowerUsage(self, h: FakeGpu) -> int:
+        self._gpu(h)
+        return 350_500
+
+    def nvmlDeviceGetTemperature(self, h: FakeGpu, sensor: int) -> int:
+        self._gpu(h)
+        assert sensor == self.NVML_TEMPERATURE_GPU
+        return 61
+
+    def nvmlEventSetCreate(self) -> object:
+        return object()
+
+    def nvmlEventSetFree(self, event_set: object) -> None:
+        return None
+
+    def nvmlDeviceRegisterEvents(self, h: FakeGpu, types: int, event_set: object) -> None:
+        if not h.xid_capable:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        assert types == self.nvmlEventTypeXidCriticalError
+        self.registered.append(h.uuid)
+
+    def nvmlEventSetWait_v2(self, event_set: object, timeout_ms: int) -> EventData:
+        try:
+            return self.events.get(timeout=timeout_ms / 1000)
+        except queue.Empty:
+            raise NVMLError(self.NVML_ERROR_TIMEOUT) from None
+
+
+@pytest.fixture
+def fake() -> FakeNvml:
+    return FakeNvml()
+
+
+@pytest.fixture
+async def gpus(fake: FakeNvml) -> Any:
+    port = NvmlGpus(fake, event_wait_ms=20)
+    yield port
+    await port.close()
+
+
+async def next_event(events: Any, timeout: float = 3.0) -> GpuHealthEvent:
+    event: GpuHealthEvent = await asyncio.wait_for(anext(events), timeout)
+    return event
+
+
+def test_helpers() -> None:
+    assert cuda_version_text(12040) == "12.4"
+    assert cuda_version_text(11080) == "11.8"
+    assert normalise_bus_id("0000:0F:00.0") == normalise_bus_id(b"00000000:0f:00.0") == "00000000:0f:00.0"
+
+
+async def test_is_a_gpu_port(gpus: NvmlGpus) -> None:
+    assert isinstance(gpus, GpuPort)
+    assert gpus.simulated is False
+
+
+async def test_devices(gpus: NvmlGpus, fake: FakeNvml) -> None:
+    devices = await gpus.devices()
+    assert [d.uuid for d in devices] == ["GPU-aaaa", "GPU-bbbb"]
+    a, b = devices
+    assert (a.index, b.index) == (0, 1)
+    assert a.model == "NVIDIA H100 80GB HBM3"
+    assert a.pci_bus_id == "00000000:07:00.0"
+    assert a.memory_total_mib == 80 * 1024
+    assert (a.numa_node, b.numa_node) == (0, 1)
+    assert a.nvlink_peers == ["GPU-bbbb"]
+    assert b.nvlink_peers == ["GPU-aaaa"]
+    assert not a.mig_capable and not a.mig_enabled and a.mig_instances == []
+
+
+class OlderNvml(FakeNvml):
+    """An older pynvml without nvmlDeviceGetNumaNodeId."""
+
+    nvmlDeviceGetNumaNodeId = None  # type: ignore[assignment]
+
+
+async def test_numa_missing_and_mig_mode() -> None:
+    fake = OlderNvml()
+    fake.mig_modes["GPU-aaaa"] = 0
+    port = NvmlGpus(fake)
+    a, b = await port.devices()
+    assert a.numa_node is None
+    assert a.mig_capable and not a.mig_enabled
+    assert not b.mig_capable
+    await port.set_mig_mode("GPU-aaaa", True)
+    assert fake.mig_modes["GPU-aaaa"] == 1
+    assert (await port.devices())[0].mig_enabled
+    with pytest.raises(GpuError, match="GPU-bbbb"):
+        await port.set_mig_mode("GPU-bbbb", True)
+    with pytest.raises(GpuError, match="not supported by this adapter yet"):
+        await port.create_mig_instance("GPU-aaaa", "1g.10gb")
+    await port.close()
+
+
+async def test_versions_and_utilisation(gpus: NvmlGpus) -> None:
+    versions = await gpus.versions()
+    assert (versions.driver, versions.cuda) == ("550.54.15", "12.4")
+    a, b = await gpus.utilisation()
+    assert a.uuid == "GPU-aaaa" and a.gpu_util == 75.0 and a.mem_copy_util == 30.0
+    assert b.gpu_util == 5.0
+    assert a.mem_used_mib == 20 * 1024 and a.mem_free_mib == 60 * 1024
+    assert a.power_w == pytest.approx(350.5)
+    assert a.temperature_c == 61.0
+
+
+async def test_nvml_missing_is_a_clear_error(fake: FakeNvml) -> None:
+    fake.init_error = FakeNvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    port = NvmlGpus(fake)
+    with pytest.raises(GpuError, match=r"NVML is not available on this node: .*Library Not Found"):
+        await port.devices()
+    with pytest.raises(GpuError, match="NVML is not available on this node"):
+        await port.versions()
+
+
+async def test_real_pynvml_without_a_gpu_is_a_clear_error() -> None:
+    pytest.importorskip("pynvml")
+    port = NvmlGpus()
+    try:
+        await port.versions()
+    except GpuError as exc:
+        assert "NVML is not available on this node" in str(exc)
+    else:  # a machine with a GPU: the adapter works
+        assert (await port.versions()).driver
+    await port.close()
+
+
+async def test_xid_reaches_health_events(gpus: NvmlGpus, fake: FakeNvml) -> None:
+    fake.gpus[1].xid_capable = False  # skipped with a log line, not fatal
+    events: Any = gpus.health_events()
+    fake.events.put(EventData(device=fake.gpus[0], eventType=8, eventData=79))
+    event = await next_event(events)
+    assert (event.uuid, event.kind, event.xid) == ("GPU-aaaa", "xid", 79)
+    assert fake.registered == ["GPU-aaaa"]
+    await events.aclose()
+
+
+async def test_lost_gpu(gpus: NvmlGpus, fake: FakeNvml) -> None:
+    events: Any = gpus.health_events()
+    pending = asyncio.ensure_future(next_event(events))
+    await asyncio.sleep(0.05)
+    fake.gpus[1].lost = True
+    event = await pending
+    assert (event.uuid, event.kind) == ("GPU-bbbb", "lost")
+    assert [d.uuid for d in await gpus.devices()] == ["GPU-aaaa"]
+    assert [u.uuid for u in await gpus.utilisation()] == ["GPU-aaaa"]
+    validation = await gpus.validate_driver("550.54.15")
+    assert not validation.ok and validation.visible_gpus == 1
+    await events.aclose()
+
+
+async def test_lost_seen_by_a_call_is_reported(gpus: NvmlGpus, fake: FakeNvml) -> None:
+    await gpus.devices()
+    events: Any = gpus.health_events()
+    pending = asyncio.ensure_future(next_event(events))
+    await asyncio.sleep(0.01)
+    fake.gpus[0].lost = True
+    await gpus.utilisation()
+    event = await pending
+    assert (event.uuid, event.kind) == ("GPU-aaaa", "lost")
+    await events.aclose()
+
+
+async def test_health_events_end_on_close(fake: FakeNvml) -> None:
+    port = NvmlGpus(fake, event_wait_ms=20)
+    events: Any = port.health_events()
+    pending = asyncio.ensure_future(next_event(events))
+    await asyncio.sleep(0.05)
+    await port.close()
+    with pytest.raises(StopAsyncIteration):
+        await pending
+
+
+async def test_install_command(gpus: NvmlGpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(INSTALL_COMMAND_ENV, raising=False)
+    with pytest.raises(DriverInstallError, match=INSTALL_COMMAND_ENV):
+        await gpus.install_driver("560.35.03")
+    monkeypatch.setenv(INSTALL_COMMAND_ENV, "true {version}")
+    await gpus.install_driver("560.35.03")
+    monkeypatch.setenv(INSTALL_COMMAND_ENV, "false")
+    with pytest.raises(DriverInstallError, match="exited with 1"):
+        await gpus.install_driver("560.35.03")
+    monkeypatch.setenv(INSTALL_COMMAND_ENV, "sh -c 'echo boom {version} >&2; exit 3'")
+    with pytest.raises(DriverInstallError, match=r"exited with 3: boom 560\.35\.03"):
+        await gpus.install_driver("560.35.03")
+    with pytest.raises(DriverInstallError, match="not a driver version"):
+        await gpus.install_driver("560; rm -rf /")
+
+
+async def test_validate_driver(gpus: NvmlGpus, fake: FakeNvml) -> None:
+    await gpus.devices()
+    ok = await gpus.validate_driver("550.54.15")
+    assert ok.ok and ok.visible_gpus == 2 and ok.version == "550.54.15"
+    mismatch = await gpus.validate_driver("560.35.03")
+    assert not mismatch.ok and mismatch.version == "550.54.15" and "expected 560.35.03" in mismatch.reason
+    fake.gpus.pop()
+    fewer = await gpus.validate_driver("550.54.15")
+    assert not fewer.ok and fewer.visible_gpus == 1 and "1 of the 2" in fewer.reason
+    fake.init_error = 9  # driver not loaded
+    down = await gpus.validate_driver("550.54.15")
+    assert not down.ok and "NVML does not start" in down.reason
+    assert fake.inits == 1  # every re-init was balanced by a shutdown
