@@ -30,6 +30,7 @@ from shared.plumbing import logs
 from shared.plumbing.bus import Bus, Consumer, ConsumerSpec, Handler
 from shared.plumbing.configsync import ConfigWatcher, VersionedConfig
 from shared.plumbing.errors import SettingsError
+from shared.plumbing.http import SmallHttpServer
 from shared.plumbing.settings import Settings, load_settings
 from shared.plumbing.telemetry import Telemetry
 
@@ -118,45 +119,15 @@ class ServiceContext:
         }
 
 
-class HealthServer:
-    """A small HTTP/1.1 server for probes and scrapes; no framework needed for three GET routes."""
+class HealthServer(SmallHttpServer):
+    """``/healthz``, ``/readyz`` and ``/metrics`` of a service."""
 
     def __init__(self, ctx: ServiceContext, ready: asyncio.Event) -> None:
+        super().__init__(self._route)
         self.ctx = ctx
         self.ready = ready
-        self.server: asyncio.Server | None = None
-        self.port = 0
 
-    async def start(self, host: str, port: int) -> None:
-        self.server = await asyncio.start_server(self._serve, host, port)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self.server:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.wait_closed(), 2)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), 5)
-            while await asyncio.wait_for(reader.readline(), 5) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request.decode("latin-1").split()
-            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            status, content_type, body = self._route(parts[0] if parts else "", path)
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+    async def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method != "GET":
             return "405 Method Not Allowed", "text/plain", b"GET only\n"
         if path == "/healthz":

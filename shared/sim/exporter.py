@@ -13,7 +13,6 @@ MIG does not support) but with ``DCGM_FI_PROF_GR_ENGINE_ACTIVE`` and the slice's
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
@@ -25,6 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.contract.subjects import Subjects
+from shared.plumbing.http import Response, SmallHttpServer
 from shared.ports.gpu import GpuUtilisation
 from shared.sim.gpus import SimGpus, SimLoad, mig_profile_slices, sample
 
@@ -223,10 +223,13 @@ class SimExporter:
     pods: PodsOf = dict
     hostname_label: str = "Hostname"
     clock: Callable[[], float] = time.monotonic
-    server: asyncio.Server | None = None
     port: int = 0
     _energy: dict[str, float] = field(default_factory=dict)
     _last: float | None = None
+    http: SmallHttpServer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.http = SmallHttpServer(self._route)
 
     @property
     def node(self) -> str:
@@ -289,8 +292,7 @@ class SimExporter:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve, and announce the URL in Redis (``<root>:sim:exporter:<node>``) for metrics services in sim mode,
         as a Kubernetes Service would make the real exporter findable."""
-        self.server = await asyncio.start_server(self._serve, host, port)
-        self.port = self.server.sockets[0].getsockname()[1]
+        self.port = await self.http.start(host, port)
         await self.gpus.client.set(exporter_url_key(self.gpus.subjects, self.node), self.url)
         log.info(
             "SIMULATED dcgm-exporter serving",
@@ -303,34 +305,13 @@ class SimExporter:
         return f"http://127.0.0.1:{self.port}/metrics"
 
     async def stop(self) -> None:
-        if self.server:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.wait_closed(), 2)
-            self.server = None
+        await self.http.stop()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _route(self, method: str, path: str) -> Response:
+        if method != "GET" or path != "/metrics":
+            return "404 Not Found", "text/plain", b"try GET /metrics\n"
         try:
-            request = await asyncio.wait_for(reader.readline(), 5)
-            while await asyncio.wait_for(reader.readline(), 5) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request.decode("latin-1").split()
-            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            if parts[:1] != ["GET"] or path != "/metrics":
-                status, content_type, body = "404 Not Found", "text/plain", b"try GET /metrics\n"
-            else:
-                try:
-                    status, content_type, body = "200 OK", CONTENT_TYPE, (await self.render()).encode()
-                except Exception as exc:
-                    log.warning("SIMULATED exporter page failed", extra={"node": self.node, "error": str(exc)})
-                    status, content_type, body = "500 Internal Server Error", "text/plain", f"{exc}\n".encode()
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+            return "200 OK", CONTENT_TYPE, (await self.render()).encode()
+        except Exception as exc:
+            log.warning("SIMULATED exporter page failed", extra={"node": self.node, "error": str(exc)})
+            return "500 Internal Server Error", "text/plain", f"{exc}\n".encode()

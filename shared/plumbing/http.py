@@ -1,0 +1,49 @@
+"""A small HTTP/1.1 server for probes, scrapes and simulated exporters: one request per connection, GET routes
+answered by a function. No framework is needed for a handful of read-only routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+Response = tuple[str, str, bytes]  # status line ("200 OK"), content type, body
+Route = Callable[[str, str], Awaitable[Response]]  # (method, path without the query) -> response
+
+
+class SmallHttpServer:
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._serve, host, port)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self.server:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 2)
+            self.server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 5)
+            while await asyncio.wait_for(reader.readline(), 5) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = request.decode("latin-1").split()
+            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
+            status, content_type, body = await self.route(parts[0] if parts else "", path)
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
