@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import logging
 import secrets
 import sys
 import time
@@ -83,14 +82,6 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(core_n=20_000, js_n=5_000, latency_s=2.0, rounds=1, warmup_n=1_000)
-
-
-class _DropCloseNoise(logging.Filter):
-    """``Bus`` logs "nats disconnected; reconnecting" on every deliberate ``close()`` too (its disconnected
-    callback cannot tell them apart); a benchmark closes many connections, so that one line is dropped here."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "nats disconnected; reconnecting"
 
 
 class Arrivals:
@@ -636,16 +627,10 @@ def run(
     """Run the benchmark with the given sizes against ``nats_url`` (None: a private server started here), write
     the JSON to ``out`` (default ``bench/results/bus.json``), print the table; returns the report."""
     options = BenchOptions(name=NAME, quick=quick, nats_url=nats_url, out=out or default_out(NAME))
-    noise = _DropCloseNoise()
-    bus_log = logging.getLogger("shared.plumbing.bus")
-    bus_log.addFilter(noise)
-    try:
-        load_before = machine_info()["load_avg"]
-        with nats_server(nats_url) as url:
-            server_version = asyncio.run(_server_version(url))
-            results, detail = asyncio.run(measure(url, sizes, quiet=quiet))
-    finally:
-        bus_log.removeFilter(noise)
+    load_before = machine_info()["load_avg"]
+    with nats_server(nats_url) as url:
+        server_version = asyncio.run(_server_version(url))
+        results, detail = asyncio.run(measure(url, sizes, quiet=quiet))
     params = {**asdict(sizes), "server": "given" if nats_url else "private", "detail": detail}
     machine = {**machine_info(server_version), "load_avg_before": load_before}
     return finish(options, results, TARGETS, params, machine)
