@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 import msgspec
 
-Percent = Annotated[str, msgspec.Meta(pattern=r"^(\d+|\d{1,3}%)$", description="a count like '2' or a percent '25%'")]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 DRIVER_VERSION_PATTERN = r"^[0-9]{3}(\.[0-9]{1,3}){1,2}$"
 DriverVersion = Annotated[
