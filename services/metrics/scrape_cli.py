@@ -112,9 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.url.startswith(("http://", "https://")):
         print(f"gpuwarden metrics scrape: {args.url!r}: expected an http:// or https:// URL", file=sys.stderr)
         return 2
-    source = DcgmScrape(args.url, timeout=args.timeout, parser=ExpositionParser(engine=args.parser))
+    async def scrape_once() -> SourceRead:
+        source = DcgmScrape(args.url, timeout=args.timeout, parser=ExpositionParser(engine=args.parser))
+        try:
+            return await source.read()
+        finally:
+            await source.close()
+
     try:
-        read = asyncio.run(source.read())
+        read = asyncio.run(scrape_once())
     except MetricsSourceError as exc:
         print(f"gpuwarden metrics scrape: {exc}", file=sys.stderr)
         return 1

@@ -1,5 +1,6 @@
-"""A small HTTP/1.1 server for probes, scrapes and simulated exporters: one request per connection, GET routes
-answered by a function. No framework is needed for a handful of read-only routes."""
+"""A small HTTP/1.1 server for probes, scrapes and simulated exporters: GET routes answered by a function, on
+kept-alive connections as HTTP/1.1 clients expect (a scraper asking every second reuses its connection; an idle
+one is closed after ``idle_s``). No framework is needed for a handful of read-only routes."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ Route = Callable[[str, str], Awaitable[Response]]  # (method, path without the q
 
 
 class SmallHttpServer:
-    def __init__(self, route: Route) -> None:
+    def __init__(self, route: Route, idle_s: float = 30.0) -> None:
         self.route = route
+        self.idle_s = idle_s
         self.server: asyncio.Server | None = None
         self.port = 0
 
@@ -31,18 +33,26 @@ class SmallHttpServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await asyncio.wait_for(reader.readline(), 5)
-            while await asyncio.wait_for(reader.readline(), 5) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request.decode("latin-1").split()
-            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            status, content_type, body = await self.route(parts[0] if parts else "", path)
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + body)
-            await writer.drain()
+            while True:
+                request = await asyncio.wait_for(reader.readline(), self.idle_s)
+                if not request:
+                    return
+                keep = request.rstrip().endswith(b"HTTP/1.1")
+                while (line := await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"connection" and value.strip().lower() == b"close":
+                        keep = False
+                parts = request.decode("latin-1").split()
+                path = parts[1].split("?")[0] if len(parts) >= 2 else ""
+                status, content_type, body = await self.route(parts[0] if parts else "", path)
+                head = (
+                    f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+                    f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n"
+                )
+                writer.write(head.encode() + body)
+                await writer.drain()
+                if not keep:
+                    return
         except (TimeoutError, ConnectionError):
             pass
         finally:
