@@ -1,41 +1,49 @@
-"""The upgrade coordinator on the simulated cluster, driven pass by pass: restarts at every state, fencing,
-failures that stop the rollout, PodDisruptionBudget refusals retried with backoff. The checkpoint service is
-stood in for by a verdict book that answers each drain (the full drain with live sessions is in
-tests/test_driver_rollout.py)."""
+"""The upgrade coordinator on the simulated cluster, driven pass by pass: restarts at every state, fencing (the lease
+and the compare-and-set on each node's revision), failures that stop the rollout, PodDisruptionBudget refusals
+retried with backoff, jobs waited for, installs and validations that hang or meet no agent at all. Every node's
+GPUs are reached the real way: the coordinator asks each node's driver agent over NATS, and each agent answers with
+that node's simulated GPUs. The checkpoint service is stood in for by a verdict book that answers each drain (the
+full drain with live sessions is in tests/test_driver_rollout.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from services.driver.agent import DriverAgent, bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
 from services.driver.lease import RedisDrainVerdicts, RedisLeaderLease
 from services.driver.ports import StaleLeader
 from services.driver.upgrade import (
     FAILURE_ANNOTATION,
+    FENCE_ANNOTATION,
     ORDER,
     STATE_LABEL,
     WAS_CORDONED_ANNOTATION,
 )
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
-from shared.contract.driver import DriverUpgradeStateChanged
+from shared.contract.driver import DriverInstallFailed, DriverUpgradeStateChanged
 from shared.contract.node import DrainRequested
 from shared.contract.subjects import Subjects
-from shared.ports.cluster import EvictionOutcome
-from shared.ports.gpu import GpuPort
+from shared.plumbing.bus import Bus
+from shared.plumbing.settings import Settings
+from shared.ports.cluster import ClusterConflict, EvictionOutcome
+from shared.ports.gpu import DriverValidation, GpuPort
 from shared.sim.cluster import SimCluster
 from shared.sim.faults import DriverInstallFault, apply_fault
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import DeploymentSpec, NodeSpec, SimSpec
-from tests.helpers import eventually
 
 NEW = "560.35.03"
 OLD = "550.54.15"
+AGENT_TIMEOUT_S = 2.0
 
 
 class Killed(BaseException):
@@ -59,18 +67,36 @@ class CountingCluster(SimCluster):
         return outcome
 
 
+class HungValidationGpus(SimGpus):
+    """A node whose driver no longer answers a validation (nvidia-smi hangs): the simulated GPUs, but
+    ``validate_driver`` never returns."""
+
+    async def validate_driver(self, expected_version: str) -> DriverValidation:
+        await asyncio.Event().wait()
+        raise AssertionError("not reached")
+
+
 class Harness:
-    def __init__(self, client: aioredis.Redis, subjects: Subjects, spec: SimSpec, policy: DriverPolicy) -> None:
+    """The cluster, one driver agent per node (each on its own NATS connection, as each node's driver service),
+    and the coordinator, driven one pass at a time with ``step``."""
+
+    def __init__(
+        self, settings: Settings, client: aioredis.Redis, bus: Bus, spec: SimSpec, policy: DriverPolicy
+    ) -> None:
+        self.settings = settings
         self.client = client
-        self.subjects = subjects
+        self.bus = bus
+        self.subjects = bus.subjects
         self.spec = spec
         self.policy = policy
         self.events: list[Event] = []
-        self.verdicts = RedisDrainVerdicts(client, subjects)
+        self.verdicts = RedisDrainVerdicts(client, self.subjects)
         self.answer = "completed"
         self.kill_at = ""
         self.clock: Callable[[], float] = time.time
         self.generation = 0
+        self.agent_timeout_s = AGENT_TIMEOUT_S
+        self.agents: dict[str, tuple[DriverAgent, Bus]] = {}
 
     async def setup(self) -> None:
         created = await CountingCluster.create(self.client, self.subjects, self.spec)
@@ -78,23 +104,40 @@ class Harness:
         self.cluster = created
         self.cluster.calls = Counter()
         self.cluster.outcomes = []
+        for node in self.spec.nodes:
+            await self.start_agent(node.name)
         self.coordinator = self.new_coordinator()
 
-    def gpus(self, node: str) -> GpuPort:
+    async def start_agent(self, node: str, gpus: GpuPort | None = None) -> DriverAgent:
+        agent_bus = await Bus.connect(self.settings.nats, self.subjects, f"driver/{node}")
+        agent = DriverAgent(node, gpus or self.gpus(node))
+        await agent.serve(agent_bus)
+        self.agents[node] = (agent, agent_bus)
+        return agent
+
+    async def stop_agent(self, node: str) -> None:
+        agent, agent_bus = self.agents.pop(node)
+        await agent.close()
+        await agent_bus.close(grace=0.5)
+
+    async def close(self) -> None:
+        for node in list(self.agents):
+            await self.stop_agent(node)
+
+    def gpus(self, node: str) -> SimGpus:
         return SimGpus(self.client, self.subjects, self.spec, node)
 
     def new_coordinator(self) -> UpgradeCoordinator:
         self.generation += 1
-        lease = RedisLeaderLease(self.client, self.subjects, f"coordinator-{self.generation}", ttl_s=0.3)
+        lease = RedisLeaderLease(self.client, self.subjects, f"coordinator-{self.generation}", ttl_s=30.0)
         return UpgradeCoordinator(
             self.cluster,
-            self.gpus,
+            bus_node_drivers(self.bus, self.agent_timeout_s),
             lease,
             self.verdicts,
             self.publish,
             lambda: self.policy,
             clock=lambda: self.clock(),
-            install_timeout_s=5.0,
             on_transition=self.transition,
         )
 
@@ -116,13 +159,20 @@ class Harness:
         await self.cluster.tick()
 
     async def step(self) -> None:
-        """One pass; a killed coordinator is replaced by a new process (new holder) that waits for the lease."""
+        """One pass; a killed coordinator is replaced by a new process (new holder), which leads once the dead one's
+        lease has run out."""
         try:
             await self.coordinator.reconcile_once()
         except Killed:
             self.coordinator = self.new_coordinator()
-            await eventually(self.coordinator.reconcile_once, timeout=5)
+            assert not await self.coordinator.reconcile_once()
+            await self.lease_runs_out()
+            assert await self.coordinator.reconcile_once()
         await self.kubelet()
+
+    async def lease_runs_out(self) -> None:
+        """What the lease's TTL does to a holder that stopped renewing it."""
+        await self.client.delete(self.subjects.redis_key("driver", "leader"))
 
     async def run_until(self, done: Callable[[], object], passes: int = 200) -> None:
         for _ in range(passes):
@@ -139,6 +189,31 @@ class Harness:
 
     def history(self, node: str) -> list[str]:
         return [e.state for e in self.events if isinstance(e, DriverUpgradeStateChanged) and e.node == node]
+
+    def failures(self, node: str) -> list[str]:
+        return [
+            e.reason
+            for e in self.events
+            if isinstance(e, DriverUpgradeStateChanged) and e.node == node and e.state == "upgrade-failed"
+        ]
+
+
+MakeHarness = Callable[[SimSpec, DriverPolicy], Awaitable[Harness]]
+
+
+@pytest.fixture
+async def make_harness(settings: Settings, bus: Bus, redis_client: aioredis.Redis) -> AsyncIterator[MakeHarness]:
+    made: list[Harness] = []
+
+    async def make(spec: SimSpec, policy: DriverPolicy) -> Harness:
+        harness = Harness(settings, redis_client, bus, spec, policy)
+        made.append(harness)
+        await harness.setup()
+        return harness
+
+    yield make
+    for harness in made:
+        await harness.close()
 
 
 def two_nodes(max_unavailable: int = 1) -> SimSpec:
@@ -157,10 +232,9 @@ async def _all_done(h: Harness) -> bool:
 
 @pytest.mark.parametrize("kill_at", [*ORDER[1:-1], "evicted"])
 async def test_a_coordinator_killed_at_any_state_resumes_without_double_evictions(
-    redis_client: aioredis.Redis, subjects: Subjects, kill_at: str
+    make_harness: MakeHarness, kill_at: str
 ) -> None:
-    h = Harness(redis_client, subjects, two_nodes(), POLICY)
-    await h.setup()
+    h = await make_harness(two_nodes(), POLICY)
     pods_before = {p.name for p in await h.cluster.pods(node="node-1")}
     if kill_at == "evicted":
         h.cluster.die_after_evict = True
@@ -177,12 +251,12 @@ async def test_a_coordinator_killed_at_any_state_resumes_without_double_eviction
     assert sum(isinstance(e, DrainRequested) for e in h.events) == 1
 
 
-async def test_a_stale_leader_cannot_write(redis_client: aioredis.Redis, subjects: Subjects) -> None:
-    h = Harness(redis_client, subjects, two_nodes(), POLICY)
-    await h.setup()
+# -- fencing ------------------------------------------------------------------------------------------------------
+async def test_a_stale_leader_cannot_write(make_harness: MakeHarness) -> None:
+    h = await make_harness(two_nodes(), POLICY)
     old = h.coordinator
     assert await old.reconcile_once()
-    await redis_client.delete(subjects.redis_key("driver", "leader"))  # the old leader's lease ran out
+    await h.lease_runs_out()
     new = h.new_coordinator()
     assert await new.reconcile_once() and new.token > old.token
     with pytest.raises(StaleLeader):
@@ -190,14 +264,66 @@ async def test_a_stale_leader_cannot_write(redis_client: aioredis.Redis, subject
     assert not await old.reconcile_once()  # it cannot take the lease back while the new one holds it
 
 
-async def test_a_failed_install_stops_the_rollout_with_its_reason(
+async def test_a_write_decided_on_a_stale_read_is_refused(make_harness: MakeHarness) -> None:
+    """The gap the lease check leaves: the old leader checks its token, then a new leader takes over and writes the
+    node, then the old leader's write arrives. It is a compare-and-set on the revision it read, so it is refused."""
+    h = await make_harness(two_nodes(), POLICY)
+    old = h.coordinator
+    assert await old.reconcile_once()
+    info = await h.cluster.node("node-1")
+    assert info is not None
+    view = await old._view(info)
+    await old._guard(view)  # still the leader: the check passes
+    await h.lease_runs_out()
+    new = h.new_coordinator()
+    assert await new.reconcile_once()
+    moved = await h.cluster.node("node-1")
+    assert moved is not None and moved.annotations[FENCE_ANNOTATION] == str(new.token)
+    with pytest.raises(ClusterConflict):
+        await old._write(view, labels={STATE_LABEL: "upgrade-failed"})
+    assert await h.cluster.node("node-1") == moved
+
+
+async def test_the_simulated_cluster_writes_a_node_only_at_the_revision_read(
     redis_client: aioredis.Redis, subjects: Subjects
 ) -> None:
+    cluster = await SimCluster.create(redis_client, subjects, two_nodes())
+    read = await cluster.node("node-1")
+    other = await cluster.node("node-2")
+    assert read is not None and other is not None and read.revision
+    answered = await cluster.update_node(
+        "node-1",
+        labels={STATE_LABEL: "cordon-required"},
+        annotations={FENCE_ANNOTATION: "2"},
+        schedulable=False,
+        expect=read.revision,
+    )
+    written = await cluster.node("node-1")
+    assert written == answered and int(written.revision) > int(read.revision)
+    assert written.labels[STATE_LABEL] == "cordon-required" and written.annotations[FENCE_ANNOTATION] == "2"
+    assert not written.schedulable
+    assert await cluster.node("node-2") == other  # a node's revision moves with its own writes only
+    with pytest.raises(ClusterConflict, match="node-1"):
+        await cluster.update_node("node-1", labels={STATE_LABEL: "upgrade-done"}, expect=read.revision)
+    with pytest.raises(ClusterConflict):  # even a write that would change nothing
+        await cluster.update_node("node-1", annotations={FENCE_ANNOTATION: "2"}, expect=read.revision)
+    assert await cluster.node("node-1") == written
+    await cluster.uncordon("node-1")  # any writer moves the revision
+    with pytest.raises(ClusterConflict):
+        await cluster.update_node("node-1", labels={STATE_LABEL: "upgrade-done"}, expect=written.revision)
+    await cluster.update_node("node-1", labels={STATE_LABEL: None})  # without expect: unconditional
+    final = await cluster.node("node-1")
+    assert final is not None and STATE_LABEL not in final.labels and final.schedulable
+
+
+# -- failures that stop the rollout -------------------------------------------------------------------------------
+async def test_a_failed_install_stops_the_rollout_with_its_reason(
+    make_harness: MakeHarness, redis_client: aioredis.Redis
+) -> None:
     spec = SimSpec(nodes=[NodeSpec(name=f"node-{i}") for i in (1, 2, 3)])
-    h = Harness(redis_client, subjects, spec, DriverPolicy(desired_version=NEW, auto_upgrade=True, max_unavailable="2"))
-    await h.setup()
+    h = await make_harness(spec, DriverPolicy(desired_version=NEW, auto_upgrade=True, max_unavailable="2"))
     await apply_fault(
-        redis_client, subjects, DriverInstallFault(node="node-1", mode="fail", reason="DKMS build failed"), spec
+        redis_client, h.subjects, DriverInstallFault(node="node-1", mode="fail", reason="DKMS build failed"), spec
     )
     await h.run_until(lambda: _state_is(h, "node-1", "upgrade-failed"))
     for _ in range(5):
@@ -207,12 +333,12 @@ async def test_a_failed_install_stops_the_rollout_with_its_reason(
     node = await h.cluster.node("node-1")
     assert node is not None and not node.schedulable
     assert "DKMS build failed" in node.annotations[FAILURE_ANNOTATION]
-    failed = [e for e in h.events if isinstance(e, DriverUpgradeStateChanged) and e.state == "upgrade-failed"]
-    assert len(failed) == 1 and "DKMS build failed" in failed[0].reason
+    failed = h.failures("node-1")
+    assert len(failed) == 1 and "DKMS build failed" in failed[0]
     assert h.coordinator.status()["nodes"]["node-1"]["reason"] == node.annotations[FAILURE_ANNOTATION]
 
     # sticky until a person clears it; then the node starts over and the rollout goes on
-    await apply_fault(redis_client, subjects, DriverInstallFault(node="node-1", mode="clear"), spec)
+    await apply_fault(redis_client, h.subjects, DriverInstallFault(node="node-1", mode="clear"), spec)
     for _ in range(3):
         await h.step()
     assert (await h.states())["node-1"] == "upgrade-failed"
@@ -222,9 +348,8 @@ async def test_a_failed_install_stops_the_rollout_with_its_reason(
         assert (await h.gpus(name).versions()).driver == NEW
 
 
-async def test_a_drain_that_cannot_finish_stops_the_rollout(redis_client: aioredis.Redis, subjects: Subjects) -> None:
-    h = Harness(redis_client, subjects, two_nodes(), POLICY)
-    await h.setup()
+async def test_a_drain_that_cannot_finish_stops_the_rollout(make_harness: MakeHarness) -> None:
+    h = await make_harness(two_nodes(), POLICY)
     h.answer = "failed: 3 session(s) not checkpointed"
     await h.run_until(lambda: _state_is(h, "node-1", "upgrade-failed"))
     node = await h.cluster.node("node-1")
@@ -235,12 +360,11 @@ async def test_a_drain_that_cannot_finish_stops_the_rollout(redis_client: aiored
     assert (await h.gpus("node-1").versions()).driver == OLD
 
 
-async def test_a_drain_without_verdict_times_out_and_stops(redis_client: aioredis.Redis, subjects: Subjects) -> None:
+async def test_a_drain_without_verdict_times_out_and_stops(make_harness: MakeHarness) -> None:
     now = [1000.0]
-    h = Harness(redis_client, subjects, two_nodes(), POLICY)
+    h = await make_harness(two_nodes(), POLICY)
     h.clock = lambda: now[0]
     h.answer = ""
-    await h.setup()
     await h.run_until(lambda: _state_is(h, "node-1", "checkpoint-required"))
     await h.step()
     assert (await h.states())["node-1"] == "checkpoint-required"
@@ -249,16 +373,15 @@ async def test_a_drain_without_verdict_times_out_and_stops(redis_client: aioredi
     assert sum(h.cluster.calls.values()) == 0
 
 
-async def test_a_pdb_refusal_is_retried_with_backoff(redis_client: aioredis.Redis, subjects: Subjects) -> None:
+async def test_a_pdb_refusal_is_retried_with_backoff(make_harness: MakeHarness) -> None:
     now = [1000.0]
     spec = SimSpec(
         nodes=[NodeSpec(name="node-1"), *(NodeSpec(name=f"node-{i}", driver_version=NEW) for i in (2, 3))],
         deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=6, max_unavailable=1)],
     )
     policy = DriverPolicy(desired_version=NEW, auto_upgrade=True, max_unavailable="1", eviction_backoff_s=5.0)
-    h = Harness(redis_client, subjects, spec, policy)
+    h = await make_harness(spec, policy)
     h.clock = lambda: now[0]
-    await h.setup()
     on_node = [p.name for p in await h.cluster.pods(node="node-1")]
     assert len(on_node) == 2
     await h.run_until(lambda: _state_is(h, "node-1", "pod-deletion-required"))
@@ -272,6 +395,152 @@ async def test_a_pdb_refusal_is_retried_with_backoff(redis_client: aioredis.Redi
     now[0] += 5.0
     await h.run_until(lambda: _state_is(h, "node-1", "upgrade-done"))
     assert h.cluster.outcomes[2:] == [(on_node[1], EvictionOutcome.EVICTED)]
+
+
+# -- jobs waited for ----------------------------------------------------------------------------------------------
+def with_jobs() -> SimSpec:
+    """node-1 (to upgrade) and node-2 (up to date) each run one pod of the ``train`` job and one of ``llama``."""
+    return SimSpec(
+        nodes=[NodeSpec(name="node-1"), NodeSpec(name="node-2", driver_version=NEW)],
+        deployments=[
+            DeploymentSpec(name="train", namespace="batch", replicas=2, max_unavailable=1),
+            DeploymentSpec(name="llama", namespace="llm", replicas=2, max_unavailable=1),
+        ],
+    )
+
+
+async def test_job_pods_hold_the_node_until_they_finish(make_harness: MakeHarness) -> None:
+    now = [1000.0]
+    policy = msgspec_replace(POLICY, wait_for_jobs_selector={"app": "train"}, wait_for_jobs_timeout_s=0.0)
+    h = await make_harness(with_jobs(), policy)
+    h.clock = lambda: now[0]
+    jobs = [p.name for p in await h.cluster.pods(node="node-1") if p.deployment == "train"]
+    assert len(jobs) == 1
+    await h.run_until(lambda: _state_is(h, "node-1", "wait-for-jobs-required"))
+    for _ in range(3):
+        now[0] += 3600.0  # wait_for_jobs_timeout_s=0: as long as it takes
+        await h.step()
+    assert (await h.states())["node-1"] == "wait-for-jobs-required"
+    assert sum(h.cluster.calls.values()) == 0 and not any(isinstance(e, DrainRequested) for e in h.events)
+
+    await h.cluster.scale("batch", "train", 0)  # the job is over: its pods finish and go
+    await h.run_until(lambda: _all_done(h))
+    assert h.history("node-1") == list(ORDER)
+    assert not set(jobs) & set(h.cluster.calls), "a finished job is not evicted"
+    assert (await h.gpus("node-1").versions()).driver == NEW
+
+
+async def test_job_pods_still_running_at_the_timeout_are_moved_like_the_rest(make_harness: MakeHarness) -> None:
+    now = [1000.0]
+    policy = msgspec_replace(POLICY, wait_for_jobs_selector={"app": "train"}, wait_for_jobs_timeout_s=120.0)
+    h = await make_harness(with_jobs(), policy)
+    h.clock = lambda: now[0]
+    jobs = [p.name for p in await h.cluster.pods(node="node-1") if p.deployment == "train"]
+    await h.run_until(lambda: _state_is(h, "node-1", "wait-for-jobs-required"))
+    now[0] += 119.0
+    await h.step()
+    assert (await h.states())["node-1"] == "wait-for-jobs-required"
+    now[0] += 1.0
+    await h.run_until(lambda: _all_done(h))
+    assert h.history("node-1") == list(ORDER)
+    left = [e for e in h.events if isinstance(e, DriverUpgradeStateChanged) and e.state == "checkpoint-required"]
+    assert "wait_for_jobs_timeout_s=120" in left[0].reason
+    assert [h.cluster.calls[job] for job in jobs] == [1], "the job pod goes through the Eviction API, once"
+
+
+# -- installs and validations that hang, agents that are silent ---------------------------------------------------
+async def test_a_hanging_install_fails_the_node_at_the_timeout(
+    make_harness: MakeHarness, redis_client: aioredis.Redis
+) -> None:
+    now = [1000.0]
+    policy = msgspec_replace(POLICY, install_timeout_s=300.0)
+    spec = two_nodes()
+    h = await make_harness(spec, policy)
+    h.clock = lambda: now[0]
+    await apply_fault(redis_client, h.subjects, DriverInstallFault(node="node-1", mode="hang"), spec)
+    await h.run_until(lambda: _state_is(h, "node-1", "pod-restart-required"))
+    now[0] += 299.0
+    await h.step()
+    assert (await h.states())["node-1"] == "pod-restart-required"
+    assert h.agents["node-1"][0].status()["outcome"] == "running"
+    now[0] += 1.0
+    await h.step()
+    assert (await h.states())["node-1"] == "upgrade-failed"
+    node = await h.cluster.node("node-1")
+    assert node is not None and not node.schedulable
+    reason = node.annotations[FAILURE_ANNOTATION]
+    assert f"install of {NEW} is still running after install_timeout_s=300" in reason, reason
+    assert h.failures("node-1") == [reason]
+    assert [e.reason for e in h.events if isinstance(e, DriverInstallFailed)] == [reason]
+
+    # the install finishes after all: the next validation passes, and the node recovers, logged as such
+    await apply_fault(redis_client, h.subjects, DriverInstallFault(node="node-1", mode="clear"), spec)
+    await h.run_until(lambda: _all_done(h))
+    assert h.history("node-1")[-3:] == ["upgrade-failed", "uncordon-required", "upgrade-done"]
+    recovered = [e for e in h.events if isinstance(e, DriverUpgradeStateChanged) and e.state == "uncordon-required"]
+    assert "recovered" in recovered[-1].reason
+
+
+async def test_a_hanging_validation_fails_the_node_at_the_timeout(make_harness: MakeHarness) -> None:
+    now = [1000.0]
+    policy = msgspec_replace(POLICY, validation_timeout_s=60.0)
+    h = await make_harness(two_nodes(), policy)
+    h.clock = lambda: now[0]
+    await h.stop_agent("node-1")
+    hung = CountingHungValidation(h.client, h.subjects, h.spec, "node-1")
+    await h.start_agent("node-1", hung)
+    await h.run_until(lambda: _state_is(h, "node-1", "validation-required"))
+    for _ in range(2):
+        await h.step()
+    assert (await h.states())["node-1"] == "validation-required"
+    assert hung.validations == 1, "a hanging validation is joined, never started again beside it"
+    now[0] += 60.0
+    await h.step()
+    node = await h.cluster.node("node-1")
+    assert node is not None and node.labels[STATE_LABEL] == "upgrade-failed" and not node.schedulable
+    reason = node.annotations[FAILURE_ANNOTATION]
+    assert "validation failed for 60s" in reason and f"validating {NEW} has not finished" in reason, reason
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+async def test_a_silent_driver_agent_is_a_temporary_failure_until_the_timeout(
+    make_harness: MakeHarness, comes_back: bool
+) -> None:
+    now = [1000.0]
+    policy = msgspec_replace(POLICY, install_timeout_s=300.0)
+    h = await make_harness(two_nodes(), policy)
+    h.clock = lambda: now[0]
+    await h.run_until(lambda: _state_is(h, "node-1", "pod-deletion-required"))
+    await h.stop_agent("node-1")
+    await h.step()
+    await h.step()
+    assert (await h.states())["node-1"] == "pod-restart-required"
+    silent = h.coordinator.status()["nodes"]["node-1"]["agent"]
+    assert "the driver agent on node-1 does not answer" in silent, silent
+    if comes_back:
+        await h.start_agent("node-1")
+        await h.run_until(lambda: _all_done(h))
+        assert h.history("node-1") == list(ORDER)
+        assert "agent" not in h.coordinator.status()["nodes"]["node-1"]
+        return
+    now[0] += 300.0
+    await h.step()
+    node = await h.cluster.node("node-1")
+    assert node is not None and node.labels[STATE_LABEL] == "upgrade-failed"
+    reason = node.annotations[FAILURE_ANNOTATION]
+    assert "got no answer after install_timeout_s=300" in reason and "does not answer" in reason, reason
+
+
+class CountingHungValidation(HungValidationGpus):
+    validations = 0
+
+    async def validate_driver(self, expected_version: str) -> DriverValidation:
+        self.validations += 1
+        return await super().validate_driver(expected_version)
+
+
+def msgspec_replace(policy: DriverPolicy, **changes: object) -> DriverPolicy:
+    return msgspec.structs.replace(policy, **changes)
 
 
 async def _state_is(h: Harness, node: str, state: str) -> bool:

@@ -1,11 +1,13 @@
 """Done means: a rolling driver upgrade of three nodes with live sessions on the simulated cluster, the driver
-service and the checkpoint service in-process. Every node goes through the states in order, one at a time; no pod
-is evicted before its sessions are committed; every session is restored elsewhere and verified; every node ends
-uncordoned on the new version."""
+service (one per node, as the DaemonSet runs it: each answers for its own node's simulated GPUs, and whichever
+leads coordinates, commanding the others over NATS) and the checkpoint service in-process. Every node goes
+through the states in order, one at a time; no pod is evicted before its sessions are committed; every session is
+restored elsewhere and verified; every node ends uncordoned on the new version."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -23,10 +25,9 @@ from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.configsync import redis_client as open_redis
-from shared.plumbing.runner import start_service
+from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
-from shared.ports.gpu import GpuPort
 from shared.sim.cluster import SimCluster
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
@@ -40,6 +41,7 @@ SPEC = SimSpec(
 )
 SESSIONS = 24
 NEW = "560.35.03"
+DRIVER_SETTINGS = DriverSettings(reconcile_s=0.2, lease_ttl_s=5, agent_timeout_s=2)
 
 
 class CheckedCluster(SimCluster):
@@ -77,10 +79,10 @@ async def test_three_nodes_upgrade_one_at_a_time_and_lose_no_session(
     seen = CheckedCluster(driver_client, subjects)
     seen.workload, seen.checkpoint, seen.unsaved = workload, checkpoint, []
 
-    def gpus(node: str) -> GpuPort:
+    def gpus(node: str) -> SimGpus:
         return SimGpus(driver_client, subjects, SPEC, node)
 
-    driver_running = None
+    drivers: list[RunningService] = []
     try:
         await bus.subscribe(subjects.pattern("driver.upgrade.state"), on_change, (DriverUpgradeStateChanged,))
         await workload.start()
@@ -105,8 +107,9 @@ async def test_three_nodes_upgrade_one_at_a_time_and_lose_no_session(
             desired_version=NEW, auto_upgrade=True, max_parallel_upgrades=1, max_unavailable="1", drain_timeout_s=30
         )
         await ConfigStore(client, subjects).write("driver", policy, 0, "test")
-        driver = DriverService(DriverSettings(reconcile_s=0.2, lease_ttl_s=5), cluster=seen, gpus=gpus)
-        driver_running = await start_service(driver, settings)
+        for node in SPEC.nodes:
+            driver = DriverService(DRIVER_SETTINGS, cluster=seen, gpu=gpus(node.name))
+            drivers.append(await start_service(driver, replace(settings, node=node.name)))
 
         async def all_done() -> bool:
             nodes = await cluster.nodes()
@@ -138,9 +141,11 @@ async def test_three_nodes_upgrade_one_at_a_time_and_lose_no_session(
             home = workload.runtimes[workload.home[sid]]
             assert home.agent.tokens(sid) == count + 5
             assert verify_blocks(sid, workload.session_blocks(sid) or []), sid
+        leaders = [d for d in drivers if d.ctx.health()["upgrade"]["leader"]]
+        assert len(leaders) == 1, "one coordinator at a time"
     finally:
-        if driver_running is not None:
-            await driver_running.stop(grace=1)
+        for running_driver in drivers:
+            await running_driver.stop(grace=1)
         await workload.stop()
         await workload_bus.close(1)
         await running.stop(grace=1)
@@ -187,9 +192,9 @@ async def test_a_node_cordoned_by_someone_else_gets_its_sessions_saved(
         await eventually(lambda: _registered(checkpoint, "node-1", len(on_node)), timeout=10)
 
         driver = DriverService(
-            DriverSettings(reconcile_s=0.2, lease_ttl_s=5),
+            DRIVER_SETTINGS,
             cluster=SimCluster(driver_client, subjects),
-            gpus=lambda node: SimGpus(driver_client, subjects, SPEC, node),
+            gpu=SimGpus(driver_client, subjects, SPEC, "node-1"),
         )
         driver_running = await start_service(driver, settings)
         await cluster.cordon("node-1")

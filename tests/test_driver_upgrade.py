@@ -23,8 +23,10 @@ from services.driver.upgrade import (
     WAS_CORDONED_ANNOTATION,
     Action,
     ClusterView,
+    InstallProgress,
     NodeView,
     PodView,
+    after_install,
     after_validation,
     max_unavailable,
     next_step,
@@ -60,6 +62,7 @@ class SimNode:
     terminating: int = 0
     verdict: str = ""
     install_fails: bool = False
+    install_hangs: bool = False
     history: list[str] = field(default_factory=list)
     evicted_with_verdict: list[str] = field(default_factory=list)
     cordoned_before: bool | None = None
@@ -119,12 +122,15 @@ class UpgradeMachine(RuleBasedStateMachine):
                 node.pods = 0
                 return
             case "install":
+                progress: InstallProgress = "installed"
                 if node.install_fails:
-                    self.apply(
-                        node, Action("fail", node.name, "upgrade-failed", "install failed", {FAILURE_ANNOTATION: "x"})
-                    )
-                    return
-                node.installed = action.version
+                    progress = "failed"
+                elif node.install_hangs:
+                    progress = "running"
+                if progress == "installed":
+                    node.installed = action.version
+                self.apply(node, after_install(node.view(), self.policy, progress, "the agent says so", self.now))
+                return
             case "validate":
                 ok = node.installed == action.version
                 self.apply(node, after_validation(node.view(), self.policy, ok, "", self.now))
@@ -152,6 +158,8 @@ class UpgradeMachine(RuleBasedStateMachine):
         after = node.labels.get(STATE_LABEL, "")
         if after != before:
             assert after in NEXT[before] or (before, after) == ("upgrade-failed", "uncordon-required"), (before, after)
+        if after == "pod-restart-required":  # an install that hangs is never waited for past its timeout
+            assert self.now - node.view().since() < self.policy.install_timeout_s
         self.max_in_progress = max(self.max_in_progress, self.cluster().in_progress)
 
     @rule(name=st.sampled_from(NODES), ok=st.booleans())
@@ -174,9 +182,10 @@ class UpgradeMachine(RuleBasedStateMachine):
         if node.labels.get(STATE_LABEL, "") not in IN_PROGRESS:
             node.schedulable = False
 
-    @rule(name=st.sampled_from(NODES), fails=st.booleans())
-    def install_outcome(self, name: str, fails: bool) -> None:
+    @rule(name=st.sampled_from(NODES), fails=st.booleans(), hangs=st.booleans())
+    def install_outcome(self, name: str, fails: bool, hangs: bool) -> None:
         self.nodes[name].install_fails = fails
+        self.nodes[name].install_hangs = hangs
 
     @precondition(lambda self: any(n.labels.get(STATE_LABEL) == "upgrade-failed" for n in self.nodes.values()))
     @rule(name=st.sampled_from(NODES))
@@ -184,7 +193,7 @@ class UpgradeMachine(RuleBasedStateMachine):
         node = self.nodes[name]
         if node.labels.get(STATE_LABEL) == "upgrade-failed":
             node.annotations[CLEAR_ANNOTATION] = "true"
-            node.install_fails = False
+            node.install_fails = node.install_hangs = False
 
     @invariant()
     def one_upgrade_at_a_time(self) -> None:
@@ -268,6 +277,7 @@ def replace_policy(policy: DriverPolicy, max_unavail: str) -> DriverPolicy:
         (b'{"pool_overrides": {"a100": "550.90.07"}}', "pool_overrides"),
         (b'{"pool_overrides": {"pool=a100": "new"}}', "pool_overrides"),
         (b'{"on_drain_failure": "ignore"}', "on_drain_failure"),
+        (b'{"install_timeout_s": 0}', "install_timeout_s"),
     ],
 )
 def test_bad_driver_policy_is_refused_with_the_field(raw: bytes, field_name: str) -> None:

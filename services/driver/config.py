@@ -14,7 +14,9 @@ class DriverSettings:
     coordinate: bool = True
     """Take part in the election of the cluster-wide upgrade coordinator (every replica may; one leads)."""
     lease_ttl_s: float = 15.0
-    install_timeout_s: float = 600.0
+    agent_timeout_s: float = 5.0
+    """How long the coordinator waits for a node's driver agent to answer one command (a longer install answers
+    ``running`` and is asked again next pass; the policy's ``install_timeout_s`` bounds the whole install)."""
 
 
 def load(env: Mapping[str, str] | None = None) -> DriverSettings:
@@ -22,9 +24,16 @@ def load(env: Mapping[str, str] | None = None) -> DriverSettings:
     coordinate = env.get("GPUWARDEN_DRIVER_COORDINATE", "true").lower()
     if coordinate not in ("true", "false", "1", "0"):
         raise SettingsError(f"GPUWARDEN_DRIVER_COORDINATE={coordinate!r}: expected true or false")
-    return DriverSettings(
+    settings = DriverSettings(
         reconcile_s=env_seconds(env, "GPUWARDEN_DRIVER_RECONCILE_S", 10.0),
         coordinate=coordinate in ("true", "1"),
         lease_ttl_s=env_seconds(env, "GPUWARDEN_DRIVER_LEASE_TTL_S", 15.0),
-        install_timeout_s=env_seconds(env, "GPUWARDEN_DRIVER_INSTALL_TIMEOUT_S", 600.0),
+        agent_timeout_s=env_seconds(env, "GPUWARDEN_DRIVER_AGENT_TIMEOUT_S", 5.0),
     )
+    if settings.lease_ttl_s < 2 * settings.agent_timeout_s:
+        raise SettingsError(
+            f"GPUWARDEN_DRIVER_LEASE_TTL_S={settings.lease_ttl_s:g} must be at least twice "
+            f"GPUWARDEN_DRIVER_AGENT_TIMEOUT_S={settings.agent_timeout_s:g}: the coordinator renews its lease between "
+            "commands to the nodes' agents, and two may come between renewals"
+        )
+    return settings

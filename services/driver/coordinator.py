@@ -1,15 +1,22 @@
 """The cluster-wide upgrade coordinator: one leader at a time moves each node through the upgrade states.
 
 Each pass: take or renew the leader lease (its fencing token), read every node (labels, annotations, pods, the
-installed driver through that node's GPU port, the verdict of its drain), and for each node in name order apply
-what ``upgrade.next_step`` says, re-reading the node after each step. Nothing is remembered between passes that the
-cluster does not hold, except the eviction backoff and which drains this process has published; so a coordinator
-killed at any point and started again resumes where the labels say, and never evicts a pod twice (a Terminating pod
-is never evicted again; evictions go through the Eviction API only, and nothing is deleted).
+installed driver as that node's driver agent answers, the verdict of its drain), and for each node in name order
+apply what ``upgrade.next_step`` says, re-reading the node after each step. Nothing is remembered between passes
+that the cluster (or the node's agent) does not hold, except the eviction backoff and which drains this process
+has published; so a coordinator killed at any point and started again resumes where the labels say, and never
+evicts a pod twice (a Terminating pod is never evicted again; evictions go through the Eviction API only, and
+nothing is deleted). The nodes' GPUs are never touched from here: installs and validations are commands to the
+node's driver agent (``services.driver.agent``), which answer within a bound, so a silent node delays a pass by
+one timeout and the policy's timeouts fail it.
 
-Writes are fenced: before any write the coordinator checks its token is still the lease's and is not older than
-the token stamped on the node by the last writer; it stamps its own with every write. A stale leader's write
-raises ``StaleLeader`` and the pass ends.
+Writes are fenced twice. Before acting the coordinator renews the lease, checks its token is still the lease's
+and is not older than the token stamped on the node by the last writer. Then every node write is a
+compare-and-set on the node's revision as read (Kubernetes' resourceVersion precondition, the simulated cluster's
+own): it stamps the token and lands only if nothing changed the node since the read the decision was made on.
+Side effects off the node (an eviction, an install) are preceded by such a stamp. So once a newer leader has
+written a node, a stale leader can write it no more, and a write decided on a stale read is refused
+(``ClusterConflict``: read again, decide again).
 """
 
 from __future__ import annotations
@@ -18,16 +25,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any, cast, get_args
 
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged, UpgradeState
 from shared.contract.node import DrainRequested
-from shared.ports.cluster import ClusterError, ClusterPort, EvictionOutcome, NodeInfo
-from shared.ports.gpu import GpuError, GpuPort
+from shared.ports.cluster import ClusterConflict, ClusterError, ClusterPort, EvictionOutcome, NodeInfo
+from shared.ports.gpu import GpuError
 
-from .ports import DrainVerdicts, GpuPortFactory, LeaderLease, StaleLeader
+from .ports import AgentUnreachable, DrainVerdicts, InstallStatus, LeaderLease, NodeDrivers, StaleLeader
 from .upgrade import (
     DRAIN_ANNOTATION,
     EXTERNAL_DRAIN_ANNOTATION,
@@ -40,8 +48,10 @@ from .upgrade import (
     ClusterView,
     NodeView,
     PodView,
+    after_install,
     after_validation,
     desired_version,
+    install_attempt,
     next_step,
 )
 
@@ -60,28 +70,26 @@ class UpgradeCoordinator:
     def __init__(
         self,
         cluster: ClusterPort,
-        gpus: GpuPortFactory,
+        drivers: NodeDrivers,
         lease: LeaderLease,
         verdicts: DrainVerdicts,
         publish: Publish,
         policy: Callable[[], DriverPolicy],
         *,
         clock: Clock = time.time,
-        install_timeout_s: float = 600.0,
         on_transition: Callable[[str, str, str], None] | None = None,
     ) -> None:
         self.cluster = cluster
-        self.gpu_factory = gpus
+        self.drivers = drivers
         self.lease = lease
         self.verdicts = verdicts
         self.publish = publish
         self.policy = policy
         self.clock = clock
-        self.install_timeout_s = install_timeout_s
         self.on_transition = on_transition
         self.token = 0
         self.states: dict[str, dict[str, str]] = {}
-        self._gpus: dict[str, GpuPort] = {}
+        self._silent: dict[str, str] = {}
         self._backoff: dict[str, tuple[float, float]] = {}
         self._published: set[str] = set()
 
@@ -113,10 +121,10 @@ class UpgradeCoordinator:
         self.token = token
         policy = self.policy()
         infos = await self.cluster.nodes()
-        views = [await self._view(info) for info in infos]
+        views = list(await asyncio.gather(*(self._view(info) for info in infos)))
         for index in range(len(views)):
             views[index] = await self._advance(views[index], views, policy)
-        self.states = {v.name: {"state": v.state, "reason": v.annotations.get(FAILURE_ANNOTATION, "")} for v in views}
+        self.states = {v.name: self._state_of(v) for v in views}
         return True
 
     async def _advance(self, view: NodeView, views: list[NodeView], policy: DriverPolicy) -> NodeView:
@@ -127,12 +135,19 @@ class UpgradeCoordinator:
             if action.kind == "wait":
                 return view
             before = (view.state, view.schedulable, dict(view.annotations))
-            await self._execute(view, action, policy)
+            conflicted = False
+            try:
+                await self._execute(view, action, policy)
+            except ClusterConflict as exc:
+                log.info("node changed since it was read; deciding again", extra={"node": view.name, "error": str(exc)})
+                conflicted = True
             info = await self.cluster.node(view.name)
             if info is None:
                 return view
             view = await self._view(info)
             views[:] = [view if v.name == view.name else v for v in views]
+            if conflicted:
+                continue
             if action.kind in ("evict", "request_drain", "external_drain") or before == (
                 view.state,
                 view.schedulable,
@@ -142,18 +157,8 @@ class UpgradeCoordinator:
         return view
 
     # -- reading --------------------------------------------------------------------------------------------------
-    def gpu(self, node: str) -> GpuPort:
-        port = self._gpus.get(node)
-        if port is None:
-            port = self._gpus[node] = self.gpu_factory(node)
-        return port
-
     async def _view(self, info: NodeInfo) -> NodeView:
-        try:
-            installed = (await self.gpu(info.name).versions()).driver
-        except GpuError as exc:
-            log.warning("driver version unreadable", extra={"node": info.name, "error": str(exc)})
-            installed = ""
+        installed = await self._installed(info.name)
         pods = await self.cluster.pods(node=info.name)
         drain_id = info.annotations.get(DRAIN_ANNOTATION, "") or info.annotations.get(EXTERNAL_DRAIN_ANNOTATION, "")
         verdict = await self.verdicts.get(drain_id) if drain_id else ""
@@ -168,60 +173,98 @@ class UpgradeCoordinator:
             pods=tuple(PodView(p.name, p.namespace, p.phase, dict(p.labels)) for p in pods),
             drain_verdict=verdict,
             evict_after=self._backoff.get(info.name, (0.0, 0.0))[1],
+            revision=info.revision,
         )
+
+    async def _installed(self, node: str) -> str:
+        """The node's driver version as its agent answers; empty (unknown) when it cannot, which the state machine
+        never takes for "up to date". A silent agent is logged when it falls silent, not on every pass."""
+        try:
+            installed = (await self.drivers(node).versions()).driver
+        except GpuError as exc:
+            if self._silent.get(node) != str(exc):
+                log.warning("driver version unreadable", extra={"node": node, "error": str(exc)})
+            self._silent[node] = str(exc)
+            return ""
+        if self._silent.pop(node, None) is not None:
+            log.info("driver agent answers again", extra={"node": node, "driver": installed})
+        return installed
+
+    def _state_of(self, view: NodeView) -> dict[str, str]:
+        state = {"state": view.state, "reason": view.annotations.get(FAILURE_ANNOTATION, "")}
+        if view.name in self._silent:
+            state["agent"] = self._silent[view.name]
+        return state
 
     # -- writing, fenced ------------------------------------------------------------------------------------------
     async def _guard(self, node: NodeView) -> None:
-        current = await self.lease.current_token()
+        """Renew the lease (a pass that waits on agents outlasts a lease taken once at its start) and check this
+        coordinator still holds it with its token, and that no newer one has written the node."""
+        current = await self.lease.acquire()
         if current != self.token:
-            raise StaleLeader(f"fencing token {self.token} is stale: the lease holds {current}")
+            held = "another coordinator holds the lease" if current is None else f"the lease lapsed (now {current})"
+            raise StaleLeader(f"fencing token {self.token} is stale: {held}")
         stamped = node.annotations.get(FENCE_ANNOTATION, "0")
         if stamped.isdigit() and int(stamped) > self.token:
             raise StaleLeader(f"{node.name} was written with fencing token {stamped}, newer than {self.token}")
 
-    async def _annotate(self, node: str, annotations: Mapping[str, str | None]) -> None:
-        await self.cluster.set_node_annotations(node, {**annotations, FENCE_ANNOTATION: str(self.token)})
+    async def _write(
+        self,
+        view: NodeView,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        schedulable: bool | None = None,
+    ) -> NodeInfo:
+        """One compare-and-set write on the node as ``view`` read it, stamped with this coordinator's token."""
+        return await self.cluster.update_node(
+            view.name,
+            labels=labels,
+            annotations={**(annotations or {}), FENCE_ANNOTATION: str(self.token)},
+            schedulable=schedulable,
+            expect=view.revision,
+        )
+
+    async def _claim(self, view: NodeView) -> NodeView:
+        """Stamp the token on the node before an effect off it (an eviction, an install): refused if the node
+        changed since ``view`` was read. The view as the node now is, so the step's own write still applies."""
+        written = await self._write(view)
+        return replace(
+            view, labels=dict(written.labels), annotations=dict(written.annotations), revision=written.revision
+        )
 
     async def _execute(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
         await self._guard(view)
         node = view.name
         match action.kind:
             case "cordon":
-                await self._annotate(node, {k: v for k, v in action.annotations.items() if v is not None})
-                await self.cluster.cordon(node)
-                await self._transition(view, action)
+                await self._transition(view, action, schedulable=False)
             case "uncordon":
-                await self.cluster.uncordon(node)
-                await self._transition(view, action)
+                await self._transition(view, action, schedulable=True)
             case "set_state" | "fail":
                 await self._transition(view, action)
             case "request_drain":
                 drain_id = f"upgrade-{node}-{self.token}-{int(self.clock() * 1000)}"
-                await self._annotate(node, {DRAIN_ANNOTATION: drain_id})
+                await self._write(view, annotations={DRAIN_ANNOTATION: drain_id})
                 await self._request_drain(node, drain_id, policy, "driver-upgrade")
             case "external_drain":
                 drain_id = f"cordon-{node}-{self.token}-{int(self.clock() * 1000)}"
-                await self._annotate(node, {EXTERNAL_DRAIN_ANNOTATION: drain_id})
+                await self._write(view, annotations={EXTERNAL_DRAIN_ANNOTATION: drain_id})
                 await self._request_drain(node, drain_id, policy, EXTERNAL_DRAIN_REASON)
             case "forget_external_drain":
-                await self._annotate(node, {EXTERNAL_DRAIN_ANNOTATION: None})
+                await self._write(view, annotations={EXTERNAL_DRAIN_ANNOTATION: None})
             case "evict":
-                await self._evict(view, action, policy)
+                await self._evict(await self._claim(view), action, policy)
             case "install":
-                await self._install(view, action)
+                await self._install(await self._claim(view), action, policy)
             case "validate":
                 await self._validate(view, action, policy)
 
-    async def _transition(self, view: NodeView, action: Action) -> None:
-        """Set annotations, then the state label, then remove what the new state no longer needs: a coordinator
-        killed between two of these writes finds enough to redo the step."""
-        setting = {k: v for k, v in action.annotations.items() if v is not None}
-        removing = {k: v for k, v in action.annotations.items() if v is None}
-        await self._annotate(view.name, setting)
-        if action.state and action.state != view.state:
-            await self.cluster.set_node_labels(view.name, {STATE_LABEL: action.state})
-        if removing:
-            await self._annotate(view.name, removing)
+    async def _transition(self, view: NodeView, action: Action, schedulable: bool | None = None) -> None:
+        """The annotations, the state label and the cordon in one compare-and-set write: a coordinator killed before
+        it finds the node as it was, one killed after finds it moved on; the event follows the write."""
+        labels = {STATE_LABEL: action.state} if action.state and action.state != view.state else None
+        await self._write(view, labels=labels, annotations=action.annotations, schedulable=schedulable)
         if not action.state or action.state == view.state:
             return
         target = view.annotations.get(TARGET_ANNOTATION, "") or desired_version(self.policy(), view.labels)
@@ -281,41 +324,43 @@ class UpgradeCoordinator:
         else:
             self._backoff.pop(view.name, None)
 
-    async def _install(self, view: NodeView, action: Action) -> None:
+    async def _install(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
+        """Ask the node's agent to install (or how the install it runs is doing); a refusal is a failed install,
+        silence a temporary failure until ``install_timeout_s``."""
         try:
-            await asyncio.wait_for(self.gpu(view.name).install_driver(action.version), self.install_timeout_s)
-        except (GpuError, TimeoutError) as exc:
-            reason = str(exc) or f"install of {action.version} did not finish in {self.install_timeout_s:g}s"
-            await self.publish(DriverInstallFailed(node=view.name, version=action.version, reason=reason))
-            fail = Action(
-                "fail",
-                view.name,
-                "upgrade-failed",
-                f"install failed: {reason}",
-                {
-                    FAILURE_ANNOTATION: f"install failed: {reason}",
-                    **{k: v for k, v in action.annotations.items() if v is not None},
-                },
+            status = await self.drivers(view.name).install(
+                action.version, install_attempt(view), policy.install_timeout_s
             )
-            await self._transition(view, fail)
+        except AgentUnreachable as exc:
+            status = InstallStatus("unreachable", str(exc))
+        except GpuError as exc:
+            status = InstallStatus("failed", str(exc))
+        outcome = after_install(view, policy, status.progress, status.reason, self.clock())
+        if outcome.kind == "wait":
+            log.info("driver install not finished", extra={"node": view.name, "reason": outcome.why})
             return
-        await self.publish(DriverInstalled(node=view.name, version=action.version))
-        await self._transition(view, action)
+        if status.progress == "installed":
+            await self.publish(DriverInstalled(node=view.name, version=action.version))
+        else:
+            await self.publish(DriverInstallFailed(node=view.name, version=action.version, reason=outcome.why))
+        await self._transition(view, outcome)
 
     async def _validate(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
         try:
-            result = await self.gpu(view.name).validate_driver(action.version)
+            result = await self.drivers(view.name).validate(action.version)
             ok, reason = result.ok, result.reason
             if ok and result.version != action.version:
                 ok, reason = False, f"driver {result.version} answers, {action.version} was expected"
             if ok and result.visible_gpus < view.gpus:
                 ok, reason = False, f"{result.visible_gpus} GPU(s) visible, the node has more"
         except GpuError as exc:
-            ok, reason = False, f"driver does not answer: {exc}"
+            ok, reason = False, str(exc)
         outcome = after_validation(view, policy, ok, reason, self.clock())
         if ok and view.state != "upgrade-failed":
             await self.publish(DriverInstalled(node=view.name, version=action.version, validated=True))
         if outcome.kind == "wait":
+            if view.state != "upgrade-failed":
+                log.info("driver validation not passing yet", extra={"node": view.name, "reason": reason})
             return
         if outcome.state == "uncordon-required" and view.state == "upgrade-failed":
             log.warning("driver upgrade failure RECOVERED by a later validation", extra={"node": view.name})
@@ -324,14 +369,6 @@ class UpgradeCoordinator:
     # -- status ---------------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         return {"leader": self.token > 0, "fencing_token": self.token, "nodes": self.states}
-
-    async def close(self) -> None:
-        for port in self._gpus.values():
-            try:
-                await port.close()
-            except Exception as exc:  # closing is best effort
-                log.debug("closing a GPU port failed", extra={"error": str(exc)})
-        self._gpus.clear()
 
 
 _STATES: frozenset[str] = frozenset(get_args(UpgradeState))

@@ -1,5 +1,7 @@
-"""What the driver service decides: it records every drain verdict, and (when it leads) coordinates the rolling
-driver upgrade of the cluster (``services.driver.coordinator`` over the pure ``services.driver.upgrade``)."""
+"""What the driver service decides: it answers the coordinator's commands for its own node (``DriverAgent``, with the
+node's GPU port), records every drain verdict, and (when it leads) coordinates the rolling driver upgrade of the
+cluster (``services.driver.coordinator`` over the pure ``services.driver.upgrade``), reaching every node's GPUs
+through that node's agent."""
 
 from __future__ import annotations
 
@@ -14,16 +16,23 @@ from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
+from shared.ports.gpu import GpuPort
+from shared.ports.select import gpu_port
 
+from .agent import DriverAgent, bus_node_drivers
 from .config import DriverSettings, load
 from .coordinator import UpgradeCoordinator
-from .lease import RedisDrainVerdicts, RedisLeaderLease, cluster_port, open_redis, sim_gpu_factory
-from .ports import DrainVerdicts, GpuPortFactory
+from .lease import RedisDrainVerdicts, RedisLeaderLease, cluster_port, open_redis
+from .ports import DrainVerdicts, NodeDrivers
 
 log = logging.getLogger(__name__)
 
 
 class DriverService:
+    """``gpu`` is this node's GPU port (default: from the settings, NVML or simulated); ``cluster`` and ``drivers``
+    (how the coordinator reaches each node; default: each node's agent over the bus) replace the defaults in
+    tests."""
+
     name = "driver"
     config_names: tuple[str, ...] = ("driver",)
 
@@ -32,12 +41,15 @@ class DriverService:
         settings: DriverSettings | None = None,
         *,
         cluster: ClusterPort | None = None,
-        gpus: GpuPortFactory | None = None,
+        gpu: GpuPort | None = None,
+        drivers: NodeDrivers | None = None,
     ) -> None:
         self.settings = settings or load()
         self.verdicts: dict[str, str] = {}
         self.cluster = cluster
-        self.gpus = gpus
+        self.gpu = gpu
+        self.drivers = drivers
+        self.agent: DriverAgent | None = None
         self.coordinator: UpgradeCoordinator | None = None
         self.book: DrainVerdicts | None = None
         self._wake = asyncio.Event()
@@ -45,6 +57,10 @@ class DriverService:
     async def start(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         s = ctx.subjects
+        agent = self.agent = DriverAgent(ctx.node, self.gpu or gpu_port(ctx.settings, s), owns_port=self.gpu is None)
+        await agent.serve(ctx.bus)
+        ctx.status["install"] = agent.status
+        ctx.spawn(self._keep_agent, "driver-agent")
         client = open_redis(ctx.settings.redis)
         self.book = RedisDrainVerdicts(client, s)
         await ctx.consume(
@@ -63,16 +79,23 @@ class DriverService:
             holder = f"{ctx.node or 'driver'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.coordinator = UpgradeCoordinator(
                 cluster,
-                self.gpus or sim_gpu_factory(client, s),
+                self.drivers or bus_node_drivers(ctx.bus, self.settings.agent_timeout_s),
                 RedisLeaderLease(client, s, holder, ttl_s=self.settings.lease_ttl_s),
                 self.book,
                 ctx.publish,
                 self.policy,
-                install_timeout_s=self.settings.install_timeout_s,
             )
             coordinator = self.coordinator
             ctx.status["upgrade"] = coordinator.status
             ctx.spawn(lambda: coordinator.run(self.settings.reconcile_s, self._wake), "driver-upgrade")
+
+    async def _keep_agent(self) -> None:
+        """Runs for the service's lifetime: when it stops, the agent stops what it runs and closes its port."""
+        assert self.agent is not None
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.agent.close()
 
     def policy(self) -> DriverPolicy:
         current = self.ctx.config.current("driver")

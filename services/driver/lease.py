@@ -1,10 +1,11 @@
 """Adapters of the driver service: the coordinator's leader lease with fencing and the drain verdict book (Redis),
-and the simulated cluster and GPU ports.
+and the cluster port (simulated, or the Kubernetes API).
 
 The lease is a hash ``<root>:driver:leader`` (holder, token) with a TTL; every new holder takes the next value of
 the counter ``<root>:driver:fence``, so tokens only grow. Taking and renewing are one Lua script each, atomic in
 Redis. A lease does not by itself guarantee one actor (a paused holder may wake after its lease expired), so the
-coordinator checks its token is still current before every write and stamps the token on the nodes it writes.
+coordinator checks its token is still current before every write, stamps the token on the nodes it writes, and
+writes a node only as a compare-and-set on the revision it read (``services.driver.coordinator``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,7 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import RedisSettings, Settings
 from shared.ports.cluster import ClusterPort
-from shared.ports.gpu import GpuPort
 from shared.sim.cluster import SimCluster
-from shared.sim.gpus import SimGpus
-from shared.sim.spec import load_spec
-
-from .ports import GpuPortFactory
 
 _ACQUIRE = """
 local holder = redis.call('HGET', KEYS[1], 'holder')
@@ -90,16 +86,6 @@ class RedisDrainVerdicts:
 
 def open_redis(settings: RedisSettings) -> aioredis.Redis:
     return redis_client(settings)
-
-
-def sim_gpu_factory(client: aioredis.Redis, subjects: Subjects) -> GpuPortFactory:
-    """Per-node GPU ports of the simulated nodes (the spec from ``GPUWARDEN_SIM_SPEC`` or the default)."""
-    spec = load_spec()
-
-    def factory(node: str) -> GpuPort:
-        return SimGpus(client, subjects, spec, node)
-
-    return factory
 
 
 async def cluster_port(settings: Settings, subjects: Subjects, client: aioredis.Redis) -> ClusterPort:

@@ -1,16 +1,25 @@
-"""What the driver service needs besides the cluster and GPU ports: a leader lease with fencing and a book of
-drain verdicts. The Redis adapters are in ``services.driver.lease``."""
+"""What the driver service needs besides the cluster port: a leader lease with fencing, a book of drain verdicts,
+and each node's driver as the coordinator reaches it. The Redis adapters are in ``services.driver.lease``; the
+node driver over the bus (and the agent that answers it on each node) in ``services.driver.agent``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
-from shared.ports.gpu import GpuPort
+from shared.ports.gpu import DriverValidation, DriverVersions, GpuError
+
+from .upgrade import InstallProgress
 
 
 class StaleLeader(RuntimeError):
     """This coordinator's fencing token is no longer current: another one leads, and this one's writes are refused."""
+
+
+class AgentUnreachable(GpuError):
+    """A node's driver agent did not answer (not running, not reachable, or busy past the deadline): a temporary
+    failure, retried on the next pass; the policy's timeouts decide when it fails the node."""
 
 
 class LeaderLease(Protocol):
@@ -39,5 +48,29 @@ class DrainVerdicts(Protocol):
     async def get(self, drain_id: str) -> str: ...
 
 
-GpuPortFactory = Callable[[str], GpuPort]
-"""The GPU port of a named node (``SimGpus`` for that node in the simulation; the driver pod's port on a real one)."""
+@dataclass(frozen=True, slots=True)
+class InstallStatus:
+    progress: InstallProgress
+    reason: str = ""
+
+
+class NodeDriver(Protocol):
+    """One node's driver, reached from wherever the coordinator runs. Every call answers within the adapter's
+    timeout; ``AgentUnreachable`` when the node's agent does not."""
+
+    node: str
+
+    async def versions(self) -> DriverVersions:
+        """Raises ``GpuError`` (``AgentUnreachable`` when the agent is silent) when they cannot be read."""
+        ...
+
+    async def install(self, version: str, attempt: str, timeout_s: float) -> InstallStatus:
+        """Start installing ``version`` or join the install of ``attempt`` already running; ``running`` while it
+        has not finished. ``timeout_s`` bounds the install on the node."""
+        ...
+
+    async def validate(self, expected_version: str) -> DriverValidation: ...
+
+
+NodeDrivers = Callable[[str], NodeDriver]
+"""The driver of a named node: ``BusNodeDriver``, which asks that node's driver agent over NATS."""

@@ -73,6 +73,10 @@ IN_PROGRESS: frozenset[str] = frozenset(ORDER[1:-1]) | {"drain-required"}
 
 EXTERNAL_DRAIN_REASON = "cordoned"
 
+InstallProgress = Literal["installed", "failed", "running", "unreachable"]
+"""Where a node's install stands, as its driver agent answered: done, failed (with a reason), still running, or
+no answer at all."""
+
 
 @dataclass(frozen=True, slots=True)
 class PodView:
@@ -84,10 +88,11 @@ class PodView:
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
-    """One node as the coordinator sees it this pass. ``installed_version`` is empty when the GPU port did not
-    answer; ``drain_verdict`` is the verdict of the drain named in ``DRAIN_ANNOTATION`` (or the external drain):
+    """One node as the coordinator sees it this pass. ``installed_version`` is empty when the node's driver agent
+    did not answer; ``drain_verdict`` is the verdict of the drain named in ``DRAIN_ANNOTATION`` (or the external drain):
     ``""`` (none yet), ``"completed"`` or ``"failed: <reason>"``. ``evict_after`` is when an eviction refused by a
-    PodDisruptionBudget may be tried again."""
+    PodDisruptionBudget may be tried again. ``revision`` is the node's resourceVersion as read: every write based
+    on this view is a compare-and-set against it."""
 
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -99,6 +104,7 @@ class NodeView:
     pods: Sequence[PodView] = ()
     drain_verdict: str = ""
     evict_after: float = 0.0
+    revision: str = ""
 
     @property
     def state(self) -> str:
@@ -255,6 +261,8 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
             want = desired_version(policy, node.labels)
             if node.skipped or not policy.auto_upgrade:
                 return Action("wait", node.name, why="skipped or auto_upgrade off")
+            if not node.installed_version:
+                return Action("wait", node.name, why="installed driver unknown: the node's driver agent is silent")
             if node.installed_version == want:
                 return Action("set_state", node.name, "upgrade-done", "already on the desired version")
             blocked = may_start(policy, node, cluster)
@@ -285,7 +293,10 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
             timeout = policy.wait_for_jobs_timeout_s
             if waiting and (timeout == 0 or elapsed < timeout):
                 return Action("wait", node.name, why=f"{len(waiting)} job pod(s) still running")
-            return Action("set_state", node.name, "checkpoint-required", "no jobs to wait for", _enter(now))
+            why = "no jobs to wait for"
+            if waiting:
+                why = f"{len(waiting)} job pod(s) still running after wait_for_jobs_timeout_s={timeout:g}; going on"
+            return Action("set_state", node.name, "checkpoint-required", why, _enter(now))
         case "checkpoint-required":
             drain_id = node.annotations.get(DRAIN_ANNOTATION, "")
             if not drain_id:
@@ -322,9 +333,7 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
                 return Action("wait", node.name, why=f"{len(remaining)} pod(s) terminating or eviction backing off")
             return Action("evict", node.name, pods=evictable, why=f"evicting {len(evictable)} pod(s)")
         case "pod-restart-required":
-            return Action(
-                "install", node.name, "validation-required", f"installing {target}", _enter(now), version=target
-            )
+            return Action("install", node.name, why=f"installing {target}", version=target)
         case "validation-required":
             return Action("validate", node.name, "uncordon-required", f"validating {target}", version=target)
         case "uncordon-required":
@@ -354,3 +363,31 @@ def after_validation(node: NodeView, policy: DriverPolicy, ok: bool, reason: str
     if now - node.since() >= policy.validation_timeout_s:
         return _fail(node, f"validation failed for {policy.validation_timeout_s:g}s: {reason}", now)
     return Action("wait", node.name, why=f"validation not passing yet: {reason}")
+
+
+def install_attempt(node: NodeView) -> str:
+    """The install's identity on the node's agent: the node and when it entered ``pod-restart-required``. The same
+    for every pass and every coordinator until the node leaves the state, so a restarted coordinator joins the
+    install it started; a later upgrade of the node is a new attempt."""
+    return f"{node.name}@{node.annotations.get(SINCE_ANNOTATION, '')}"
+
+
+def after_install(node: NodeView, policy: DriverPolicy, progress: InstallProgress, reason: str, now: float) -> Action:
+    """What the agent's answer to an install means: on to validation, a failed node, or another pass. An install
+    still running, or an agent that does not answer, fails the node once ``install_timeout_s`` has passed since
+    the node entered ``pod-restart-required``."""
+    target = node.annotations.get(TARGET_ANNOTATION, "") or desired_version(policy, node.labels)
+    match progress:
+        case "installed":
+            return Action("set_state", node.name, "validation-required", f"installed {target}", _enter(now))
+        case "failed":
+            return _fail(node, f"install of {target} failed: {reason}", now)
+    waited = now - node.since()
+    if waited >= policy.install_timeout_s:
+        what = "is still running" if progress == "running" else "got no answer"
+        return _fail(
+            node,
+            f"install of {target} {what} after install_timeout_s={policy.install_timeout_s:g}: {reason}",
+            now,
+        )
+    return Action("wait", node.name, why=f"install of {target}: {reason or progress} ({waited:.0f}s)")

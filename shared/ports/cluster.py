@@ -16,6 +16,11 @@ class ClusterError(RuntimeError):
     pass
 
 
+class ClusterConflict(ClusterError):
+    """A conditional write found the object changed since it was read (Kubernetes answers 409 Conflict): nothing
+    was written; read the object again and decide anew."""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     name: str
@@ -24,6 +29,9 @@ class NodeInfo:
     schedulable: bool = True
     ready: bool = True
     gpus: int = 0
+    revision: str = ""
+    """The node's resourceVersion as read: ``update_node(..., expect=revision)`` writes only if nothing has changed
+    the node since."""
 
 
 PodPhase = Literal["Pending", "Running", "Terminating"]
@@ -84,6 +92,21 @@ class ClusterPort(Protocol):
         ...
 
     async def set_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None: ...
+
+    async def update_node(
+        self,
+        node: str,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        schedulable: bool | None = None,
+        expect: str = "",
+    ) -> NodeInfo:
+        """Labels, annotations (None removes one) and schedulability in one atomic write; the node as written.
+        With ``expect``, the write happens only while the node's revision is still ``expect``; otherwise
+        ``ClusterConflict`` and nothing changes (a compare-and-set: what fences a writer that decided on a stale
+        read)."""
+        ...
 
     async def pods(self, node: str | None = None, namespace: str | None = None) -> list[PodInfo]: ...
 

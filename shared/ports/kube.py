@@ -9,6 +9,7 @@ Requests and the RBAC they need (see ``deploy/rbac``):
 ==========================================  ============================================================
 ``nodes`` / ``node``                        nodes list / get
 ``cordon`` ``uncordon`` ``set_node_*``      nodes patch (JSON merge patch; a None value deletes the key)
+``update_node``                             nodes patch, the resourceVersion read as precondition (409)
 ``pods``                                    pods list (``spec.nodeName`` field selector for one node)
 ``evict``                                   pods/eviction create (policy/v1 Eviction)
 ``deployments``                             deployments list (apps), poddisruptionbudgets list (policy)
@@ -43,6 +44,7 @@ from kubernetes.aio import config as k8s_config
 
 from shared.ports.cluster import (
     ClusterChange,
+    ClusterConflict,
     ClusterError,
     DeploymentInfo,
     EvictionOutcome,
@@ -135,8 +137,9 @@ class KubeCluster:
                 configuration = k8s.Configuration()
                 k8s_config.load_incluster_config(client_configuration=configuration)
                 api = k8s.ApiClient(configuration)
-            else:
-                api = await k8s_config.new_client_from_config(config_file=kubeconfig, context=context)
+            else:  # $KUBECONFIG read now: the client library reads it once, when it is imported
+                config_file = kubeconfig or os.environ.get("KUBECONFIG") or None
+                api = await k8s_config.new_client_from_config(config_file=config_file, context=context)
         except k8s_config.ConfigException as exc:
             raise ClusterError(f"no Kubernetes configuration: {exc}") from exc
         return cls(api, **options)
@@ -175,8 +178,37 @@ class KubeCluster:
         if annotations:
             await self._patch_node(node, {"metadata": {"annotations": dict(annotations)}})
 
-    async def _patch_node(self, node: str, patch: Obj) -> None:
-        await _read(self._core.patch_node_without_preload_content(node, patch, _content_type=MERGE_PATCH))
+    async def update_node(
+        self,
+        node: str,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        schedulable: bool | None = None,
+        expect: str = "",
+    ) -> NodeInfo:
+        """One merge patch; the node as the API server answers it. With ``expect`` the patch carries
+        ``metadata.resourceVersion``, which the API server holds as a precondition: a node changed since it was
+        read answers 409 Conflict, raised as ``ClusterConflict``."""
+        metadata: Obj = {}
+        if labels:
+            metadata["labels"] = dict(labels)
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        if expect:
+            metadata["resourceVersion"] = expect
+        patch: Obj = {"metadata": metadata}
+        if schedulable is not None:
+            patch["spec"] = {"unschedulable": None if schedulable else True}
+        try:
+            return _node_info(await self._patch_node(node, patch))
+        except KubeApiError as exc:
+            if exc.code == 409:
+                raise ClusterConflict(f"node {node!r} changed since it was read (resourceVersion {expect})") from exc
+            raise
+
+    async def _patch_node(self, node: str, patch: Obj) -> Obj:
+        return await _read(self._core.patch_node_without_preload_content(node, patch, _content_type=MERGE_PATCH))
 
     # -- pods ---------------------------------------------------------------------------------------------------
     async def pods(self, node: str | None = None, namespace: str | None = None) -> list[PodInfo]:
@@ -574,6 +606,7 @@ def _node_info(node: Obj) -> NodeInfo:
         schedulable=not spec.get("unschedulable", False),
         ready=ready,
         gpus=_count(gpus),
+        revision=str(meta.get("resourceVersion", "")),
     )
 
 

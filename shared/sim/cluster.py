@@ -129,6 +129,11 @@ class SimCluster:
             if (node is None or p.node == node) and (namespace is None or p.namespace == namespace)
         ]
 
+    async def gpu_holders(self, node: str) -> dict[int, list[str]]:
+        """GPU index on ``node`` -> the pods holding it (``namespace/name``): the simulation's stand-in for the
+        kubelet's PodResources API. (Simulation only: the cluster port does not know which GPU a pod holds.)"""
+        return (await self._read()).gpu_holders(node)
+
     async def deployments(self, namespace: str | None = None) -> list[DeploymentInfo]:
         state = await self._read()
         return [
@@ -155,6 +160,23 @@ class SimCluster:
 
     async def set_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
         await self._mutate(lambda state, now: (None, state.set_annotations(node, annotations)))
+
+    async def update_node(
+        self,
+        node: str,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        schedulable: bool | None = None,
+        expect: str = "",
+    ) -> NodeInfo:
+        """One transaction; with ``expect``, a compare-and-set on the node's revision (``ClusterConflict``)."""
+
+        def update(state: ClusterState, now: float) -> tuple[SimNode, list[ClusterChange]]:
+            changes = state.update_node(node, labels or {}, annotations or {}, schedulable, expect)
+            return state.node(node), changes  # stamped with the write's revision before it is stored
+
+        return _node_info(await self._mutate(update))
 
     async def evict(self, namespace: str, pod: str) -> EvictionOutcome:
         """EVICTED: the pod is Terminating and its replacement is on its way; BLOCKED_BY_PDB: try again later."""
@@ -243,6 +265,7 @@ class SimCluster:
                         if state is None or not changes:
                             return result
                         state.revision += 1
+                        state.stamp(changes)
                         pipe.multi()
                         if current is None:
                             pipe.delete(self._changes_key)
@@ -331,6 +354,7 @@ def _node_info(node: SimNode) -> NodeInfo:
         schedulable=node.schedulable,
         ready=node.ready,
         gpus=node.gpus,
+        revision=str(node.revision),
     )
 
 

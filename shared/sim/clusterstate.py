@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from shared.ports.cluster import ClusterChange, ClusterError, EvictionOutcome, PodPhase
+from shared.ports.cluster import ClusterChange, ClusterConflict, ClusterError, EvictionOutcome, PodPhase
 from shared.sim.spec import SimSpec
 
 ChangeType = Literal["ADDED", "MODIFIED", "DELETED"]
@@ -29,12 +29,15 @@ def object_key(namespace: str, name: str) -> str:
 
 
 class SimNode(msgspec.Struct, kw_only=True):
+    """A node. ``revision`` is the cluster revision of the write that last changed it (its resourceVersion)."""
+
     name: str
     gpus: int
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     annotations: dict[str, str] = msgspec.field(default_factory=dict)
     schedulable: bool = True
     ready: bool = True
+    revision: int = 0
 
 
 class SimDeployment(msgspec.Struct, kw_only=True):
@@ -53,7 +56,8 @@ class SimDeployment(msgspec.Struct, kw_only=True):
 
 class SimPod(msgspec.Struct, kw_only=True):
     """A pod of a deployment. ``node`` is empty exactly while the pod is Pending; a Terminating pod keeps its node
-    and its GPUs until it is gone, as a real one does while its preStop hook runs."""
+    and its GPUs until it is gone, as a real one does while its preStop hook runs. ``gpu_indices`` are the node's
+    GPUs the pod holds (what the kubelet's device manager would have given it), set when it is bound."""
 
     name: str
     namespace: str
@@ -65,6 +69,7 @@ class SimPod(msgspec.Struct, kw_only=True):
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     terminating_since: float | None = None
     prestop_done: bool = False
+    gpu_indices: list[int] = msgspec.field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -118,6 +123,15 @@ class ClusterState(msgspec.Struct, kw_only=True):
     def free_gpus(self, node: str) -> int:
         return self.nodes[node].gpus - self.allocated_gpus(node)
 
+    def gpu_holders(self, node: str) -> dict[int, list[str]]:
+        """GPU index -> the pods (``namespace/name``, by name) holding it on ``node``: Running or Terminating."""
+        holders: dict[int, list[str]] = {}
+        for pod in sorted(self.pods.values(), key=lambda p: p.key):
+            if pod.node == node:
+                for index in pod.gpu_indices:
+                    holders.setdefault(index, []).append(pod.key)
+        return holders
+
     def available(self, deployment: SimDeployment) -> int:
         """Pods of the deployment that serve: Running, which in this simulation is also ready."""
         return sum(1 for p in self.pods_of(deployment) if p.phase == "Running")
@@ -151,6 +165,33 @@ class ClusterState(msgspec.Struct, kw_only=True):
 
     def set_annotations(self, node: str, annotations: Mapping[str, str | None]) -> list[ClusterChange]:
         return _merge(self.node(node).annotations, annotations, node)
+
+    def update_node(
+        self,
+        node: str,
+        labels: Mapping[str, str | None],
+        annotations: Mapping[str, str | None],
+        schedulable: bool | None,
+        expect: str,
+    ) -> list[ClusterChange]:
+        """Labels, annotations and schedulability at once, only while the node's revision is ``expect`` (when
+        given): else ``ClusterConflict`` and nothing changes. One change when anything differs."""
+        target = self.node(node)
+        if expect and str(target.revision) != expect:
+            raise ClusterConflict(
+                f"node {node!r} is at revision {target.revision}, not {expect}: it changed since it was read"
+            )
+        changes = _merge(target.labels, labels, node) + _merge(target.annotations, annotations, node)
+        if schedulable is not None:
+            changes += self._set_schedulable(node, schedulable)
+        return changes[:1]
+
+    def stamp(self, changes: list[ClusterChange]) -> None:
+        """Give each node a change names the state's ``revision``, as the API server gives an object the
+        resourceVersion of the write that changed it."""
+        for change in changes:
+            if change.kind == "node" and change.name in self.nodes:
+                self.nodes[change.name].revision = self.revision
 
     # -- deployments --------------------------------------------------------------------------------------------
     def scale(self, namespace: str, deployment: str, replicas: int) -> list[ClusterChange]:
@@ -201,8 +242,8 @@ class ClusterState(msgspec.Struct, kw_only=True):
         A Terminating pod is gone once its preStop is done, or when its grace period has run out (SIGKILL).
         Missing pods are created; surplus ones go unbound first, then newest first (bound ones terminate
         gracefully). Pending pods, oldest first, go to the ready, schedulable node with the most free GPUs that
-        has enough, ties broken by name, and run at once. Idempotent: a second call with the same ``now`` finds
-        nothing to do.
+        has enough, ties broken by name, and run at once, holding that node's lowest-numbered free GPUs.
+        Idempotent: a second call with the same ``now`` finds nothing to do.
         """
         changes = self._remove_finished(now)
         for deployment in sorted(self.deployments.values(), key=lambda d: d.key):
@@ -259,6 +300,8 @@ class ClusterState(msgspec.Struct, kw_only=True):
                 continue
             node = min(fitting, key=lambda name: (-free[name], name))
             free[node] -= pod.gpus
+            held = {i for p in self.pods.values() if p.node == node for i in p.gpu_indices}
+            pod.gpu_indices = [i for i in range(self.nodes[node].gpus) if i not in held][: pod.gpus]
             pod.node = node
             pod.phase = "Running"
             changes.append(_pod_change("MODIFIED", pod))
