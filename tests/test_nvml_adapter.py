@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort
-from shared.ports.nvml import INSTALL_COMMAND_ENV, NvmlGpus, cuda_version_text, normalise_bus_id
+from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort, MigProfile
+from shared.ports.nvml import INSTALL_COMMAND_ENV, NvmlGpus, cuda_version_text, mig_profile_name, normalise_bus_id
 
 GIB = 1024**3
 
@@ -159,6 +159,9 @@ class FakeNvml:
     def nvmlDeviceGetMaxMigDeviceCount(self, h: FakeGpu) -> int:
         return 0
 
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, h: FakeGpu, profile: int) -> Any:
+        raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+
     def nvmlSystemGetDriverVersion(self) -> str:
         return self.driver
 
@@ -258,7 +261,8 @@ async def test_numa_missing_and_mig_mode() -> None:
     assert (await port.devices())[0].mig_enabled
     with pytest.raises(GpuError, match="GPU-bbbb"):
         await port.set_mig_mode("GPU-bbbb", True)
-    with pytest.raises(GpuError, match="not supported by this adapter yet"):
+    assert await port.mig_profiles("GPU-bbbb") == []
+    with pytest.raises(GpuError, match=r"MIG profile '1g\.10gb' is not offered by GPU GPU-aaaa \(offered: none\)"):
         await port.create_mig_instance("GPU-aaaa", "1g.10gb")
     await port.close()
 
@@ -370,3 +374,227 @@ async def test_validate_driver(gpus: NvmlGpus, fake: FakeNvml) -> None:
     down = await gpus.validate_driver("550.54.15")
     assert not down.ok and "NVML does not start" in down.reason
     assert fake.inits == 1  # every re-init was balanced by a shutdown
+
+
+# -- MIG ------------------------------------------------------------------------------------------------------------
+@dataclass
+class GiProfileInfo:
+    id: int
+    sliceCount: int
+    instanceCount: int
+    memorySizeMB: int
+    name: bytes = b""
+
+
+@dataclass
+class FakeGi:
+    gpu: FakeGpu
+    id: int
+    profile: int
+    cis: dict[int, FakeCi]
+
+
+@dataclass
+class FakeCi:
+    gi: FakeGi
+    id: int
+
+
+@dataclass
+class FakeMig:
+    uuid: str
+    name: str
+    gi: FakeGi
+    ci: FakeCi
+    memory_mb: int
+    lost: bool = False
+
+
+# An H100 80GB's GPU instance profiles: NVML profile id -> (name, slices, instances, memory in MB).
+H100_PROFILES: dict[int, tuple[str, int, int, int]] = {
+    0: ("1g.10gb", 1, 7, 9856),
+    1: ("2g.20gb", 2, 3, 20096),
+    2: ("3g.40gb", 3, 2, 40192),
+    3: ("4g.40gb", 4, 1, 40192),
+    4: ("7g.80gb", 7, 1, 80384),
+    7: ("1g.10gb+me", 1, 1, 9856),
+    9: ("1g.20gb", 1, 4, 19968),
+}
+
+
+class MigNvml(FakeNvml):
+    """GPU-aaaa is MIG-capable (MIG off at first) with an H100's profiles; GPU instances hold compute instances,
+    each compute instance is one MIG device, as in NVML. ``named``: the driver gives profile names (v2 info)."""
+
+    NVML_GPU_INSTANCE_PROFILE_COUNT = 0x12
+    NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1 = 0x7
+    NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE = 0x0
+    NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE = 0x1
+    NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE = 0x2
+    NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE = 0x3
+    NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE = 0x4
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0x0
+    NVML_ERROR_IN_USE = 19
+    NVML_ERROR_INSUFFICIENT_RESOURCES = 23
+
+    def __init__(self, named: bool = True) -> None:
+        super().__init__()
+        self.named = named
+        self.mig_modes["GPU-aaaa"] = 0
+        self.gis: dict[int, FakeGi] = {}
+        self.next_gi = 1
+        self.activation = 0
+        self.fail_compute_instance = False
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, h: FakeGpu, profile: int) -> GiProfileInfo:
+        self._gpu(h)
+        if h.uuid not in self.mig_modes or profile not in H100_PROFILES:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        name, slices, count, memory = H100_PROFILES[profile]
+        return GiProfileInfo(profile, slices, count, memory, f"MIG {name}".encode() if self.named else b"")
+
+    def nvmlDeviceSetMigMode(self, h: FakeGpu, mode: int) -> int:
+        if self.activation:  # the change waits for a GPU reset
+            return self.activation
+        return super().nvmlDeviceSetMigMode(h, mode)
+
+    def nvmlDeviceCreateGpuInstance(self, h: FakeGpu, profile: int) -> FakeGi:
+        if self.mig_modes.get(h.uuid) != self.NVML_DEVICE_MIG_ENABLE:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        _name, slices, count, _memory = H100_PROFILES[profile]
+        used = sum(H100_PROFILES[gi.profile][1] for gi in self.gis.values())
+        same = sum(1 for gi in self.gis.values() if gi.profile == profile)
+        if used + slices > 7 or same >= count:
+            raise NVMLError(self.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        gi = FakeGi(gpu=h, id=self.next_gi, profile=profile, cis={})
+        self.gis[gi.id] = gi
+        self.next_gi += 1
+        return gi
+
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, gi: FakeGi, profile: int, engine: int) -> Any:
+        slices = H100_PROFILES[gi.profile][1]
+        assert profile == {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4}[slices]  # the compute instance fills the GPU one
+        assert engine == self.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+        return GiProfileInfo(profile, slices, 1, 0)
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gi: FakeGi, profile_id: int) -> FakeCi:
+        if self.fail_compute_instance:
+            raise NVMLError(self.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        ci = FakeCi(gi=gi, id=len(gi.cis))
+        gi.cis[ci.id] = ci
+        return ci
+
+    def nvmlGpuInstanceGetInfo(self, gi: FakeGi) -> Any:
+        return GiProfileInfo(gi.id, 0, 0, 0)
+
+    def _migs(self) -> list[FakeMig]:
+        return [
+            FakeMig(
+                uuid=f"MIG-{gi.id}-{ci.id}",
+                name=f"{gi.gpu.name} MIG {H100_PROFILES[gi.profile][0]}",
+                gi=gi,
+                ci=ci,
+                memory_mb=H100_PROFILES[gi.profile][3],
+            )
+            for gi in sorted(self.gis.values(), key=lambda g: g.id)
+            for ci in gi.cis.values()
+        ]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: FakeGpu) -> int:
+        return 7 if h.uuid == "GPU-aaaa" else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: FakeGpu, index: int) -> FakeMig:
+        migs = self._migs()
+        if index >= len(migs):
+            raise NVMLError(self.NVML_ERROR_NOT_FOUND)
+        return migs[index]
+
+    def nvmlDeviceGetMemoryInfo(self, h: Any) -> Memory:
+        if isinstance(h, FakeMig):
+            return Memory(total=h.memory_mb * 1024 * 1024, used=0, free=h.memory_mb * 1024 * 1024)
+        return super().nvmlDeviceGetMemoryInfo(h)
+
+    def nvmlDeviceGetGpuInstanceId(self, mig: FakeMig) -> int:
+        return mig.gi.id
+
+    def nvmlDeviceGetComputeInstanceId(self, mig: FakeMig) -> int:
+        return mig.ci.id
+
+    def nvmlDeviceGetGpuInstanceById(self, h: FakeGpu, gi_id: int) -> FakeGi:
+        if gi_id not in self.gis:
+            raise NVMLError(self.NVML_ERROR_NOT_FOUND)
+        return self.gis[gi_id]
+
+    def nvmlGpuInstanceGetComputeInstanceById(self, gi: FakeGi, ci_id: int) -> FakeCi:
+        return gi.cis[ci_id]
+
+    def nvmlComputeInstanceDestroy(self, ci: FakeCi) -> None:
+        del ci.gi.cis[ci.id]
+
+    def nvmlGpuInstanceDestroy(self, gi: FakeGi) -> None:
+        if gi.cis:
+            raise NVMLError(self.NVML_ERROR_IN_USE)
+        del self.gis[gi.id]
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["driver-names", "derived-names"])
+async def test_mig_profiles_are_read_from_nvml(named: bool) -> None:
+    port = NvmlGpus(MigNvml(named=named))
+    profiles = await port.mig_profiles("GPU-aaaa")
+    assert [p.name for p in profiles] == [
+        "1g.10gb",
+        "2g.20gb",
+        "3g.40gb",
+        "4g.40gb",
+        "7g.80gb",
+        "1g.10gb+me",
+        "1g.20gb",
+    ]
+    assert profiles[2] == MigProfile(name="3g.40gb", slices=3, max_count=2, memory_mib=40192)
+    assert await port.mig_profiles("GPU-bbbb") == []
+    await port.close()
+
+
+def test_profile_names_follow_nvidia_s_rounding() -> None:
+    assert mig_profile_name(1, 9856, 81559) == "1g.10gb"
+    assert mig_profile_name(7, 80384, 81559) == "7g.80gb"
+    assert mig_profile_name(1, 4864, 40536) == "1g.5gb"  # A100 40GB
+    assert mig_profile_name(2, 11968, 24258) == "2g.12gb"  # A30
+    assert mig_profile_name(1, 9856, 81559, "+me") == "1g.10gb+me"
+
+
+async def test_mig_instances_are_made_and_destroyed_through_nvml() -> None:
+    fake = MigNvml()
+    port = NvmlGpus(fake)
+    await port.set_mig_mode("GPU-aaaa", True)
+    a = await port.create_mig_instance("GPU-aaaa", "3g.40gb")
+    b = await port.create_mig_instance("GPU-aaaa", "3g.40gb")
+    c = await port.create_mig_instance("GPU-aaaa", "1g.10gb")
+    assert (a.profile, a.memory_mib, c.profile) == ("3g.40gb", 40192, "1g.10gb")
+    assert (await port.devices())[0].mig_instances == [a, b, c]
+    with pytest.raises(GpuError, match="nvmlDeviceCreateGpuInstance on GPU GPU-aaaa failed"):
+        await port.create_mig_instance("GPU-aaaa", "1g.10gb")  # 7 of 7 slices in use
+    with pytest.raises(GpuError, match=r"'5g\.50gb' is not offered by GPU GPU-aaaa \(offered: 1g\.10gb, 2g\.20gb"):
+        await port.create_mig_instance("GPU-aaaa", "5g.50gb")
+
+    await port.destroy_mig_instance("GPU-aaaa", b.uuid)
+    assert (await port.devices())[0].mig_instances == [a, c] and len(fake.gis) == 2
+    with pytest.raises(GpuError, match=f"no MIG instance 'MIG-9-0' \\(instances: {a.uuid}, {c.uuid}\\)"):
+        await port.destroy_mig_instance("GPU-aaaa", "MIG-9-0")
+
+    # A compute instance that cannot be made leaves no GPU instance behind holding slices.
+    fake.fail_compute_instance = True
+    with pytest.raises(GpuError, match="nvmlGpuInstanceCreateComputeInstance"):
+        await port.create_mig_instance("GPU-aaaa", "3g.40gb")
+    assert len(fake.gis) == 2
+    await port.close()
+
+
+async def test_a_mig_mode_change_that_waits_for_a_reset_is_an_error() -> None:
+    fake = MigNvml()
+    fake.activation = fake.NVML_ERROR_IN_USE
+    port = NvmlGpus(fake)
+    with pytest.raises(GpuError, match=r"MIG mode of GPU GPU-aaaa is still disabled .*needs the GPU idle and reset"):
+        await port.set_mig_mode("GPU-aaaa", True)
+    assert not (await port.devices())[0].mig_enabled
+    await port.close()

@@ -7,6 +7,9 @@ request resumes it), find the node's sessions in the registry, command each pod'
 holds with a deadline shorter than the pods' grace period (bounded parallelism), verify each committed manifest
 in the store, record it, and only then publish ``drain.completed`` (all committed) or ``drain.failed`` (which
 sessions, why). A drain that already has a verdict is not run again.
+
+A GPU that fails (``device.health.changed``, unhealthy, naming the pods that hold it) has those pods' agents save
+everything they hold at once, before the pods are restarted or moved.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections import defaultdict
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from shared.contract.base import is_token
 from shared.contract.checkpoint import (
     AgentSessions,
     CheckpointFailed,
@@ -32,6 +36,7 @@ from shared.contract.checkpoint import (
 )
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter
+from shared.contract.device import DeviceHealthChanged
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, SessionFailure
 from shared.kv.store import CheckpointStore, StoreError
 from shared.plumbing.bus import ConsumerSpec
@@ -44,6 +49,9 @@ from .registry import SessionRegistry
 from .retention import CheckpointRecord, RetentionPolicy, expired, unreferenced_packs
 
 log = logging.getLogger(__name__)
+
+GPU_FAILURE_SAVE_S = 20.0
+"""The deadline a pod on a failing GPU gets for its save."""
 
 
 class CheckpointService:
@@ -92,6 +100,18 @@ class CheckpointService:
             ),
             self.on_drain_requested,
         )
+        await ctx.consume(
+            ConsumerSpec(
+                durable=s.durable("checkpoint", "gpu-failures"),
+                filter_subjects=(s.pattern("device.health.changed"),),
+                accepts=(DeviceHealthChanged,),
+                stream=s.events_stream,
+                ack_wait=GPU_FAILURE_SAVE_S * 3,
+                concurrency=4,
+                max_deliver=3,
+            ),
+            self.on_gpu_health,
+        )
         await ctx.bus.subscribe(
             s.pattern("checkpoint.agent.sessions"), self.on_announcement, (AgentSessions,), queue="checkpoint"
         )
@@ -115,6 +135,39 @@ class CheckpointService:
     async def on_announcement(self, event: AgentSessions) -> None:
         """Idempotent: the announcement replaces what the pod held before."""
         await self.registry.apply_announcement(event)
+
+    # -- failing GPUs -----------------------------------------------------------------------------------------------
+    async def on_gpu_health(self, event: DeviceHealthChanged) -> None:
+        """Each pod on a GPU that failed saves all it holds; its agent records what it committed (as after a
+        periodic save). Idempotent: saving unchanged sessions again writes no new bytes. A pod whose agent does
+        not answer is logged; its sessions' last checkpoints stand."""
+        if event.healthy or not event.pods:
+            return
+        limit = asyncio.Semaphore(self.policy().drain_parallelism)
+
+        async def save(pod: str) -> None:
+            name = pod.rpartition("/")[2]
+            if not is_token(name):
+                log.warning("pod on a failing GPU has a name no agent answers to", extra={"pod": pod})
+                return
+            command = SaveSessions(pod=name, deadline_s=GPU_FAILURE_SAVE_S, reason="gpu-unhealthy")
+            async with limit:
+                try:
+                    reply = await self.ctx.bus.request(
+                        self.ctx.subjects.for_event(command), command, timeout=GPU_FAILURE_SAVE_S + 5
+                    )
+                except TimeoutError as exc:
+                    log.warning("pod on a failing GPU did not save", extra={"pod": pod, "error": str(exc)})
+                    return
+            if isinstance(reply, SaveSessionsReport):
+                log.info(
+                    "pod on a failing GPU saved",
+                    extra={"pod": pod, "gpu": event.gpu_uuid, "committed": len(reply.committed)},
+                )
+            else:
+                log.warning("pod on a failing GPU refused the save", extra={"pod": pod, "reply": reply.kind})
+
+        await asyncio.gather(*(save(pod) for pod in sorted(set(event.pods))))
 
     # -- drains -----------------------------------------------------------------------------------------------------
     async def on_drain_requested(self, event: DrainRequested) -> None:

@@ -1,8 +1,17 @@
 """`python -m services.device`: run the device service until SIGTERM."""
 
+import sys
+
+from shared.plumbing.errors import SettingsError
 from shared.plumbing.runner import run
 
+from .config import load
 from .handlers import DeviceService
 
 if __name__ == "__main__":
-    raise SystemExit(run(DeviceService()))
+    try:
+        settings = load()
+    except SettingsError as exc:
+        print(f"device: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(run(DeviceService(settings)))

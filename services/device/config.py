@@ -110,6 +110,10 @@ def parse_plugin_config(raw: str | bytes, source: str = "device plugin config") 
 
 
 PluginMode = Literal["auto", "on", "off"]
+APPLICATION_XIDS_ENV = "GPUWARDEN_DEVICE_APPLICATION_XIDS"
+DEFAULT_APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+"""XIDs that are the running program's fault, not the GPU's (NVIDIA's device plugin ignores the same six)."""
+POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,11 @@ class DeviceSettings:
     plugin_config: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     kubelet_poll_s: float = 1.0
     cdi_dir: Path = Path("/var/run/cdi")
+    application_xids: frozenset[int] = DEFAULT_APPLICATION_XIDS  # XIDs the health rules ignore
+    pod_resources_socket: Path = POD_RESOURCES_SOCKET  # the kubelet's PodResources API: which pod holds which GPU
+    mig_step_timeout_s: float = 120.0  # one MIG change (mode, create, destroy) running longer fails the layout
+    mig_reconcile_s: float = 60.0  # the MIG controller compares layout and GPUs at least this often
+    mig_retry_s: float = 300.0  # a failed MIG layout is tried again after this, or when its document or label changes
 
     @property
     def plugin_enabled(self) -> bool:
@@ -153,6 +162,23 @@ def _plugin_config(env: Mapping[str, str]) -> DevicePluginConfig:
     return parse_plugin_config(raw, f"{name}={path}")
 
 
+def parse_xids(raw: str, name: str = APPLICATION_XIDS_ENV) -> frozenset[int]:
+    """``13,31,43``: comma-separated XID numbers; ``none`` for an empty list (every XID is critical)."""
+    text = raw.strip()
+    if text.lower() == "none":
+        return frozenset()
+    xids: set[int] = set()
+    for part in text.split(","):
+        item = part.strip()
+        if not (item.isascii() and item.isdigit()) or int(item) == 0:
+            raise SettingsError(
+                f"{name}={raw!r}: {item!r} is not an XID; expected positive integers separated by commas "
+                "(e.g. 13,31,43,45,68,109), or none"
+            )
+        xids.add(int(item))
+    return frozenset(xids)
+
+
 def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
     env = os.environ if env is None else env
     plugin_dir = env.get("GPUWARDEN_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins/")
@@ -167,6 +193,15 @@ def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
         plugin_config=_plugin_config(env),
         kubelet_poll_s=env_seconds(env, "GPUWARDEN_KUBELET_POLL_S", 1.0),
         cdi_dir=Path(env.get("GPUWARDEN_CDI_DIR", "") or "/var/run/cdi"),
+        application_xids=(
+            parse_xids(env[APPLICATION_XIDS_ENV])
+            if env.get(APPLICATION_XIDS_ENV, "").strip()
+            else DEFAULT_APPLICATION_XIDS
+        ),
+        pod_resources_socket=Path(env.get("GPUWARDEN_DEVICE_POD_RESOURCES_SOCKET", "") or POD_RESOURCES_SOCKET),
+        mig_step_timeout_s=env_seconds(env, "GPUWARDEN_MIG_STEP_TIMEOUT_S", 120.0),
+        mig_reconcile_s=env_seconds(env, "GPUWARDEN_MIG_RECONCILE_S", 60.0),
+        mig_retry_s=env_seconds(env, "GPUWARDEN_MIG_RETRY_S", 300.0),
     )
     if mode == "on" and not settings.plugin_dir.is_dir():
         raise SettingsError(

@@ -1,10 +1,16 @@
 """What the device service decides: the node's GPU inventory, and which GPUs the health rules take out.
 
 The health rules follow NVIDIA's device plugin: an XID is critical unless it is one of the application XIDs
-(13, 31, 43, 45, 68, 109: the fault of the program running, not of the GPU); a critical XID or a lost GPU makes
-the GPU unhealthy; after a quiet period with no critical XID and a passing probe it is offered again
-(``GPUWARDEN_DEVICE_RECOVERY_S``). Every XID is published as
-``GpuXid``; a GPU getting worse is published as ``DeviceHealthChanged``, and the inventory follows.
+(13, 31, 43, 45, 68, 109 by default, ``GPUWARDEN_DEVICE_APPLICATION_XIDS``: the fault of the program running, not
+of the GPU); a critical XID or a lost GPU makes the GPU unhealthy; after a quiet period with no critical XID and a
+passing probe it is offered again (``GPUWARDEN_DEVICE_RECOVERY_S``). Every XID is published as ``GpuXid``; a GPU
+getting worse is published as ``DeviceHealthChanged`` naming the pods that hold it (so the checkpoint service can
+save their sessions before anything else happens), and the inventory follows.
+
+The node is labelled from each inventory in the style of NVIDIA's GPU feature discovery (``labels``).
+
+The MIG controller (``mig``) gives the GPUs the MIG layout the node's ``nvidia.com/mig.config`` label picks from
+the ``mig`` configuration document, pausing the device plugin while it works.
 
 When the kubelet's device-plugins folder exists (or ``GPUWARDEN_DEVICE_PLUGIN=on``), the kubelet device plugin
 advertises every inventory it is given, health included, before the inventory is published.
@@ -20,20 +26,27 @@ from typing import Literal
 
 import msgspec
 
-from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuXid
+from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuDevice, GpuXid
 from shared.contract.node import NodeCordoned, NodeUncordoned
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.runner import ServiceContext
+from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
-from shared.ports.select import gpu_port, serve_sim_faults
+from shared.ports.select import cluster_port, gpu_port, serve_sim_faults
 
-from .config import DeviceSettings, load
+from .config import DEFAULT_APPLICATION_XIDS, DeviceSettings, load
+from .labels import NodeLabeller, node_labels
+from .mig import CONFIG_DOCUMENT, MigController, start_mig_controller
 from .plugin import KubeletDevicePlugin
+from .podresources import gpu_pods
+from .ports import GpuPods, PodLookupError
 from .resources import ResourceError
 
 log = logging.getLogger(__name__)
 
-APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+APPLICATION_XIDS: frozenset[int] = DEFAULT_APPLICATION_XIDS
+POD_LOOKUP_TIMEOUT_S = 5.0
+"""How long a failing GPU's announcement waits to name its pods; past it, it goes out saying they are unknown."""
 
 GpuHealth = Literal["healthy", "unhealthy", "lost"]
 _SEVERITY: dict[GpuHealth, int] = {"healthy": 0, "unhealthy": 1, "lost": 2}
@@ -79,12 +92,24 @@ def may_recover(health: GpuHealth, last_critical: float, now: float, quiet_s: fl
 
 class DeviceService:
     name = "device"
-    config_names: tuple[str, ...] = ()
+    config_names: tuple[str, ...] = (CONFIG_DOCUMENT,)
 
-    def __init__(self, settings: DeviceSettings | None = None, gpus: GpuPort | None = None) -> None:
+    def __init__(
+        self,
+        settings: DeviceSettings | None = None,
+        gpus: GpuPort | None = None,
+        *,
+        cluster: ClusterPort | None = None,
+        pods: GpuPods | None = None,
+    ) -> None:
         self.settings = settings or load()
         self.gpus = gpus
         self._owns_gpus = gpus is None
+        self.cluster = cluster
+        self._owns_cluster = cluster is None
+        self.pods = pods
+        self._owns_pods = pods is None
+        self.labeller: NodeLabeller | None = None
         self.cordoned = False
         self.ctx: ServiceContext | None = None
         self.health: dict[str, GpuHealth] = {}
@@ -94,6 +119,7 @@ class DeviceService:
         self.inventory: DeviceInventory | None = None
         self._inventory_lock = asyncio.Lock()
         self.plugin: KubeletDevicePlugin | None = None
+        self.mig: MigController | None = None
 
     async def start(self, ctx: ServiceContext) -> None:
         """Reads the GPUs before subscribing to anything: a node whose GPUs cannot be read does not start."""
@@ -102,6 +128,10 @@ class DeviceService:
             self.gpus = gpu_port(ctx.settings, ctx.subjects)
         gpus = self.gpus
         first = await self._read_inventory(gpus, ctx.node)
+        if self.pods is None:
+            self.pods = gpu_pods(ctx.settings, ctx.subjects, self.settings.pod_resources_socket)
+        self.labeller = NodeLabeller(ctx.node, self._cluster_port)
+        ctx.status["node_labels"] = self.labeller.describe
         s = ctx.subjects
         await ctx.consume(
             ConsumerSpec(
@@ -125,8 +155,10 @@ class DeviceService:
         await self._publish_if_changed(first)
         ctx.spawn(self.watch_health, "device-health")
         ctx.spawn(self.watch_inventory, "device-inventory")
+        ctx.spawn(self.keep_labels, "device-labels")
         if self.plugin is not None:
             ctx.spawn(self.plugin.run, "device-plugin")
+        self.mig = start_mig_controller(ctx, self.settings, gpus, self.cluster, self.plugin, self.refresh_inventory)
 
     async def on_cordon(self, event: NodeCordoned | NodeUncordoned) -> None:
         """Idempotent: the latest cordon event sets the state."""
@@ -142,7 +174,7 @@ class DeviceService:
         may be published twice then (at-least-once)."""
         assert self.ctx is not None
         node = self.ctx.node
-        verdict = judge(event, self.health.get(event.uuid, "healthy"))
+        verdict = judge(event, self.health.get(event.uuid, "healthy"), self.settings.application_xids)
         if verdict.critical:
             self.last_critical[event.uuid] = self.clock()
         if event.kind == "xid":
@@ -151,14 +183,19 @@ class DeviceService:
             )
         if not verdict.changed:
             return
-        log.warning("GPU unhealthy", extra={"gpu": event.uuid, "health": verdict.health, "reason": verdict.reason})
+        pods, unknown = await self.pods_on(event.uuid)
+        reason = verdict.reason + (f"; the pods holding it are unknown: {unknown}" if unknown else "")
+        log.warning(
+            "GPU unhealthy", extra={"gpu": event.uuid, "health": verdict.health, "reason": reason, "pods": pods}
+        )
         await self.ctx.publish(
             DeviceHealthChanged(
                 node=node,
                 gpu_uuid=event.uuid,
                 healthy=False,
-                reason=verdict.reason,
+                reason=reason,
                 xid=event.xid if event.kind == "xid" else None,
+                pods=pods,
             )
         )
         self.health[event.uuid] = verdict.health
@@ -169,6 +206,37 @@ class DeviceService:
         except GpuError as exc:
             log.warning("cannot read the GPUs; the inventory loop will publish", extra={"error": str(exc)})
 
+    async def pods_on(self, uuid: str) -> tuple[list[str], str]:
+        """The pods holding the GPU (from the last inventory: a lost GPU no longer answers, and NVML may name it
+        only ``index:<n>``), and why they are unknown when they are."""
+        assert self.pods is not None
+        gpus = self.inventory.gpus if self.inventory is not None else []
+        gpu = next((g for g in gpus if uuid in (g.uuid, f"index:{g.index}")), None)
+        try:
+            found = await asyncio.wait_for(
+                self.pods.pods_using(gpu or GpuDevice(index=-1, uuid=uuid, model="")), POD_LOOKUP_TIMEOUT_S
+            )
+        except PodLookupError as exc:
+            log.warning("cannot tell which pods hold the GPU", extra={"gpu": uuid, "error": str(exc)})
+            return [], str(exc)
+        except TimeoutError:
+            log.warning("cannot tell which pods hold the GPU: no answer in time", extra={"gpu": uuid})
+            return [], f"no answer within {POD_LOOKUP_TIMEOUT_S:g}s"
+        return found, ""
+
+    async def keep_labels(self) -> None:
+        """Runs for the service's lifetime; the cluster port it opened itself is closed when the service stops."""
+        assert self.labeller is not None
+        try:
+            await self.labeller.run()
+        finally:
+            if self._owns_cluster:
+                await asyncio.shield(self.labeller.close())
+
+    async def _cluster_port(self) -> ClusterPort:
+        assert self.ctx is not None
+        return self.cluster or await cluster_port(self.ctx.settings, self.ctx.subjects)
+
     async def watch_health(self) -> None:
         """Runs for the service's lifetime; the port it opened itself is closed when the service stops."""
         assert self.gpus is not None
@@ -178,6 +246,8 @@ class DeviceService:
         except asyncio.CancelledError:
             if self._owns_gpus:
                 await self.gpus.close()
+            if self._owns_pods and self.pods is not None:
+                await self.pods.close()
             raise
 
     async def watch_inventory(self) -> None:
@@ -262,3 +332,5 @@ class DeviceService:
             self.ctx.status["driver_version"] = inventory.driver_version
             await self.ctx.publish(inventory)
             self.inventory = inventory
+            if self.labeller is not None:
+                self.labeller.want(node_labels(inventory, self.settings.plugin_config.mig_strategy))

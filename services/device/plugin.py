@@ -245,8 +245,12 @@ class KubeletDevicePlugin:
             self.cdi_error = str(exc)
 
     async def pause(self) -> None:
-        self.paused = True
-        await self.update(self._gpus)
+        """Every resource lists no devices until ``resume``, whatever the GPUs are (even a layout the MIG strategy
+        cannot describe): the kubelet schedules nothing onto GPUs being reconfigured, and Allocate refuses."""
+        async with self._lock:
+            self.paused = True
+            for state in self.resources.values():
+                state.set(())
 
     async def resume(self) -> None:
         self.paused = False

@@ -1,7 +1,9 @@
-"""Stubs of the kubelet device plugin API (v1beta1), from ``proto/deviceplugin.proto``.
+"""Stubs of the two kubelet gRPC contracts the device service speaks: the device plugin API (v1beta1, from
+``proto/deviceplugin.proto``), which it serves, and the PodResources API (v1, from ``proto/podresources.proto``),
+which it asks which pods hold which GPUs.
 
-``python -m services.device.protogen [--check]`` writes (or checks) ``services/device/gen/``; the generator is
-``shared.contract.protogen``.
+``python -m services.device.protogen [--check]`` writes (or checks) both into ``services/device/gen/``; the
+generator is ``shared.contract.protogen``.
 """
 
 from __future__ import annotations
@@ -11,12 +13,20 @@ from pathlib import Path
 
 from shared.contract.protogen import ProtoStubs
 
-STUBS = ProtoStubs("deviceplugin", Path(__file__).resolve().parent / "gen", "python -m services.device.protogen")
+_GEN = Path(__file__).resolve().parent / "gen"
+_COMMAND = "python -m services.device.protogen"
+DEVICE_PLUGIN = ProtoStubs("deviceplugin", _GEN, _COMMAND)
+POD_RESOURCES = ProtoStubs("podresources", _GEN, _COMMAND)
+STUBS = (DEVICE_PLUGIN, POD_RESOURCES)
 
 
 def drift() -> list[str]:
-    return STUBS.drift()
+    return [name for stubs in STUBS for name in stubs.drift()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    return max(stubs.main(argv) for stubs in STUBS)
 
 
 if __name__ == "__main__":
-    sys.exit(STUBS.main())
+    sys.exit(main())

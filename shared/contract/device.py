@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -64,3 +64,20 @@ class GpuXid(Event, frozen=True, kw_only=True, tag="device.xid"):
     xid: int
     critical: bool = True
     message: str = ""
+
+
+MigConfigState = Literal["pending", "success", "failed"]
+
+
+class MigConfigChanged(Event, frozen=True, kw_only=True, tag="device.mig.config"):
+    """The node's MIG layout ``config`` (the value of its ``nvidia.com/mig.config`` label) is being applied
+    (``pending``), was applied (``success``), or was refused or failed (``failed``, ``reason`` says why; a refused
+    layout changed nothing). ``steps`` are the changes made or attempted, in order."""
+
+    family: ClassVar[str] = "device"
+
+    node: Token
+    config: str
+    state: MigConfigState
+    reason: str = ""
+    steps: list[str] = msgspec.field(default_factory=list)

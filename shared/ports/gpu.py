@@ -51,6 +51,17 @@ class GpuHealthEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class MigProfile:
+    """A MIG profile a GPU offers: ``1g.10gb`` takes 1 of the GPU's compute slices; ``max_count`` instances of it
+    fit on the GPU when nothing else is there. ``memory_mib`` is 0 when the adapter does not know it."""
+
+    name: str
+    slices: int
+    max_count: int
+    memory_mib: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class DriverValidation:
     ok: bool
     version: str
@@ -72,7 +83,13 @@ class GpuPort(Protocol):
         """Health events from now on; the iterator ends only when the adapter closes."""
         ...
 
-    async def set_mig_mode(self, uuid: str, enabled: bool) -> None: ...
+    async def mig_profiles(self, uuid: str) -> list[MigProfile]:
+        """The MIG profiles the GPU offers; empty when it is not MIG-capable (or the driver does not say)."""
+        ...
+
+    async def set_mig_mode(self, uuid: str, enabled: bool) -> None:
+        """Raises ``GpuError`` when the mode did not take effect (a change pending a GPU reset included)."""
+        ...
 
     async def create_mig_instance(self, uuid: str, profile: str) -> MigInstance: ...
 

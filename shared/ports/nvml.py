@@ -28,6 +28,7 @@ from shared.ports.gpu import (
     GpuError,
     GpuHealthEvent,
     GpuUtilisation,
+    MigProfile,
 )
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,21 @@ STDERR_TAIL_CHARS = 2000
 MIB = 1024 * 1024
 _MIG_PROFILE_RE = re.compile(r"MIG\s+(\S+)\s*$")
 _CLOSED = object()
+
+# What NVIDIA's profile names append for the GPU instance profiles that are not the plain one of their size.
+_PROFILE_SUFFIXES: dict[str, str] = {
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1": "+me",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1": "+me",
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX": "+gfx",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX": "+gfx",
+    "NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX": "+gfx",
+    "NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX": "+gfx",
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME": "-me",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME": "-me",
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME": "+me.all",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME": "+me.all",
+}
+_GI_PROFILE_COUNT = 0x12
 
 
 def cuda_version_text(raw: int) -> str:
@@ -62,6 +78,14 @@ def normalise_bus_id(raw: str | bytes) -> str:
 
 def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def mig_profile_name(slices: int, memory_mib: int, total_mib: int, suffix: str = "") -> str:
+    """NVIDIA's name for a GPU instance profile, for drivers that do not give it: the instance's share of the
+    GPU's memory rounded up to eighths, times the GPU's memory in whole GB (``1g.10gb`` on an 80 GB GPU)."""
+    eighths = -(-memory_mib * 8 // max(total_mib, 1))
+    total_gb = -(-total_mib // 1024)
+    return f"{slices}g.{int(eighths * total_gb / 8 + 0.5)}gb{suffix}"
 
 
 class NvmlGpus:
@@ -440,26 +464,144 @@ class NvmlGpus:
         self._publish(GpuHealthEvent(uuid=uuid, kind="xid", xid=xid, message=message))
 
     # -- MIG ------------------------------------------------------------------------------------------------------
+    def _gi_profiles(self, h: Any, uuid: str) -> list[tuple[int, MigProfile]]:
+        """(NVML profile id, profile) of every GPU instance profile the GPU offers; none for a GPU without MIG."""
+        nvml = self._nvml
+        total_mib = int(self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, h, uuid=uuid).total) // MIB
+        suffixes = {getattr(nvml, name): suffix for name, suffix in _PROFILE_SUFFIXES.items() if hasattr(nvml, name)}
+        found: dict[str, tuple[int, MigProfile]] = {}
+        for profile_id in range(int(getattr(nvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", _GI_PROFILE_COUNT))):
+            try:
+                info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(h, profile_id)
+            except Exception as exc:
+                if not self._is_nvml_error(exc):
+                    raise
+                if self._is_lost(exc):
+                    self._report_lost(uuid, f"nvmlDeviceGetGpuInstanceProfileInfo: {exc}")
+                    raise GpuError(f"NVML nvmlDeviceGetGpuInstanceProfileInfo on GPU {uuid} failed: {exc}") from exc
+                continue  # not supported on this GPU (or no MIG at all)
+            if int(info.instanceCount) <= 0:
+                continue
+            slices, memory = int(info.sliceCount), int(info.memorySizeMB)
+            named = _MIG_PROFILE_RE.search("MIG " + _text(getattr(info, "name", b"")).removeprefix("MIG "))
+            name = (
+                named.group(1) if named else mig_profile_name(slices, memory, total_mib, suffixes.get(profile_id, ""))
+            )
+            profile = MigProfile(name=name, slices=slices, max_count=int(info.instanceCount), memory_mib=memory)
+            found.setdefault(name, (profile_id, profile))
+        return list(found.values())
+
+    def _mig_profiles(self, uuid: str) -> list[MigProfile]:
+        self.open_sync()
+        return [p for _id, p in self._gi_profiles(self._handle(uuid), uuid)]
+
+    async def mig_profiles(self, uuid: str) -> list[MigProfile]:
+        return await asyncio.to_thread(self._mig_profiles, uuid)
+
     def _set_mig_mode(self, uuid: str, enabled: bool) -> None:
         nvml = self._nvml_after_open()
         h = self._handle(uuid)
         mode = nvml.NVML_DEVICE_MIG_ENABLE if enabled else nvml.NVML_DEVICE_MIG_DISABLE
-        self._call("nvmlDeviceSetMigMode", nvml.nvmlDeviceSetMigMode, h, mode, uuid=uuid)
+        activation = self._call("nvmlDeviceSetMigMode", nvml.nvmlDeviceSetMigMode, h, mode, uuid=uuid)
         current, pending = self._call("nvmlDeviceGetMigMode", nvml.nvmlDeviceGetMigMode, h, uuid=uuid)
         if current != mode:
-            log.warning(
-                "MIG mode change pending (needs a GPU reset)",
-                extra={"gpu": uuid, "current": current, "pending": pending},
+            status = ""
+            if activation:
+                try:
+                    status = f" (NVML activation status: {nvml.NVMLError(activation)})"
+                except Exception:
+                    status = f" (NVML activation status {activation})"
+            raise GpuError(
+                f"MIG mode of GPU {uuid} is still {'enabled' if current == nvml.NVML_DEVICE_MIG_ENABLE else 'disabled'}"
+                f"{status}; the change is {'pending' if pending == mode else 'not pending'} and needs the GPU idle "
+                "and reset, or the node rebooted"
             )
 
     async def set_mig_mode(self, uuid: str, enabled: bool) -> None:
         await asyncio.to_thread(self._set_mig_mode, uuid, enabled)
 
+    def _mig_handles(self, h: Any, uuid: str) -> list[tuple[Any, str, int]]:
+        """(handle, MIG UUID, GPU instance id) of every MIG device on the GPU."""
+        nvml = self._nvml
+        count = int(self._call("nvmlDeviceGetMaxMigDeviceCount", nvml.nvmlDeviceGetMaxMigDeviceCount, h, uuid=uuid))
+        found: list[tuple[Any, str, int]] = []
+        for i in range(count):
+            try:
+                mh = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+            except Exception as exc:
+                if self._is_nvml_error(exc) and not self._is_lost(exc):
+                    continue  # an empty slot answers NOT_FOUND
+                raise
+            mig_uuid = _text(self._call("nvmlDeviceGetUUID", nvml.nvmlDeviceGetUUID, mh, uuid=uuid))
+            gi_id = int(self._call("nvmlDeviceGetGpuInstanceId", nvml.nvmlDeviceGetGpuInstanceId, mh, uuid=uuid))
+            found.append((mh, mig_uuid, gi_id))
+        return found
+
+    def _create_mig_instance(self, uuid: str, profile: str) -> MigInstance:
+        """One GPU instance of ``profile`` holding one compute instance of its full size: one MIG device."""
+        nvml = self._nvml_after_open()
+        h = self._handle(uuid)
+        offered = {p.name: (profile_id, p) for profile_id, p in self._gi_profiles(h, uuid)}
+        if profile not in offered:
+            names = ", ".join(offered) or "none"
+            raise GpuError(f"MIG profile {profile!r} is not offered by GPU {uuid} (offered: {names})")
+        profile_id, info = offered[profile]
+        ci_profile = getattr(nvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{info.slices}_SLICE", None)
+        if ci_profile is None:
+            raise GpuError(f"MIG profile {profile!r} on GPU {uuid}: NVML has no {info.slices}-slice compute instance")
+        gi = self._call("nvmlDeviceCreateGpuInstance", nvml.nvmlDeviceCreateGpuInstance, h, profile_id, uuid=uuid)
+        try:
+            ci_info = self._call(
+                "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+                nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo,
+                gi,
+                ci_profile,
+                nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                uuid=uuid,
+            )
+            self._call(
+                "nvmlGpuInstanceCreateComputeInstance",
+                nvml.nvmlGpuInstanceCreateComputeInstance,
+                gi,
+                ci_info.id,
+                uuid=uuid,
+            )
+            gi_id = int(self._call("nvmlGpuInstanceGetInfo", nvml.nvmlGpuInstanceGetInfo, gi, uuid=uuid).id)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                nvml.nvmlGpuInstanceDestroy(gi)  # no half-made instance holding slices
+            raise
+        for mh, mig_uuid, owner in self._mig_handles(h, uuid):
+            if owner == gi_id:
+                memory = int(self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, mh, uuid=uuid).total)
+                return MigInstance(uuid=mig_uuid, profile=profile, memory_mib=memory // MIB)
+        raise GpuError(f"GPU {uuid}: GPU instance {gi_id} ({profile}) was created but NVML lists no MIG device for it")
+
     async def create_mig_instance(self, uuid: str, profile: str) -> MigInstance:
-        raise GpuError(f"creating MIG instance {profile!r} on GPU {uuid}: not supported by this adapter yet")
+        return await asyncio.to_thread(self._create_mig_instance, uuid, profile)
+
+    def _destroy_mig_instance(self, uuid: str, instance_uuid: str) -> None:
+        """Destroys the MIG device's compute instance, then its GPU instance unless other MIG devices share it."""
+        nvml = self._nvml_after_open()
+        h = self._handle(uuid)
+        handles = self._mig_handles(h, uuid)
+        found = [(mh, gi_id) for mh, mig_uuid, gi_id in handles if mig_uuid == instance_uuid]
+        if not found:
+            known = ", ".join(mig_uuid for _mh, mig_uuid, _gi in handles) or "none"
+            raise GpuError(f"GPU {uuid} has no MIG instance {instance_uuid!r} (instances: {known})")
+        mh, gi_id = found[0]
+        shared = any(owner == gi_id and mig_uuid != instance_uuid for _mh, mig_uuid, owner in handles)
+        ci_id = int(self._call("nvmlDeviceGetComputeInstanceId", nvml.nvmlDeviceGetComputeInstanceId, mh, uuid=uuid))
+        gi = self._call("nvmlDeviceGetGpuInstanceById", nvml.nvmlDeviceGetGpuInstanceById, h, gi_id, uuid=uuid)
+        ci = self._call(
+            "nvmlGpuInstanceGetComputeInstanceById", nvml.nvmlGpuInstanceGetComputeInstanceById, gi, ci_id, uuid=uuid
+        )
+        self._call("nvmlComputeInstanceDestroy", nvml.nvmlComputeInstanceDestroy, ci, uuid=uuid)
+        if not shared:
+            self._call("nvmlGpuInstanceDestroy", nvml.nvmlGpuInstanceDestroy, gi, uuid=uuid)
 
     async def destroy_mig_instance(self, uuid: str, instance_uuid: str) -> None:
-        raise GpuError(f"destroying MIG instance {instance_uuid} on GPU {uuid}: not supported by this adapter yet")
+        await asyncio.to_thread(self._destroy_mig_instance, uuid, instance_uuid)
 
     # -- driver ---------------------------------------------------------------------------------------------------
     async def install_driver(self, version: str) -> None:

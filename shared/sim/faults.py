@@ -2,17 +2,19 @@
 
 A fault changes the simulated node's state in Redis (see ``shared.sim.gpus``), so the services notice it the way
 they would notice the real thing: an XID or a lost GPU arrives on the GPU port's health stream, a driver install
-fails or hangs inside ``install_driver``, slow copies show in ``copy_slowdown`` and in the copy utilisation.
+fails or hangs inside ``install_driver``, a MIG change fails or hangs inside ``set_mig_mode`` and the MIG instance
+calls, slow copies show in ``copy_slowdown`` and in the copy utilisation.
 
 Requests are JSON, validated strictly (unknown fields are refused), and every refusal names the field::
 
     {"kind": "xid", "node": "node-1", "gpu": 0, "code": 79, "message": "GPU has fallen off the bus"}
     {"kind": "lose_gpu", "node": "node-1", "gpu": "GPU-..."}
     {"kind": "driver_install", "node": "node-1", "mode": "fail", "reason": "DKMS build failed"}
+    {"kind": "mig", "node": "node-1", "mode": "hang"}
     {"kind": "slow_copies", "node": "node-1", "gpu": 1, "factor": 4.0}
 
 ``gpu`` is an index or a UUID. ``driver_install`` modes are ``fail`` and ``hang`` (every install until
-``clear``). ``slow_copies`` with ``factor`` 1.0 makes copies normal again.
+``clear``); ``mig`` the same for every MIG change. ``slow_copies`` with ``factor`` 1.0 makes copies normal again.
 
 Three ways in: ``apply_fault`` (a library call), ``serve_faults`` (core NATS request/reply on
 ``<root>.cmd.sim.fault``, answered with ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``) and
@@ -105,6 +107,14 @@ class DriverInstallFault(_Fault, frozen=True, kw_only=True, tag="driver_install"
     reason: str = ""
 
 
+class MigChangeFault(_Fault, frozen=True, kw_only=True, tag="mig"):
+    """From now on every MIG change on the node (mode, create, destroy) fails or hangs, until ``mode`` is
+    ``clear``."""
+
+    mode: Literal["fail", "hang", "clear"]
+    reason: str = ""
+
+
 class SlowCopiesFault(_Fault, frozen=True, kw_only=True, tag="slow_copies"):
     """Copies off the GPU take ``factor`` times as long (1.0: normal again)."""
 
@@ -112,8 +122,8 @@ class SlowCopiesFault(_Fault, frozen=True, kw_only=True, tag="slow_copies"):
     factor: Slowdown
 
 
-SimFault = XidFault | LoseGpuFault | DriverInstallFault | SlowCopiesFault
-FAULT_KINDS: tuple[str, ...] = ("xid", "lose_gpu", "driver_install", "slow_copies")
+SimFault = XidFault | LoseGpuFault | DriverInstallFault | MigChangeFault | SlowCopiesFault
+FAULT_KINDS: tuple[str, ...] = ("xid", "lose_gpu", "driver_install", "slow_copies", "mig")
 
 _decoder = msgspec.json.Decoder(SimFault)
 
@@ -196,6 +206,14 @@ async def apply_fault(client: aioredis.Redis, subjects: Subjects, fault: SimFaul
 
             await _update(store, node, install)
             done = f"driver installs on {node}: " + (f"{mode} {fault.reason}".strip() if mode else "normal again")
+        case MigChangeFault():
+            mig: Literal["", "fail", "hang"] = "" if fault.mode == "clear" else fault.mode
+
+            def mig_change(s: SimNodeState) -> tuple[SimNodeState, None]:
+                return msgspec.structs.replace(s, mig_fault=mig, mig_fault_reason=fault.reason), None
+
+            await _update(store, node, mig_change)
+            done = f"MIG changes on {node}: " + (f"{mig} {fault.reason}".strip() if mig else "normal again")
         case SlowCopiesFault():
             gpu = _gpu(state, fault.gpu)
 
@@ -282,6 +300,10 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     node_arg(p)
     p.add_argument("--mode", required=True, help="fail, hang or clear")
     p.add_argument("--reason", default="", help="what the failed install says")
+    p = kinds.add_parser("mig", help="make every MIG change (mode, create, destroy) fail or hang, or clear that")
+    node_arg(p)
+    p.add_argument("--mode", required=True, help="fail, hang or clear")
+    p.add_argument("--reason", default="", help="what the failed MIG change says")
     p = kinds.add_parser("slow_copies", help="copies off a GPU take FACTOR times as long (1: normal)")
     node_arg(p)
     gpu_arg(p)

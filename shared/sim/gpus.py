@@ -39,6 +39,7 @@ from shared.ports.gpu import (
     GpuError,
     GpuHealthEvent,
     GpuUtilisation,
+    MigProfile,
 )
 from shared.sim.spec import SimSpec, SpecError
 
@@ -90,10 +91,12 @@ class SimGpu(msgspec.Struct, frozen=True, kw_only=True):
 
 
 InstallFault = Literal["", "fail", "hang"]
+MigFault = Literal["", "fail", "hang"]
 
 
 class SimNodeState(msgspec.Struct, frozen=True, kw_only=True):
-    """A simulated node's GPUs and driver. ``install_fault`` persists until cleared: every install fails or hangs."""
+    """A simulated node's GPUs and driver. ``install_fault`` persists until cleared: every install fails or hangs.
+    ``mig_fault`` likewise for every MIG change (mode, create, destroy)."""
 
     node: str
     driver_version: str
@@ -101,6 +104,8 @@ class SimNodeState(msgspec.Struct, frozen=True, kw_only=True):
     gpus: list[SimGpu]
     install_fault: InstallFault = ""
     install_fault_reason: str = ""
+    mig_fault: MigFault = ""
+    mig_fault_reason: str = ""
 
     def gpu(self, uuid: str) -> SimGpu:
         """The GPU with ``uuid``, lost or not; ``GpuError`` when the node has none."""
@@ -144,6 +149,14 @@ def mig_profile_slices(profile: str) -> tuple[int, int]:
     if not match:
         raise ValueError(f"{profile!r} is not a MIG profile such as '1g.10gb' or '3g.40gb'")
     return int(match["slices"]), int(match["gb"])
+
+
+def mig_profile(profile: str, gpu_memory_mib: int) -> MigProfile:
+    """What a simulated GPU offers for ``profile``: a media-extension profile (``+me``) once per GPU, the others
+    as many times as their compute slices fit in 7."""
+    slices, gb = mig_profile_slices(profile)
+    count = 1 if profile.endswith("+me") else MIG_COMPUTE_SLICES // slices
+    return MigProfile(name=profile, slices=slices, max_count=count, memory_mib=min(gb * 1024, gpu_memory_mib))
 
 
 def check_spec(spec: SimSpec) -> None:
@@ -565,13 +578,37 @@ class SimGpus:
                         self._cursor = cursor
 
     # -- MIG ------------------------------------------------------------------------------------------------------
+    async def mig_profiles(self, uuid: str) -> list[MigProfile]:
+        gpu = (await self.state()).visible(uuid)
+        return [mig_profile(p, gpu.memory_mib) for p in gpu.mig_profiles]
+
+    async def _mig_fault(self, what: str) -> None:
+        """An injected ``fail`` raises ``GpuError`` with the injected reason; an injected ``hang`` waits until the
+        fault is cleared (or changed), so the caller's timeout decides."""
+        hanging = False
+        while True:
+            state = await self.state()
+            if state.mig_fault == "fail":
+                reason = state.mig_fault_reason or "injected MIG failure"
+                raise GpuError(f"{self.node}: {what} failed: {reason} (SIMULATED)")
+            if state.mig_fault != "hang":
+                return
+            if not hanging:
+                hanging = True
+                log.warning("SIMULATED MIG change hangs", extra={"node": self.node, "change": what})
+            raise_if_cancelled()
+            await asyncio.sleep(self._poll_s)
+
     async def set_mig_mode(self, uuid: str, enabled: bool) -> None:
+        await self._mig_fault(f"{'enabling' if enabled else 'disabling'} MIG mode on {uuid}")
         await self._update(lambda s: (with_mig_mode(s, uuid, enabled), None))
 
     async def create_mig_instance(self, uuid: str, profile: str) -> MigInstance:
+        await self._mig_fault(f"creating MIG instance {profile} on {uuid}")
         return await self._update(lambda s: with_mig_instance(s, uuid, profile))
 
     async def destroy_mig_instance(self, uuid: str, instance_uuid: str) -> None:
+        await self._mig_fault(f"destroying MIG instance {instance_uuid} on {uuid}")
         await self._update(lambda s: (without_mig_instance(s, uuid, instance_uuid), None))
 
     # -- driver ---------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from shared.plumbing.bus import Bus, ConsumerSpec
 from shared.plumbing.errors import TemporaryError
 from shared.ports.cluster import PodInfo
 from shared.sim.cluster import SimCluster
+from shared.sim.clusterstate import object_key
 from shared.sim.spec import DeploymentSpec, ModelShape, SimSpec
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,7 @@ class SimWorkload:
         for pod in pods:
             runtime = self.runtimes.get(pod.name)
             if pod.phase == "Running" and runtime is None:
-                await self._start_pod(pod, pods)
+                await self._start_pod(pod)
             elif pod.phase == "Terminating" and runtime is not None and not runtime.stopping:
                 runtime.stopping = True
                 self._tasks.append(asyncio.create_task(self._pre_stop(runtime), name=f"prestop-{pod.name}"))
@@ -200,7 +201,7 @@ class SimWorkload:
                 if self.home.get(sid) == name:
                     self.home.pop(sid, None)
 
-    async def _start_pod(self, pod: PodInfo, pods: list[PodInfo]) -> None:
+    async def _start_pod(self, pod: PodInfo) -> None:
         deployment = self.deployments[(pod.namespace, pod.deployment)]
         agent = KvAgent(
             self.store,
@@ -212,15 +213,17 @@ class SimWorkload:
         )
         endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s)
         await endpoint.start(periodic_s=self.periodic_s)
-        neighbours = sorted(p.name for p in pods if p.node == pod.node and p.phase != "Pending")
         gpu_uuid, memory = "", 0.0
         gpus = self.gpus.get(pod.node)
         if gpus is not None:
             with contextlib.suppress(Exception):
-                devices = await gpus.devices()
-                if devices:
-                    device = devices[neighbours.index(pod.name) % len(devices)]
-                    gpu_uuid, memory = device.uuid, float(device.memory_total_mib)
+                holders = await self.cluster.gpu_holders(pod.node)
+                first = min(
+                    (i for i, names in holders.items() if object_key(pod.namespace, pod.name) in names), default=-1
+                )
+                for device in await gpus.devices():
+                    if device.index == first:
+                        gpu_uuid, memory = device.uuid, float(device.memory_total_mib)
         self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, gpu_uuid, memory)
         log.info("SIMULATED pod serving", extra={"pod": pod.name, "node": pod.node, "simulated": True})
 

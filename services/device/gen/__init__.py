@@ -1,1 +1,2 @@
-"""Stubs generated from ``proto/deviceplugin.proto`` by ``python -m services.device.protogen``; do not edit."""
+"""Stubs generated from ``proto/deviceplugin.proto`` and ``proto/podresources.proto`` by
+``python -m services.device.protogen``; do not edit."""

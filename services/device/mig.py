@@ -1,0 +1,467 @@
+"""The MIG controller: makes the node's MIG layout what its ``nvidia.com/mig.config`` label asks for.
+
+Desired layouts live in the ``mig`` configuration document (NVIDIA mig-parted's ``mig-configs`` shape); a node picks
+one by the value of its label. ``plan`` is the pure core: from the GPUs as they are, the profiles each offers and
+the chosen layout, it gives the changes to make, or refuses with a reason (``LayoutRefused``) when the layout does
+not fit the node: a GPU index out of range, a GPU without MIG, a profile the GPU does not offer, more instances
+or compute slices than the GPU holds. A refused layout changes nothing. A GPU whose instances differ from the
+layout in any way has all of them destroyed and the layout created afresh, largest first (as mig-parted does:
+keeping some instances can leave the free slices too scattered for the rest); a GPU that already matches is left
+alone, and GPUs no entry names are never touched.
+
+``MigController`` is level-triggered: on every wake (the document changed, the node changed, the period passed)
+it compares desired with actual and acts only when they differ. While it changes the GPUs the kubelet device
+plugin advertises no devices at all, so nothing is scheduled onto instances being torn down (NVIDIA's MIG manager
+stops its device plugin for the same reason); afterwards the inventory is read again and the plugin advertises the
+new layout. Every change runs under its own timeout (``GPUWARDEN_MIG_STEP_TIMEOUT_S``): a hung step ends in
+``failed``, never in a node stuck at ``pending``. A failed layout is tried again when the document or the label
+changes, or after ``GPUWARDEN_MIG_RETRY_S``.
+
+The outcome is reported the way NVIDIA's MIG manager reports it, in the node label ``nvidia.com/mig.config.state``
+(``pending`` -> ``success`` | ``failed``), with the reason of a failure in the annotation
+``gpuwarden.io/mig-config-reason``, and as a ``MigConfigChanged`` event for every state reported.
+
+Profiles are checked before anything changes when the GPU port lists them. NVML may list a GPU's profiles only
+once MIG mode is on; for such a GPU NVML's own refusal fails the step instead, with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from shared.contract.base import Event
+from shared.contract.configdocs import MigConfig, MigDeviceGroup
+from shared.contract.device import GpuDevice, MigConfigChanged, MigConfigState
+from shared.plumbing.configsync import VersionedConfig
+from shared.plumbing.runner import ServiceContext
+from shared.ports.cluster import ClusterError, ClusterPort, NodeInfo
+from shared.ports.gpu import GpuError, GpuPort, MigProfile
+from shared.ports.select import cluster_port
+
+from .config import DeviceSettings
+from .plugin import KubeletDevicePlugin
+
+log = logging.getLogger(__name__)
+
+CONFIG_DOCUMENT = "mig"
+CONFIG_LABEL = "nvidia.com/mig.config"
+STATE_LABEL = "nvidia.com/mig.config.state"
+REASON_ANNOTATION = "gpuwarden.io/mig-config-reason"
+MIG_COMPUTE_SLICES = 7
+WATCH_RETRY_S = 1.0
+STOP_REPORT_S = 2.0
+
+
+class LayoutRefused(ValueError):
+    """The layout cannot be applied to this node; the message says why. Nothing has been changed."""
+
+
+class StepFailed(RuntimeError):
+    """A change to the GPUs failed or did not finish in time; the message names the step."""
+
+
+@dataclass(frozen=True, slots=True)
+class MigStep:
+    """One change to one GPU, as the GPU port makes it."""
+
+    action: Literal["enable", "disable", "destroy", "create"]
+    gpu_uuid: str
+    gpu_index: int
+    profile: str = ""
+    instance_uuid: str = ""
+
+    def __str__(self) -> str:
+        if self.action == "destroy":
+            return f"GPU {self.gpu_index}: destroy {self.profile or 'MIG instance'} {self.instance_uuid}"
+        if self.action == "create":
+            return f"GPU {self.gpu_index}: create {self.profile}"
+        return f"GPU {self.gpu_index}: {self.action} MIG mode"
+
+
+# -- the pure core ------------------------------------------------------------------------------------------------
+def layout(doc: MigConfig, name: str) -> list[MigDeviceGroup]:
+    """The entries of the layout ``name``; ``LayoutRefused`` naming the known layouts when there is none."""
+    found = doc.mig_configs.get(name)
+    if found is None:
+        known = ", ".join(sorted(doc.mig_configs)) or "none"
+        raise LayoutRefused(f"no layout {name!r} in the {CONFIG_DOCUMENT!r} configuration document (layouts: {known})")
+    return found
+
+
+def _profile_slices(profile: str) -> int:
+    return int(profile.split("g.", 1)[0])
+
+
+def _select(
+    name: str, groups: Sequence[MigDeviceGroup], gpus: Sequence[GpuDevice]
+) -> dict[int, tuple[int, MigDeviceGroup]]:
+    """GPU index -> the entry that covers it, and its position. A GPU named by two entries, or an index the node
+    lacks, refuses."""
+    indexes = sorted(g.index for g in gpus)
+    chosen: dict[int, tuple[int, MigDeviceGroup]] = {}
+    for k, group in enumerate(groups):
+        covered = indexes if group.devices == "all" else list(group.devices)
+        for index in covered:
+            if index not in indexes:
+                have = ", ".join(map(str, indexes)) or "none"
+                raise LayoutRefused(f"{name}[{k}].devices: GPU index {index} is not on this node (GPUs: {have})")
+            if index in chosen:
+                raise LayoutRefused(
+                    f"{name}[{k}].devices: GPU {index} is already covered by {name}[{chosen[index][0]}]"
+                )
+            chosen[index] = (k, group)
+    return chosen
+
+
+def _check_fit(where: str, gpu: GpuDevice, wanted: Counter[str], offered: Sequence[MigProfile]) -> None:
+    """Refuses a layout that cannot exist on ``gpu``: not MIG-capable, a profile it lacks, too many of one
+    profile, or more compute slices than it has. Without ``offered`` only the slice count is checked."""
+    label = f"GPU {gpu.index} ({gpu.model})"
+    if not gpu.mig_capable:
+        raise LayoutRefused(f"{where}: {label} is not MIG-capable")
+    if not offered:
+        needed = sum(_profile_slices(p) * n for p, n in wanted.items())
+        if needed > MIG_COMPUTE_SLICES:
+            raise LayoutRefused(f"{where}: {label}: the layout needs {needed} compute slices, a GPU has at most 7")
+        return
+    by_name = {p.name: p for p in offered}
+    for profile, count in sorted(wanted.items()):
+        found = by_name.get(profile)
+        if found is None:
+            raise LayoutRefused(
+                f"{where}.mig-devices: {label} has no MIG profile {profile!r} (it offers: {', '.join(by_name)})"
+            )
+        if count > found.max_count:
+            raise LayoutRefused(
+                f"{where}.mig-devices: {label}: {count} x {profile} asked for, at most {found.max_count} fit"
+            )
+    capacity = max(p.slices * p.max_count for p in offered)
+    needed = sum(by_name[p].slices * n for p, n in wanted.items())
+    if needed > capacity:
+        raise LayoutRefused(
+            f"{where}.mig-devices: {label}: the layout needs {needed} compute slices, the GPU has {capacity}"
+        )
+
+
+def _gpu_steps(gpu: GpuDevice, group: MigDeviceGroup, slices: Mapping[str, int]) -> list[MigStep]:
+    def step(action: Literal["enable", "disable", "destroy", "create"], **more: str) -> MigStep:
+        return MigStep(action=action, gpu_uuid=gpu.uuid, gpu_index=gpu.index, **more)
+
+    destroy_all = [step("destroy", profile=i.profile, instance_uuid=i.uuid) for i in gpu.mig_instances]
+    if not group.mig_enabled:
+        return [*destroy_all, step("disable")] if gpu.mig_capable and gpu.mig_enabled else []
+    wanted = Counter({p: n for p, n in group.mig_devices.items() if n > 0})
+    if gpu.mig_enabled and Counter(i.profile for i in gpu.mig_instances) == wanted:
+        return []
+    largest_first = sorted(wanted, key=lambda p: (-slices.get(p, _profile_slices(p)), p))
+    create = [step("create", profile=p) for p in largest_first for _ in range(wanted[p])]
+    return [*destroy_all, *create] if gpu.mig_enabled else [step("enable"), *create]
+
+
+def plan(
+    name: str,
+    groups: Sequence[MigDeviceGroup],
+    gpus: Sequence[GpuDevice],
+    profiles: Mapping[str, Sequence[MigProfile]],
+) -> list[MigStep]:
+    """The changes that give ``gpus`` the layout ``name`` (``groups``), in order; empty when they already have it.
+
+    ``profiles`` maps a GPU's UUID to the profiles it offers (absent or empty: unknown). Every GPU is checked
+    before any step is given: ``LayoutRefused`` says what does not fit, and then nothing is to be done. Pure."""
+    by_index = {g.index: g for g in gpus}
+    selected = sorted(_select(name, groups, gpus).items())
+    for index, (k, group) in selected:
+        gpu = by_index[index]
+        if group.mig_enabled:
+            wanted = Counter({p: n for p, n in group.mig_devices.items() if n > 0})
+            _check_fit(f"{name}[{k}]", gpu, wanted, profiles.get(gpu.uuid, ()))
+    steps: list[MigStep] = []
+    for index, (_k, group) in selected:
+        gpu = by_index[index]
+        slices = {p.name: p.slices for p in profiles.get(gpu.uuid, ())}
+        steps.extend(_gpu_steps(gpu, group, slices))
+    return steps
+
+
+# -- applying it --------------------------------------------------------------------------------------------------
+Hook = Callable[[], Awaitable[None]]
+
+
+class MigController:
+    """Keeps the node's MIG layout as its label and the ``mig`` document say (see the module).
+
+    ``run`` reconciles on every wake and every ``reconcile_s``; ``watch_cluster`` wakes it when the node changes;
+    ``on_config`` when the document does. ``pause``/``resume`` withdraw and restore the device plugin's
+    advertisement around the changes; ``refresh`` reads the inventory again after them."""
+
+    def __init__(
+        self,
+        node: str,
+        gpus: GpuPort,
+        connect: Callable[[], Awaitable[ClusterPort]],
+        layouts: Callable[[], VersionedConfig | None],
+        publish: Callable[[Event], Awaitable[None]],
+        *,
+        step_timeout_s: float,
+        reconcile_s: float,
+        retry_s: float,
+        pause: Hook | None = None,
+        resume: Hook | None = None,
+        refresh: Hook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = node
+        self.gpus = gpus
+        self._connect = connect
+        self.cluster: ClusterPort | None = None
+        self.layouts = layouts
+        self.publish = publish
+        self.step_timeout_s = step_timeout_s
+        self.reconcile_s = reconcile_s
+        self.retry_s = retry_s
+        self._pause = pause
+        self._resume = resume
+        self._refresh = refresh
+        self.clock = clock
+        self.status: dict[str, Any] = {"state": "idle"}
+        self._failed: tuple[tuple[str, int], float, str] | None = None
+        self._wake = asyncio.Event()
+        self._connecting = asyncio.Lock()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def on_config(self, applied: VersionedConfig) -> None:
+        if applied.name == CONFIG_DOCUMENT:
+            self.wake()
+
+    def describe(self) -> dict[str, Any]:
+        """For /healthz: the layout asked for, its state and reason, the steps of the last change."""
+        return dict(self.status)
+
+    async def _cluster(self) -> ClusterPort:
+        """The cluster port, opened on first use (by whichever loop comes first: the other waits for it)."""
+        async with self._connecting:
+            if self.cluster is None:
+                self.cluster = await self._connect()
+            return self.cluster
+
+    # -- the loops ------------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Runs for the service's lifetime. A cluster or GPU that does not answer is logged and tried again at
+        the next wake; the loop itself never stops for it."""
+        while True:
+            self._wake.clear()
+            try:
+                await self.reconcile()
+                self.status.pop("error", None)
+            except (ClusterError, GpuError) as exc:
+                self.status["error"] = f"{type(exc).__name__}: {exc}"
+                log.warning("MIG reconcile failed; trying again", extra={"error": self.status["error"]})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.reconcile_s)
+
+    async def watch_cluster(self) -> None:
+        """Wakes ``run`` whenever this node changes (its labels among others). Runs for the service's lifetime."""
+        while True:
+            try:
+                cluster = await self._cluster()
+                async for change in cluster.watch():
+                    if change.kind == "node" and change.name == self.node:
+                        self.wake()
+            except ClusterError as exc:
+                log.info("node watch ended; watching again", extra={"error": str(exc)})
+                self.wake()
+            await asyncio.sleep(WATCH_RETRY_S)
+
+    async def close(self) -> None:
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            with contextlib.suppress(Exception):
+                await cluster.close()
+
+    # -- one pass -------------------------------------------------------------------------------------------------
+    async def reconcile(self) -> None:
+        """Compare the layout the node's label asks for with the GPUs, and apply it when they differ.
+
+        Idempotent: a node already in its layout is only reported ``success`` if it is not so labelled yet, a
+        refused layout only ``failed`` if it is not yet; every path ends with the state label out of
+        ``pending``. No label, or no document yet (Redis not read so far): nothing is done."""
+        cluster = await self._cluster()
+        info = await cluster.node(self.node)
+        if info is None:
+            raise ClusterError(f"node {self.node!r} is not in the cluster (GPUWARDEN_NODE names this node)")
+        name = info.labels.get(CONFIG_LABEL, "")
+        if not name:
+            self.status = {"state": "idle", "reason": f"the node has no {CONFIG_LABEL} label"}
+            return
+        current = self.layouts()
+        if current is None or not isinstance(current.doc, MigConfig):
+            self.status = {"config": name, "state": "waiting", "reason": f"no {CONFIG_DOCUMENT!r} document yet"}
+            return
+        key = (name, current.version)
+        devices = await self.gpus.devices()
+        profiles = {g.uuid: await self.gpus.mig_profiles(g.uuid) for g in devices if g.mig_capable}
+        try:
+            steps = plan(name, layout(current.doc, name), devices, profiles)
+        except LayoutRefused as exc:
+            await self._report(info, name, "failed", f"refused: {exc}")
+            return
+        if not steps:
+            self._failed = None
+            await self._report(info, name, "success", "")
+            return
+        if self._failed is not None and self._failed[0] == key and self.clock() - self._failed[1] < self.retry_s:
+            await self._report(info, name, "failed", self._failed[2])
+            return
+        await self._apply(info, name, key, steps)
+
+    async def _apply(self, info: NodeInfo, name: str, key: tuple[str, int], steps: list[MigStep]) -> None:
+        planned = [str(s) for s in steps]
+        log.info("applying MIG layout", extra={"config": name, "steps": planned})
+        await self._report(info, name, "pending", "", planned, force=True)
+        outcome: tuple[MigConfigState, str]
+        try:
+            await self._hook(self._pause, "pause the device plugin")
+            await self._run_steps(name, steps)
+            outcome = ("success", "")
+        except (StepFailed, GpuError) as exc:
+            outcome = ("failed", str(exc))
+        except asyncio.CancelledError:
+            reason = "interrupted: the device service stopped while applying the layout"
+            self._failed = (key, self.clock(), reason)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._finish(info, name, ("failed", reason), planned), STOP_REPORT_S)
+            raise
+        if outcome[0] == "failed":
+            self._failed = (key, self.clock(), outcome[1])
+        await self._finish(info, name, outcome, planned)
+
+    async def _finish(self, info: NodeInfo, name: str, outcome: tuple[MigConfigState, str], planned: list[str]) -> None:
+        """After the changes, whatever became of them: the inventory read again, the plugin back, the outcome
+        reported (so no path leaves ``pending`` behind)."""
+        await self._hook(self._refresh, "read the inventory again")
+        await self._hook(self._resume, "resume the device plugin")
+        state, reason = outcome
+        if state == "failed":
+            log.error("MIG layout failed", extra={"config": name, "reason": reason})
+        await self._report(info, name, state, reason, planned, force=True)
+
+    async def _run_steps(self, name: str, steps: Sequence[MigStep]) -> None:
+        for step in steps:
+            try:
+                async with asyncio.timeout(self.step_timeout_s):
+                    await self._step(step)
+            except TimeoutError:
+                raise StepFailed(f"{step}: did not finish within {self.step_timeout_s:g}s") from None
+            except GpuError as exc:
+                raise StepFailed(f"{step}: {exc}") from None
+        current = self.layouts()
+        if current is None or not isinstance(current.doc, MigConfig):
+            return
+        devices = await self.gpus.devices()
+        profiles = {g.uuid: await self.gpus.mig_profiles(g.uuid) for g in devices if g.mig_capable}
+        try:
+            left = plan(name, layout(current.doc, name), devices, profiles)
+        except LayoutRefused:
+            return  # the document changed meanwhile; the next pass deals with the new one
+        if left:
+            raise StepFailed(f"the GPUs do not show the layout after every step; still different: {left[0]}")
+
+    async def _step(self, step: MigStep) -> None:
+        log.info("MIG step", extra={"step": str(step)})
+        match step.action:
+            case "enable" | "disable":
+                await self.gpus.set_mig_mode(step.gpu_uuid, step.action == "enable")
+            case "destroy":
+                await self.gpus.destroy_mig_instance(step.gpu_uuid, step.instance_uuid)
+            case "create":
+                await self.gpus.create_mig_instance(step.gpu_uuid, step.profile)
+
+    async def _hook(self, hook: Hook | None, what: str) -> None:
+        """A hook that fails is logged: the layout and its report matter more than the plugin's pause."""
+        if hook is None:
+            return
+        try:
+            await asyncio.wait_for(hook(), self.step_timeout_s)
+        except Exception as exc:
+            log.warning(f"could not {what}", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+    async def _report(
+        self,
+        info: NodeInfo,
+        name: str,
+        state: MigConfigState,
+        reason: str,
+        steps: Sequence[str] = (),
+        *,
+        force: bool = False,
+    ) -> None:
+        """Label, annotation and event; skipped when the node already shows this state and reason (unless
+        ``force``). The annotation is written before the label, so whoever sees ``failed`` finds its reason."""
+        self.status = {"config": name, "state": state, "reason": reason or None, "steps": list(steps)}
+        shown = (info.labels.get(STATE_LABEL, ""), info.annotations.get(REASON_ANNOTATION, ""))
+        if not force and shown == (state, reason):
+            return
+        cluster = await self._cluster()
+        if shown[1] != reason or force:
+            await cluster.set_node_annotations(self.node, {REASON_ANNOTATION: reason or None})
+        await cluster.set_node_labels(self.node, {STATE_LABEL: state})
+        log.info("MIG config state", extra={"config": name, "state": state, "reason": reason})
+        try:
+            await self.publish(
+                MigConfigChanged(node=self.node, config=name, state=state, reason=reason, steps=list(steps))
+            )
+        except Exception as exc:
+            log.warning("cannot publish the MIG config state", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+
+def start_mig_controller(
+    ctx: ServiceContext,
+    settings: DeviceSettings,
+    gpus: GpuPort,
+    cluster: ClusterPort | None,
+    plugin: KubeletDevicePlugin | None,
+    refresh: Hook,
+) -> MigController:
+    """The device service's MIG controller, started: it reads the ``mig`` document through the service's config
+    watcher, watches its node through ``cluster`` (or a cluster port of its own, which it closes on stop), and
+    pauses ``plugin`` while it works."""
+
+    async def connect() -> ClusterPort:
+        return cluster or await cluster_port(ctx.settings, ctx.subjects, watch_kinds=("node",))
+
+    controller = MigController(
+        ctx.node,
+        gpus,
+        connect,
+        lambda: ctx.config.current(CONFIG_DOCUMENT),
+        ctx.publish,
+        step_timeout_s=settings.mig_step_timeout_s,
+        reconcile_s=settings.mig_reconcile_s,
+        retry_s=settings.mig_retry_s,
+        pause=plugin.pause if plugin is not None else None,
+        resume=plugin.resume if plugin is not None else None,
+        refresh=refresh,
+    )
+
+    async def run() -> None:
+        try:
+            await controller.run()
+        except asyncio.CancelledError:
+            if cluster is None:
+                await asyncio.shield(controller.close())
+            raise
+
+    ctx.config.on_change(controller.on_config)
+    ctx.status["mig"] = controller.describe
+    ctx.spawn(run, "mig-controller")
+    ctx.spawn(controller.watch_cluster, "mig-node-watch")
+    return controller

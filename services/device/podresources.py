@@ -1,0 +1,117 @@
+"""Which pods hold a GPU: the adapters of ``ports.GpuPods``.
+
+On a real node the kubelet knows, because its device manager handed the GPUs out: its PodResources API (v1, gRPC
+on ``/var/lib/kubelet/pod-resources/kubelet.sock``) lists every pod's containers with the device IDs each got. A
+container holds a GPU when one of its IDs is the GPU's UUID, a time-slice of it (``<uuid>::<k>``) or one of its
+MIG instances' UUIDs, whoever advertised the resource. In simulation the simulated cluster records which GPU
+indices each pod was bound to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import grpc
+
+from shared.contract.device import GpuDevice
+from shared.contract.subjects import Subjects
+from shared.plumbing.configsync import redis_client
+from shared.plumbing.settings import Settings
+from shared.ports.cluster import ClusterError
+from shared.sim.cluster import SimCluster
+
+from .gen import podresources_pb2 as pb
+from .gen import podresources_pb2_grpc as pb_grpc
+from .ports import GpuPods, PodLookupError
+from .resources import REPLICA_SEPARATOR
+
+LIST_TIMEOUT_S = 3.0
+MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+"""A node with many pods answers with more than gRPC's default 4 MiB."""
+
+
+def holds(device_id: str, gpu: GpuDevice) -> bool:
+    """Whether a device ID the kubelet gave a container is ``gpu``: its UUID, a time-slice of it, or one of its
+    MIG instances (whole or time-sliced)."""
+    uuid = device_id.split(REPLICA_SEPARATOR, 1)[0]
+    return uuid == gpu.uuid or any(uuid == m.uuid for m in gpu.mig_instances)
+
+
+def pods_holding(pods: Iterable[pb.PodResources], gpu: GpuDevice) -> list[str]:
+    """``namespace/name`` of the pods with a container holding ``gpu``, sorted, each once."""
+    return sorted(
+        {
+            f"{pod.namespace}/{pod.name}"
+            for pod in pods
+            for container in pod.containers
+            for devices in container.devices
+            if any(holds(d, gpu) for d in devices.device_ids)
+        }
+    )
+
+
+class PodResourcesClient:
+    """``GpuPods`` over the kubelet's PodResources API. One connection per question: the question is asked when a
+    GPU fails, rarely, and a kubelet restarted in between is met afresh."""
+
+    simulated = False
+
+    def __init__(self, socket: Path, timeout_s: float = LIST_TIMEOUT_S) -> None:
+        self.socket = socket
+        self.timeout_s = timeout_s
+
+    async def pod_resources(self) -> list[pb.PodResources]:
+        """Every pod's resources as the kubelet reports them. Raises ``PodLookupError``."""
+        if not self.socket.exists():
+            raise PodLookupError(
+                f"no kubelet PodResources socket at {self.socket} (mount the kubelet's pod-resources folder, or set "
+                "GPUWARDEN_DEVICE_POD_RESOURCES_SOCKET)"
+            )
+        options = [("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{self.socket}", options=options) as channel:
+                stub = pb_grpc.PodResourcesListerStub(channel)
+                response = await stub.List(pb.ListPodResourcesRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise PodLookupError(
+                f"kubelet PodResources API at {self.socket}: {exc.code().name}: {exc.details()}"
+            ) from None
+        return list(response.pod_resources)
+
+    async def pods_using(self, gpu: GpuDevice) -> list[str]:
+        return pods_holding(await self.pod_resources(), gpu)
+
+    async def close(self) -> None:
+        return None
+
+
+class SimGpuPods:
+    """``GpuPods`` over the simulated cluster's record of which GPU indices each pod was bound to. SIMULATED."""
+
+    simulated = True
+
+    def __init__(self, cluster: SimCluster, node: str, *, owns_cluster: bool = False) -> None:
+        self.cluster = cluster
+        self.node = node
+        self._owns_cluster = owns_cluster
+
+    async def pods_using(self, gpu: GpuDevice) -> list[str]:
+        try:
+            holders = await self.cluster.gpu_holders(self.node)
+        except ClusterError as exc:
+            raise PodLookupError(f"simulated cluster: {exc}") from None
+        return sorted(set(holders.get(gpu.index, [])))
+
+    async def close(self) -> None:
+        if self._owns_cluster:
+            await self.cluster.close()
+
+
+def gpu_pods(settings: Settings, subjects: Subjects, socket: Path) -> GpuPods:
+    """The kubelet's PodResources API for backend ``real``; the simulated cluster (attached, not created: the
+    simulation makes it) for ``sim``. Opens nothing until asked."""
+    if settings.backend != "sim":
+        return PodResourcesClient(socket)
+    cluster = SimCluster(redis_client(settings.redis), subjects, owns_client=True)
+    return SimGpuPods(cluster, settings.node, owns_cluster=True)
