@@ -383,21 +383,28 @@ def cmd_agent_final_save(args: argparse.Namespace) -> int:
 
 
 def cmd_nats_auth(args: argparse.Namespace) -> int:
-    """Print a nats-server authorization block: one least-privilege user per service, plus an admin."""
-    from shared.contract.permissions import SERVICES as USERS
-    from shared.contract.permissions import nats_auth_config
+    """Print a nats-server authorization block: one least-privilege user per service, the KV agents, an admin."""
+    from shared.contract.permissions import USERS, nats_auth_config
 
     settings = _settings()
     directory = Path(args.password_dir)
     passwords: dict[str, str] = {}
-    for user in (*USERS, "admin"):
+    for user in USERS:
         path = directory / user
         try:
             passwords[user] = path.read_text().strip()
         except OSError as exc:
             raise UsageError(f"{path}: {exc.strerror} (one file per user holding its password)") from None
     try:
-        print(nats_auth_config(Subjects(settings.root), passwords, node=args.node or None))
+        print(
+            nats_auth_config(
+                Subjects(settings.root),
+                passwords,
+                node=args.node or None,
+                pod=args.pod or None,
+                bucket=args.bucket or None,
+            )
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return 0
@@ -467,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = simsub.add_parser("run", help="run the simulation (python -m shared.sim)", add_help=False)
     r.add_argument("sim_args", nargs=argparse.REMAINDER, help="--rate, --sessions, --prompt-tokens, --new-tokens")
     r.set_defaults(func=cmd_sim_run)
-    f = simsub.add_parser("fault", help="inject a fault: xid, lose_gpu, driver_install or slow_copies")
+    f = simsub.add_parser("fault", help="inject a fault: xid, lose_gpu, driver_install, slow_copies or mig")
     add_fault_arguments(f)
     f.set_defaults(func=cmd_sim_fault)
 
@@ -481,6 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("nats-auth", help="print a nats-server authorization block, one user per service")
     p.add_argument("--password-dir", required=True, help="folder with one file per user holding its password")
     p.add_argument("--node", default="", help="scope the node-scoped services to this node")
+    p.add_argument("--pod", default="", help="scope the KV agents' user to this pod (default: any pod)")
+    p.add_argument("--bucket", default="", help="let the KV agents use this Object Store bucket (nats://<bucket>)")
     p.set_defaults(func=cmd_nats_auth)
 
     p = sub.add_parser("schemas", help="write (or --check) the JSON Schema and AsyncAPI files in proto/events")

@@ -16,16 +16,21 @@ import pytest
 import redis.asyncio as aioredis
 from nats.js.api import RawStreamMsg
 
+from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.handlers import CheckpointService
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.driver import DriverUpgradeStateChanged
-from shared.contract.node import DrainCompleted, DrainRequested
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.permissions import (
     ADMIN,
+    AGENT,
+    ANY_NODE,
     NODE_SCOPED,
     PUBLISHES,
     SERVICES,
+    USERS,
     admin_permissions,
+    agent_permissions,
     may_publish,
     nats_auth_config,
     service_permissions,
@@ -33,16 +38,25 @@ from shared.contract.permissions import (
     user_name,
 )
 from shared.contract.subjects import ROUTES, Subjects
+from shared.kv.agent import KvAgent
+from shared.kv.endpoint import AgentEndpoint
+from shared.kv.objstore import NatsObjectStore
 from shared.plumbing.bus import Bus, PublishFailed
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.devservers import NatsServer
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import NatsSettings, RedisSettings, Secret, Settings
 from tests.helpers import eventually
+from tests.test_kv_agent import LAYOUT, block_content
 
 _FIELD_RE = re.compile(r"\{(\w+)\}")
 
 AsUser = Callable[..., NatsSettings]  # (name, password=None) -> the settings to connect as that user
+AGENT_POD = "llama-1"
+
+
+def bucket_of(subjects: Subjects) -> str:
+    return f"ck-{subjects.root}"
 
 
 def concrete(subjects: Subjects, kind: str, **fields: str) -> str:
@@ -120,12 +134,35 @@ def test_node_scoped_services_can_be_held_to_their_node(subjects: Subjects, serv
             assert may_publish(perms, concrete(subjects, kind))
             continue
         assert may_publish(perms, concrete(subjects, kind, node="gpu-1.example.com"))
-        assert not may_publish(perms, concrete(subjects, kind, node="gpu-2"))
+        # the coordinator leads from any driver pod and commands every node's agent
+        assert may_publish(perms, concrete(subjects, kind, node="gpu-2")) == (kind in ANY_NODE), kind
 
 
 def test_node_does_not_narrow_cluster_wide_services(subjects: Subjects) -> None:
     for service in set(SERVICES) - NODE_SCOPED:
         assert service_permissions(subjects, service, node="n1") == service_permissions(subjects, service)
+
+
+def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
+    perms = agent_permissions(subjects, pod="llama-1", bucket="ck")
+    for kind in ("checkpoint.agent.sessions", "checkpoint.save.report", "checkpoint.save.progress"):
+        assert may_publish(perms, concrete(subjects, kind, pod="llama-1"))
+        assert not may_publish(perms, concrete(subjects, kind, pod="llama-2"))
+    for verb in ("locate", "record", "restored"):
+        assert may_publish(perms, subjects.command("checkpoint", verb))
+    assert may_publish(perms, concrete(subjects, "checkpoint.save.command", pod="llama-1"))  # its preStop hook
+    assert not may_publish(perms, concrete(subjects, "checkpoint.save.command", pod="llama-2"))
+    for kind in ROUTES:  # no lifecycle event at all: the checkpoint service records what agents report
+        if kind != "deadletter" and ROUTES[kind].delivery.name == "JETSTREAM":
+            assert not may_publish(perms, concrete(subjects, kind, pod="llama-1")), kind
+    assert may_publish(perms, "$O.ck.C.abc") and not may_publish(perms, "$O.other.C.abc")
+    assert may_publish(perms, "$JS.API.CONSUMER.CREATE.OBJ_ck.reader")
+    assert not may_publish(perms, "$JS.API.STREAM.CREATE.OBJ_ck")
+    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{subjects.events_stream.name}.x")
+    assert perms["subscribe"]["allow"] == [concrete(subjects, "checkpoint.save.command", pod="llama-1"), "_INBOX.>"]
+    anywhere = agent_permissions(subjects)
+    assert may_publish(anywhere, concrete(subjects, "checkpoint.agent.sessions", pod="llama-7"))
+    assert not any(p.startswith("$O.") for p in anywhere["publish"]["allow"])
 
 
 def test_admin_may_publish_everything_under_its_root(subjects: Subjects) -> None:
@@ -137,19 +174,20 @@ def test_admin_may_publish_everything_under_its_root(subjects: Subjects) -> None
 
 
 def test_auth_config_has_a_user_per_service_and_the_admin(subjects: Subjects) -> None:
-    passwords = {name: f"pw-{name}" for name in (*SERVICES, ADMIN)}
+    passwords = {name: f"pw-{name}" for name in USERS}
     text = nats_auth_config(subjects, passwords, node="n1")
     assert text.startswith("authorization {")
     users = json.loads(text[text.index("[") : text.rindex("]") + 1])
-    assert [u["user"] for u in users] == [user_name(subjects, n) for n in (*SERVICES, ADMIN)]
+    assert [u["user"] for u in users] == [user_name(subjects, n) for n in USERS]
     by_user = {u["user"]: u for u in users}
     assert by_user[user_name(subjects, "driver")]["permissions"] == service_permissions(subjects, "driver", "n1")
     assert by_user[user_name(subjects, ADMIN)]["permissions"] == admin_permissions(subjects)
+    assert by_user[user_name(subjects, AGENT)]["permissions"] == agent_permissions(subjects)
     assert by_user[user_name(subjects, "scaler")]["password"] == "pw-scaler"
 
 
 def test_auth_config_errors_name_the_user_never_the_password(subjects: Subjects) -> None:
-    passwords = {name: f"pw-{name}-{secrets.token_hex(4)}" for name in (*SERVICES, ADMIN)}
+    passwords = {name: f"pw-{name}-{secrets.token_hex(4)}" for name in USERS}
     for broken, needle in (
         ({**passwords, "scaler": ""}, "scaler"),
         ({k: v for k, v in passwords.items() if k != ADMIN}, ADMIN),
@@ -178,7 +216,7 @@ def test_secrets_never_show_in_settings_reprs() -> None:
 
 @pytest.fixture
 def passwords() -> dict[str, str]:
-    pw = {name: secrets.token_urlsafe(18) for name in (*SERVICES, ADMIN)}
+    pw = {name: secrets.token_urlsafe(18) for name in USERS}
     # quotes, backslashes, '$', '#', '}' and spaces must survive the server's configuration parser
     pw["checkpoint"] = 'ck "q" \\ $HOME #x } // ' + secrets.token_hex(6)
     return pw
@@ -191,7 +229,7 @@ def secured(tmp_path: Path, subjects: Subjects, passwords: dict[str, str]) -> It
     The store directory is not in the configuration: ``NatsServer`` always passes ``-js -sd <store>``, and
     nats-server refuses a ``store_dir`` given twice ("Duplicate 'store_dir' configuration")."""
     conf = tmp_path / "nats.conf"
-    conf.write_text("jetstream {}\n" + nats_auth_config(subjects, passwords))
+    conf.write_text("jetstream {}\n" + nats_auth_config(subjects, passwords, pod=AGENT_POD, bucket=bucket_of(subjects)))
     conf.chmod(0o600)
     server = NatsServer(config=conf)
     try:
@@ -313,3 +351,75 @@ async def test_a_wrong_password_cannot_connect(
         await Bus.connect(wrong, subjects, "checkpoint", connect_timeout=1.0, on_error=errors.append)
     assert any("authorization violation" in str(e).lower() for e in errors)
     _no_secrets_in(_logged(caplog) + "".join(map(str, errors)), passwords)
+
+
+async def test_a_kv_agent_saves_and_restores_under_its_own_user(
+    admin: Bus,
+    as_user: AsUser,
+    subjects: Subjects,
+    settings: Settings,
+    passwords: dict[str, str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The whole checkpoint path on least privilege: the checkpoint service as its user, the pod's KV agent as
+    the agents' user scoped to that pod, both on an Object Store bucket the admin created; a drain saves every
+    session, and the pod, restarted, restores them. Speaking as another pod is refused."""
+    caplog.set_level(logging.DEBUG)
+    bucket = bucket_of(subjects)
+    await admin.js.create_object_store(bucket)
+    service_bus = await Bus.connect(as_user("checkpoint"), subjects, "checkpoint", connect_timeout=2.0)
+    agent_errors: list[Exception] = []
+    agent_bus = await Bus.connect(
+        as_user(AGENT), subjects, f"agent/{AGENT_POD}", connect_timeout=2.0, on_error=agent_errors.append
+    )
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=NatsObjectStore(service_bus.nc, bucket))
+    running = await start_service(service, replace(settings, nats=as_user("checkpoint")))
+    agent_store = NatsObjectStore(agent_bus.nc, bucket)
+    agent = KvAgent(agent_store, pod=AGENT_POD, node="node-1", namespace="llm", deployment="llama", layout=LAYOUT)
+    blocks = {f"s{i}": [block_content(f"s{i}", b, LAYOUT.block_bytes) for b in range(3)] for i in range(3)}
+    for sid, arrays in blocks.items():
+        agent.register_session(sid)
+        for array in arrays:
+            agent.append_block(sid, array)
+    endpoint = AgentEndpoint(agent, agent_bus, announce_s=30)
+    seen: list[DrainCompleted | DrainFailed] = []
+
+    async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
+        seen.append(event)
+
+    await admin.subscribe(subjects.pattern("node.drain.completed"), on_verdict, (DrainCompleted,))
+    await admin.subscribe(subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,))
+    try:
+        await endpoint.start()
+        await eventually(lambda: _sessions_on(service, "node-1", 3))
+        await admin.publish(DrainRequested(node="node-1", drain_id="d-auth", deadline_s=20))
+        await eventually(lambda: seen, timeout=20)
+        assert isinstance(seen[0], DrainCompleted) and seen[0].sessions_committed == 3, seen[0]
+
+        restarted = KvAgent(
+            agent_store, pod=AGENT_POD, node="node-2", namespace="llm", deployment="llama", layout=LAYOUT
+        )
+        again = AgentEndpoint(restarted, agent_bus, announce_s=30)
+        for sid, arrays in blocks.items():
+            restored = await again.restore(sid)
+            assert [bytes(b) for b in restored.blocks] == [a.tobytes() for a in arrays]
+
+        forged = subjects.pattern("checkpoint.agent.sessions", pod="llama-2")
+        await agent_bus.nc.publish(forged, b"{}")
+        await agent_bus.nc.flush()
+        await eventually(lambda: any(forged.lower() in str(e).lower() for e in agent_errors), timeout=5)
+    finally:
+        await endpoint.stop()
+        await running.stop(grace=1)
+        await agent_store.close()
+        await agent_bus.close(grace=1.0)
+        await service_bus.close(grace=1.0)
+    logged = _logged(caplog)
+    assert "authorization violation" not in logged.lower()
+    violations = [line for line in logged.lower().splitlines() if "permissions violation" in line]
+    assert violations and all(forged.lower() in line for line in violations), violations
+    _no_secrets_in(logged + "".join(map(str, agent_errors)), passwords)
+
+
+async def _sessions_on(service: CheckpointService, node: str, count: int) -> bool:
+    return len(await service.registry.sessions_on_node(node)) == count

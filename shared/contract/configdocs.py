@@ -47,6 +47,8 @@ class DriverPolicy(ConfigDocument, frozen=True, kw_only=True, forbid_unknown_fie
     """Labels of job pods waited for before the drain (empty: none)."""
     wait_for_jobs_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """0: wait for the jobs forever."""
+    install_timeout_s: Seconds = 600.0
+    """An install not finished this long after it began fails the node (so does a driver agent silent as long)."""
     validation_timeout_s: Seconds = 600.0
     eviction_backoff_s: Seconds = 2.0
     """First delay after a PodDisruptionBudget refusal; it doubles up to 60 s."""
@@ -74,8 +76,49 @@ class ModelVersions(ConfigDocument, frozen=True, kw_only=True, forbid_unknown_fi
     deployments: dict[str, ModelRollout] = msgspec.field(default_factory=dict)
 
 
+MIG_PROFILE_PATTERN = r"^[1-7]g\.[1-9][0-9]*gb(\+me)?$"
+MigProfileName = Annotated[str, msgspec.Meta(pattern=MIG_PROFILE_PATTERN, description="a MIG profile like '1g.10gb'")]
+MigLayoutName = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.\-]{0,61}[A-Za-z0-9])?$",
+        description="a name usable as the value of the node label nvidia.com/mig.config",
+    ),
+]
+GpuIndexes = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)]
+
+
+class MigDeviceGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One entry of a MIG layout: the GPUs it covers (``all`` or their indexes), whether they are in MIG mode,
+    and how many instances of each profile each of them gets."""
+
+    devices: Literal["all"] | GpuIndexes
+    mig_enabled: bool = msgspec.field(name="mig-enabled")
+    mig_devices: dict[MigProfileName, Annotated[int, msgspec.Meta(ge=0, le=7)]] = msgspec.field(
+        default_factory=dict, name="mig-devices"
+    )
+
+    def __post_init__(self) -> None:
+        if self.devices != "all" and len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"devices: a GPU index is listed twice in {list(self.devices)}")
+        if not self.mig_enabled and any(self.mig_devices.values()):
+            raise ValueError("mig-devices: instances are asked for while mig-enabled is false")
+
+
+class MigConfig(ConfigDocument, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Desired MIG layouts in NVIDIA mig-parted's shape; each node picks one by its label
+    ``nvidia.com/mig.config=<name>``. Keys are spelled as mig-parted spells them (``mig-configs``,
+    ``mig-enabled``, ``mig-devices``), so its files convert as they are."""
+
+    version: Literal["v1"] = "v1"
+    mig_configs: dict[MigLayoutName, Annotated[list[MigDeviceGroup], msgspec.Meta(min_length=1)]] = msgspec.field(
+        default_factory=dict, name="mig-configs"
+    )
+
+
 CONFIG_DOCUMENTS: dict[str, type[ConfigDocument]] = {
     "driver": DriverPolicy,
     "checkpoint": CheckpointPolicy,
     "models": ModelVersions,
+    "mig": MigConfig,
 }

@@ -22,6 +22,7 @@ JS_API = "$JS.API"
 JS_ACK = "$JS.ACK"
 INBOX = "_INBOX.>"
 ADMIN = "admin"
+AGENT = "agent"  # the KV agents in inference pods
 
 # The event kinds each service publishes (its own events; config.applied and dead letters come on top).
 PUBLISHES: dict[str, tuple[str, ...]] = {
@@ -32,8 +33,11 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "driver.upgrade.state",
         "driver.installed",
         "driver.install.failed",
+        "driver.install.command",
+        "driver.validate.command",
+        "driver.versions.command",
     ),
-    "device": ("device.inventory", "device.health.changed", "device.xid"),
+    "device": ("device.inventory", "device.health.changed", "device.xid", "device.mig.config"),
     "metrics": ("metrics.gpu.sample", "metrics.deployment.utilisation"),
     "scaler": ("scaler.decision",),
     "checkpoint": (
@@ -48,8 +52,20 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
 
 SERVICES: tuple[str, ...] = tuple(PUBLISHES)
 
+# The core subjects a KV agent publishes as its pod (announcements, save reports and progress), and the commands
+# it sends the checkpoint service.
+AGENT_PUBLISHES: tuple[str, ...] = ("checkpoint.agent.sessions", "checkpoint.save.report", "checkpoint.save.progress")
+AGENT_REQUESTS: tuple[str, ...] = ("locate", "record", "restored")
+
+# Everyone ``nats_auth_config`` writes a user for.
+USERS: tuple[str, ...] = (*SERVICES, AGENT, ADMIN)
+
 # Services that run one instance per node; their node-scoped subjects can be narrowed to one node.
 NODE_SCOPED: frozenset[str] = frozenset({"driver", "device", "metrics"})
+
+# Kinds a node-scoped service sends to every node, never narrowed to its own: the driver upgrade coordinator runs
+# in whichever driver pod leads, and commands each node's driver agent.
+ANY_NODE: frozenset[str] = frozenset({"driver.install.command", "driver.validate.command", "driver.versions.command"})
 
 # The JetStream API a durable pull consumer needs: look the stream up, create or look up its consumer, fetch.
 _CONSUMER_API: tuple[str, ...] = (
@@ -58,6 +74,10 @@ _CONSUMER_API: tuple[str, ...] = (
     "CONSUMER.INFO",
     "CONSUMER.MSG.NEXT",
 )
+
+for _kind in ANY_NODE:
+    if _kind not in ROUTES:
+        raise RuntimeError(f"permissions: ANY_NODE names unknown event kind {_kind!r}")
 
 for _service, _kinds in PUBLISHES.items():
     for _kind in _kinds:
@@ -92,7 +112,7 @@ def publish_allow(subjects: Subjects, service: str, node: str | None = None) -> 
     if service not in PUBLISHES:
         raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
     fields: dict[str, str] = {"node": node} if node is not None and service in NODE_SCOPED else {}
-    events = [subjects.pattern(kind, **fields) for kind in PUBLISHES[service]]
+    events = [subjects.pattern(kind, **({} if kind in ANY_NODE else fields)) for kind in PUBLISHES[service]]
     applied = subjects.pattern("config.applied", service=service)
     return _unique(
         [
@@ -110,11 +130,53 @@ def subscribe_allow(subjects: Subjects) -> list[str]:
     return [f"{subjects.root}.>", INBOX, *advisories]
 
 
-def service_permissions(subjects: Subjects, service: str, node: str | None = None) -> dict[str, Any]:
-    """The NATS ``permissions`` object of ``service``'s user."""
+def service_permissions(
+    subjects: Subjects, service: str, node: str | None = None, bucket: str | None = None
+) -> dict[str, Any]:
+    """The NATS ``permissions`` object of ``service``'s user. With ``bucket``, the checkpoint service may also use
+    that Object Store bucket (it reads and deletes the checkpoints the agents write)."""
+    allow = publish_allow(subjects, service, node)
+    if bucket is not None and service == "checkpoint":
+        allow = _unique([*allow, *object_store_api(bucket)])
     return {
-        "publish": {"allow": publish_allow(subjects, service, node)},
+        "publish": {"allow": allow},
         "subscribe": {"allow": subscribe_allow(subjects)},
+    }
+
+
+def object_store_api(bucket: str) -> list[str]:
+    """What writing and reading checkpoints in the Object Store bucket ``bucket`` takes (shared.kv.objstore); the
+    bucket itself is created by the admin."""
+    stream = f"OBJ_{bucket}"
+    return [
+        f"$O.{bucket}.>",
+        f"{JS_API}.STREAM.INFO.{stream}",
+        f"{JS_API}.STREAM.MSG.GET.{stream}",
+        f"{JS_API}.STREAM.PURGE.{stream}",
+        f"{JS_API}.CONSUMER.CREATE.{stream}.>",
+        f"{JS_API}.CONSUMER.DELETE.{stream}.>",
+        f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.>",
+        f"{JS_ACK}.{stream}.>",
+    ]
+
+
+def agent_permissions(subjects: Subjects, pod: str | None = None, bucket: str | None = None) -> dict[str, Any]:
+    """The KV agents' user. With ``pod``, the agent may speak only as that pod and hear only that pod's save
+    commands (a user per pod, e.g. issued at pod start); without, as any pod. With ``bucket``, it may write and
+    read checkpoints in that JetStream Object Store bucket (``nats://<bucket>``) and nothing else of JetStream
+    but storing a dead letter. It never publishes lifecycle events: the checkpoint service records what agents
+    report."""
+    fields: dict[str, str] = {"pod": pod} if pod is not None else {}
+    own = [subjects.pattern(kind, **fields) for kind in AGENT_PUBLISHES]
+    save_command = subjects.pattern("checkpoint.save.command", **fields)  # the preStop hook asks its own agent
+    requests = [subjects.command("checkpoint", verb) for verb in AGENT_REQUESTS]
+    deadletters = subjects.deadletter_stream
+    publish = [*own, save_command, *requests, INBOX, *deadletters.subjects, f"{JS_API}.STREAM.INFO.{deadletters.name}"]
+    if bucket is not None:
+        publish += object_store_api(bucket)
+    return {
+        "publish": {"allow": _unique(publish)},
+        "subscribe": {"allow": [save_command, INBOX]},
     }
 
 
@@ -146,24 +208,34 @@ def may_publish(permissions: Mapping[str, Any], subject: str) -> bool:
     return any(subject_matches(p, subject) for p in allow) and not any(subject_matches(p, subject) for p in deny)
 
 
-def nats_auth_config(subjects: Subjects, passwords: Mapping[str, str], node: str | None = None) -> str:
-    """A nats-server configuration fragment ``authorization { users = [ ... ] }`` with one user per service and
-    the admin. ``passwords`` maps each service name and ``"admin"`` to its password; a missing, empty or unknown
-    entry is an error naming the entry (never the value). The text holds the passwords: write it to a file only
-    the server can read."""
-    wanted = (*SERVICES, ADMIN)
-    unknown = sorted(set(passwords) - set(wanted))
+def nats_auth_config(
+    subjects: Subjects,
+    passwords: Mapping[str, str],
+    node: str | None = None,
+    pod: str | None = None,
+    bucket: str | None = None,
+) -> str:
+    """A nats-server configuration fragment ``authorization { users = [ ... ] }`` with one user per service, the
+    KV agents' user (scoped by ``pod`` and ``bucket``, see ``agent_permissions``) and the admin. ``passwords`` maps
+    each name of ``USERS`` to its password; a missing, empty or unknown entry is an error naming the entry (never
+    the value). The text holds the passwords: write it to a file only the server can read."""
+    unknown = sorted(set(passwords) - set(USERS))
     if unknown:
-        raise ValueError(f"passwords given for unknown users: {', '.join(unknown)}; known: {', '.join(wanted)}")
-    missing = [name for name in wanted if not passwords.get(name)]
+        raise ValueError(f"passwords given for unknown users: {', '.join(unknown)}; known: {', '.join(USERS)}")
+    missing = [name for name in USERS if not passwords.get(name)]
     if missing:
         raise ValueError(f"no password for: {', '.join(missing)}")
-    bad = [name for name in wanted if _CONTROL_RE.search(passwords[name])]
+    bad = [name for name in USERS if _CONTROL_RE.search(passwords[name])]
     if bad:
         raise ValueError(f"password of {', '.join(bad)} has control characters")
     users: list[dict[str, Any]] = []
-    for name in wanted:
-        permissions = admin_permissions(subjects) if name == ADMIN else service_permissions(subjects, name, node)
+    for name in USERS:
+        if name == ADMIN:
+            permissions = admin_permissions(subjects)
+        elif name == AGENT:
+            permissions = agent_permissions(subjects, pod, bucket)
+        else:
+            permissions = service_permissions(subjects, name, node, bucket)
         users.append({"user": user_name(subjects, name), "password": passwords[name], "permissions": permissions})
     body = json.dumps(users, indent=2, ensure_ascii=False)
     indented = body.replace("\n", "\n  ")

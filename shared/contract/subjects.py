@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from shared.contract.base import Event, is_token, subject_token
 
@@ -47,11 +48,28 @@ ROUTES: dict[str, Route] = {
     "driver.install.failed": Route(
         "driver.{node}.install.failed", Delivery.JETSTREAM, "A driver install or validation failed."
     ),
+    "driver.install.command": Route(
+        "cmd.driver.{node}.install", Delivery.CORE, "Request/reply: the node's driver agent installs a driver."
+    ),
+    "driver.validate.command": Route(
+        "cmd.driver.{node}.validate", Delivery.CORE, "Request/reply: the node's driver agent validates its driver."
+    ),
+    "driver.versions.command": Route(
+        "cmd.driver.{node}.versions", Delivery.CORE, "Request/reply: the node's driver agent reads its versions."
+    ),
+    "driver.agent.answer": Route(
+        "driveragent.{node}.answer", Delivery.CORE, "A node's driver agent answers a command (the reply to it)."
+    ),
     "device.inventory": Route("device.{node}.inventory", Delivery.JETSTREAM, "The node's GPU inventory."),
     "device.health.changed": Route(
         "device.{node}.health", Delivery.JETSTREAM, "A GPU became unhealthy or healthy again."
     ),
     "device.xid": Route("device.{node}.xid", Delivery.JETSTREAM, "An XID error on a GPU."),
+    "device.mig.config": Route(
+        "device.{node}.mig.config",
+        Delivery.JETSTREAM,
+        "The node's MIG layout is being applied, was applied, or failed.",
+    ),
     "metrics.gpu.sample": Route("metrics.{node}.gpu", Delivery.CORE, "A per-GPU utilisation sample."),
     "metrics.deployment.utilisation": Route(
         "metrics.deployment.{namespace}.{deployment}", Delivery.CORE, "A deployment's windowed GPU utilisation."
@@ -113,6 +131,21 @@ def _compiled(kind: str) -> list[tuple[str, str]]:
     return compiled
 
 
+_BUILT_LIMIT = 65_536  # subjects remembered per Subjects; a full memo starts over
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_JETSTREAM: dict[type, bool] = {}
+
+
+def _route_fields(cls: type[Event]) -> tuple[str, ...]:
+    """The event fields a kind's subject is built from, in template order."""
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        tag = cls.__struct_config__.tag
+        assert isinstance(tag, str)
+        fields = _FIELDS[cls] = tuple(name for _, name in _compiled(tag) if name)
+    return fields
+
+
 class SubjectError(ValueError):
     """A subject cannot be built: a field is not a valid subject token."""
 
@@ -135,12 +168,29 @@ class Subjects:
             )
         self.root = root
         self._stream_prefix = root.upper().replace("-", "_")
+        self._built: dict[tuple[Any, ...], str] = {}
 
     # -- events -------------------------------------------------------------------------------------------------
     def route(self, kind: str) -> Route:
         return ROUTES[kind]
 
     def for_event(self, event: Event) -> str:
+        """The event's subject. Built once per (kind, routing values) and remembered: most publishers send the
+        same few subjects over and over, and validating the tokens costs more than the rest of a publish."""
+        fields = _route_fields(type(event))
+        try:
+            key = (type(event), *[getattr(event, name) for name in fields])
+            subject = self._built.get(key)
+        except TypeError:  # an unhashable routing value: not a token, so _build says why
+            return self._build(event)
+        if subject is None:
+            subject = self._build(event)
+            if len(self._built) >= _BUILT_LIMIT:
+                self._built.clear()
+            self._built[key] = subject
+        return subject
+
+    def _build(self, event: Event) -> str:
         parts = [self.root, "."]
         for literal, name in _compiled(event.kind):
             parts.append(literal)
@@ -169,7 +219,10 @@ class Subjects:
         return f"{self.root}.{_FIELD_RE.sub(fill, template)}"
 
     def is_jetstream(self, event: Event) -> bool:
-        return ROUTES[event.kind].delivery is Delivery.JETSTREAM
+        jetstream = _JETSTREAM.get(type(event))
+        if jetstream is None:
+            jetstream = _JETSTREAM[type(event)] = ROUTES[event.kind].delivery is Delivery.JETSTREAM
+        return jetstream
 
     # -- streams ------------------------------------------------------------------------------------------------
     @property
