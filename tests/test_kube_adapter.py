@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.ports.cluster import ClusterChange, ClusterPort, DeploymentInfo, EvictionOutcome, NodeInfo
+from shared.ports.cluster import (
+    ClusterChange,
+    ClusterConflict,
+    ClusterPort,
+    DeploymentInfo,
+    EvictionOutcome,
+    NodeInfo,
+)
 from shared.ports.kube import ClusterWatch, KubeApiError, KubeCluster
 from tests.fake_kube_api import PDB_VIOLATION, Access, FakeKubeApi, deployment, node, pdb, pod
 
@@ -79,7 +86,7 @@ async def test_is_a_cluster_port(cluster: KubeCluster) -> None:
 async def test_nodes_and_node(cluster: KubeCluster) -> None:
     nodes = await cluster.nodes()
     assert [n.name for n in nodes] == ["cpu-a", "gpu-a", "gpu-b"]
-    assert nodes[0] == NodeInfo("cpu-a", {"kubernetes.io/hostname": "cpu-a"}, {}, True, False, 0)
+    assert nodes[0] == NodeInfo("cpu-a", {"kubernetes.io/hostname": "cpu-a"}, {}, True, False, 0, revision="4")
     assert nodes[1].gpus == 8 and nodes[1].ready and nodes[1].schedulable
     assert await cluster.node("gpu-b") == nodes[2]
     assert await cluster.node("nope") is None
@@ -145,6 +152,44 @@ async def test_labels_and_annotations_set_and_remove(cluster: KubeCluster) -> No
     await cluster.set_node_annotations("gpu-a", {"gpuwarden.io/driver": None})
     got = await cluster.node("gpu-a")
     assert got is not None and dict(got.labels) == {} and dict(got.annotations) == {}
+
+
+async def test_update_node_is_one_patch_and_a_compare_and_set(cluster: KubeCluster, api: FakeKubeApi) -> None:
+    read = await cluster.node("gpu-a")
+    assert read is not None and read.revision == api.get("nodes", "", "gpu-a")["metadata"]["resourceVersion"]  # type: ignore[index]
+    writes = len(api.history)
+    answered = await cluster.update_node(
+        "gpu-a",
+        labels={"nvidia.com/gpu-driver-upgrade-state": "cordon-required", "kubernetes.io/hostname": None},
+        annotations={"gpuwarden.io/driver-coordinator-fence": "3"},
+        schedulable=False,
+        expect=read.revision,
+    )
+    assert len(api.history) == writes + 1  # labels, annotations and the cordon in one write
+    written = await cluster.node("gpu-a")
+    assert written == answered and written.revision != read.revision
+    assert written.labels == {"nvidia.com/gpu-driver-upgrade-state": "cordon-required"}
+    assert written.annotations == {"gpuwarden.io/driver-coordinator-fence": "3"}
+    assert written.schedulable is False
+
+    with pytest.raises(ClusterConflict, match="gpu-a"):  # decided on the first read: refused, nothing written
+        await cluster.update_node(
+            "gpu-a", labels={"nvidia.com/gpu-driver-upgrade-state": "upgrade-done"}, expect=read.revision
+        )
+    with pytest.raises(ClusterConflict):  # even a write that would change nothing
+        await cluster.update_node(
+            "gpu-a", annotations={"gpuwarden.io/driver-coordinator-fence": "3"}, expect=read.revision
+        )
+    assert api.conflicts == 2
+    assert await cluster.node("gpu-a") == written
+
+    await cluster.update_node(
+        "gpu-a", labels={"nvidia.com/gpu-driver-upgrade-state": None}, schedulable=True, expect=written.revision
+    )
+    assert "unschedulable" not in api.get("nodes", "", "gpu-a")["spec"]  # type: ignore[index]
+    await cluster.update_node("gpu-a", annotations={"gpuwarden.io/driver-coordinator-fence": None})  # no expect: plain
+    final = await cluster.node("gpu-a")
+    assert final is not None and final.schedulable and dict(final.labels) == {} and dict(final.annotations) == {}
 
 
 async def test_evict_honours_budgets(cluster: KubeCluster, api: FakeKubeApi) -> None:
@@ -434,10 +479,13 @@ async def driver_work(kube: KubeCluster, api: FakeKubeApi) -> None:
     await kube.cordon("gpu-a")
     await kube.set_node_labels("gpu-a", {"gpuwarden.io/upgrade": "draining"})
     await kube.set_node_annotations("gpu-a", {"gpuwarden.io/driver": "550"})
+    read = await kube.node("gpu-a")
+    assert read is not None
+    await kube.update_node("gpu-a", labels={"gpuwarden.io/upgrade": "done"}, expect=read.revision)
     await kube.pods(node="gpu-a")
     await kube.evict(NS, "llama-5d4f8c7b9-x1")
     await kube.uncordon("gpu-a")
-    await changes(watch, 5)
+    await changes(watch, 6)
     assert await kube.acquire_lease("gpuwarden", "gpuwarden-driver", "driver-a", 15)
     assert await kube.renew_lease("gpuwarden", "gpuwarden-driver", "driver-a", 15)
     assert await kube.release_lease("gpuwarden", "gpuwarden-driver", "driver-a")
@@ -445,12 +493,12 @@ async def driver_work(kube: KubeCluster, api: FakeKubeApi) -> None:
 
 
 async def device_work(kube: KubeCluster, api: FakeKubeApi) -> None:
+    """Its own node, read, watched (the MIG controller) and labelled; which pods hold a GPU it asks the kubelet,
+    not the API server."""
     watch = kube.watch()
     await watch.ready()
     await kube.node("gpu-a")
     await kube.set_node_labels("gpu-a", {"nvidia.com/gpu.count": "8"})
-    await kube.pods(node="gpu-a")
-    api.add("pods", pod(NS, "llama", "a9", "gpu-a"))
     await changes(watch, 1)
     await watch.aclose()
 
@@ -471,7 +519,7 @@ async def checkpoint_work(kube: KubeCluster, api: FakeKubeApi) -> None:
 Work = Callable[[KubeCluster, FakeKubeApi], Awaitable[None]]
 SERVICES: dict[str, tuple[Work, dict[str, Any]]] = {
     "driver": (driver_work, {}),
-    "device": (device_work, {"watch_kinds": ("pod",), "watch_node": "gpu-a"}),
+    "device": (device_work, {"watch_kinds": ("node",)}),
     "checkpoint": (checkpoint_work, {"watch_kinds": ("pod",)}),
     "metrics": (pods_work, {}),
 }
@@ -503,15 +551,17 @@ async def test_rbac_allows_everything_used(service: str, api: FakeKubeApi) -> No
     assert rules - used == UNUSED[service]
 
 
-async def test_rbac_scaler_has_no_api_access_but_reads_pods(api: FakeKubeApi) -> None:
-    """The scaler's ``ClusterPlacement`` lists pods by namespace; its shipped ServiceAccount has no Role at all."""
-    assert shipped_rules("scaler") == set()
-    api.authorize = lambda access: False
+async def test_rbac_scaler_may_list_pods_and_nothing_else(api: FakeKubeApi) -> None:
+    """The scaler's ``ClusterPlacement`` lists pods by namespace; that is all its ClusterRole grants."""
+    rules = shipped_rules("scaler")
+    assert rules == {Access("list", "", "pods", "*")}
+    api.authorize = lambda access: allowed(access, rules)
     kube = KubeCluster.from_host(api.url)
     try:
+        assert {p.name for p in await kube.pods(namespace=NS)} == {"llama-5d4f8c7b9-x1", "llama-5d4f8c7b9-x2"}
         with pytest.raises(KubeApiError) as refused:
-            await kube.pods(namespace=NS)
+            await kube.node("gpu-a")
     finally:
         await kube.close()
     assert refused.value.code == 403
-    assert api.used() == {Access("list", "", "pods", NS)}
+    assert api.used() == {Access("list", "", "pods", NS), Access("get", "", "nodes", "")}

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import ipaddress
+import json
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,10 @@ from shared.contract.scaler import ScaleDecision
 from shared.plumbing.bus import Bus
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
+from tests.fake_kube_api import FakeKubeApi
+from tests.fake_kube_api import pod as kube_pod
 from tests.helpers import eventually
+from tests.test_kube_adapter import allowed, shipped_rules
 
 NS, DEP = "llm", "chat"
 
@@ -425,3 +429,52 @@ async def test_tls_without_client_ca_serves_any_client_that_trusts_the_server(se
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await running.stop(grace=1)
+
+
+async def test_real_backend_reads_placement_from_the_kubernetes_api(
+    settings: Settings, bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Backend ``real``: where the pods run comes from a pod list of the Kubernetes API (a fake API server
+    speaking the real REST shapes), allowed exactly what deploy/rbac/scaler.yaml grants; the surge follows it."""
+    async with FakeKubeApi() as api:
+        api.add("pods", kube_pod(NS, DEP, "a1", "node-1"))
+        api.add("pods", kube_pod(NS, DEP, "a2", "node-1"))
+        api.add("pods", kube_pod(NS, DEP, "b1", "node-2"))
+        api.add("pods", kube_pod(NS, "other", "c1", "node-1"))
+        rules = shipped_rules("scaler")
+        api.authorize = lambda access: allowed(access, rules)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                    "users": [{"name": "scaler", "user": {"token": "t"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "scaler"}}],
+                    "current-context": "fake",
+                }
+            )
+        )
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        service = ScalerService(ScalerSettings(host="127.0.0.1", port=0, refresh_s=0.1))
+        running = await start_service(service, replace(settings, backend="real"))
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
+        try:
+            stub = pb_grpc.ExternalScalerStub(channel)
+            await serving_consumer(bus)
+            so = ref(queueDepthPerReplica="4", stabilisationWindow="0")
+            await fill(bus, 4)
+            await eventually(lambda: _value_is(stub, so, 1.0), timeout=5)
+            await bus.publish(DrainRequested(node="node-1", drain_id="d1"))
+            await eventually(lambda: _value_is(stub, so, 3.0), timeout=10)  # 1 + the 2 chat pods on node-1
+            assert "placement" not in running.ctx.status
+        finally:
+            await channel.close()
+            await running.stop(grace=1)
+        assert {a.verb for a in api.used()} == {"list"} and {a.resource for a in api.used()} == {"pods"}
+
+
+async def _value_is(stub: pb_grpc.ExternalScalerStub, so: pb.ScaledObjectRef, expected: float) -> bool:
+    return await value(stub, so) == expected

@@ -10,10 +10,9 @@ from nats.aio.msg import Msg
 
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
-from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterPort
-from shared.sim.cluster import SimCluster
+from shared.ports.select import cluster_port
 
 
 class JetStreamQueue:
@@ -70,9 +69,11 @@ class ClusterPlacement:
         return counts
 
 
-def simulated_placement(
+async def cluster_placement(
     settings: Settings, subjects: Subjects
 ) -> tuple[ClusterPlacement, Callable[[], Awaitable[None]]]:
-    """Placement read from the SIMULATED cluster in Redis (backend ``sim``), and how to close it."""
-    cluster = SimCluster(redis_client(settings.redis), subjects, owns_client=True)
+    """Placement from the cluster port of the backend: the simulated cluster in Redis (``sim``), or the Kubernetes
+    API (``real``: pods listed per namespace; deploy/rbac/scaler.yaml grants exactly ``list pods``). Returns it
+    and how to close it; raises ``ClusterError`` when the cluster cannot be reached."""
+    cluster = await cluster_port(settings, subjects)
     return ClusterPlacement(cluster), cluster.close

@@ -27,7 +27,7 @@ from shared.contract.scaler import ScaleDecision
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.runner import ServiceContext
 
-from .adapters import JetStreamQueue, simulated_placement
+from .adapters import JetStreamQueue, cluster_placement
 from .config import ScalerSettings, load
 from .decision import Decision, Inputs, Stabiliser, decide
 from .grpcserver import ScalerServer
@@ -353,9 +353,14 @@ class ScalerService:
 
     async def start(self, ctx: ServiceContext) -> None:
         s = ctx.subjects
-        placement, close_placement = self._placement, None
-        if placement is None and ctx.settings.simulated:
-            placement, close_placement = simulated_placement(ctx.settings, s)
+        placement: Placement | None = self._placement
+        close_placement: Callable[[], Awaitable[None]] | None = None
+        if placement is None:
+            try:
+                placement, close_placement = await cluster_placement(ctx.settings, s)
+            except Exception as exc:  # no cluster to read: the surge falls back as documented, the rest works
+                log.warning("pod placement unavailable; drains surge without it", extra={"error": str(exc)})
+                ctx.status["placement"] = f"unavailable: {exc}"
         core = self.core = ScalerCore(
             JetStreamQueue(ctx.bus), placement, ctx.publish, clock=self.clock, refresh_s=self.settings.refresh_s
         )
