@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/*.proto)
 
-.PHONY: install run test check format lint types layers bench schemas proto clean
+.PHONY: install run test check format lint types layers bench schemas proto gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,7 +13,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# Optional: a Prometheus server for the one test that runs a real one (tests/test_prometheus_server.py). No Python
+# package index ships it; where apt-get works (Debian, Ubuntu) Debian's package is fetched and unpacked into the
+# virtualenv, nothing installed system-wide. Elsewhere the test skips; failing here never fails the install.
+$(VENV)/.prometheus: $(STAMP)
+	@tmp=$$(mktemp -d) && ( cd $$tmp && command -v apt-get >/dev/null && command -v dpkg >/dev/null \
+	  && apt-get download prometheus >/dev/null 2>&1 && dpkg -x prometheus_*.deb root \
+	  && cp root/usr/bin/prometheus $(CURDIR)/$(BIN)/prometheus && echo "prometheus: $(BIN)/prometheus" ) \
+	  || echo "prometheus: not fetched (optional; the real-Prometheus test will skip)"; rm -rf $$tmp
+	touch $@
+
+install: $(STAMP) $(VENV)/.prometheus
 
 run: install
 	$(BIN)/gpuwarden run
@@ -50,6 +60,10 @@ schemas: install
 proto: install
 	$(BIN)/python -m services.scaler.protogen
 	$(BIN)/python -m services.device.protogen
+
+# The NVML adapter on this machine's GPUs: prints what it finds; "skipped" (exit 0) where there is no GPU/NVML.
+gpu-check: install
+	$(BIN)/python -m shared.ports.nvml_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) bench/results .mypy_cache .ruff_cache .pytest_cache
