@@ -112,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.url.startswith(("http://", "https://")):
         print(f"gpuwarden metrics scrape: {args.url!r}: expected an http:// or https:// URL", file=sys.stderr)
         return 2
+
     async def scrape_once() -> SourceRead:
         source = DcgmScrape(args.url, timeout=args.timeout, parser=ExpositionParser(engine=args.parser))
         try:
