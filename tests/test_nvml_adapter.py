@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort, MigProfile
+from shared.ports.metrics import NvmlSource
 from shared.ports.nvml import INSTALL_COMMAND_ENV, NvmlGpus, cuda_version_text, mig_profile_name, normalise_bus_id
 
 GIB = 1024**3
@@ -62,6 +64,7 @@ class FakeGpu:
     peer_bus: str
     lost: bool = False
     xid_capable: bool = True
+    utilisation_supported: bool = True  # NVML answers NOT_SUPPORTED for a GPU in MIG mode
 
 
 class FakeNvml:
@@ -170,6 +173,8 @@ class FakeNvml:
 
     def nvmlDeviceGetUtilizationRates(self, h: FakeGpu) -> Rates:
         self._gpu(h)
+        if not h.utilisation_supported:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
         return Rates(gpu=75 if h.numa == 0 else 5, memory=30)
 
     def nvmlDeviceGetPowerUsage(self, h: FakeGpu) -> int:
@@ -276,6 +281,19 @@ async def test_versions_and_utilisation(gpus: NvmlGpus) -> None:
     assert a.mem_used_mib == 20 * 1024 and a.mem_free_mib == 60 * 1024
     assert a.power_w == pytest.approx(350.5)
     assert a.temperature_c == 61.0
+
+
+async def test_a_reading_a_gpu_does_not_offer_is_missing_not_an_error(gpus: NvmlGpus, fake: FakeNvml) -> None:
+    """A GPU in MIG mode has no device-wide utilisation (NVML: NOT_SUPPORTED): its sample says unknown (NaN), the
+    other GPUs are read as usual, and the metrics source passes it on as missing, never as 0."""
+    fake.gpus[0].utilisation_supported = False
+    a, b = await gpus.utilisation()
+    assert math.isnan(a.gpu_util) and math.isnan(a.mem_copy_util) and a.mem_used_mib == 20 * 1024
+    assert b.gpu_util == 5.0
+    read = await NvmlSource(gpus, "node-1").read()
+    first = next(r for r in read.readings if r.uuid == "GPU-aaaa")
+    assert first.util is None and set(first.invalid) == {"gpu_util", "mem_copy_util"}
+    assert first.values["mem_used_mib"] == 20 * 1024
 
 
 async def test_nvml_missing_is_a_clear_error(fake: FakeNvml) -> None:

@@ -332,15 +332,28 @@ class NvmlGpus:
     async def versions(self) -> DriverVersions:
         return await asyncio.to_thread(self._versions)
 
+    def _reading(self, what: str, fn: Callable[..., T], *args: Any, uuid: str = "") -> T | None:
+        """One NVML reading that a GPU may not offer (utilisation of a GPU in MIG mode, power on some boards):
+        None when NVML says NOT_SUPPORTED, so the sample says "unknown" instead of failing for every GPU."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            unsupported = getattr(self._nvml, "NVML_ERROR_NOT_SUPPORTED", 3)
+            if self._is_nvml_error(exc) and self._code(exc) == unsupported:
+                return None
+        return self._call(what, fn, *args, uuid=uuid)
+
     def _utilisation(self) -> list[GpuUtilisation]:
+        """A value a GPU does not offer is NaN (the metrics sources treat it as missing, never as 0)."""
         nvml = self._nvml_after_open()
         samples: list[GpuUtilisation] = []
+        nan = float("nan")
         for _index, uuid, h in self._handles():
             try:
-                rates = self._call("nvmlDeviceGetUtilizationRates", nvml.nvmlDeviceGetUtilizationRates, h, uuid=uuid)
+                rates = self._reading("nvmlDeviceGetUtilizationRates", nvml.nvmlDeviceGetUtilizationRates, h, uuid=uuid)
                 memory = self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, h, uuid=uuid)
-                power_mw = self._call("nvmlDeviceGetPowerUsage", nvml.nvmlDeviceGetPowerUsage, h, uuid=uuid)
-                temp = self._call(
+                power_mw = self._reading("nvmlDeviceGetPowerUsage", nvml.nvmlDeviceGetPowerUsage, h, uuid=uuid)
+                temp = self._reading(
                     "nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU, uuid=uuid
                 )
             except GpuError:
@@ -350,12 +363,12 @@ class NvmlGpus:
             samples.append(
                 GpuUtilisation(
                     uuid=uuid,
-                    gpu_util=float(rates.gpu),
-                    mem_copy_util=float(rates.memory),
+                    gpu_util=float(rates.gpu) if rates is not None else nan,
+                    mem_copy_util=float(rates.memory) if rates is not None else nan,
                     mem_used_mib=int(memory.used) / MIB,
                     mem_free_mib=int(memory.free) / MIB,
-                    power_w=float(power_mw) / 1000.0,
-                    temperature_c=float(temp),
+                    power_w=float(power_mw) / 1000.0 if power_mw is not None else nan,
+                    temperature_c=float(temp) if temp is not None else nan,
                 )
             )
         return samples
