@@ -583,19 +583,23 @@ class SimGpus:
         return [mig_profile(p, gpu.memory_mib) for p in gpu.mig_profiles]
 
     async def _mig_fault(self, what: str) -> None:
-        """An injected ``fail`` raises ``GpuError`` with the injected reason; an injected ``hang`` waits until the
-        fault is cleared (or changed), so the caller's timeout decides."""
+        await self._obey_fault("MIG change", what, lambda s: (s.mig_fault, s.mig_fault_reason), GpuError)
+
+    async def _obey_fault(
+        self, kind_of_change: str, what: str, fault: Callable[[SimNodeState], tuple[str, str]], error: type[GpuError]
+    ) -> None:
+        """An injected ``fail`` raises ``error`` with the injected reason; an injected ``hang`` waits until the
+        fault is cleared (or changed), so the caller's timeout decides; no fault returns at once."""
         hanging = False
         while True:
-            state = await self.state()
-            if state.mig_fault == "fail":
-                reason = state.mig_fault_reason or "injected MIG failure"
-                raise GpuError(f"{self.node}: {what} failed: {reason} (SIMULATED)")
-            if state.mig_fault != "hang":
+            kind, reason = fault(await self.state())
+            if kind == "fail":
+                raise error(f"{self.node}: {what} failed: {reason or 'injected failure'} (SIMULATED)")
+            if kind != "hang":
                 return
             if not hanging:
                 hanging = True
-                log.warning("SIMULATED MIG change hangs", extra={"node": self.node, "change": what})
+                log.warning(f"SIMULATED {kind_of_change} hangs", extra={"node": self.node, "change": what})
             raise_if_cancelled()
             await asyncio.sleep(self._poll_s)
 
@@ -617,19 +621,12 @@ class SimGpus:
         injected ``hang`` waits until the fault is cleared (or changed), so the caller's timeout decides."""
         if not DRIVER_VERSION_RE.match(version):
             raise DriverInstallError(f"{self.node}: {version!r} is not a driver version such as '550.54.15'")
-        hanging = False
-        while True:
-            state = await self.state()
-            if state.install_fault == "fail":
-                reason = state.install_fault_reason or "injected install failure"
-                raise DriverInstallError(f"{self.node}: installing driver {version} failed: {reason} (SIMULATED)")
-            if state.install_fault != "hang":
-                break
-            if not hanging:
-                hanging = True
-                log.warning("SIMULATED driver install hangs", extra={"node": self.node, "version": version})
-            raise_if_cancelled()
-            await asyncio.sleep(self._poll_s)
+        await self._obey_fault(
+            "driver install",
+            f"installing driver {version}",
+            lambda s: (s.install_fault, s.install_fault_reason),
+            DriverInstallError,
+        )
 
         def install(s: SimNodeState) -> tuple[SimNodeState, None]:
             cuda = cuda_for_driver(version, s.cuda_version)
