@@ -502,7 +502,8 @@ class HttpClient:
 
     async def get(self) -> tuple[int, bytes]:
         try:
-            return await asyncio.wait_for(self._get(), self.timeout)
+            async with asyncio.timeout(self.timeout):  # no task of its own, unlike wait_for
+                return await self._get()
         except TimeoutError:
             self.close()
             raise MetricsSourceError(f"{self.url}: no complete answer within {self.timeout:g}s") from None
