@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -359,6 +360,52 @@ def cmd_sim_fault(args: argparse.Namespace) -> int:
     return run_fault(args, _settings())
 
 
+_LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def label_changes(items: list[str]) -> dict[str, str | None]:
+    """``KEY=VALUE`` sets a label, ``KEY-`` removes it (kubectl's spelling); keys and values as Kubernetes allows."""
+    changes: dict[str, str | None] = {}
+    for item in items:
+        if item.endswith("-") and "=" not in item:
+            key, value = item[:-1], None
+        elif "=" in item:
+            key, value = item.split("=", 1)
+        else:
+            raise UsageError(f"sim label: {item!r}: expected KEY=VALUE or KEY-")
+        if not _LABEL_KEY_RE.match(key):
+            raise UsageError(f"sim label: {key!r} is not a label key ([prefix/]name, name up to 63 characters)")
+        if value is not None and not _LABEL_VALUE_RE.match(value):
+            raise UsageError(f"sim label: {value!r} is not a label value (up to 63 letters, digits, '-', '_', '.')")
+        changes[key] = value
+    return changes
+
+
+def cmd_sim_label(args: argparse.Namespace) -> int:
+    """Label a SIMULATED node, as ``kubectl label node`` does a real one (e.g. ``nvidia.com/mig.config``)."""
+    from shared.plumbing.configsync import redis_client
+    from shared.sim.cluster import SimCluster
+
+    changes = label_changes(args.labels)
+    settings = _settings()
+
+    async def main() -> int:
+        cluster = SimCluster(redis_client(settings.redis), Subjects(settings.root), owns_client=True)
+        try:
+            if await cluster.node(args.node) is None:
+                names = ", ".join(n.name for n in await cluster.nodes()) or "none: is the simulation running?"
+                raise UsageError(f"sim label: no simulated node {args.node!r} (nodes: {names})")
+            await cluster.set_node_labels(args.node, changes)
+            node = await cluster.node(args.node)
+        finally:
+            await cluster.close()
+        print(json.dumps(dict(node.labels) if node else {}, indent=2, sort_keys=True))
+        return 0
+
+    return asyncio.run(main())
+
+
 def cmd_agent_final_save(args: argparse.Namespace) -> int:
     """The preStop hook of an inference pod: ask the pod's KV agent to save everything, wait for the report."""
     from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
@@ -477,6 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = simsub.add_parser("fault", help="inject a fault: xid, lose_gpu, driver_install, slow_copies or mig")
     add_fault_arguments(f)
     f.set_defaults(func=cmd_sim_fault)
+    lab = simsub.add_parser("label", help="label a simulated node: KEY=VALUE sets, KEY- removes (as kubectl label)")
+    lab.add_argument("node")
+    lab.add_argument("labels", nargs="+", metavar="KEY=VALUE|KEY-")
+    lab.set_defaults(func=cmd_sim_label)
 
     p = sub.add_parser("agent", help="talk to a pod's KV agent")
     asub = p.add_subparsers(dest="action", required=True)

@@ -550,3 +550,43 @@ async def test_a_bad_spec_names_the_field_and_writes_nothing(
         await SimCluster.create(settings.redis, subjects)
     assert str(path) in str(raised.value)
     assert [k async for k in redis_client.scan_iter(match=f"{settings.root}:*")] == []
+
+
+def test_label_changes_are_parsed_as_kubectl_spells_them() -> None:
+    from shared.cli import UsageError, label_changes
+
+    assert label_changes(["nvidia.com/mig.config=all-1g.10gb", "pool-", "tier="]) == {
+        "nvidia.com/mig.config": "all-1g.10gb",
+        "pool": None,
+        "tier": "",
+    }
+    for bad, needle in (("novalue", "KEY=VALUE"), ("bad key=x", "label key"), ("k=has space", "label value")):
+        with pytest.raises(UsageError, match=needle):
+            label_changes([bad])
+
+
+async def test_sim_label_sets_and_removes_labels_of_a_simulated_node(
+    settings: Settings, subjects: Subjects, redis_client: aioredis.Redis
+) -> None:
+    """``gpuwarden sim label`` in a process of its own, as a person runs it against ``make run``."""
+    import subprocess
+
+    cluster = await SimCluster.create(redis_client, subjects)  # the default spec: node-1..3
+    env = dict(os.environ, GPUWARDEN_REDIS_URL=settings.redis.url, GPUWARDEN_ROOT=subjects.root)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "shared.cli", "sim", "label", *args], env=env, capture_output=True, text=True
+        )
+
+    done = await asyncio.to_thread(cli, "node-3", "nvidia.com/mig.config=all-1g.10gb", "pool=h100")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["nvidia.com/mig.config"] == "all-1g.10gb"
+    node = await cluster.node("node-3")
+    assert node is not None and node.labels["pool"] == "h100"
+    done = await asyncio.to_thread(cli, "node-3", "pool-")
+    assert done.returncode == 0 and "pool" not in json.loads(done.stdout)
+    missing = await asyncio.to_thread(cli, "node-9", "a=b")
+    assert missing.returncode == 2 and "no simulated node 'node-9'" in missing.stderr
+    assert "node-1, node-2, node-3" in missing.stderr
+    await cluster.close()

@@ -110,10 +110,18 @@ class SimSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             names.add((d.namespace, d.name))
 
 
+H100_MIG_PROFILES = ["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
+
+
 def default_spec() -> SimSpec:
-    """3 nodes named node-1..node-3 with 2 GPUs each, and one small Llama-3-8B deployment."""
+    """3 nodes named node-1..node-3 with 2 H100 GPUs each (node-3's MIG-capable, as the H100's profiles), and one
+    small Llama-3-8B deployment."""
     return SimSpec(
-        nodes=[NodeSpec(name=f"node-{i}") for i in (1, 2, 3)],
+        nodes=[
+            NodeSpec(name="node-1"),
+            NodeSpec(name="node-2"),
+            NodeSpec(name="node-3", gpus=[GpuSpec(count=2, mig_profiles=list(H100_MIG_PROFILES))]),
+        ],
         deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2)],
     )
 
