@@ -590,6 +590,7 @@ async def test_mig_instances_are_made_and_destroyed_through_nvml() -> None:
     c = await port.create_mig_instance("GPU-aaaa", "1g.10gb")
     assert (a.profile, a.memory_mib, c.profile) == ("3g.40gb", 40192, "1g.10gb")
     assert (await port.devices())[0].mig_instances == [a, b, c]
+    assert [(i.gpu_instance_id, i.compute_instance_id) for i in (a, b, c)] == [(1, 0), (2, 0), (3, 0)]
     with pytest.raises(GpuError, match="nvmlDeviceCreateGpuInstance on GPU GPU-aaaa failed"):
         await port.create_mig_instance("GPU-aaaa", "1g.10gb")  # 7 of 7 slices in use
     with pytest.raises(GpuError, match=r"'5g\.50gb' is not offered by GPU GPU-aaaa \(offered: 1g\.10gb, 2g\.20gb"):

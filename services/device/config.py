@@ -123,7 +123,13 @@ class DeviceSettings:
 
     ``plugin``: ``auto`` serves the kubelet device plugin when ``plugin_dir`` exists, ``on`` requires it, ``off``
     never serves it. ``kubelet_poll_s``: how often ``kubelet.sock`` is checked for a restarted kubelet.
-    ``cdi_dir``: where the CDI spec of the node's GPUs is written while the plugin runs."""
+    ``cdi_dir``: where the CDI spec of the node's GPUs is written while the plugin runs.
+
+    ``driver_root``: the folder the driver is installed under, as the host sees it (``/``; a GPU Operator driver
+    container's ``/run/nvidia/driver``); the CDI spec's library mounts and hooks name host paths under it, since
+    the container runtime reads them on the host. ``driver_root_mount``: where this service finds that folder to
+    look into it, when it is mounted elsewhere in its own container (NVIDIA's plugin calls it the container
+    driver root)."""
 
     plugin_dir: Path = Path("/var/lib/kubelet/device-plugins/")
     inventory_s: float = 10.0
@@ -137,10 +143,16 @@ class DeviceSettings:
     mig_step_timeout_s: float = 120.0  # one MIG change (mode, create, destroy) running longer fails the layout
     mig_reconcile_s: float = 60.0  # the MIG controller compares layout and GPUs at least this often
     mig_retry_s: float = 300.0  # a failed MIG layout is tried again after this, or when its document or label changes
+    driver_root: Path = Path("/")  # where the driver's files are on the host: the CDI spec's host paths
+    driver_root_mount: Path | None = None  # where this service sees driver_root (its mount of it); None: the same
 
     @property
     def plugin_enabled(self) -> bool:
         return self.plugin == "on" or (self.plugin == "auto" and self.plugin_dir.is_dir())
+
+    @property
+    def driver_root_here(self) -> Path:
+        return self.driver_root if self.driver_root_mount is None else self.driver_root_mount
 
 
 def _plugin_mode(env: Mapping[str, str]) -> PluginMode:
@@ -179,6 +191,13 @@ def parse_xids(raw: str, name: str = APPLICATION_XIDS_ENV) -> frozenset[int]:
     return frozenset(xids)
 
 
+def _absolute_path(env: Mapping[str, str], name: str, default: str) -> Path:
+    raw = env.get(name, "").strip() or default
+    if not raw.startswith("/"):
+        raise SettingsError(f"{name}={raw!r}: expected an absolute path (e.g. / or /run/nvidia/driver)")
+    return Path(raw)
+
+
 def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
     env = os.environ if env is None else env
     plugin_dir = env.get("GPUWARDEN_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins/")
@@ -202,6 +221,12 @@ def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
         mig_step_timeout_s=env_seconds(env, "GPUWARDEN_MIG_STEP_TIMEOUT_S", 120.0),
         mig_reconcile_s=env_seconds(env, "GPUWARDEN_MIG_RECONCILE_S", 60.0),
         mig_retry_s=env_seconds(env, "GPUWARDEN_MIG_RETRY_S", 300.0),
+        driver_root=_absolute_path(env, "GPUWARDEN_DRIVER_ROOT", "/"),
+        driver_root_mount=(
+            _absolute_path(env, "GPUWARDEN_DRIVER_ROOT_MOUNT", "/")
+            if env.get("GPUWARDEN_DRIVER_ROOT_MOUNT", "").strip()
+            else None
+        ),
     )
     if mode == "on" and not settings.plugin_dir.is_dir():
         raise SettingsError(

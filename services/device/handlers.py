@@ -313,7 +313,7 @@ class DeviceService:
         if self.plugin is None:
             return
         try:
-            await self.plugin.update(inventory.gpus)
+            await self.plugin.update(inventory.gpus, inventory.driver_version)
         except ResourceError as exc:
             log.error("cannot advertise the GPUs to the kubelet", extra={"error": str(exc)})
 

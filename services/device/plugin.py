@@ -23,7 +23,7 @@ import grpc
 
 from shared.contract.device import GpuDevice
 
-from .cdi import CdiError, write_cdi_spec
+from .cdi import CdiError, DriverRoot, write_cdi_spec
 from .config import GPU_RESOURCE, DeviceSettings
 from .gen import deviceplugin_pb2 as pb
 from .gen import deviceplugin_pb2_grpc as pb_grpc
@@ -202,14 +202,16 @@ class KubeletDevicePlugin:
         self.cdi_error = ""
         self.layout_error = ""
         self._gpus: list[GpuDevice] = []
+        self._driver_version = ""
         self._kubelet: tuple[int, int, int] | None = None
         self._registered: set[str] = set()
         self._lock = asyncio.Lock()
         self._running = False
 
     # -- what is advertised ---------------------------------------------------------------------------------------
-    async def update(self, gpus: Sequence[GpuDevice]) -> bool:
-        """Advertise ``gpus`` (their ``healthy`` flags included); True when any resource changed. Raises
+    async def update(self, gpus: Sequence[GpuDevice], driver_version: str | None = None) -> bool:
+        """Advertise ``gpus`` (their ``healthy`` flags included), whose CDI spec mounts the files of
+        ``driver_version`` (None: the last one given); True when any resource changed. Raises
         ``ResourceError`` and changes nothing when the MIG strategy cannot describe them. A resource that
         disappears stays served with no devices, so the kubelet drops its count at once. Idempotent."""
         try:
@@ -220,6 +222,8 @@ class KubeletDevicePlugin:
         self.layout_error = ""
         async with self._lock:
             self._gpus = list(gpus)
+            if driver_version is not None:
+                self._driver_version = driver_version
             await self._write_cdi(gpus)
             changed = False
             for name in advertised.keys() - self.resources.keys():
@@ -237,7 +241,8 @@ class KubeletDevicePlugin:
         """A CDI spec that cannot be written is reported (``describe``, the log), and the GPUs are advertised
         anyway: the ``envvar`` strategy does not need it."""
         try:
-            await asyncio.to_thread(write_cdi_spec, self.settings.cdi_dir, gpus)
+            root = DriverRoot(host=self.settings.driver_root, here=self.settings.driver_root_here)
+            await asyncio.to_thread(write_cdi_spec, self.settings.cdi_dir, gpus, root, self._driver_version)
             self.cdi_error = ""
         except CdiError as exc:
             if str(exc) != self.cdi_error:

@@ -10,9 +10,15 @@ from shared.contract.base import Event, Token
 
 
 class MigInstance(msgspec.Struct, frozen=True, kw_only=True):
+    """``gpu_instance_id`` and ``compute_instance_id`` are the ids NVML gives the instance on its GPU; they name
+    its capability device nodes (``/proc/driver/nvidia-caps/mig-minors``), without which a container cannot open
+    it. None where the GPU port does not know them."""
+
     uuid: str
     profile: str
     memory_mib: int = 0
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
 
 
 class GpuDevice(msgspec.Struct, frozen=True, kw_only=True):

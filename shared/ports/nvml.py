@@ -317,8 +317,26 @@ class NvmlGpus:
                 # MIG devices are named "<GPU name> MIG 1g.10gb"; the cheapest way to the profile.
                 match = _MIG_PROFILE_RE.search(_text(nvml.nvmlDeviceGetName(mh)))
                 profile = match.group(1) if match else ""
-            instances.append(MigInstance(uuid=mig_uuid, profile=profile, memory_mib=memory))
+            gi_id, ci_id = self._instance_ids(mh)
+            instances.append(
+                MigInstance(
+                    uuid=mig_uuid, profile=profile, memory_mib=memory, gpu_instance_id=gi_id, compute_instance_id=ci_id
+                )
+            )
         return instances
+
+    def _instance_ids(self, mh: Any) -> tuple[int | None, int | None]:
+        """A MIG device's GPU and compute instance ids; None for one the driver does not answer (the CDI spec then
+        lacks its capability nodes, which is logged there, rather than the inventory lacking the device)."""
+        ids: list[int | None] = []
+        for name in ("nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId"):
+            try:
+                ids.append(int(getattr(self._nvml, name)(mh)))
+            except Exception as exc:
+                if not self._is_nvml_error(exc):
+                    raise
+                ids.append(None)
+        return ids[0], ids[1]
 
     async def devices(self) -> list[GpuDevice]:
         return await asyncio.to_thread(self._devices)
@@ -587,7 +605,14 @@ class NvmlGpus:
         for mh, mig_uuid, owner in self._mig_handles(h, uuid):
             if owner == gi_id:
                 memory = int(self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, mh, uuid=uuid).total)
-                return MigInstance(uuid=mig_uuid, profile=profile, memory_mib=memory // MIB)
+                ci_id = self._instance_ids(mh)[1]
+                return MigInstance(
+                    uuid=mig_uuid,
+                    profile=profile,
+                    memory_mib=memory // MIB,
+                    gpu_instance_id=gi_id,
+                    compute_instance_id=ci_id,
+                )
         raise GpuError(f"GPU {uuid}: GPU instance {gi_id} ({profile}) was created but NVML lists no MIG device for it")
 
     async def create_mig_instance(self, uuid: str, profile: str) -> MigInstance:

@@ -295,6 +295,8 @@ def with_mig_instance(state: SimNodeState, uuid: str, profile: str) -> tuple[Sim
         uuid="MIG-" + str(uuidlib.uuid5(_UUID_NAMESPACE, f"{gpu.uuid}/{gpu.next_instance}")),
         profile=profile,
         memory_mib=min(gb * 1024, gpu.memory_mib),
+        gpu_instance_id=gpu.next_instance + 1,
+        compute_instance_id=0,
     )
     changed = msgspec.structs.replace(
         gpu, mig_instances=[*gpu.mig_instances, instance], next_instance=gpu.next_instance + 1
