@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/*.proto)
 
-.PHONY: install run test check format lint types layers bench schemas proto gpu-check clean
+.PHONY: install run test check format lint types layers bench schemas proto gpu-check gpu-kit clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -61,9 +61,18 @@ proto: install
 	$(BIN)/python -m services.scaler.protogen
 	$(BIN)/python -m services.device.protogen
 
+# Wheels for bench/gpu_session.sh on a lent GPU machine (no network there): its Python is GPU_PYTHON.
+GPU_PYTHON ?= 3.12
+gpu-kit: install
+	rm -rf .gpu-kit && mkdir -p .gpu-kit
+	$(BIN)/python -m pip download --quiet --only-binary=:all: --implementation cp --python-version $(GPU_PYTHON) \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform linux_x86_64 --platform any -d .gpu-kit/wheels -r bench/gpu_requirements.txt
+	@du -sh .gpu-kit
+
 # The NVML adapter on this machine's GPUs: prints what it finds; "skipped" (exit 0) where there is no GPU/NVML.
 gpu-check: install
 	$(BIN)/python -m shared.ports.nvml_check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) bench/results .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) bench/results .gpu-kit .mypy_cache .ruff_cache .pytest_cache
