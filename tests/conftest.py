@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -86,3 +90,22 @@ def own_redis() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.cleanup()
+
+
+@pytest.fixture
+def plugin_dir() -> Iterator[Path]:
+    """The kubelet's device-plugins folder of one test. Short on purpose: a unix socket path must fit in 107 bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="gw-dp-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+async def kubelet(plugin_dir: Path) -> AsyncIterator[Any]:
+    """A kubelet's Registration service on ``plugin_dir/kubelet.sock`` (tests/test_device_plugin.py FakeKubelet)."""
+    from tests.test_device_plugin import FakeKubelet
+
+    fake = FakeKubelet(plugin_dir)
+    await fake.start()
+    yield fake
+    await fake.stop()

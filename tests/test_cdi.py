@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -488,15 +486,7 @@ def test_the_driver_root_comes_from_the_environment() -> None:
         device_config.load({"GPUWARDEN_DRIVER_ROOT_MOUNT": "driver-root"})
 
 
-# -- through the plugin and the device service ---------------------------------------------------------------------
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    """Short on purpose: a unix socket path must fit in 107 bytes."""
-    folder = Path(tempfile.mkdtemp(prefix="gw-cdi-", dir="/tmp"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
+# -- through the plugin and the device service (plugin_dir: tests/conftest.py) -------------------------------------
 async def test_the_plugin_keeps_the_driver_version_across_a_pause(tmp_path: Path, plugin_dir: Path) -> None:
     root = driver_root(tmp_path / "root", libs=("libcuda.so",))
     settings = DeviceSettings(

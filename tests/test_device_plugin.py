@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -76,22 +74,6 @@ class FakeKubelet(pb_grpc.RegistrationServicer):
     async def registrations_for(self, count: int) -> dict[str, pb.RegisterRequest]:
         got = [await self.registration() for _ in range(count)]
         return {r.resource_name: r for r in got}
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    """Short on purpose: a unix socket path must fit in 107 bytes."""
-    folder = Path(tempfile.mkdtemp(prefix="gw-dp-", dir="/tmp"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture
-async def kubelet(plugin_dir: Path) -> AsyncIterator[FakeKubelet]:
-    k = FakeKubelet(plugin_dir)
-    await k.start()
-    yield k
-    await k.stop()
 
 
 @contextlib.asynccontextmanager

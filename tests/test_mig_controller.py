@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -497,21 +495,6 @@ async def test_a_failing_step_is_reported_with_the_gpu_s_reason(
 
 
 # -- the device service, end to end -----------------------------------------------------------------------------
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="gw-mig-", dir="/tmp"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture
-async def kubelet(plugin_dir: Path) -> AsyncIterator[FakeKubelet]:
-    k = FakeKubelet(plugin_dir)
-    await k.start()
-    yield k
-    await k.stop()
-
-
 async def mig_events(bus: Bus, subjects: Subjects) -> list[MigConfigChanged]:
     seen: list[MigConfigChanged] = []
 
