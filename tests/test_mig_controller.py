@@ -1,13 +1,16 @@
 """The MIG controller: its pure planning core (what fits, what is refused, that a plan converges), the controller on
 real Redis with the simulated GPUs and cluster, and the device service applying layouts end to end over NATS, with
-the kubelet's view of the device plugin while it works."""
+the kubelet's view of the device plugin while it works, and the drain before any change: with the real checkpoint
+service and KV agents every session is committed before the first MIG change, and a failed drain, or none in time,
+leaves the GPUs as they are."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,23 +20,32 @@ import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.checkpoint.config import CheckpointSettings
+from services.checkpoint.handlers import CheckpointService
 from services.device.config import DeviceSettings, load, parse_plugin_config
 from services.device.gen import deviceplugin_pb2 as pb
 from services.device.handlers import DeviceService
 from services.device.mig import (
     CONFIG_LABEL,
+    DRAIN_ANNOTATION,
     REASON_ANNOTATION,
     STATE_LABEL,
     LayoutRefused,
     MigController,
     MigStep,
+    drain_verdicts,
     layout,
     plan,
 )
 from shared.contract.base import Event
+from shared.contract.checkpoint import CheckpointSaved
 from shared.contract.configdocs import MigConfig, MigDeviceGroup
 from shared.contract.device import GpuDevice, MigConfigChanged, MigInstance
+from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.subjects import Subjects
+from shared.kv.agent import KvAgent
+from shared.kv.endpoint import AgentEndpoint
+from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, VersionedConfig
 from shared.plumbing.errors import InvalidConfig, SettingsError
@@ -46,6 +58,7 @@ from shared.sim.gpus import SimGpus
 from shared.sim.spec import parse_spec
 from tests.helpers import eventually
 from tests.test_device_plugin import FakeKubelet, listed, plugin_stub, read
+from tests.test_kv_agent import LAYOUT, block_content
 
 H100 = "NVIDIA H100 80GB HBM3"
 PROFILES = [
@@ -274,9 +287,17 @@ async def test_the_mig_document_is_refused_at_write_time_naming_the_field(
 def test_mig_settings() -> None:
     defaults = load({})
     assert (defaults.mig_step_timeout_s, defaults.mig_reconcile_s, defaults.mig_retry_s) == (120.0, 60.0, 300.0)
+    assert (defaults.mig_checkpoint, defaults.mig_drain_timeout_s) == (True, 300.0)
     assert load({"GPUWARDEN_MIG_STEP_TIMEOUT_S": "2.5"}).mig_step_timeout_s == 2.5
+    assert load({"GPUWARDEN_MIG_CHECKPOINT": "off"}).mig_checkpoint is False
+    assert load({"GPUWARDEN_MIG_CHECKPOINT": " On "}).mig_checkpoint is True
+    assert load({"GPUWARDEN_MIG_DRAIN_TIMEOUT_S": "45"}).mig_drain_timeout_s == 45.0
     with pytest.raises(SettingsError, match="GPUWARDEN_MIG_STEP_TIMEOUT_S='0': must be positive"):
         load({"GPUWARDEN_MIG_STEP_TIMEOUT_S": "0"})
+    with pytest.raises(SettingsError, match="GPUWARDEN_MIG_CHECKPOINT='no': expected on or off"):
+        load({"GPUWARDEN_MIG_CHECKPOINT": "no"})
+    with pytest.raises(SettingsError, match="GPUWARDEN_MIG_DRAIN_TIMEOUT_S='-1'"):
+        load({"GPUWARDEN_MIG_DRAIN_TIMEOUT_S": "-1"})
 
 
 # -- the simulated GPUs -------------------------------------------------------------------------------------------
@@ -343,15 +364,23 @@ async def test_simulated_gpus_offer_their_profiles_and_mig_faults_fail_hang_and_
 
 # -- the controller on the simulated GPUs and cluster ------------------------------------------------------------
 class Recorder:
-    """What the controller tells the world: events, and the hook calls in order."""
+    """What the controller tells the world: its state events, the drains it asks for (passed on to ``bus`` when
+    given), and the hook calls in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, bus: Bus | None = None) -> None:
         self.events: list[MigConfigChanged] = []
+        self.drains: list[DrainRequested] = []
         self.calls: list[str] = []
+        self.bus = bus
 
     async def publish(self, event: Event) -> None:
-        assert isinstance(event, MigConfigChanged)
-        self.events.append(event)
+        if isinstance(event, MigConfigChanged):
+            self.events.append(event)
+            return
+        assert isinstance(event, DrainRequested)
+        self.drains.append(event)
+        if self.bus is not None:
+            await self.bus.publish(event)
 
     def hook(self, name: str) -> Any:
         async def call() -> None:
@@ -369,7 +398,13 @@ class Clock:
 
 
 def controller_for(
-    gpus: SimGpus, cluster: SimCluster, doc: MigConfig, recorder: Recorder, clock: Clock, step_timeout_s: float = 5.0
+    gpus: SimGpus,
+    cluster: SimCluster,
+    doc: MigConfig,
+    recorder: Recorder,
+    clock: Callable[[], float],
+    step_timeout_s: float = 5.0,
+    **drain: float,
 ) -> MigController:
     versioned = VersionedConfig(name="mig", version=1, doc=doc, updated_at=0.0, updated_by="test")
 
@@ -389,6 +424,7 @@ def controller_for(
         resume=recorder.hook("resume"),
         refresh=recorder.hook("refresh"),
         clock=clock,
+        **drain,
     )
 
 
@@ -505,6 +541,19 @@ async def mig_events(bus: Bus, subjects: Subjects) -> list[MigConfigChanged]:
     return seen
 
 
+async def heard(bus: Bus, subjects: Subjects, kind: type[Event], node: str = "node-1") -> list[Any]:
+    """Every event of ``kind`` about ``node`` heard from now on."""
+    seen: list[Any] = []
+
+    async def keep(event: Event) -> None:
+        seen.append(event)
+
+    tag = kind.__struct_config__.tag
+    assert isinstance(tag, str)
+    await bus.subscribe(subjects.pattern(tag, node=node), keep, accepts=(kind,))
+    return seen
+
+
 @contextlib.asynccontextmanager
 async def device_service(settings: Settings, service: DeviceService) -> AsyncIterator[Any]:
     running = await start_service(service, settings)
@@ -525,6 +574,7 @@ async def test_the_device_service_applies_a_layout_pausing_the_plugin_meanwhile(
     kubelet: FakeKubelet,
 ) -> None:
     events = await mig_events(bus, subjects)
+    drains = await heard(bus, subjects, DrainRequested)
     device_settings = DeviceSettings(
         inventory_s=30.0,
         plugin_dir=plugin_dir,
@@ -534,6 +584,7 @@ async def test_the_device_service_applies_a_layout_pausing_the_plugin_meanwhile(
         cdi_dir=plugin_dir / "cdi",
         mig_step_timeout_s=30.0,
         mig_reconcile_s=30.0,
+        mig_checkpoint=False,
     )
     service = DeviceService(device_settings, gpus=sim_gpus, cluster=cluster)
     async with device_service(settings, service) as running:
@@ -566,6 +617,11 @@ async def test_the_device_service_applies_a_layout_pausing_the_plugin_meanwhile(
         assert service.inventory is not None and len(service.inventory.gpus[0].mig_instances) == 7
         assert running.ctx.health()["mig"]["state"] == "success"
         assert running.ctx.health()["device_plugin"]["paused"] is False
+        # GPUWARDEN_MIG_CHECKPOINT=off: the GPUs changed without a drain (it would have gone out before the first
+        # step, on the same connection as the state events heard since).
+        assert drains == []
+        info = await cluster.node("node-1")
+        assert info is not None and DRAIN_ANNOTATION not in info.annotations
 
 
 async def test_the_device_service_refuses_a_bad_layout_and_fails_a_hung_one_without_wedging(
@@ -579,7 +635,12 @@ async def test_the_device_service_refuses_a_bad_layout_and_fails_a_hung_one_with
     events = await mig_events(bus, subjects)
     await ConfigStore(redis_client, subjects).write("mig", LAYOUTS, 0, "test")
     device_settings = DeviceSettings(
-        inventory_s=30.0, plugin="off", mig_step_timeout_s=0.3, mig_reconcile_s=30.0, mig_retry_s=0.5
+        inventory_s=30.0,
+        plugin="off",
+        mig_step_timeout_s=0.3,
+        mig_reconcile_s=30.0,
+        mig_retry_s=0.5,
+        mig_checkpoint=False,
     )
     service = DeviceService(device_settings, gpus=sim_gpus, cluster=cluster)
     async with device_service(settings, service):
@@ -604,3 +665,313 @@ async def test_the_device_service_refuses_a_bad_layout_and_fails_a_hung_one_with
         await eventually(lambda: events[-1].state == "success")
         assert len((await sim_gpus.devices())[0].mig_instances) == 7
         assert await node_state(cluster) == ("success", None)
+
+
+# -- the drain before any change ------------------------------------------------------------------------------------
+class Checkpointing:
+    """The real checkpoint service, and KV agents holding sessions on node-1 (real NATS, Redis and files)."""
+
+    def __init__(self, service: CheckpointService, store: FileStore, settings: Settings, subjects: Subjects) -> None:
+        self.service = service
+        self.store = store
+        self.settings = settings
+        self.subjects = subjects
+        self.agents: list[tuple[AgentEndpoint, Bus]] = []
+        self.sessions: list[str] = []
+
+    async def add_pod(self, name: str, sessions: int, *, serve: bool = True) -> list[str]:
+        """A pod whose agent holds ``sessions`` sessions of three blocks; with ``serve=False`` it announces them
+        and then never answers a save."""
+        bus = await Bus.connect(self.settings.nats, self.subjects, f"agent/{name}")
+        agent = KvAgent(self.store, pod=name, node="node-1", namespace="llm", deployment="llama", layout=LAYOUT)
+        ids = [f"{name}-s{i}" for i in range(sessions)]
+        for sid in ids:
+            agent.register_session(sid)
+            for b in range(3):
+                agent.append_block(sid, block_content(sid, b, LAYOUT.block_bytes))
+        endpoint = AgentEndpoint(agent, bus, announce_s=30)
+        self.agents.append((endpoint, bus))
+        await (endpoint.start() if serve else endpoint.announce())
+        self.sessions += ids
+        want = len(self.sessions)
+        await eventually(lambda: self._registered(want))
+        return ids
+
+    async def _registered(self, count: int) -> bool:
+        return len(await self.service.registry.sessions_on_node("node-1")) == count
+
+    async def committed(self) -> dict[str, bool]:
+        """Which sessions have a committed checkpoint in the registry, now."""
+        return {sid: await self.service.registry.newest_checkpoint(sid) is not None for sid in self.sessions}
+
+
+@pytest.fixture
+async def checkpointing(settings: Settings, subjects: Subjects, tmp_path: Path) -> AsyncIterator[Checkpointing]:
+    store = FileStore(tmp_path / "store")
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
+    running = await start_service(service, settings)
+    mesh = Checkpointing(service, store, settings, subjects)
+    yield mesh
+    for endpoint, bus in mesh.agents:
+        await endpoint.stop()
+        await bus.close(1)
+    await running.stop(grace=1)
+
+
+class RecordingGpus(SimGpus):
+    """The simulated GPUs, noting when the first MIG change began and what ``look`` found at that moment."""
+
+    def __init__(self, *args: Any, look: Callable[[], Awaitable[Any]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.look = look
+        self.first_change_at: datetime | None = None
+        self.seen_then: Any = None
+
+    async def _first_change(self) -> None:
+        if self.first_change_at is None:
+            self.first_change_at = datetime.now(UTC)
+            self.seen_then = await self.look()
+
+    async def set_mig_mode(self, uuid: str, enabled: bool) -> None:
+        await self._first_change()
+        await super().set_mig_mode(uuid, enabled)
+
+    async def create_mig_instance(self, uuid: str, profile: str) -> MigInstance:
+        await self._first_change()
+        return await super().create_mig_instance(uuid, profile)
+
+    async def destroy_mig_instance(self, uuid: str, instance_uuid: str) -> None:
+        await self._first_change()
+        await super().destroy_mig_instance(uuid, instance_uuid)
+
+
+@contextlib.asynccontextmanager
+async def running(controller: MigController) -> AsyncIterator[None]:
+    task = asyncio.create_task(controller.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def drain_annotation(cluster: SimCluster) -> str | None:
+    info = await cluster.node("node-1")
+    assert info is not None
+    return info.annotations.get(DRAIN_ANNOTATION)
+
+
+async def test_a_layout_change_commits_every_session_before_the_first_mig_change(
+    settings: Settings,
+    subjects: Subjects,
+    bus: Bus,
+    redis_client: aioredis.Redis,
+    cluster: SimCluster,
+    checkpointing: Checkpointing,
+) -> None:
+    events = await mig_events(bus, subjects)
+    requests = await heard(bus, subjects, DrainRequested)
+    verdicts = await heard(bus, subjects, DrainCompleted)
+    saved: list[CheckpointSaved] = []
+
+    async def on_saved(event: CheckpointSaved) -> None:
+        saved.append(event)
+
+    await bus.subscribe(subjects.pattern("checkpoint.saved"), on_saved, accepts=(CheckpointSaved,))
+    sessions = [*await checkpointing.add_pod("llama-1", 3), *await checkpointing.add_pod("llama-2", 2)]
+    gpus = RecordingGpus(
+        redis_client, subjects, parse_spec(SPEC, "spec.yaml"), "node-1", poll_s=0.02, look=checkpointing.committed
+    )
+    await gpus.attach()
+    await ConfigStore(redis_client, subjects).write("mig", LAYOUTS, 0, "test")
+    device_settings = DeviceSettings(
+        inventory_s=30.0, plugin="off", mig_step_timeout_s=30.0, mig_reconcile_s=30.0, mig_drain_timeout_s=60.0
+    )
+    service = DeviceService(device_settings, gpus=gpus, cluster=cluster)
+    async with device_service(settings, service) as service_running:
+        assert await checkpointing.committed() == dict.fromkeys(sessions, False)
+        await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
+        await eventually(lambda: events and events[-1].state != "pending", timeout=30)
+        assert service_running.ctx.health()["mig"]["state"] == "success"
+
+    request = requests[0]
+    assert request.drain_id.startswith("mig-node-1-first-1g-v1-")
+    assert request.requested_by == "device/mig" and "MIG layout 'first-1g'" in request.reason
+    assert [(e.state, e.reason) for e in events] == [
+        ("pending", f"waiting for drain {request.drain_id}: every session on the node is saved before the GPUs change"),
+        ("pending", ""),
+        ("success", ""),
+    ]
+    verdict = await eventually(lambda: verdicts and verdicts[0])
+    assert verdict.drain_id == request.drain_id and verdict.sessions_committed == len(sessions) == 5
+    # The order: when the first MIG change began, every session already had its committed checkpoint, and every
+    # checkpoint.saved had gone out.
+    assert gpus.seen_then == dict.fromkeys(sessions, True)
+    await eventually(lambda: len(saved) == 5)
+    assert {e.session_id for e in saved} == set(sessions) and {e.drain_id for e in saved} == {request.drain_id}
+    assert gpus.first_change_at is not None and all(e.occurred_at <= gpus.first_change_at for e in saved)
+    assert len((await gpus.devices())[0].mig_instances) == 7
+    assert await node_state(cluster) == ("success", None)
+    assert await drain_annotation(cluster) is None and len(requests) == 1
+
+
+async def test_a_drain_that_fails_leaves_the_gpus_unchanged_and_names_the_sessions_not_saved(
+    subjects: Subjects, bus: Bus, sim_gpus: SimGpus, cluster: SimCluster, checkpointing: Checkpointing
+) -> None:
+    await checkpointing.add_pod("llama-1", 2)
+    await checkpointing.add_pod("llama-silent", 2, serve=False)
+    recorder = Recorder(bus)
+    controller = controller_for(
+        sim_gpus, cluster, LAYOUTS, recorder, Clock(), drain_timeout_s=60.0, drain_deadline_s=2.0
+    )
+    await bus.consume(drain_verdicts(subjects, "node-1"), controller.on_drain_verdict)
+    before = await sim_gpus.devices()
+    await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
+    async with running(controller):
+        await eventually(lambda: recorder.events and recorder.events[-1].state == "failed", timeout=30)
+    failed = recorder.events[-1]
+    drain_id = recorder.drains[0].drain_id
+    assert failed.reason.startswith(
+        f"drain {drain_id} failed, GPUs left unchanged: 2 session(s) not checkpointed; not saved: "
+        "llama-silent-s0 (llama-silent: pod llama-silent's KV agent did not answer within the drain deadline"
+    )
+    assert "; llama-silent-s1 (llama-silent: pod llama-silent's KV agent did not answer" in failed.reason
+    assert [e.state for e in recorder.events] == ["pending", "failed"]
+    assert await sim_gpus.devices() == before
+    assert recorder.calls == []  # the plugin was never paused: nothing was about to change
+    assert await node_state(cluster) == ("failed", failed.reason)
+    assert await drain_annotation(cluster) is None
+
+    # A failed layout waits for its retry period, as any failed layout does: no second drain before it.
+    await controller.reconcile()
+    assert len(recorder.drains) == 1 and await sim_gpus.devices() == before
+    assert await node_state(cluster) == ("failed", failed.reason)
+
+
+async def test_no_verdict_in_time_fails_the_layout_unchanged_and_a_restart_asks_the_same_drain(
+    sim_gpus: SimGpus, cluster: SimCluster
+) -> None:
+    recorder = Recorder()
+    clock = Clock()
+    controller = controller_for(sim_gpus, cluster, LAYOUTS, recorder, clock, drain_timeout_s=5.0, drain_deadline_s=4.0)
+    before = await sim_gpus.devices()
+    await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
+    await controller.reconcile()
+    [asked] = recorder.drains
+    assert (asked.node, asked.deadline_s, asked.requested_by) == ("node-1", 4.0, "device/mig")
+    assert asked.drain_id.startswith("mig-node-1-first-1g-v1-")
+    assert await drain_annotation(cluster) == asked.drain_id  # named on the node before it was asked
+    assert (await node_state(cluster))[0] == "pending" and controller.describe()["drain"] == asked.drain_id
+    assert [e.state for e in recorder.events] == ["pending"]
+    await controller.reconcile()  # still waiting: asked once, said once
+    assert len(recorder.drains) == 1 and len(recorder.events) == 1
+
+    # A restarted controller asks the same drain again (the checkpoint service runs a drain id once).
+    restarted_recorder = Recorder()
+    restarted = controller_for(
+        sim_gpus, cluster, LAYOUTS, restarted_recorder, clock, drain_timeout_s=5.0, drain_deadline_s=4.0
+    )
+    await restarted.reconcile()
+    assert [d.drain_id for d in restarted_recorder.drains] == [asked.drain_id]
+    assert restarted_recorder.events == []  # the node already shows it pending for this drain
+
+    # Verdicts for other drains, or other nodes, are not this one's.
+    await restarted.on_drain_verdict(DrainCompleted(node="node-1", drain_id="mig-node-1-first-1g-v1-other"))
+    await restarted.on_drain_verdict(DrainCompleted(node="node-2", drain_id=asked.drain_id))
+    await restarted.reconcile()
+    assert (await node_state(cluster))[0] == "pending" and await sim_gpus.devices() == before
+
+    clock.now += 5.0
+    await restarted.reconcile()
+    state, reason = await node_state(cluster)
+    assert state == "failed" and reason == (
+        f"drain {asked.drain_id}: no verdict from the checkpoint service within 5s "
+        "(GPUWARDEN_MIG_DRAIN_TIMEOUT_S), GPUs left unchanged"
+    )
+    assert await sim_gpus.devices() == before and restarted_recorder.calls == []
+    assert await drain_annotation(cluster) is None and "drain" not in restarted.describe()
+
+    # A verdict that comes too late is not used, then or later.
+    await restarted.on_drain_verdict(DrainCompleted(node="node-1", drain_id=asked.drain_id))
+    await restarted.reconcile()
+    assert await node_state(cluster) == ("failed", reason) and await sim_gpus.devices() == before
+
+    # After the retry period a new drain is asked; its verdict lets the change go on, once.
+    clock.now += 300.0
+    await restarted.reconcile()
+    retry = restarted_recorder.drains[-1]
+    assert retry.drain_id != asked.drain_id and await drain_annotation(cluster) == retry.drain_id
+    await restarted.on_drain_verdict(DrainCompleted(node="node-1", drain_id=retry.drain_id, sessions_committed=3))
+    assert await drain_annotation(cluster) is None
+    await restarted.reconcile()
+    assert await node_state(cluster) == ("success", None)
+    assert len((await sim_gpus.devices())[0].mig_instances) == 7
+    assert [e.state for e in restarted_recorder.events] == ["failed", "pending", "pending", "success"]
+    assert restarted_recorder.calls == ["pause", "refresh", "resume"]
+
+
+async def test_the_device_service_fails_a_layout_whose_drain_gets_no_verdict_and_never_waits_for_ever(
+    settings: Settings,
+    subjects: Subjects,
+    bus: Bus,
+    redis_client: aioredis.Redis,
+    sim_gpus: SimGpus,
+    cluster: SimCluster,
+) -> None:
+    events = await mig_events(bus, subjects)
+    requests = await heard(bus, subjects, DrainRequested)
+    await ConfigStore(redis_client, subjects).write("mig", LAYOUTS, 0, "test")
+    device_settings = DeviceSettings(
+        inventory_s=30.0, plugin="off", mig_step_timeout_s=30.0, mig_reconcile_s=30.0, mig_drain_timeout_s=0.5
+    )
+    service = DeviceService(device_settings, gpus=sim_gpus, cluster=cluster)
+    async with device_service(settings, service):
+        before = await sim_gpus.devices()
+        await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
+        # Nothing but the drain's own time wakes the controller here (the reconcile period is 30s).
+        await eventually(lambda: events and events[-1].state == "failed")
+        assert await sim_gpus.devices() == before
+    [request] = requests
+    assert request.deadline_s == pytest.approx(0.4)  # the savers get less time than the controller waits
+    assert [e.state for e in events] == ["pending", "failed"]
+    assert events[-1].reason == (
+        f"drain {request.drain_id}: no verdict from the checkpoint service within 0.5s "
+        "(GPUWARDEN_MIG_DRAIN_TIMEOUT_S), GPUs left unchanged"
+    )
+    assert await node_state(cluster) == ("failed", events[-1].reason)
+    assert await drain_annotation(cluster) is None
+
+
+async def test_a_device_service_stopped_while_waiting_reports_it_and_its_restart_asks_the_same_drain(
+    settings: Settings,
+    subjects: Subjects,
+    bus: Bus,
+    redis_client: aioredis.Redis,
+    sim_gpus: SimGpus,
+    cluster: SimCluster,
+) -> None:
+    events = await mig_events(bus, subjects)
+    requests = await heard(bus, subjects, DrainRequested)
+    await ConfigStore(redis_client, subjects).write("mig", LAYOUTS, 0, "test")
+    device_settings = DeviceSettings(
+        inventory_s=30.0, plugin="off", mig_step_timeout_s=30.0, mig_reconcile_s=30.0, mig_drain_timeout_s=60.0
+    )
+    before = await sim_gpus.devices()
+    async with device_service(settings, DeviceService(device_settings, gpus=sim_gpus, cluster=cluster)) as first:
+        await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
+        await eventually(lambda: requests)
+        assert first.ctx.health()["mig"]["drain"] == requests[0].drain_id
+    drain_id = requests[0].drain_id
+    interrupted = f"interrupted: the device service stopped while waiting for drain {drain_id}"
+    await eventually(lambda: events and events[-1].reason == interrupted)
+    assert await node_state(cluster) == ("failed", interrupted)
+    assert await drain_annotation(cluster) == drain_id and await sim_gpus.devices() == before
+
+    async with device_service(settings, DeviceService(device_settings, gpus=sim_gpus, cluster=cluster)):
+        await eventually(lambda: len(requests) == 2)
+        assert requests[1].drain_id == drain_id
+        await eventually(lambda: events[-1].state == "pending")
+    await eventually(lambda: len(events) == 4)
+    assert [e.state for e in events] == ["pending", "failed", "pending", "failed"]
+    assert await sim_gpus.devices() == before

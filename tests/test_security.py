@@ -126,6 +126,12 @@ def test_nobody_but_checkpoint_may_report_a_drain_completed(subjects: Subjects) 
             assert may_publish(service_permissions(subjects, service, node), subject) == (service == "checkpoint")
 
 
+def test_the_mig_controller_may_ask_a_drain_of_its_own_node_only(subjects: Subjects) -> None:
+    perms = service_permissions(subjects, "device", node="node-1")
+    own, other = (concrete(subjects, "node.drain.requested", node=n) for n in ("node-1", "node-2"))
+    assert may_publish(perms, own) and not may_publish(perms, other)
+
+
 @pytest.mark.parametrize("service", sorted(NODE_SCOPED))
 def test_node_scoped_services_can_be_held_to_their_node(subjects: Subjects, service: str) -> None:
     perms = service_permissions(subjects, service, node="gpu-1.example.com")

@@ -143,6 +143,8 @@ class DeviceSettings:
     mig_step_timeout_s: float = 120.0  # one MIG change (mode, create, destroy) running longer fails the layout
     mig_reconcile_s: float = 60.0  # the MIG controller compares layout and GPUs at least this often
     mig_retry_s: float = 300.0  # a failed MIG layout is tried again after this, or when its document or label changes
+    mig_checkpoint: bool = True  # drain the node (save every KV cache) before any MIG change; off: no inference here
+    mig_drain_timeout_s: float = 300.0  # no drain verdict within this fails the MIG layout, GPUs unchanged
     driver_root: Path = Path("/")  # where the driver's files are on the host: the CDI spec's host paths
     driver_root_mount: Path | None = None  # where this service sees driver_root (its mount of it); None: the same
 
@@ -191,6 +193,15 @@ def parse_xids(raw: str, name: str = APPLICATION_XIDS_ENV) -> frozenset[int]:
     return frozenset(xids)
 
 
+def _on_off(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in ("on", "off"):
+        raise SettingsError(f"{name}={raw!r}: expected on or off")
+    return raw == "on"
+
+
 def _absolute_path(env: Mapping[str, str], name: str, default: str) -> Path:
     raw = env.get(name, "").strip() or default
     if not raw.startswith("/"):
@@ -221,6 +232,8 @@ def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
         mig_step_timeout_s=env_seconds(env, "GPUWARDEN_MIG_STEP_TIMEOUT_S", 120.0),
         mig_reconcile_s=env_seconds(env, "GPUWARDEN_MIG_RECONCILE_S", 60.0),
         mig_retry_s=env_seconds(env, "GPUWARDEN_MIG_RETRY_S", 300.0),
+        mig_checkpoint=_on_off(env, "GPUWARDEN_MIG_CHECKPOINT", True),
+        mig_drain_timeout_s=env_seconds(env, "GPUWARDEN_MIG_DRAIN_TIMEOUT_S", 300.0),
         driver_root=_absolute_path(env, "GPUWARDEN_DRIVER_ROOT", "/"),
         driver_root_mount=(
             _absolute_path(env, "GPUWARDEN_DRIVER_ROOT_MOUNT", "/")

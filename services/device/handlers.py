@@ -158,7 +158,9 @@ class DeviceService:
         ctx.spawn(self.keep_labels, "device-labels")
         if self.plugin is not None:
             ctx.spawn(self.plugin.run, "device-plugin")
-        self.mig = start_mig_controller(ctx, self.settings, gpus, self.cluster, self.plugin, self.refresh_inventory)
+        self.mig = await start_mig_controller(
+            ctx, self.settings, gpus, self.cluster, self.plugin, self.refresh_inventory
+        )
 
     async def on_cordon(self, event: NodeCordoned | NodeUncordoned) -> None:
         """Idempotent: the latest cordon event sets the state."""

@@ -23,6 +23,17 @@ The outcome is reported the way NVIDIA's MIG manager reports it, in the node lab
 
 Profiles are checked before anything changes when the GPU port lists them. NVML may list a GPU's profiles only
 once MIG mode is on; for such a GPU NVML's own refusal fails the step instead, with its reason.
+
+Destroying instances (or toggling MIG mode) stops the work on them, and the KV caches of the inference sessions in
+those pods with it. So before any change the controller drains its node as the driver service does before an
+upgrade: it publishes ``node.drain.requested`` and changes nothing until the checkpoint service answers
+``node.drain.completed`` for that drain. ``node.drain.failed``, or no verdict within ``GPUWARDEN_MIG_DRAIN_TIMEOUT_S``,
+ends the layout in ``failed`` with the reason and the GPUs as they were; the state is ``pending`` meanwhile. One
+drain is asked at a time, named on the node (annotation ``gpuwarden.io/mig-drain-id``) before it is published, so a
+restarted controller asks the same drain again (the checkpoint service runs a drain id once) instead of a second
+one; the annotation is removed as soon as the drain has a verdict, so a verdict is never used twice, and one seen
+before a restart is replaced by a fresh drain rather than trusted late. ``GPUWARDEN_MIG_CHECKPOINT=off`` changes the
+GPUs without a drain.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +51,9 @@ from typing import Any, Literal
 from shared.contract.base import Event
 from shared.contract.configdocs import MigConfig, MigDeviceGroup
 from shared.contract.device import GpuDevice, MigConfigChanged, MigConfigState
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.subjects import Subjects
+from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterError, ClusterPort, NodeInfo
@@ -54,6 +69,12 @@ CONFIG_DOCUMENT = "mig"
 CONFIG_LABEL = "nvidia.com/mig.config"
 STATE_LABEL = "nvidia.com/mig.config.state"
 REASON_ANNOTATION = "gpuwarden.io/mig-config-reason"
+DRAIN_ANNOTATION = "gpuwarden.io/mig-drain-id"
+DRAIN_PREFIX = "mig-"
+REQUESTED_BY = "device/mig"
+DRAIN_DEADLINE_S = 25.0
+"""The most the savers are given (``DrainRequested.deadline_s``): under the pods' default grace period of 30s."""
+FAILED_SESSIONS_SHOWN = 5
 MIG_COMPUTE_SLICES = 7
 WATCH_RETRY_S = 1.0
 STOP_REPORT_S = 2.0
@@ -190,8 +211,48 @@ def plan(
     return steps
 
 
+def drain_id_for(node: str, name: str, version: int) -> str:
+    """A new drain id for one attempt at layout ``name`` of document ``version`` on ``node``: readable, a subject
+    token, and never the id of an earlier attempt (the checkpoint service answers an id only once)."""
+    return f"{DRAIN_PREFIX}{node}-{name}-v{version}"[:240] + f"-{uuid.uuid4().hex[:8]}"
+
+
+def drain_failure(verdict: DrainFailed) -> str:
+    """Why a failed drain stops the layout: the checkpoint service's reason and the first sessions not saved."""
+    shown = [f"{f.session_id} ({f.pod + ': ' if f.pod else ''}{f.reason})" for f in verdict.failed_sessions]
+    more = len(shown) - FAILED_SESSIONS_SHOWN
+    listed = "; ".join(shown[:FAILED_SESSIONS_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+    return f"drain {verdict.drain_id} failed, GPUs left unchanged: {verdict.reason}" + (
+        f"; not saved: {listed}" if listed else ""
+    )
+
+
+def drain_verdicts(subjects: Subjects, node: str) -> ConsumerSpec:
+    """The controller's consumer of its node's drain verdicts (durable, per node)."""
+    return ConsumerSpec(
+        durable=subjects.durable("device", "mig-drains", node),
+        filter_subjects=(
+            subjects.pattern("node.drain.completed", node=node),
+            subjects.pattern("node.drain.failed", node=node),
+        ),
+        accepts=(DrainCompleted, DrainFailed),
+        stream=subjects.events_stream,
+    )
+
+
 # -- applying it --------------------------------------------------------------------------------------------------
 Hook = Callable[[], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class NodeDrain:
+    """The drain this controller asked for its node and has not acted on yet. ``published``: sent by this process
+    (one adopted from the node's annotation after a restart is sent again)."""
+
+    drain_id: str
+    asked_at: float
+    published: bool = False
+    verdict: DrainCompleted | DrainFailed | None = None
 
 
 class MigController:
@@ -199,7 +260,11 @@ class MigController:
 
     ``run`` reconciles on every wake and every ``reconcile_s``; ``watch_cluster`` wakes it when the node changes;
     ``on_config`` when the document does. ``pause``/``resume`` withdraw and restore the device plugin's
-    advertisement around the changes; ``refresh`` reads the inventory again after them."""
+    advertisement around the changes; ``refresh`` reads the inventory again after them.
+
+    With ``drain_timeout_s`` every change waits for a drain of the node first (``publish`` sends the request,
+    ``on_drain_verdict`` takes the verdicts of ``drain_verdicts``); ``None`` changes the GPUs without one.
+    ``drain_deadline_s`` is the time the savers are given, shorter than ``drain_timeout_s``."""
 
     def __init__(
         self,
@@ -215,6 +280,8 @@ class MigController:
         pause: Hook | None = None,
         resume: Hook | None = None,
         refresh: Hook | None = None,
+        drain_timeout_s: float | None = None,
+        drain_deadline_s: float = DRAIN_DEADLINE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
@@ -229,6 +296,9 @@ class MigController:
         self._pause = pause
         self._resume = resume
         self._refresh = refresh
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_deadline_s = drain_deadline_s
+        self._drain: NodeDrain | None = None
         self.clock = clock
         self.status: dict[str, Any] = {"state": "idle"}
         self._failed: tuple[tuple[str, int], float, str] | None = None
@@ -243,8 +313,10 @@ class MigController:
             self.wake()
 
     def describe(self) -> dict[str, Any]:
-        """For /healthz: the layout asked for, its state and reason, the steps of the last change."""
-        return dict(self.status)
+        """For /healthz: the layout asked for, its state and reason, the steps of the last change, the drain
+        waited for."""
+        drain = {"drain": self._drain.drain_id} if self._drain is not None else {}
+        return {**self.status, **drain}
 
     async def _cluster(self) -> ClusterPort:
         """The cluster port, opened on first use (by whichever loop comes first: the other waits for it)."""
@@ -256,17 +328,55 @@ class MigController:
     # -- the loops ------------------------------------------------------------------------------------------------
     async def run(self) -> None:
         """Runs for the service's lifetime. A cluster or GPU that does not answer is logged and tried again at
-        the next wake; the loop itself never stops for it."""
-        while True:
-            self._wake.clear()
-            try:
-                await self.reconcile()
-                self.status.pop("error", None)
-            except (ClusterError, GpuError) as exc:
-                self.status["error"] = f"{type(exc).__name__}: {exc}"
-                log.warning("MIG reconcile failed; trying again", extra={"error": self.status["error"]})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.reconcile_s)
+        the next wake; the loop itself never stops for it. A drain waited for wakes it when its time is up; a
+        stop while waiting reports the layout ``failed`` (a restart asks the same drain again)."""
+        try:
+            while True:
+                self._wake.clear()
+                wait = self.reconcile_s
+                try:
+                    await self.reconcile()
+                    self.status.pop("error", None)
+                    wait = self._until_drain_timeout()
+                except (ClusterError, GpuError) as exc:
+                    self.status["error"] = f"{type(exc).__name__}: {exc}"
+                    log.warning("MIG reconcile failed; trying again", extra={"error": self.status["error"]})
+                    wait = max(WATCH_RETRY_S, self._until_drain_timeout())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+        except asyncio.CancelledError:
+            if self._drain is not None:
+                reason = f"interrupted: the device service stopped while waiting for drain {self._drain.drain_id}"
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._report_stopped(reason), STOP_REPORT_S)
+            raise
+
+    def _until_drain_timeout(self) -> float:
+        if self._drain is None or self.drain_timeout_s is None:
+            return self.reconcile_s
+        left = self._drain.asked_at + self.drain_timeout_s - self.clock()
+        return max(0.0, min(self.reconcile_s, left))
+
+    async def _report_stopped(self, reason: str) -> None:
+        info = await (await self._cluster()).node(self.node)
+        if info is not None and info.labels.get(CONFIG_LABEL):
+            await self._report(info, info.labels[CONFIG_LABEL], "failed", reason, force=True)
+
+    async def on_drain_verdict(self, event: DrainCompleted | DrainFailed) -> None:
+        """The checkpoint service's verdict on a drain of this node. Idempotent: the node's drain annotation is
+        removed first, and only while it still names this drain (a compare-and-set, so a newer drain's name is
+        never lost), then the pass waiting for it is woken; a verdict seen again, or for a drain no longer waited
+        for, changes nothing more."""
+        if event.node != self.node or not event.drain_id.startswith(DRAIN_PREFIX):
+            return
+        cluster = await self._cluster()
+        info = await cluster.node(self.node)
+        if info is not None and info.annotations.get(DRAIN_ANNOTATION) == event.drain_id:
+            await cluster.update_node(self.node, annotations={DRAIN_ANNOTATION: None}, expect=info.revision)
+        drain = self._drain
+        if drain is not None and drain.drain_id == event.drain_id and drain.verdict is None:
+            drain.verdict = event
+            self.wake()
 
     async def watch_cluster(self) -> None:
         """Wakes ``run`` whenever this node changes (its labels among others). Runs for the service's lifetime."""
@@ -300,6 +410,7 @@ class MigController:
             raise ClusterError(f"node {self.node!r} is not in the cluster (GPUWARDEN_NODE names this node)")
         name = info.labels.get(CONFIG_LABEL, "")
         if not name:
+            await self._forget_drain(info)
             self.status = {"state": "idle", "reason": f"the node has no {CONFIG_LABEL} label"}
             return
         current = self.layouts()
@@ -312,16 +423,90 @@ class MigController:
         try:
             steps = plan(name, layout(current.doc, name), devices, profiles)
         except LayoutRefused as exc:
+            await self._forget_drain(info)
             await self._report(info, name, "failed", f"refused: {exc}")
             return
         if not steps:
             self._failed = None
+            await self._forget_drain(info)
             await self._report(info, name, "success", "")
             return
         if self._failed is not None and self._failed[0] == key and self.clock() - self._failed[1] < self.retry_s:
             await self._report(info, name, "failed", self._failed[2])
             return
+        if self.drain_timeout_s is not None and not await self._drained(info, name, key, steps):
+            return
         await self._apply(info, name, key, steps)
+
+    async def _drained(self, info: NodeInfo, name: str, key: tuple[str, int], steps: list[MigStep]) -> bool:
+        """True once the checkpoint service has committed every session on the node for this change; then the
+        drain is used up. Until then the layout is ``pending`` and the GPUs untouched; a failed drain, or none
+        answered within ``drain_timeout_s``, ends it in ``failed`` (tried again as any failed layout is, with a
+        new drain). Level-triggered: each pass moves the one drain on, asking it (again) until it is sent."""
+        planned = [str(s) for s in steps]
+        drain = self._drain
+        if drain is None:
+            adopted = info.annotations.get(DRAIN_ANNOTATION, "")
+            drain_id = adopted or drain_id_for(self.node, name, key[1])
+            if not adopted:
+                await (await self._cluster()).set_node_annotations(self.node, {DRAIN_ANNOTATION: drain_id})
+            drain = self._drain = NodeDrain(drain_id, self.clock())
+        match drain.verdict:
+            case DrainCompleted(sessions_committed=committed):
+                await self._forget_drain(info)
+                log.info(
+                    "drain completed; changing the GPUs", extra={"drain_id": drain.drain_id, "sessions": committed}
+                )
+                return True
+            case DrainFailed() as verdict:
+                await self._forget_drain(info)
+                await self._drain_failed(info, name, key, planned, drain_failure(verdict))
+                return False
+        assert self.drain_timeout_s is not None
+        if self.clock() - drain.asked_at >= self.drain_timeout_s:
+            await self._forget_drain(info)
+            reason = (
+                f"drain {drain.drain_id}: no verdict from the checkpoint service within {self.drain_timeout_s:g}s "
+                "(GPUWARDEN_MIG_DRAIN_TIMEOUT_S), GPUs left unchanged"
+            )
+            await self._drain_failed(info, name, key, planned, reason)
+            return False
+        waiting = f"waiting for drain {drain.drain_id}: every session on the node is saved before the GPUs change"
+        await self._report(info, name, "pending", waiting, planned)
+        if not drain.published:
+            await self._ask(drain, name, key[1])
+        return False
+
+    async def _ask(self, drain: NodeDrain, name: str, version: int) -> None:
+        """Publishes the drain request; one that cannot be sent is sent at the next pass (its timeout runs on)."""
+        request = DrainRequested(
+            node=self.node,
+            drain_id=drain.drain_id,
+            reason=f"MIG layout {name!r} (mig document version {version}) is applied to the GPUs",
+            requested_by=REQUESTED_BY,
+            deadline_s=self.drain_deadline_s,
+        )
+        try:
+            await self.publish(request)
+        except Exception as exc:
+            log.warning("cannot ask for the drain", extra={"error": f"{type(exc).__name__}: {exc}"})
+            return
+        drain.published = True
+        log.info("drain requested before the MIG change", extra={"drain_id": drain.drain_id, "config": name})
+
+    async def _drain_failed(
+        self, info: NodeInfo, name: str, key: tuple[str, int], planned: list[str], reason: str
+    ) -> None:
+        self._failed = (key, self.clock(), reason)
+        log.error("MIG layout failed", extra={"config": name, "reason": reason})
+        await self._report(info, name, "failed", reason, planned, force=True)
+
+    async def _forget_drain(self, info: NodeInfo) -> None:
+        """No drain is waited for any more (its change is no longer wanted, or its time is up): its verdict, when
+        it comes, is never used for a later change, and a restart does not ask it again."""
+        self._drain = None
+        if DRAIN_ANNOTATION in info.annotations:
+            await (await self._cluster()).set_node_annotations(self.node, {DRAIN_ANNOTATION: None})
 
     async def _apply(self, info: NodeInfo, name: str, key: tuple[str, int], steps: list[MigStep]) -> None:
         planned = [str(s) for s in steps]
@@ -423,7 +608,7 @@ class MigController:
             log.warning("cannot publish the MIG config state", extra={"error": f"{type(exc).__name__}: {exc}"})
 
 
-def start_mig_controller(
+async def start_mig_controller(
     ctx: ServiceContext,
     settings: DeviceSettings,
     gpus: GpuPort,
@@ -432,8 +617,8 @@ def start_mig_controller(
     refresh: Hook,
 ) -> MigController:
     """The device service's MIG controller, started: it reads the ``mig`` document through the service's config
-    watcher, watches its node through ``cluster`` (or a cluster port of its own, which it closes on stop), and
-    pauses ``plugin`` while it works."""
+    watcher, watches its node through ``cluster`` (or a cluster port of its own, which it closes on stop), pauses
+    ``plugin`` while it works, and (unless ``GPUWARDEN_MIG_CHECKPOINT=off``) consumes its node's drain verdicts."""
 
     async def connect() -> ClusterPort:
         return cluster or await cluster_port(ctx.settings, ctx.subjects, watch_kinds=("node",))
@@ -450,7 +635,11 @@ def start_mig_controller(
         pause=plugin.pause if plugin is not None else None,
         resume=plugin.resume if plugin is not None else None,
         refresh=refresh,
+        drain_timeout_s=settings.mig_drain_timeout_s if settings.mig_checkpoint else None,
+        drain_deadline_s=min(DRAIN_DEADLINE_S, settings.mig_drain_timeout_s * 0.8),
     )
+    if settings.mig_checkpoint:
+        await ctx.consume(drain_verdicts(ctx.subjects, ctx.node), controller.on_drain_verdict)
 
     async def run() -> None:
         try:

@@ -37,7 +37,13 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "driver.validate.command",
         "driver.versions.command",
     ),
-    "device": ("device.inventory", "device.health.changed", "device.xid", "device.mig.config"),
+    "device": (
+        "device.inventory",
+        "device.health.changed",
+        "device.xid",
+        "device.mig.config",
+        "node.drain.requested",  # the MIG controller saves every session on its node before changing the GPUs
+    ),
     "metrics": ("metrics.gpu.sample", "metrics.deployment.utilisation"),
     "scaler": ("scaler.decision",),
     "checkpoint": (
