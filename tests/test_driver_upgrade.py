@@ -164,8 +164,9 @@ class UpgradeMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NODES), ok=st.booleans())
     def verdict(self, name: str, ok: bool) -> None:
+        """The checkpoint service decides a drain once: its verdict is final, later copies repeat it."""
         node = self.nodes[name]
-        if node.annotations.get(DRAIN_ANNOTATION):
+        if node.annotations.get(DRAIN_ANNOTATION) and not node.verdict:
             node.verdict = "completed" if ok else "failed: 1 session(s) not checkpointed"
 
     @rule(name=st.sampled_from(NODES))
