@@ -106,9 +106,10 @@ class DeviceService:
         self.gpus = gpus
         self._owns_gpus = gpus is None
         self.cluster = cluster
-        self._owns_cluster = cluster is None
         self.pods = pods
         self._owns_pods = pods is None
+        self._opened_cluster: ClusterPort | None = None
+        self._cluster_lock = asyncio.Lock()
         self.labeller: NodeLabeller | None = None
         self.cordoned = False
         self.ctx: ServiceContext | None = None
@@ -159,7 +160,7 @@ class DeviceService:
         if self.plugin is not None:
             ctx.spawn(self.plugin.run, "device-plugin")
         self.mig = await start_mig_controller(
-            ctx, self.settings, gpus, self.cluster, self.plugin, self.refresh_inventory
+            ctx, self.settings, gpus, self._cluster_port, self.plugin, self.refresh_inventory
         )
 
     async def on_cordon(self, event: NodeCordoned | NodeUncordoned) -> None:
@@ -227,17 +228,27 @@ class DeviceService:
         return found, ""
 
     async def keep_labels(self) -> None:
-        """Runs for the service's lifetime; the cluster port it opened itself is closed when the service stops."""
+        """Runs for the service's lifetime; the cluster port the service opened itself is closed when it stops."""
         assert self.labeller is not None
         try:
             await self.labeller.run()
         finally:
-            if self._owns_cluster:
-                await asyncio.shield(self.labeller.close())
+            if self._opened_cluster is not None:
+                opened, self._opened_cluster = self._opened_cluster, None
+                await asyncio.shield(opened.close())
 
     async def _cluster_port(self) -> ClusterPort:
+        """The service's one cluster port, for its labels and its MIG controller alike: the one it was given, or
+        one opened on first use (following its own node only); a failed open is tried again by the next caller."""
+        if self.cluster is not None:
+            return self.cluster
         assert self.ctx is not None
-        return self.cluster or await cluster_port(self.ctx.settings, self.ctx.subjects)
+        async with self._cluster_lock:
+            if self._opened_cluster is None:
+                self._opened_cluster = await cluster_port(
+                    self.ctx.settings, self.ctx.subjects, watch_kinds=("node",), watch_node=self.ctx.node
+                )
+            return self._opened_cluster
 
     async def watch_health(self) -> None:
         """Runs for the service's lifetime; the port it opened itself is closed when the service stops."""

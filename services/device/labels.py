@@ -196,8 +196,3 @@ class NodeLabeller:
             self.writes += 1
             log.info("node labels written", extra={"node": self.node, "labels": changes})
         self.written = dict(desired)
-
-    async def close(self) -> None:
-        if self.cluster is not None:
-            await self.cluster.close()
-            self.cluster = None

@@ -58,7 +58,6 @@ from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError, GpuPort, MigProfile
-from shared.ports.select import cluster_port
 
 from .config import DeviceSettings
 from .plugin import KubeletDevicePlugin
@@ -391,12 +390,6 @@ class MigController:
                 self.wake()
             await asyncio.sleep(WATCH_RETRY_S)
 
-    async def close(self) -> None:
-        if self.cluster is not None:
-            cluster, self.cluster = self.cluster, None
-            with contextlib.suppress(Exception):
-                await cluster.close()
-
     # -- one pass -------------------------------------------------------------------------------------------------
     async def reconcile(self) -> None:
         """Compare the layout the node's label asks for with the GPUs, and apply it when they differ.
@@ -612,17 +605,14 @@ async def start_mig_controller(
     ctx: ServiceContext,
     settings: DeviceSettings,
     gpus: GpuPort,
-    cluster: ClusterPort | None,
+    connect: Callable[[], Awaitable[ClusterPort]],
     plugin: KubeletDevicePlugin | None,
     refresh: Hook,
 ) -> MigController:
     """The device service's MIG controller, started: it reads the ``mig`` document through the service's config
-    watcher, watches its node through ``cluster`` (or a cluster port of its own, which it closes on stop), pauses
-    ``plugin`` while it works, and (unless ``GPUWARDEN_MIG_CHECKPOINT=off``) consumes its node's drain verdicts."""
-
-    async def connect() -> ClusterPort:
-        return cluster or await cluster_port(ctx.settings, ctx.subjects, watch_kinds=("node",))
-
+    watcher, watches its node through the service's cluster port (``connect``; the service owns and closes it),
+    pauses ``plugin`` while it works, and (unless ``GPUWARDEN_MIG_CHECKPOINT=off``) consumes its node's drain
+    verdicts."""
     controller = MigController(
         ctx.node,
         gpus,
@@ -641,16 +631,8 @@ async def start_mig_controller(
     if settings.mig_checkpoint:
         await ctx.consume(drain_verdicts(ctx.subjects, ctx.node), controller.on_drain_verdict)
 
-    async def run() -> None:
-        try:
-            await controller.run()
-        except asyncio.CancelledError:
-            if cluster is None:
-                await asyncio.shield(controller.close())
-            raise
-
     ctx.config.on_change(controller.on_config)
     ctx.status["mig"] = controller.describe
-    ctx.spawn(run, "mig-controller")
+    ctx.spawn(controller.run, "mig-controller")
     ctx.spawn(controller.watch_cluster, "mig-node-watch")
     return controller
