@@ -393,56 +393,14 @@ class ExpositionParser:
 
 
 # -- HTTP -------------------------------------------------------------------------------------------------------
-async def http_get(url: str, timeout: float, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
-    """A plain HTTP/1.1 GET (identity encoding, chunked or not) with one deadline for the whole exchange."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise MetricsSourceError(f"{url}: expected an http:// or https:// URL")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    tls = ssl.create_default_context() if parts.scheme == "https" else None
-
-    async def exchange() -> tuple[int, bytes]:
-        reader, writer = await asyncio.open_connection(parts.hostname, port, ssl=tls)
-        try:
-            extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-            writer.write(
-                f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nAccept: text/plain\r\n"
-                f"Accept-Encoding: identity\r\nConnection: close\r\n{extra}\r\n".encode("latin-1")
-            )
-            await writer.drain()
-            status_line = await reader.readline()
-            fields = status_line.split(None, 2)
-            if len(fields) < 2 or not fields[0].startswith(b"HTTP/"):
-                raise MetricsSourceError(f"{url}: not an HTTP response: {status_line[:80]!r}")
-            status = int(fields[1])
-            head: dict[str, str] = {}
-            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                key, _, value = line.decode("latin-1").partition(":")
-                head[key.strip().lower()] = value.strip()
-            if head.get("transfer-encoding", "").lower() == "chunked":
-                chunks = []
-                while True:
-                    size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-                    if size == 0:
-                        break
-                    chunks.append(await reader.readexactly(size))
-                    await reader.readline()
-                return status, b"".join(chunks)
-            if "content-length" in head:
-                return status, await reader.readexactly(int(head["content-length"]))
-            return status, await reader.read()
-        finally:
-            writer.close()
-
+async def http_get(url: str, timeout: float) -> tuple[int, bytes]:
+    """One HTTP/1.1 GET on a connection of its own, closed after (``HttpClient`` for a source read again and
+    again). Raises ``MetricsSourceError``."""
+    client = HttpClient(url, timeout)
     try:
-        return await asyncio.wait_for(exchange(), timeout)
-    except TimeoutError:
-        raise MetricsSourceError(f"{url}: no complete answer within {timeout:g}s") from None
-    except asyncio.IncompleteReadError:
-        raise MetricsSourceError(f"{url}: the connection closed mid-answer") from None
-    except (OSError, ValueError) as exc:
-        raise MetricsSourceError(f"{url}: {type(exc).__name__}: {exc}") from None
+        return await client.get()
+    finally:
+        client.close()
 
 
 class _Response(asyncio.Protocol):
