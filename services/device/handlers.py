@@ -44,7 +44,6 @@ from .resources import ResourceError
 
 log = logging.getLogger(__name__)
 
-APPLICATION_XIDS: frozenset[int] = DEFAULT_APPLICATION_XIDS
 POD_LOOKUP_TIMEOUT_S = 5.0
 """How long a failing GPU's announcement waits to name its pods; past it, it goes out saying they are unknown."""
 
@@ -52,7 +51,7 @@ GpuHealth = Literal["healthy", "unhealthy", "lost"]
 _SEVERITY: dict[GpuHealth, int] = {"healthy": 0, "unhealthy": 1, "lost": 2}
 
 
-def is_critical_xid(xid: int, application_xids: frozenset[int] = APPLICATION_XIDS) -> bool:
+def is_critical_xid(xid: int, application_xids: frozenset[int] = DEFAULT_APPLICATION_XIDS) -> bool:
     return xid not in application_xids
 
 
@@ -68,7 +67,7 @@ class HealthVerdict:
 
 
 def judge(
-    event: GpuHealthEvent, current: GpuHealth, application_xids: frozenset[int] = APPLICATION_XIDS
+    event: GpuHealthEvent, current: GpuHealth, application_xids: frozenset[int] = DEFAULT_APPLICATION_XIDS
 ) -> HealthVerdict:
     """An event only makes health worse: healthy, then unhealthy (a critical XID), then lost. Recovery is
     ``may_recover``'s, after a quiet period, never an event's."""
