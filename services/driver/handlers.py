@@ -6,6 +6,7 @@ through that node's agent."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
@@ -17,15 +18,17 @@ from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuPort
-from shared.ports.select import gpu_port
+from shared.ports.select import cluster_port, gpu_port
 
 from .agent import DriverAgent, bus_node_drivers
 from .config import DriverSettings, load
 from .coordinator import UpgradeCoordinator
-from .lease import RedisDrainVerdicts, RedisLeaderLease, cluster_port, open_redis
+from .lease import RedisDrainVerdicts, RedisLeaderLease, open_redis
 from .ports import DrainVerdicts, NodeDrivers
 
 log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 2.0  # a client closing on shutdown never holds the service up for longer
 
 
 class DriverService:
@@ -75,7 +78,7 @@ class DriverService:
         ctx.config.on_change(self.on_policy)
         ctx.status["drain_verdicts"] = self.verdicts
         if self.settings.coordinate:
-            cluster = self.cluster or await cluster_port(ctx.settings, s, client)
+            cluster = self.cluster or await cluster_port(ctx.settings, s)
             holder = f"{ctx.node or 'driver'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.coordinator = UpgradeCoordinator(
                 cluster,
@@ -87,7 +90,18 @@ class DriverService:
             )
             coordinator = self.coordinator
             ctx.status["upgrade"] = coordinator.status
-            ctx.spawn(lambda: coordinator.run(self.settings.reconcile_s, self._wake), "driver-upgrade")
+            opened = cluster if self.cluster is None else None
+
+            async def coordinate() -> None:
+                """Runs for the service's lifetime; the cluster port opened here is closed when it stops."""
+                try:
+                    await coordinator.run(self.settings.reconcile_s, self._wake)
+                finally:
+                    if opened is not None:
+                        with contextlib.suppress(Exception):
+                            await asyncio.shield(asyncio.wait_for(opened.close(), CLOSE_TIMEOUT_S))
+
+            ctx.spawn(coordinate, "driver-upgrade")
 
     async def _keep_agent(self) -> None:
         """Runs for the service's lifetime: when it stops, the agent stops what it runs and closes its port."""

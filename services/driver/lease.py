@@ -1,5 +1,4 @@
-"""Adapters of the driver service: the coordinator's leader lease with fencing and the drain verdict book (Redis),
-and the cluster port (simulated, or the Kubernetes API).
+"""Adapters of the driver service: the coordinator's leader lease with fencing and the drain verdict book (Redis).
 
 The lease is a hash ``<root>:driver:leader`` (holder, token) with a TTL; every new holder takes the next value of
 the counter ``<root>:driver:fence``, so tokens only grow. Taking and renewing are one Lua script each, atomic in
@@ -14,9 +13,7 @@ import redis.asyncio as aioredis
 
 from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
-from shared.plumbing.settings import RedisSettings, Settings
-from shared.ports.cluster import ClusterPort
-from shared.sim.cluster import SimCluster
+from shared.plumbing.settings import RedisSettings
 
 _ACQUIRE = """
 local holder = redis.call('HGET', KEYS[1], 'holder')
@@ -86,13 +83,3 @@ class RedisDrainVerdicts:
 
 def open_redis(settings: RedisSettings) -> aioredis.Redis:
     return redis_client(settings)
-
-
-async def cluster_port(settings: Settings, subjects: Subjects, client: aioredis.Redis) -> ClusterPort:
-    """The cluster: simulated for backend ``sim`` (attached, or created from the spec when this process is the
-    first to start); the Kubernetes API (``shared.ports.kube``) for ``real``."""
-    if settings.backend != "sim":
-        from shared.ports.select import cluster_port as select_cluster
-
-        return await select_cluster(settings, subjects)
-    return await SimCluster.create(client, subjects)
