@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.device.config import DeviceSettings
-from services.device.handlers import APPLICATION_XIDS, DeviceService, GpuHealth, judge
+from services.device.config import DEFAULT_APPLICATION_XIDS, DeviceSettings
+from services.device.handlers import DeviceService, GpuHealth, judge
 from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuXid
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
@@ -333,7 +333,7 @@ def test_health_only_gets_worse_and_application_xids_never_count(sequence: list[
     for event in sequence:
         verdict = judge(event, health)
         if event.kind == "xid":
-            assert verdict.critical == (event.xid not in APPLICATION_XIDS)
+            assert verdict.critical == (event.xid not in DEFAULT_APPLICATION_XIDS)
         assert order[verdict.health] >= order[health]
         assert verdict.changed == (verdict.health != health)
         health = verdict.health
