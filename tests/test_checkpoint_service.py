@@ -8,12 +8,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.handlers import CheckpointService
 from shared.contract.checkpoint import CheckpointSaved, SaveProgress
+from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.subjects import Subjects
@@ -21,6 +24,7 @@ from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus, ConsumerSpec
+from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from tests.helpers import eventually
@@ -123,11 +127,14 @@ async def test_drain_commits_every_session_then_they_restore_elsewhere(
         for sid, blocks in pod.blocks.items():
             restored = await newcomer.endpoint.restore(sid)
             assert [bytes(b) for b in restored.blocks] == [b.tobytes() for b in blocks]
-    # duplicates and late copies of d1 change nothing; a later drain is decided normally
+    # a re-sent d1 is not run again: it is answered with the recorded verdict; a later drain is decided normally
     await bus.publish(DrainRequested(node="node-1", drain_id="d1", deadline_s=20))
     await bus.publish(DrainRequested(node="node-2", drain_id="d2", deadline_s=20))
     await eventually(lambda: any(v.drain_id == "d2" for v in seen))
-    assert [v.drain_id for v in seen].count("d1") == 1
+    await eventually(lambda: [v.drain_id for v in seen].count("d1") == 2)
+    again = [v for v in seen if v.drain_id == "d1"][1]
+    assert again.event_id != verdict.event_id
+    assert msgspec.structs.replace(again, event_id=verdict.event_id, occurred_at=verdict.occurred_at) == verdict
 
 
 async def test_an_agent_that_does_not_answer_fails_the_drain_by_session_name(
@@ -230,7 +237,7 @@ async def test_agent_killed_mid_save_leaves_no_partial_checkpoint_and_the_drain_
 
 
 async def test_periodic_and_prestop_saves_are_recorded(
-    mesh: dict[str, object], bus: Bus, subjects: Subjects, settings: Settings
+    mesh: dict[str, object], bus: Bus, subjects: Subjects, settings: Settings, redis_client: aioredis.Redis
 ) -> None:
     import os
     import subprocess
@@ -242,9 +249,11 @@ async def test_periodic_and_prestop_saves_are_recorded(
         saved.append(event)
 
     await bus.subscribe(subjects.pattern("checkpoint.saved"), on_saved, (CheckpointSaved,))
-    pod: Pod = await mesh["add_pod"]("llama-7", "node-1", 2, serve=False)  # type: ignore[operator]
-    await pod.endpoint.start(periodic_s=0.2)
+    # periodic checkpoints follow the checkpoint document: the service asks each announcing pod in turn
+    await ConfigStore(redis_client, subjects).write("checkpoint", CheckpointPolicy(periodic_interval_s=0.3), 0, "t")
+    await mesh["add_pod"]("llama-7", "node-1", 2)  # type: ignore[operator]
     await eventually(lambda: len({e.session_id for e in saved}) == 2)
+    await eventually(lambda: len({e.checkpoint_id for e in saved}) >= 4)  # and again an interval later
     assert all(e.drain_id == "" for e in saved)
     # the preStop hook, as a pod runs it: a separate process asks the agent for a final save
     env = dict(os.environ, GPUWARDEN_NATS_URL=settings.nats.servers[0], GPUWARDEN_ROOT=subjects.root)

@@ -508,9 +508,12 @@ async def pods_work(kube: KubeCluster, api: FakeKubeApi) -> None:
 
 
 async def checkpoint_work(kube: KubeCluster, api: FakeKubeApi) -> None:
+    """Pods (which are gone), and whether a node to drain exists."""
     watch = kube.watch()
     await watch.ready()
     await kube.pods()
+    await kube.pods(node="gpu-a")
+    assert await kube.node("gpu-a") is not None
     api.add("pods", pod(NS, "llama", "a9", "gpu-a"))
     await changes(watch, 1)
     await watch.aclose()

@@ -174,7 +174,7 @@ async def test_bit_flip_is_detected_names_the_block_and_falls_back(store: FileSt
     assert bytes(restored.blocks[2]) != blocks[2].tobytes()  # the older content, verified
     # a flipped byte in a block both checkpoints share: nothing good is left, and it says so
     flip_byte(store, older.blocks[0].pack, older.blocks[0].offset)
-    with pytest.raises(ChunkCorrupt, match="every checkpoint of the session is corrupt"):
+    with pytest.raises(ChunkCorrupt, match="no usable checkpoint of session"):
         await make_agent(store, pod="p3").restore("s1")
 
 

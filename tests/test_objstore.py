@@ -271,8 +271,8 @@ async def test_listing_deleting_batches_and_sweeping_orphans(store: NatsObjectSt
     orphan = store.open_pack()
     await orphan.append([memoryview(b"x" * 1000)])
     await orphan._finish_chunks()
-    assert await store.sweep_orphans(older_than_s=3600) == 0
-    assert await store.sweep_orphans(older_than_s=0) == 1
+    assert await store.sweep_orphans(grace_s=3600) == 0
+    assert await store.sweep_orphans(grace_s=0) == 1
     assert await stream_subjects(nc, store.bucket, "C") == live
     restored = await make_agent(store, pod="p2").restore("s1")
     assert restored.manifest.checkpoint_id == first[0].checkpoint_id
@@ -400,7 +400,7 @@ async def test_nats_restarted_mid_save_leaves_no_partial_checkpoint(own_nats: Na
     agent.store = store
     again = await agent.save()
     assert not again.failed
-    await store.sweep_orphans(older_than_s=0)
+    await store.sweep_orphans(grace_s=0)
     referenced = {ref.pack for cid in await store.checkpoints("s1") for ref in (await store.manifest("s1", cid)).blocks}
     assert {p.pack_id for p in await store.packs()} == referenced
     live = {m.nuid for m in await store._scan_metas()}

@@ -14,6 +14,11 @@ class CheckpointSettings:
     store: str = "file:///var/lib/gpuwarden/checkpoints"
     gc_interval_s: float = 60.0
     gc_grace_s: float = 600.0
+    drain_lease_s: float = 10.0
+    """How long a drain's runner holds it without renewing (renewed every third of it while it works): a runner
+    that dies hands the drain to the next delivery within about this long, whatever the drain's deadline."""
+    verdict_sessions_max: int = 100
+    """Failed sessions named in one verdict event; the rest are counted and kept in Redis (``failed_ref``)."""
 
 
 def load(env: Mapping[str, str] | None = None) -> CheckpointSettings:
@@ -27,4 +32,5 @@ def load(env: Mapping[str, str] | None = None) -> CheckpointSettings:
         store=store,
         gc_interval_s=env_seconds(env, "GPUWARDEN_CHECKPOINT_GC_S", 60.0, allow_zero=True),
         gc_grace_s=env_seconds(env, "GPUWARDEN_CHECKPOINT_GC_GRACE_S", 600.0, allow_zero=True),
+        drain_lease_s=env_seconds(env, "GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S", 10.0),
     )

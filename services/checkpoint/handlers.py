@@ -2,11 +2,21 @@
 
 It decides, orders, verifies and records; the bytes go from each pod's KV agent straight to the store.
 
-A drain: take the drain's lease (one runner per drain; a crashed runner's lease expires and the redelivered
-request resumes it), find the node's sessions in the registry, command each pod's agent to save everything it
-holds with a deadline shorter than the pods' grace period (bounded parallelism), verify each committed manifest
-in the store, record it, and only then publish ``drain.completed`` (all committed) or ``drain.failed`` (which
-sessions, why). A drain that already has a verdict is not run again.
+A drain: take the drain's lease (one runner per drain, renewed while it works; a runner that dies loses it within
+``drain_lease_s`` and the redelivered request resumes the drain), refuse a node the cluster does not have, forget
+pods that are gone, find the node's sessions in the registry, command each pod's agent to save the sessions it
+holds, naming the generation of each (bounded parallelism, a deadline shorter than the pods' grace period),
+verify each committed manifest in the store, record it if the pod still owns the session, and only then record
+and publish one verdict: ``drain.completed`` (all committed) or ``drain.failed`` (which sessions, why; a long
+list summarised, the whole of it in Redis). A drain id that already has a verdict is answered with it again.
+
+Sessions are owned: a pod takes one by claiming it (``locate`` with ``claim``), which hands out the session's
+next generation. Saves of an older generation are refused, so a pod that lost a session never rolls it back,
+and restores use the recorded checkpoints newest (generation, sequence) first.
+
+Periodic checkpoints: every ``periodic_interval_s`` of the ``checkpoint`` document each live pod is asked to
+save what it holds (incremental: only new blocks are written), so a pod that dies without its preStop loses at
+most one interval.
 
 A GPU that fails (``device.health.changed``, unhealthy, naming the pods that hold it) has those pods' agents save
 everything they hold at once, before the pods are restarted or moved.
@@ -21,6 +31,7 @@ import time
 import uuid
 from collections import defaultdict
 
+import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
 from shared.contract.base import is_token
@@ -38,11 +49,15 @@ from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter
 from shared.contract.device import DeviceHealthChanged
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, SessionFailure
+from shared.contract.registry import codec
+from shared.kv.manifest import checkpoint_order
 from shared.kv.store import CheckpointStore, StoreError
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.errors import PermanentError, TemporaryError
 from shared.plumbing.runner import ServiceContext
+from shared.ports.cluster import ClusterPort
+from shared.ports.select import cluster_port
 
 from .config import CheckpointSettings, load
 from .registry import SessionRegistry
@@ -53,14 +68,25 @@ log = logging.getLogger(__name__)
 GPU_FAILURE_SAVE_S = 20.0
 """The deadline a pod on a failing GPU gets for its save."""
 
+REASON_CHARS = 500
+"""A failure's reason as far as a verdict repeats it."""
+
+VERDICT_TTL_S = 7 * 24 * 3600.0
+
 
 class CheckpointService:
     name = "checkpoint"
     config_names: tuple[str, ...] = ("checkpoint", "models")
 
-    def __init__(self, settings: CheckpointSettings | None = None, store: CheckpointStore | None = None) -> None:
+    def __init__(
+        self,
+        settings: CheckpointSettings | None = None,
+        store: CheckpointStore | None = None,
+        cluster: ClusterPort | None = None,
+    ) -> None:
         self.settings = settings or load()
         self.store = store
+        self.cluster = cluster
         self.drains: dict[str, str] = {}
         self.owner = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._manifest_cache: dict[str, CheckpointRecord] = {}
@@ -73,12 +99,25 @@ class CheckpointService:
 
             self.store = open_store(self.settings.store, ctx.bus.nc)
         self.registry = SessionRegistry(redis_client(ctx.settings.redis), ctx.subjects)
+        if self.cluster is None:
+            self.cluster = await cluster_port(ctx.settings, ctx.subjects)
         r = ctx.telemetry.registry
         self.m_bytes = Counter(
             "gpuwarden_checkpoint_bytes_total", "Bytes committed to checkpoints", ["kind"], registry=r
         )
         self.m_sessions = Counter(
             "gpuwarden_checkpoint_sessions_total", "Sessions saved, by outcome", ["outcome"], registry=r
+        )
+        self.m_refused = Counter(
+            "gpuwarden_checkpoint_stale_refused_total",
+            "Saves and announcements of sessions by pods that no longer own them, refused",
+            ["what"],
+            registry=r,
+        )
+        self.m_fallbacks = Counter(
+            "gpuwarden_checkpoint_restore_fallbacks_total",
+            "Newer checkpoints passed over by restores (missing, unreadable, corrupt)",
+            registry=r,
         )
         self.m_drain = Histogram(
             "gpuwarden_drain_seconds",
@@ -94,9 +133,10 @@ class CheckpointService:
                 filter_subjects=(s.pattern("node.drain.requested"),),
                 accepts=(DrainRequested,),
                 stream=s.events_stream,
-                ack_wait=30.0,
+                ack_wait=max(5.0, self.settings.drain_lease_s),
                 concurrency=4,
-                max_deliver=10,
+                max_deliver=20,
+                backoff=(1.0, 2.0, 4.0),
             ),
             self.on_drain_requested,
         )
@@ -126,6 +166,7 @@ class CheckpointService:
         ctx.status["store"] = self.store.url
         if self.settings.gc_interval_s > 0:
             ctx.spawn(self._gc_loop, "checkpoint-gc")
+        ctx.spawn(self._periodic_loop, "checkpoint-periodic")
 
     def policy(self) -> CheckpointPolicy:
         current = self.ctx.config.current("checkpoint")
@@ -133,14 +174,42 @@ class CheckpointService:
 
     # -- the registry -----------------------------------------------------------------------------------------------
     async def on_announcement(self, event: AgentSessions) -> None:
-        """Idempotent: the announcement replaces what the pod held before."""
-        await self.registry.apply_announcement(event)
+        """Idempotent: the announcement replaces what the pod held before. Sessions it holds under a generation
+        that moved on are stale copies: ignored, and reported."""
+        stale = await self.registry.apply_announcement(event)
+        if stale:
+            self.m_refused.labels("announcement").inc(len(stale))
+            log.warning(
+                "pod announced sessions it no longer owns; ignored",
+                extra={"pod": event.pod, "node": event.node, "sessions": stale[:20], "count": len(stale)},
+            )
+
+    async def _gone_pods(self, node: str | None = None) -> set[str]:
+        """Pods the registry knows that stopped announcing and that the cluster no longer has. Empty when the
+        cluster cannot say: a silent pod that may still exist keeps its sessions (a drain then fails for them
+        rather than forgetting them)."""
+        silent = await self.registry.silent_pods()
+        if node is not None:
+            silent = {p: n for p, n in silent.items() if n == node}
+        if not silent:
+            return set()
+        assert self.cluster is not None
+        try:
+            present = {p.name for p in await self.cluster.pods(node=node)}
+        except Exception as exc:
+            log.warning("cluster unreadable; silent pods kept", extra={"error": str(exc), "pods": sorted(silent)})
+            return set()
+        gone = set(silent) - present
+        for pod in sorted(gone):
+            await self.registry.forget_pod(pod)
+            log.info("pod gone: its sessions left the registry", extra={"pod": pod, "node": silent[pod]})
+        return gone
 
     # -- failing GPUs -----------------------------------------------------------------------------------------------
     async def on_gpu_health(self, event: DeviceHealthChanged) -> None:
-        """Each pod on a GPU that failed saves all it holds; its agent records what it committed (as after a
-        periodic save). Idempotent: saving unchanged sessions again writes no new bytes. A pod whose agent does
-        not answer is logged; its sessions' last checkpoints stand."""
+        """Each pod on a GPU that failed saves all it owns, and what it committed is recorded. Idempotent:
+        saving unchanged sessions again writes no new bytes. A pod whose agent does not answer is logged; its
+        sessions' last checkpoints stand."""
         if event.healthy or not event.pods:
             return
         limit = asyncio.Semaphore(self.policy().drain_parallelism)
@@ -150,83 +219,173 @@ class CheckpointService:
             if not is_token(name):
                 log.warning("pod on a failing GPU has a name no agent answers to", extra={"pod": pod})
                 return
-            command = SaveSessions(pod=name, deadline_s=GPU_FAILURE_SAVE_S, reason="gpu-unhealthy")
             async with limit:
-                try:
-                    reply = await self.ctx.bus.request(
-                        self.ctx.subjects.for_event(command), command, timeout=GPU_FAILURE_SAVE_S + 5
-                    )
-                except TimeoutError as exc:
-                    log.warning("pod on a failing GPU did not save", extra={"pod": pod, "error": str(exc)})
-                    return
-            if isinstance(reply, SaveSessionsReport):
-                log.info(
-                    "pod on a failing GPU saved",
-                    extra={"pod": pod, "gpu": event.gpu_uuid, "committed": len(reply.committed)},
-                )
-            else:
-                log.warning("pod on a failing GPU refused the save", extra={"pod": pod, "reply": reply.kind})
+                outcome = await self._command_save(name, GPU_FAILURE_SAVE_S, "gpu-unhealthy")
+            if isinstance(outcome, str):
+                log.warning("pod on a failing GPU did not save", extra={"pod": pod, "error": outcome})
+                return
+            ok, failed, _ = await self._record_report(outcome, "")
+            log.info(
+                "pod on a failing GPU saved",
+                extra={"pod": pod, "gpu": event.gpu_uuid, "committed": len(ok), "failed": len(failed)},
+            )
 
         await asyncio.gather(*(save(pod) for pod in sorted(set(event.pods))))
 
+    async def _command_save(
+        self,
+        pod: str,
+        deadline_s: float,
+        reason: str,
+        drain_id: str = "",
+        generations: dict[str, int] | None = None,
+        timeout: float | None = None,
+    ) -> SaveSessionsReport | str:
+        """Have one pod's agent save; its report, or why there is none. Without ``generations`` the pod saves
+        the sessions the registry says it owns, each under its generation."""
+        if generations is None:
+            generations = {s.session_id: s.generation for s in await self.registry.sessions_of_pod(pod)}
+            if not generations:
+                return SaveSessionsReport(pod=pod)
+        command = SaveSessions(
+            pod=pod, drain_id=drain_id, deadline_s=deadline_s, reason=reason, generations=generations
+        )
+        try:
+            reply = await self.ctx.bus.request(
+                self.ctx.subjects.for_event(command), command, timeout=timeout or deadline_s + 5
+            )
+        except TimeoutError as exc:
+            return f"pod {pod}'s KV agent did not answer in time ({exc})"
+        if isinstance(reply, DeadLetter):
+            return f"pod {pod}'s KV agent refused the save: {reply.reason}"
+        if not isinstance(reply, SaveSessionsReport):
+            return f"pod {pod}'s KV agent answered {reply.kind}, not a save report"
+        return reply
+
+    # -- periodic checkpoints ---------------------------------------------------------------------------------------
+    async def _periodic_loop(self) -> None:
+        while True:
+            interval = self.policy().periodic_interval_s
+            await asyncio.sleep(min(5.0, max(0.05, interval / 4)) if interval > 0 else 5.0)
+            interval = self.policy().periodic_interval_s  # the document may have changed meanwhile
+            if interval > 0:
+                await self.periodic_saves(interval)
+
+    async def periodic_saves(self, interval_s: float) -> int:
+        """Ask every announcing pod whose last periodic save is ``interval_s`` old to save what it owns; the
+        turn is taken in Redis, so replicas of this service never double a save. Returns how many pods saved."""
+        known = await self.registry.pods()
+        silent = await self.registry.silent_pods()
+        limit = asyncio.Semaphore(self.policy().drain_parallelism)
+        saved = 0
+
+        async def save(pod: str) -> None:
+            nonlocal saved
+            if not await self.registry.take_turn("periodic", pod, self.owner, interval_s):
+                return
+            async with limit:
+                outcome = await self._command_save(pod, max(1.0, min(interval_s, 60.0) * 0.8), "periodic")
+            if isinstance(outcome, str):
+                log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": outcome})
+                return
+            if outcome.committed or outcome.failed:
+                await self._record_report(outcome, "")
+            saved += 1
+
+        await asyncio.gather(*(save(pod) for pod in sorted(set(known) - set(silent))))
+        return saved
+
     # -- drains -----------------------------------------------------------------------------------------------------
     async def on_drain_requested(self, event: DrainRequested) -> None:
-        """Idempotent on ``drain_id``: a drain with a verdict is not run again; a drain being run elsewhere is
-        retried later (and resumed if its runner died)."""
+        """Idempotent on ``drain_id``: a drain with a verdict is answered with it again (the recorded event,
+        under a new event id) and not run again; a drain being run elsewhere is retried later, and resumed by
+        the next delivery if its runner died (its lease lapses within ``drain_lease_s``)."""
         if event.deadline_s <= 0 or event.deadline_s > event.grace_period_s:
             raise PermanentError(
                 f"drain {event.drain_id}: deadline_s={event.deadline_s} must be positive and shorter than "
                 f"grace_period_s={event.grace_period_s}"
             )
-        if await self.registry.drain_verdict(event.drain_id) is not None:
-            log.info("drain already decided; nothing to do", extra={"drain_id": event.drain_id})
+        if await self._answer_again(event.drain_id):
             return
-        if not await self.registry.take_drain(event.drain_id, event.node, self.owner, event.deadline_s + 15):
-            raise TemporaryError(f"drain {event.drain_id} is being run by another replica", delay=2.0)
+        lease_s = self.settings.drain_lease_s
+        if not await self.registry.take_drain(event.drain_id, event.node, self.owner, lease_s):
+            raise TemporaryError(f"drain {event.drain_id} is being run by another replica", delay=lease_s / 2)
         self.drains[event.drain_id] = "running"
         started = time.monotonic()
+        keeper = asyncio.create_task(self._keep_lease(event.drain_id), name=f"drain-lease-{event.drain_id}")
         try:
             verdict = await self._drain(event, started)
-        except Exception:
+        except BaseException:
             self.drains[event.drain_id] = "interrupted"
             raise
+        finally:
+            keeper.cancel()
         duration = time.monotonic() - started
         self.m_drain.observe(duration)
-        await self.ctx.publish(verdict)
-        await self.registry.finish_drain(
-            event.drain_id,
-            {
-                "state": "completed" if isinstance(verdict, DrainCompleted) else "failed",
-                "duration_s": duration,
-                "event_id": verdict.event_id,
-            },
-        )
-        self.drains[event.drain_id] = "completed" if isinstance(verdict, DrainCompleted) else "failed"
+        state = "completed" if isinstance(verdict, DrainCompleted) else "failed"
+        if await self.registry.finish_drain(event.drain_id, state, codec.encode(verdict), duration):
+            await self.ctx.publish(verdict)
+        else:  # another runner decided it first (this one lost its lease): that verdict stands
+            await self._answer_again(event.drain_id)
+        self.drains[event.drain_id] = state
+        while len(self.drains) > 1000:
+            self.drains.pop(next(iter(self.drains)))
+
+    async def _answer_again(self, drain_id: str) -> bool:
+        recorded = await self.registry.drain_verdict(drain_id)
+        if recorded is None:
+            return False
+        verdict = codec.decode(recorded)
+        log.info("drain already decided; its verdict is sent again", extra={"drain_id": drain_id})
+        await self.ctx.publish(msgspec.structs.replace(verdict, event_id=uuid.uuid4().hex, source=""))
+        return True
+
+    async def _keep_lease(self, drain_id: str) -> None:
+        lease_s = self.settings.drain_lease_s
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            try:
+                if not await self.registry.renew_drain(drain_id, self.owner, lease_s):
+                    log.warning("drain lease lost while running", extra={"drain_id": drain_id})
+                    return
+            except Exception as exc:
+                log.warning("drain lease not renewed", extra={"drain_id": drain_id, "error": str(exc)})
+
+    async def _node_missing(self, node: str) -> bool:
+        assert self.cluster is not None
+        try:
+            return await self.cluster.node(node) is None
+        except Exception as exc:
+            log.warning("cluster unreadable; drain goes on", extra={"node": node, "error": str(exc)})
+            return False
 
     async def _drain(self, event: DrainRequested, started: float) -> DrainCompleted | DrainFailed:
+        if await self._node_missing(event.node):
+            return DrainFailed(
+                node=event.node,
+                drain_id=event.drain_id,
+                reason=f"node {event.node} is not in the cluster: nothing to drain",
+            )
+        await self._gone_pods(event.node)
         sessions = await self.registry.sessions_on_node(event.node)
-        by_pod: dict[str, set[str]] = defaultdict(set)
+        by_pod: dict[str, dict[str, int]] = defaultdict(dict)
         for location in sessions:
-            by_pod[location.pod].add(location.session_id)
+            by_pod[location.pod][location.session_id] = location.generation
         agent_deadline = max(0.1, event.deadline_s * 0.8)
         limit = asyncio.Semaphore(self.policy().drain_parallelism)
 
         async def save(pod: str) -> tuple[str, SaveSessionsReport | str]:
             async with limit:
                 remaining = event.deadline_s - (time.monotonic() - started)
-                command = SaveSessions(
-                    pod=pod, drain_id=event.drain_id, deadline_s=min(agent_deadline, remaining * 0.9)
+                outcome = await self._command_save(
+                    pod,
+                    min(agent_deadline, remaining * 0.9),
+                    "drain",
+                    drain_id=event.drain_id,
+                    generations=by_pod[pod],
+                    timeout=max(0.05, remaining),
                 )
-                subject = self.ctx.subjects.for_event(command)
-                try:
-                    reply = await self.ctx.bus.request(subject, command, timeout=max(0.05, remaining))
-                except TimeoutError as exc:
-                    return pod, f"pod {pod}'s KV agent did not answer within the drain deadline ({exc})"
-                if isinstance(reply, DeadLetter):
-                    return pod, f"pod {pod}'s KV agent refused the save: {reply.reason}"
-                if not isinstance(reply, SaveSessionsReport):
-                    return pod, f"pod {pod}'s KV agent answered {reply.kind}, not a save report"
-                return pod, reply
+                return pod, outcome
 
         results = await asyncio.gather(*(save(pod) for pod in sorted(by_pod)))
         failed: list[SessionFailure] = []
@@ -240,19 +399,23 @@ class CheckpointService:
             committed |= ok
             total += nbytes
             failed += bad
-            for sid in sorted(by_pod[pod] - ok - {f.session_id for f in bad}):
+            for sid in sorted(set(by_pod[pod]) - ok - {f.session_id for f in bad}):
                 failed.append(SessionFailure(session_id=sid, pod=pod, reason=f"pod {pod} did not report it"))
-        for failure in failed:
-            self.m_sessions.labels("failed").inc()
-            await self.ctx.publish(
+        failed = await self._still_here(event.node, failed)
+        await self.ctx.bus.publish_many(
+            [
                 CheckpointFailed(
-                    session_id=failure.session_id,
-                    reason=failure.reason,
+                    session_id=f.session_id,
+                    reason=f.reason[:REASON_CHARS],
                     node=event.node,
-                    pod=failure.pod,
+                    pod=f.pod,
                     drain_id=event.drain_id,
                 )
-            )
+                for f in failed
+                if is_token(f.session_id)
+            ]
+        )
+        self.m_sessions.labels("failed").inc(len(failed))
         duration = time.monotonic() - started
         if duration > 0 and total:
             self.m_gbps.set(total / duration / 1e9)
@@ -268,13 +431,7 @@ class CheckpointService:
             },
         )
         if failed:
-            return DrainFailed(
-                node=event.node,
-                drain_id=event.drain_id,
-                reason=f"{len(failed)} session(s) not checkpointed",
-                failed_sessions=failed,
-                sessions_committed=len(committed),
-            )
+            return await self._failed_verdict(event, failed, len(committed))
         return DrainCompleted(
             node=event.node,
             drain_id=event.drain_id,
@@ -283,12 +440,48 @@ class CheckpointService:
             duration_s=duration,
         )
 
+    async def _still_here(self, node: str, failed: list[SessionFailure]) -> list[SessionFailure]:
+        """Failures of sessions that have meanwhile moved off the node (another pod took them) are not this
+        drain's to report: the pod that owns them now holds them elsewhere."""
+        if not failed:
+            return failed
+        here = {s.session_id for s in await self.registry.sessions_on_node(node)}
+        moved = [f for f in failed if f.session_id not in here]
+        if moved:
+            log.info(
+                "sessions moved off the draining node; not its failures",
+                extra={"node": node, "sessions": [f.session_id for f in moved[:20]], "count": len(moved)},
+            )
+        return [f for f in failed if f.session_id in here]
+
+    async def _failed_verdict(self, event: DrainRequested, failed: list[SessionFailure], committed: int) -> DrainFailed:
+        """A verdict that always fits one event: the first ``verdict_sessions_max`` failures by name, every one
+        counted, and the whole list kept in Redis when there are more."""
+        named = [msgspec.structs.replace(f, reason=f.reason[:REASON_CHARS]) for f in failed]
+        limit = self.settings.verdict_sessions_max
+        ref = ""
+        if len(named) > limit:
+            ref = await self.registry.keep_failures(
+                event.drain_id, [msgspec.json.encode(f) for f in named], VERDICT_TTL_S
+            )
+        return DrainFailed(
+            node=event.node,
+            drain_id=event.drain_id,
+            reason=f"{len(failed)} session(s) not checkpointed",
+            failed_sessions=named[:limit],
+            sessions_committed=committed,
+            failed_total=len(failed),
+            failed_ref=ref,
+        )
+
     async def _record_report(
         self, report: SaveSessionsReport, drain_id: str
     ) -> tuple[set[str], list[SessionFailure], int]:
-        """Verify each committed checkpoint in the store (manifest present and as reported, every pack it
-        references present), record it, and publish ``checkpoint.saved``. Idempotent: recording the same
-        checkpoint twice writes the same records."""
+        """Verify each committed checkpoint in the store (manifest present, verified and as reported, every pack
+        it references present), record it if the pod still owns the session's generation, and publish
+        ``checkpoint.saved``. A checkpoint of a pod that no longer owns the session is refused: not recorded,
+        its manifest removed, reported as failed. Idempotent: recording the same checkpoint twice writes the
+        same records."""
         assert self.store is not None
         ok: set[str] = set()
         failed = list(report.failed)
@@ -314,14 +507,25 @@ class CheckpointService:
             problem = ""
             if manifest.bytes_total != c.bytes_total or len(manifest.blocks) != c.chunks:
                 problem = "manifest differs from the agent's report"
+            elif (manifest.generation, manifest.sequence, manifest.pod) != (c.generation, c.sequence, report.pod):
+                problem = "manifest's generation, sequence or pod differs from the agent's report"
             for ref in manifest.blocks:
                 if ref.pack not in packs or packs[ref.pack] < ref.offset + ref.length:
                     problem = f"pack {ref.pack} missing or short"
                     break
+            if not problem:
+                refused = await self.registry.record_checkpoint(c, report.store, report.pod, report.node)
+                if refused:
+                    self.m_refused.labels("save").inc()
+                    problem = f"refused: pod {report.pod} saved generation {c.generation}, but {refused}"
+                    try:
+                        await self.store.delete_checkpoint(c.session_id, c.checkpoint_id)
+                    except StoreError as exc:
+                        log.warning("refused checkpoint not removed", extra={"error": str(exc)})
+                    log.warning("stale save refused", extra={"session": c.session_id, "reason": problem})
             if problem:
                 failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=problem))
                 continue
-            await self.registry.record_checkpoint(c, report.store, report.pod, report.node)
             self.m_bytes.labels("logical").inc(c.bytes_total)
             self.m_bytes.labels("written").inc(c.bytes_written)
             self.m_sessions.labels("committed").inc()
@@ -343,7 +547,7 @@ class CheckpointService:
         return ok, failed, total
 
     async def on_record(self, report: SaveSessionsReport) -> SaveSessionsReport:
-        """Periodic and preStop saves reported by agents: verified and recorded like a drain's."""
+        """PreStop saves reported by agents: verified, fenced and recorded like a drain's."""
         ok, failed, _ = await self._record_report(report, "")
         return SaveSessionsReport(
             pod=report.pod,
@@ -355,26 +559,43 @@ class CheckpointService:
 
     # -- restores ---------------------------------------------------------------------------------------------------
     async def on_locate(self, event: LocateCheckpoint) -> CheckpointLocation:
-        """Read-only, except for the restore record: answering twice is harmless."""
+        """The session's recorded checkpoints, newest (generation, sequence) first; the store's own when the
+        registry has none (it lost its data). With ``claim``, the asking pod takes the session under its next
+        generation, above every generation the checkpoints carry. Not idempotent with ``claim`` (each claim is
+        a new generation), which is what makes a stale holder's saves refusable."""
         assert self.store is not None
-        newest = await self.registry.newest_checkpoint(event.session_id)
-        if newest is None:
-            ids = await self.store.checkpoints(event.session_id)
-            if not ids:
-                return CheckpointLocation(session_id=event.session_id, found=False, store=self.store.url)
-            manifest = await self.store.manifest(event.session_id, ids[0])
-            newest = {"checkpoint_id": ids[0], "bytes_total": manifest.bytes_total}
-        checkpoint_id = str(newest["checkpoint_id"])
-        await self.registry.record_restore(event.session_id, checkpoint_id, event.pod, event.node)
+        recorded = await self.registry.checkpoints(event.session_id)
+        candidates = [str(r["checkpoint_id"]) for r in recorded]
+        if not candidates:
+            candidates = (await self.store.checkpoints(event.session_id))[:16]
+        generation = 0
+        if event.claim:
+            floor = max((checkpoint_order(c)[0] for c in candidates), default=0)
+            generation = await self.registry.claim(
+                event.session_id, event.pod, event.node, event.namespace, event.deployment, floor
+            )
+        if not candidates:
+            return CheckpointLocation(
+                session_id=event.session_id, found=False, store=self.store.url, generation=generation
+            )
+        await self.registry.record_restore(event.session_id, candidates[0], event.pod, event.node)
         return CheckpointLocation(
             session_id=event.session_id,
             found=True,
-            checkpoint_id=checkpoint_id,
+            checkpoint_id=candidates[0],
             store=self.store.url,
-            bytes_total=int(newest.get("bytes_total", 0)),  # type: ignore[call-overload]
+            bytes_total=int(recorded[0].get("bytes_total", 0)) if recorded else 0,
+            generation=generation,
+            candidates=candidates,
         )
 
     async def on_restored(self, event: SessionRestored) -> SessionRestored:
+        if event.fell_back_from:
+            self.m_fallbacks.inc(len(event.fell_back_from))
+            log.warning(
+                "restore passed over newer checkpoints",
+                extra={"session": event.session_id, "used": event.checkpoint_id, "why": event.fell_back_from},
+            )
         await self.ctx.publish(event)
         return event
 
@@ -383,6 +604,7 @@ class CheckpointService:
         while True:
             await asyncio.sleep(self.settings.gc_interval_s)
             await self.collect_garbage()
+            await self._gone_pods()
 
     async def collect_garbage(self, now: float | None = None) -> tuple[int, int]:
         """Apply the retention policy, then delete packs nothing references. Returns (checkpoints, packs)."""
@@ -417,9 +639,10 @@ class CheckpointService:
         garbage = unreferenced_packs({p.pack_id: p.modified for p in packs}, kept, now, self.settings.gc_grace_s)
         for pack_id in garbage:
             await self.store.delete_pack(pack_id)
-        sweep = getattr(self.store, "sweep_orphans", None)  # object store: chunks an aborted save left behind
-        if sweep is not None:
-            await sweep(self.settings.gc_grace_s)
-        if doomed or garbage:
-            log.info("retention", extra={"checkpoints_deleted": len(doomed), "packs_deleted": len(garbage)})
+        orphans = await self.store.sweep_orphans(self.settings.gc_grace_s)  # what killed or failed writers left
+        if doomed or garbage or orphans:
+            log.info(
+                "retention",
+                extra={"checkpoints_deleted": len(doomed), "packs_deleted": len(garbage), "orphans_deleted": orphans},
+            )
         return len(doomed), len(garbage)

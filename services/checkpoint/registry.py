@@ -2,14 +2,23 @@
 
 Keys, all under the root (``Subjects.redis_key``):
 
-- ``kv:session:<sid>``        hash: pod, node, namespace, deployment, updated_at
+- ``kv:session:<sid>``        hash: pod, node, namespace, deployment, generation, updated_at
+- ``kv:generation:<sid>``     the session's newest generation handed out; only grows (kept when the session ends)
 - ``kv:node:<node>``          set of session ids on the node
-- ``kv:pod:<pod>``            set of session ids the pod announced last
-- ``kv:checkpoints:<sid>``    sorted set of committed checkpoint ids, scored by commit time
+- ``kv:pod:<pod>``            set of session ids the pod holds
+- ``kv:pods``                 hash: every pod that announced -> its node
+- ``kv:alive:<pod>``          present while the pod's last announcement stands (expires after its ``ttl_s``)
+- ``kv:checkpoints:<sid>``    sorted set of committed checkpoint ids, scored by (generation, sequence)
 - ``kv:checkpoint:<cid>``     the committed checkpoint's summary (JSON)
-- ``kv:drain:<drain_id>``     hash: node, state (running/completed/failed), verdict (JSON), started
-- ``kv:drain:<drain_id>:lease`` who is running the drain now (expires, so a crashed runner's drain resumes)
+- ``kv:drain:<drain_id>``     hash: node, state (running/completed/failed), started, verdict (the event's JSON)
+- ``kv:drain:<drain_id>:lease`` who is running the drain now (short, renewed while it runs)
+- ``kv:drain:<drain_id>:failed`` every failed session of a verdict too big for one event (JSON records)
+- ``kv:turn:<what>:<pod>``    whose turn it is (periodic saves: one replica per interval and pod)
 - ``kv:restores``             stream of restore records
+
+Ownership: a pod takes a session by claiming it (``claim``), which hands out the next generation. Only the
+holder of the session's current generation moves it in the registry and gets its checkpoints recorded; an
+announcement or a save of an older generation is stale and changes nothing.
 """
 
 from __future__ import annotations
@@ -23,14 +32,32 @@ import redis.asyncio as aioredis
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
 from shared.contract.subjects import Subjects
+from shared.kv.manifest import checkpoint_order
 
-# One announcement applied atomically. A session that moved to another pod (restored elsewhere) is not removed
-# by its old pod's later announcement: only the pod that holds it may drop it.
-_ANNOUNCE = """
-local prefix, pod, node, ns, dep, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+_MOVE = """
+local function move(prefix, sid, pod, node, ns, dep, gen, now)
+  local skey = prefix .. ':kv:session:' .. sid
+  local oldnode = redis.call('HGET', skey, 'node')
+  if oldnode and oldnode ~= node then redis.call('SREM', prefix .. ':kv:node:' .. oldnode, sid) end
+  local oldpod = redis.call('HGET', skey, 'pod')
+  if oldpod and oldpod ~= pod then redis.call('SREM', prefix .. ':kv:pod:' .. oldpod, sid) end
+  redis.call('HSET', skey, 'pod', pod, 'node', node, 'namespace', ns, 'deployment', dep, 'generation', gen,
+    'updated_at', now)
+  redis.call('SADD', prefix .. ':kv:node:' .. node, sid)
+  redis.call('SADD', prefix .. ':kv:pod:' .. pod, sid)
+end
+"""
+
+# One announcement applied atomically: ARGV = prefix, pod, node, ns, dep, now, ttl_ms, then (sid, generation)
+# pairs. A session announced under an older generation than the newest handed out has moved on: stale, ignored
+# and returned. A newer one than the registry knows (it lost its data) raises the counter: never handed out again.
+_ANNOUNCE = (
+    _MOVE
+    + """
+local prefix, pod, node, ns, dep, now, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local podkey = prefix .. ':kv:pod:' .. pod
 local fresh = {}
-for i = 7, #ARGV do fresh[ARGV[i]] = true end
+for i = 8, #ARGV, 2 do fresh[ARGV[i]] = true end
 for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
   if not fresh[sid] then
     local skey = prefix .. ':kv:session:' .. sid
@@ -42,23 +69,102 @@ for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
     redis.call('SREM', podkey, sid)
   end
 end
-for i = 7, #ARGV do
-  local sid = ARGV[i]
-  local skey = prefix .. ':kv:session:' .. sid
-  local oldnode = redis.call('HGET', skey, 'node')
-  if oldnode and oldnode ~= node then redis.call('SREM', prefix .. ':kv:node:' .. oldnode, sid) end
-  local oldpod = redis.call('HGET', skey, 'pod')
-  if oldpod and oldpod ~= pod then redis.call('SREM', prefix .. ':kv:pod:' .. oldpod, sid) end
-  redis.call('HSET', skey, 'pod', pod, 'node', node, 'namespace', ns, 'deployment', dep, 'updated_at', now)
-  redis.call('SADD', prefix .. ':kv:node:' .. node, sid)
-  redis.call('SADD', podkey, sid)
+local stale = {}
+for i = 8, #ARGV, 2 do
+  local sid, gen = ARGV[i], tonumber(ARGV[i + 1])
+  local genkey = prefix .. ':kv:generation:' .. sid
+  local current = tonumber(redis.call('GET', genkey) or '0')
+  if gen < current then
+    table.insert(stale, sid)
+    redis.call('SREM', podkey, sid)
+  else
+    if gen > current then redis.call('SET', genkey, gen) end
+    move(prefix, sid, pod, node, ns, dep, gen, now)
+  end
 end
-return #ARGV - 6
+redis.call('HSET', prefix .. ':kv:pods', pod, node)
+redis.call('SET', prefix .. ':kv:alive:' .. pod, now, 'PX', ttl)
+return stale
 """
+)
+
+# ARGV = prefix, sid, pod, node, ns, dep, now, floor: the next generation, above ``floor`` (the newest generation
+# the store holds checkpoints of: a registry that lost its data never hands out a generation twice).
+_CLAIM = (
+    _MOVE
+    + """
+local prefix, sid, pod, node, ns, dep, now, floor = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
+  tonumber(ARGV[8])
+local genkey = prefix .. ':kv:generation:' .. sid
+if tonumber(redis.call('GET', genkey) or '0') < floor then redis.call('SET', genkey, floor) end
+local gen = redis.call('INCR', genkey)
+move(prefix, sid, pod, node, ns, dep, gen, now)
+return gen
+"""
+)
+
+# ARGV = prefix, sid, cid, generation, pod, summary, score. Records a checkpoint only from the holder of the
+# session's current generation; otherwise returns why not.
+_RECORD = """
+local prefix, sid, cid, gen, pod = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local genkey = prefix .. ':kv:generation:' .. sid
+local current = tonumber(redis.call('GET', genkey) or '0')
+local skey = prefix .. ':kv:session:' .. sid
+local holder = redis.call('HGET', skey, 'pod')
+if gen < current then
+  return 'generation ' .. current .. ' of the session is held by pod ' .. (holder or '(none now)')
+end
+if gen > 0 and gen == current and holder and holder ~= pod and tonumber(redis.call('HGET', skey, 'generation')) == gen
+then
+  return 'generation ' .. gen .. ' of the session is held by pod ' .. holder
+end
+if gen > current then redis.call('SET', genkey, gen) end
+redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[6])
+redis.call('ZADD', prefix .. ':kv:checkpoints:' .. sid, ARGV[7], cid)
+return ''
+"""
+
+# ARGV = prefix, pod. Forget a pod that is gone: its sessions leave the registry (their checkpoints stay).
+_FORGET = """
+local prefix, pod = ARGV[1], ARGV[2]
+local podkey = prefix .. ':kv:pod:' .. pod
+for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
+  local skey = prefix .. ':kv:session:' .. sid
+  if redis.call('HGET', skey, 'pod') == pod then
+    local node = redis.call('HGET', skey, 'node')
+    redis.call('DEL', skey)
+    if node then redis.call('SREM', prefix .. ':kv:node:' .. node, sid) end
+  end
+end
+redis.call('DEL', podkey)
+redis.call('HDEL', prefix .. ':kv:pods', pod)
+return 1
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_FINISH = """
+if redis.call('HEXISTS', KEYS[1], 'verdict') == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'verdict', ARGV[2], 'duration_s', ARGV[3])
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+_SEQUENCE_SPAN = 2**32
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def checkpoint_score(generation: int, sequence: int) -> float:
+    """(generation, sequence) as one sorted-set score, exact while generation < 2**21."""
+    return float(generation * _SEQUENCE_SPAN + sequence)
 
 
 @dataclass(frozen=True)
@@ -68,6 +174,7 @@ class SessionLocation:
     node: str
     namespace: str
     deployment: str
+    generation: int = 0
 
 
 class SessionRegistry:
@@ -75,23 +182,39 @@ class SessionRegistry:
         self.client = client
         self.subjects = subjects
         self._announce = client.register_script(_ANNOUNCE)
+        self._claim = client.register_script(_CLAIM)
+        self._record = client.register_script(_RECORD)
+        self._forget = client.register_script(_FORGET)
+        self._renew = client.register_script(_RENEW)
+        self._finish = client.register_script(_FINISH)
 
     def _key(self, *parts: str) -> str:
         return self.subjects.redis_key("kv", *parts)
 
-    async def apply_announcement(self, event: AgentSessions) -> None:
-        await self._announce(
-            keys=[self._key("pod", event.pod)],
-            args=[
-                self.subjects.root,
-                event.pod,
-                event.node,
-                event.namespace,
-                event.deployment,
-                time.time(),
-                *event.sessions,
-            ],
+    # -- ownership and location ----------------------------------------------------------------------------------
+    async def apply_announcement(self, event: AgentSessions) -> list[str]:
+        """Returns the sessions the pod announced under a generation it no longer holds (stale copies)."""
+        generations = event.generations if len(event.generations) == len(event.sessions) else [0] * len(event.sessions)
+        pairs: list[str | int | float] = [
+            v for sid, gen in zip(event.sessions, generations, strict=True) for v in (sid, gen)
+        ]
+        ttl_ms = int(max(1.0, event.ttl_s or 30.0) * 1000)
+        head = [self.subjects.root, event.pod, event.node, event.namespace, event.deployment, time.time(), ttl_ms]
+        stale = await self._announce(keys=[self._key("pod", event.pod)], args=[*head, *pairs])
+        return [_text(s) for s in stale]
+
+    async def claim(self, session_id: str, pod: str, node: str, namespace: str, deployment: str, floor: int) -> int:
+        """The pod takes the session: its next generation (above ``floor``), and the registry places it there."""
+        return int(
+            await self._claim(
+                keys=[self._key("generation", session_id)],
+                args=[self.subjects.root, session_id, pod, node, namespace, deployment, time.time(), floor],
+            )
         )
+
+    async def generation(self, session_id: str) -> int:
+        raw = await self.client.get(self._key("generation", session_id))
+        return int(raw) if raw is not None else 0
 
     async def sessions_on_node(self, node: str) -> list[SessionLocation]:
         sids = sorted(_text(s) for s in await self.client.smembers(self._key("node", node)))
@@ -106,14 +229,39 @@ class SessionRegistry:
                         node,
                         _text(fields.get(b"namespace", b"")),
                         _text(fields.get(b"deployment", b"")),
+                        int(fields.get(b"generation", b"0")),
                     )
                 )
         return out
 
-    async def record_checkpoint(self, committed: CommittedCheckpoint, store: str, pod: str, node: str) -> None:
+    async def sessions_of_pod(self, pod: str) -> list[SessionLocation]:
+        node = await self.client.hget(self._key("pods"), pod)
+        return [] if node is None else [s for s in await self.sessions_on_node(_text(node)) if s.pod == pod]
+
+    async def pods(self) -> dict[str, str]:
+        """Every pod the registry knows -> its node."""
+        return {_text(k): _text(v) for k, v in (await self.client.hgetall(self._key("pods"))).items()}
+
+    async def silent_pods(self) -> dict[str, str]:
+        """Pods whose last announcement no longer stands -> their node."""
+        known = await self.pods()
+        if not known:
+            return {}
+        alive = await self.client.mget([self._key("alive", p) for p in known])
+        return {pod: node for (pod, node), flag in zip(known.items(), alive, strict=True) if flag is None}
+
+    async def forget_pod(self, pod: str) -> None:
+        await self._forget(keys=[self._key("pod", pod)], args=[self.subjects.root, pod])
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    async def record_checkpoint(self, committed: CommittedCheckpoint, store: str, pod: str, node: str) -> str:
+        """Record a committed checkpoint when ``pod`` holds the session's current generation; else return why
+        not (and record nothing)."""
         summary = {
             "session_id": committed.session_id,
             "checkpoint_id": committed.checkpoint_id,
+            "generation": committed.generation,
+            "sequence": committed.sequence,
             "bytes_total": committed.bytes_total,
             "bytes_written": committed.bytes_written,
             "token_count": committed.token_count,
@@ -122,17 +270,32 @@ class SessionRegistry:
             "node": node,
             "recorded_at": time.time(),
         }
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(self._key("checkpoint", committed.checkpoint_id), json.dumps(summary))
-            pipe.zadd(self._key("checkpoints", committed.session_id), {committed.checkpoint_id: time.time()})
-            await pipe.execute()
+        refused = await self._record(
+            keys=[self._key("generation", committed.session_id)],
+            args=[
+                self.subjects.root,
+                committed.session_id,
+                committed.checkpoint_id,
+                committed.generation,
+                pod,
+                json.dumps(summary),
+                checkpoint_score(committed.generation, committed.sequence),
+            ],
+        )
+        return _text(refused)
 
-    async def newest_checkpoint(self, session_id: str) -> dict[str, object] | None:
-        newest = await self.client.zrevrange(self._key("checkpoints", session_id), 0, 0)
-        if not newest:
-            return None
-        raw = await self.client.get(self._key("checkpoint", _text(newest[0])))
-        return json.loads(raw) if raw else None
+    async def checkpoints(self, session_id: str, limit: int = 16) -> list[dict[str, Any]]:
+        """The session's recorded checkpoints, newest (generation, sequence) first."""
+        ids = [_text(c) for c in await self.client.zrevrange(self._key("checkpoints", session_id), 0, limit - 1)]
+        if not ids:
+            return []
+        raws = await self.client.mget([self._key("checkpoint", c) for c in ids])
+        out = [json.loads(raw) if raw else {"checkpoint_id": cid} for cid, raw in zip(ids, raws, strict=True)]
+        return sorted(out, key=lambda r: checkpoint_order(str(r["checkpoint_id"])), reverse=True)
+
+    async def newest_checkpoint(self, session_id: str) -> dict[str, Any] | None:
+        found = await self.checkpoints(session_id, 1)
+        return found[0] if found else None
 
     async def forget_checkpoint(self, session_id: str, checkpoint_id: str) -> None:
         async with self.client.pipeline(transaction=True) as pipe:
@@ -149,9 +312,10 @@ class SessionRegistry:
         )
 
     # -- drains ---------------------------------------------------------------------------------------------------
-    async def drain_verdict(self, drain_id: str) -> dict[str, object] | None:
+    async def drain_verdict(self, drain_id: str) -> bytes | None:
+        """The recorded verdict event (JSON), or None while the drain has none."""
         raw = await self.client.hget(self._key("drain", drain_id), "verdict")
-        return json.loads(raw) if raw else None
+        return raw.encode() if isinstance(raw, str) else raw or None
 
     async def take_drain(self, drain_id: str, node: str, owner: str, lease_s: float) -> bool:
         """Take the lease on running a drain; False while another runner holds it."""
@@ -162,10 +326,31 @@ class SessionRegistry:
             )
         return bool(taken)
 
-    async def finish_drain(self, drain_id: str, verdict: dict[str, object]) -> None:
+    async def renew_drain(self, drain_id: str, owner: str, lease_s: float) -> bool:
+        """Extend the lease while ``owner`` still holds it; False when it was lost."""
+        renewed = await self._renew(keys=[self._key("drain", drain_id, "lease")], args=[owner, int(lease_s * 1000)])
+        return bool(renewed)
+
+    async def keep_failures(self, drain_id: str, failures: list[bytes], ttl_s: float) -> str:
+        """Keep every failure of a verdict too big for one event; returns the key the verdict references."""
+        key = self._key("drain", drain_id, "failed")
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                self._key("drain", drain_id), mapping={"state": str(verdict["state"]), "verdict": json.dumps(verdict)}
-            )
-            pipe.delete(self._key("drain", drain_id, "lease"))
+            pipe.delete(key)
+            for start in range(0, len(failures), 1000):
+                pipe.rpush(key, *failures[start : start + 1000])
+            pipe.expire(key, int(ttl_s))
             await pipe.execute()
+        return key
+
+    async def finish_drain(self, drain_id: str, state: str, verdict: bytes, duration_s: float) -> bool:
+        """Record the drain's one verdict; False (nothing written) when it already has one."""
+        first = await self._finish(
+            keys=[self._key("drain", drain_id), self._key("drain", drain_id, "lease")],
+            args=[state, verdict, duration_s],
+        )
+        return bool(first)
+
+    async def take_turn(self, what: str, pod: str, owner: str, interval_s: float) -> bool:
+        """True for one caller per ``interval_s`` and pod (periodic saves across replicas and restarts)."""
+        taken = await self.client.set(self._key("turn", what, pod), owner, nx=True, px=max(1, int(interval_s * 1000)))
+        return bool(taken)

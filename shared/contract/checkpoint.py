@@ -38,6 +38,9 @@ class CheckpointFailed(Event, frozen=True, kw_only=True, tag="checkpoint.failed"
 
 
 class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored"):
+    """A pod restored a session from ``checkpoint_id`` and holds it under ``generation``; ``fell_back_from``
+    names each newer checkpoint it passed over and why (missing, unreadable, corrupt)."""
+
     family: ClassVar[str] = "checkpoint"
 
     session_id: Token
@@ -46,6 +49,8 @@ class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored
     pod: str = ""
     bytes_total: int = 0
     duration_s: float = 0.0
+    generation: int = 0
+    fell_back_from: list[str] = msgspec.field(default_factory=list)
 
 
 class CommittedCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,11 +60,17 @@ class CommittedCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
     bytes_written: int = 0
     chunks: int = 0
     token_count: int = 0
+    generation: int = 0
+    sequence: int = 0
 
 
 class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.command"):
-    """A command to one pod's KV agent: save these sessions (all it holds when ``session_ids`` is empty) and
-    answer with a ``SaveSessionsReport`` before ``deadline_s``. Idempotent: saving twice costs only changes."""
+    """A command to one pod's KV agent: save these sessions (all it holds when ``session_ids`` and
+    ``generations`` are empty) and answer with a ``SaveSessionsReport`` before ``deadline_s``. Idempotent: saving
+    twice costs only changes.
+
+    ``generations``: the sessions to save with the generation the registry says this pod holds; a session the
+    pod holds under another generation is refused (never saved: it moved)."""
 
     family: ClassVar[str] = "checkpoint"
 
@@ -68,6 +79,7 @@ class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.comman
     drain_id: str = ""
     deadline_s: float = 20.0
     reason: str = "drain"
+    generations: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.report"):
@@ -105,16 +117,26 @@ class AgentSessions(Event, frozen=True, kw_only=True, tag="checkpoint.agent.sess
     deployment: str = ""
     sessions: list[str] = msgspec.field(default_factory=list)
     bytes_held: int = 0
+    generations: list[int] = msgspec.field(default_factory=list)
+    """The generation the pod holds for each of ``sessions``, in the same order (empty: all 0)."""
+    ttl_s: float = 0.0
+    """How long the announcement stands: a pod silent for longer, and gone from the cluster, is forgotten."""
 
 
 class LocateCheckpoint(Event, frozen=True, kw_only=True, tag="checkpoint.locate"):
-    """Where is this session's newest committed checkpoint? Asked by a new pod, or on a session's next request."""
+    """Where is this session's newest committed checkpoint? Asked by a new pod, or on a session's next request.
+
+    With ``claim`` the asking pod takes the session: the answer carries the session's next generation, which
+    from then on only that pod may save (restore or start fresh, the pod holds it under that generation)."""
 
     family: ClassVar[str] = "checkpoint"
 
     session_id: Token
     pod: str = ""
     node: str = ""
+    claim: bool = False
+    namespace: str = ""
+    deployment: str = ""
 
 
 class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.location"):
@@ -125,3 +147,7 @@ class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.locat
     checkpoint_id: str = ""
     store: str = ""
     bytes_total: int = 0
+    generation: int = 0
+    """The generation the asking pod now holds (a claim), else 0."""
+    candidates: list[str] = msgspec.field(default_factory=list)
+    """Committed checkpoints to restore from, newest first: the first good one is used."""

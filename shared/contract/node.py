@@ -46,7 +46,9 @@ class DrainCompleted(Event, frozen=True, kw_only=True, tag="node.drain.completed
 
 
 class DrainFailed(Event, frozen=True, kw_only=True, tag="node.drain.failed"):
-    """Some sessions could not be saved by the deadline; ``failed_sessions`` names each one and why."""
+    """Some sessions could not be saved by the deadline; ``failed_sessions`` names each one and why, up to a
+    limit: ``failed_total`` counts them all, and when there are more than fit, ``failed_ref`` says where the whole
+    list is kept (a Redis list of JSON ``SessionFailure`` records)."""
 
     family: ClassVar[str] = "node"
 
@@ -55,6 +57,8 @@ class DrainFailed(Event, frozen=True, kw_only=True, tag="node.drain.failed"):
     reason: str
     failed_sessions: list[SessionFailure] = msgspec.field(default_factory=list)
     sessions_committed: int = 0
+    failed_total: int = 0
+    failed_ref: str = ""
 
 
 class NodeCordoned(Event, frozen=True, kw_only=True, tag="node.cordoned"):

@@ -10,7 +10,12 @@ Usage, inside an inference server::
     restored = await agent.restore("s-42", into=preallocated_blocks)
 
 Invariants the agent relies on, as paged-attention engines guarantee them: a full block is immutable; only the
-session's last block may still change, so the agent copies that one before hashing it. Bytes go from the
+session's last block may still change, so the agent copies that one before hashing it.
+
+Ownership: each session carries the generation its pod took when it started or restored it (from the checkpoint
+service). A save names the generation it expects; a session this pod holds under another generation is refused,
+never written, so a pod that lost a session can never roll it back. Incremental saves reuse only blocks of a
+checkpoint this agent wrote or verified itself, and never a chunk it found corrupt. Bytes go from the
 engine's memory to the store directly (through a reused pinned staging buffer for GPU memory); the checkpoint
 service only decides, orders and records.
 """
@@ -21,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -35,8 +40,10 @@ from shared.kv.manifest import (
     ChunkRef,
     KvLayout,
     check_compatible,
+    checkpoint_order,
     digest,
     new_checkpoint_id,
+    seal_manifest,
 )
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt, StoreError
 
@@ -57,10 +64,15 @@ class DeadlineExceeded(TimeoutError):
 
 @dataclass
 class Session:
+    """``last``: the newest checkpoint this agent wrote or verified for the session, the only one whose chunks a
+    later save may reference. ``generation``: the ownership generation this pod holds; ``sequence``: its saves."""
+
     session_id: str
     blocks: list[Block] = field(default_factory=list)
     token_count: int = 0
     last: CheckpointManifest | None = None
+    generation: int = 0
+    sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,8 @@ class SaveReport:
 
 @dataclass
 class RestoredSession:
+    """``fell_back_from``: each newer checkpoint that was passed over, as ``"<checkpoint id>: <why>"``."""
+
     manifest: CheckpointManifest
     blocks: list[Any]
     fell_back_from: list[str] = field(default_factory=list)
@@ -116,10 +130,16 @@ class KvAgent:
         self._staging_bytes = staging_bytes
         self._staging: Staging | None = None
         self._save_lock = asyncio.Lock()
+        self._corrupt: set[tuple[str, int]] = set()  # (pack, offset) of chunks found corrupt: never referenced
 
     # -- what the engine calls ----------------------------------------------------------------------------------
-    def register_session(self, session_id: str, token_count: int = 0) -> None:
-        self._sessions.setdefault(session_id, Session(session_id, token_count=token_count))
+    def register_session(self, session_id: str, token_count: int = 0, generation: int = 0) -> None:
+        """A new session (or nothing, when it is already held). ``generation``: the one the checkpoint service
+        gave this pod for it (``AgentEndpoint.start_session``); 0 where no service fences ownership."""
+        self._sessions.setdefault(session_id, Session(session_id, token_count=token_count, generation=generation))
+
+    def generation(self, session_id: str) -> int:
+        return self._session(session_id).generation
 
     def append_block(self, session_id: str, buffer: Any, tokens: int | None = None) -> None:
         session = self._session(session_id)
@@ -171,19 +191,33 @@ class KvAgent:
         deadline_s: float | None = None,
         reason: str = "",
         progress: Callable[[SaveReport, int], Awaitable[None]] | None = None,
+        generations: Mapping[str, int] | None = None,
     ) -> SaveReport:
         """Checkpoint the sessions (all when None). Each session ends committed or failed with a reason; a
         session that fails never leaves a visible partial checkpoint, and its previous checkpoint still
         restores. Incremental: blocks whose digest the session's last checkpoint already holds are referenced,
-        not written again."""
+        not written again.
+
+        ``generations``: the generation the caller expects this pod to hold for each session; a session held
+        under another generation is refused (it moved: saving it would roll it back) and nothing of it is
+        written."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         async with self._save_lock:
             report = SaveReport()
             todo: list[Session] = []
             for sid in session_ids if session_ids is not None else list(self._sessions):
                 session = self._sessions.get(sid)
+                expected = None if generations is None else generations.get(sid)
                 if session is None:
                     report.failed.append(SaveFailure(sid, f"not registered on pod {self.pod}"))
+                elif expected is not None and expected != session.generation:
+                    report.failed.append(
+                        SaveFailure(
+                            sid,
+                            f"refused: pod {self.pod} holds generation {session.generation} of the session, the "
+                            f"current one is {expected}; a stale copy is never saved",
+                        )
+                    )
                 else:
                     todo.append(session)
             round_: list[Session] = []
@@ -207,21 +241,19 @@ class KvAgent:
             self._staging = Staging(max(nbytes, self._staging_bytes))
         return self._staging
 
-    async def _parent(self, session: Session) -> CheckpointManifest | None:
-        if session.last is not None:
-            return session.last
-        try:
-            ids = await self.store.checkpoints(session.session_id)
-            if ids:
-                parent = await self.store.manifest(session.session_id, ids[0])
-                if parent.layout == self.layout:
-                    session.last = parent
-        except StoreError:
-            return None
-        return session.last
+    def _reusable(self, session: Session) -> dict[str, ChunkRef]:
+        """Chunks a save may reference instead of writing: those of the checkpoint this agent last wrote or
+        verified for the session, less any it found corrupt since."""
+        if session.last is None:
+            return {}
+        return {ref.digest: ref for ref in session.last.blocks if (ref.pack, ref.offset) not in self._corrupt}
 
     async def _save_round(
-        self, sessions: list[Session], deadline: float | None, reason: str, report: SaveReport
+        self,
+        sessions: list[Session],
+        deadline: float | None,
+        reason: str,
+        report: SaveReport,
     ) -> None:
         writer = self.store.open_pack()
         pending: list[tuple[Session, list[ChunkRef | None], int, int]] = []
@@ -245,8 +277,7 @@ class KvAgent:
             for session in sessions:
                 if deadline is not None and time.monotonic() > deadline:
                     raise DeadlineExceeded("deadline passed before the session was written")
-                parent = await self._parent(session)
-                known = {ref.digest: ref for ref in parent.blocks} if parent else {}
+                known = self._reusable(session)
                 blocks = list(session.blocks)
                 token_count = session.token_count
                 slots: list[ChunkRef | None] = [None] * len(blocks)
@@ -295,22 +326,28 @@ class KvAgent:
             log.warning("checkpoint round failed", extra={"sessions": len(sessions), "error": why})
             return
         now = datetime.now(UTC)
+        for session, *_ in pending:
+            session.sequence += 1
         manifests = [
-            CheckpointManifest(
-                checkpoint_id=new_checkpoint_id(now),
-                session_id=session.session_id,
-                namespace=self.namespace,
-                deployment=self.deployment,
-                pod=self.pod,
-                node=self.node,
-                layout=self.layout,
-                token_count=token_count,
-                blocks=[s for s in slots if s is not None],
-                created_at=now,
-                parent_id=session.last.checkpoint_id if session.last else "",
-                key_id=self.cipher.key_id if self.cipher else "",
-                bytes_written=written,
-                reason=reason,
+            seal_manifest(
+                CheckpointManifest(
+                    checkpoint_id=new_checkpoint_id(session.generation, session.sequence),
+                    session_id=session.session_id,
+                    namespace=self.namespace,
+                    deployment=self.deployment,
+                    pod=self.pod,
+                    node=self.node,
+                    layout=self.layout,
+                    token_count=token_count,
+                    blocks=[s for s in slots if s is not None],
+                    created_at=now,
+                    parent_id=session.last.checkpoint_id if session.last else "",
+                    key_id=self.cipher.key_id if self.cipher else "",
+                    bytes_written=written,
+                    reason=reason,
+                    generation=session.generation,
+                    sequence=session.sequence,
+                )
             )
             for session, slots, written, token_count in pending
         ]
@@ -340,37 +377,59 @@ class KvAgent:
         checkpoint_id: str | None = None,
         into: Sequence[Any] | None = None,
         fall_back: bool = True,
+        candidates: Sequence[str] | None = None,
+        generation: int = 0,
     ) -> RestoredSession:
-        """Restore a session's newest committed checkpoint (or ``checkpoint_id``), verifying every digest.
+        """Restore a session's newest good checkpoint, verifying the manifest and every chunk digest.
+
+        Which checkpoints: ``candidates`` (newest first, as the checkpoint service recorded them), else
+        ``checkpoint_id`` and the older ones in the store, else every one in the store, newest (generation,
+        sequence) first. A missing, unreadable, corrupt or mis-named checkpoint is passed over for the next one
+        when ``fall_back`` (the result says which and why); a checkpoint for another model, version, tokenizer,
+        dtype or layout is refused outright, never skipped.
 
         ``into``: the engine's own preallocated blocks to fill in place (host or device); otherwise new host
-        arrays are returned. A corrupt chunk falls back to the previous checkpoint when ``fall_back``; a
-        checkpoint for another model, version, tokenizer, dtype or layout is refused. The session is then
-        registered on this agent with the restored blocks."""
-        ids = await self.store.checkpoints(session_id)
-        if checkpoint_id:
-            ids = [checkpoint_id, *(i for i in ids if i < checkpoint_id)] if fall_back else [checkpoint_id]
+        arrays are returned. The session is then held by this agent under ``generation``."""
+        if candidates is not None:
+            ids = list(candidates)
+        else:
+            ids = await self.store.checkpoints(session_id)
+            if checkpoint_id:
+                older = [i for i in ids if checkpoint_order(i) < checkpoint_order(checkpoint_id)]
+                ids = [checkpoint_id, *older] if fall_back else [checkpoint_id]
         if not ids:
             raise CheckpointNotFound(f"session {session_id!r} has no committed checkpoint")
         failures: list[str] = []
+        only_missing = True
         for cid in ids:
-            manifest = await self.store.manifest(session_id, cid)
-            check_compatible(manifest, self.layout)
+            manifest: CheckpointManifest | None = None
             try:
+                manifest = await self.store.manifest(session_id, cid)
+                check_compatible(manifest, self.layout)
                 blocks = await self._read_verified(manifest, into)
-            except ChunkCorrupt as exc:
-                log.warning("corrupt checkpoint; trying an older one", extra={"error": str(exc)})
-                failures.append(str(exc))
+            except StoreError as exc:
+                if isinstance(exc, ChunkCorrupt) and manifest is not None and 0 <= exc.index < len(manifest.blocks):
+                    ref = manifest.blocks[exc.index]
+                    self._corrupt.add((ref.pack, ref.offset))
+                only_missing = only_missing and type(exc) is CheckpointNotFound
+                log.warning(
+                    "checkpoint unusable; trying an older one", extra={"session": session_id, "error": str(exc)}
+                )
+                failures.append(f"{cid}: {exc}")
                 if not fall_back:
                     raise
                 continue
             restored_blocks = [as_block(b) for b in blocks]
             for block, ref in zip(restored_blocks, manifest.blocks, strict=True):
                 block.digest = ref.digest  # verified just now
-            session = Session(session_id, restored_blocks, manifest.token_count, manifest)
-            self._sessions[session_id] = session
+            self._sessions[session_id] = Session(
+                session_id, restored_blocks, manifest.token_count, manifest, generation=generation
+            )
             return RestoredSession(manifest, blocks, failures)
-        raise ChunkCorrupt(ids[-1], -1, "every checkpoint of the session is corrupt: " + " | ".join(failures))
+        summary = f"no usable checkpoint of session {session_id!r}: " + " | ".join(failures)
+        if only_missing:
+            raise CheckpointNotFound(summary)
+        raise ChunkCorrupt(ids[-1], -1, summary)
 
     def _verify_chunk(
         self,

@@ -1,5 +1,6 @@
-"""The KV agent on the mesh: answers the checkpoint service's save commands, announces its sessions, runs
-periodic checkpoints, and restores sessions after asking the checkpoint service where they are.
+"""The KV agent on the mesh: answers the checkpoint service's save commands (drains, periodic checkpoints, failing
+GPUs), announces its sessions with the generation it holds of each, and takes sessions (restored or fresh) by
+asking the checkpoint service, which hands out generations.
 
 The endpoint speaks only core NATS request/reply (the agent lives in an inference pod with a narrow NATS user);
 lifecycle events about checkpoints are published by the checkpoint service, which records what agents report.
@@ -26,8 +27,9 @@ from shared.contract.checkpoint import (
 )
 from shared.contract.node import SessionFailure
 from shared.kv.agent import KvAgent, RestoredSession, SaveReport
-from shared.kv.store import CheckpointNotFound
-from shared.plumbing.bus import Bus
+from shared.kv.store import CheckpointNotFound, ChunkCorrupt
+from shared.plumbing.bus import Bus, Subscription
+from shared.plumbing.errors import PermanentError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ def report_event(agent: KvAgent, report: SaveReport) -> SaveSessionsReport:
                 bytes_written=m.bytes_written,
                 chunks=len(m.blocks),
                 token_count=m.token_count,
+                generation=m.generation,
+                sequence=m.sequence,
             )
             for m in report.committed
         ],
@@ -53,34 +57,50 @@ def report_event(agent: KvAgent, report: SaveReport) -> SaveSessionsReport:
 
 
 class AgentEndpoint:
+    """``start`` answers save commands and announces the pod's sessions; ``stop`` ends both: a stopped agent
+    never saves again (its pod is gone; what it still holds may have moved on elsewhere)."""
+
     def __init__(self, agent: KvAgent, bus: Bus, announce_s: float = 5.0) -> None:
         self.agent = agent
         self.bus = bus
         self.announce_s = announce_s
         self._tasks: list[asyncio.Task[Any]] = []
-        self._announced: tuple[str, ...] | None = None
+        self._serving: Subscription | None = None
+        self._stopped = False
         self._changed = asyncio.Event()
 
-    async def start(self, periodic_s: float = 0.0) -> None:
+    async def start(self) -> None:
         subjects = self.bus.subjects
-        await self.bus.serve(subjects.for_event(SaveSessions(pod=self.agent.pod)), self.on_save, (SaveSessions,))
+        self._stopped = False
+        self._serving = await self.bus.serve(
+            subjects.for_event(SaveSessions(pod=self.agent.pod)), self.on_save, (SaveSessions,)
+        )
         await self.announce()
         self._tasks.append(asyncio.create_task(self._announce_loop(), name=f"kv-announce-{self.agent.pod}"))
-        if periodic_s > 0:
-            self._tasks.append(asyncio.create_task(self._periodic(periodic_s), name=f"kv-periodic-{self.agent.pod}"))
 
     async def stop(self) -> None:
+        self._stopped = True
+        if self._serving is not None:
+            await self._serving.unsubscribe()
+            self._serving = None
         for task in self._tasks:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
+        self._tasks.clear()
 
     def sessions_changed(self) -> None:
         """Tell the endpoint the engine added or ended sessions; the registry hears of it promptly."""
         self._changed.set()
 
     async def on_save(self, command: SaveSessions) -> SaveSessionsReport:
-        """Idempotent: a repeated save of unchanged sessions commits checkpoints that write no new bytes."""
+        """Idempotent: a repeated save of unchanged sessions commits checkpoints that write no new bytes. The
+        service that asked records what it answers; sessions held under another generation than the command
+        names are refused. A ``prestop`` save (the pod's own hook) is recorded by the agent itself."""
+        if self._stopped:
+            raise PermanentError(f"pod {self.agent.pod}'s KV agent is stopped")
+        if command.reason == "prestop":  # the pod's own hook (`gpuwarden agent final-save`), not the service
+            return await self.final_save(command.deadline_s)
         started = time.monotonic()
 
         async def progress(so_far: SaveReport, total: int) -> None:
@@ -96,42 +116,50 @@ class AgentEndpoint:
                     )
                 )
 
-        report = await self.agent.save(command.session_ids or None, command.deadline_s, command.reason, progress)
+        ids = list(command.generations) if command.generations else (command.session_ids or None)
+        report = await self.agent.save(
+            ids,
+            command.deadline_s,
+            command.reason,
+            progress,
+            generations=command.generations or None,
+        )
         log.info(
             "saved",
             extra={
                 "pod": self.agent.pod,
                 "drain_id": command.drain_id,
+                "reason": command.reason,
                 "committed": len(report.committed),
                 "failed": len(report.failed),
                 "bytes": report.bytes_total,
                 "seconds": round(time.monotonic() - started, 3),
             },
         )
-        event = report_event(self.agent, report)
-        if not command.drain_id and event.committed:  # a drain's saves are recorded by the service that asked
-            await self._record(event)
-        return event
+        return report_event(self.agent, report)
 
-    async def _record(self, event: SaveSessionsReport) -> None:
+    async def _record(self, event: SaveSessionsReport) -> SaveSessionsReport | None:
         with contextlib.suppress(Exception):
-            await self.bus.request(self.bus.subjects.command("checkpoint", "record"), event, 5.0)
+            answer = await self.bus.request(self.bus.subjects.command("checkpoint", "record"), event, 5.0)
+            return answer if isinstance(answer, SaveSessionsReport) else None
+        return None
 
     async def announce(self) -> None:
-        sessions = tuple(sorted(self.agent.sessions()))
+        sessions = sorted(self.agent.sessions())
         await self.bus.publish(
             AgentSessions(
                 pod=self.agent.pod,
                 node=self.agent.node,
                 namespace=self.agent.namespace,
                 deployment=self.agent.deployment,
-                sessions=list(sessions),
+                sessions=sessions,
                 bytes_held=sum(self.agent.session_bytes(s) for s in sessions),
+                generations=[self.agent.generation(s) for s in sessions],
+                ttl_s=max(1.0, 3 * self.announce_s),
             )
         )
         with contextlib.suppress(Exception):
             await self.bus.nc.flush(timeout=2)
-        self._announced = sessions
 
     async def _announce_loop(self) -> None:
         while True:
@@ -144,33 +172,61 @@ class AgentEndpoint:
                 log.warning("session announcement failed", extra={"error": str(exc)})
             await asyncio.sleep(0.05)  # coalesce bursts of session changes
 
-    async def _periodic(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            report = await self.agent.save(reason="periodic")
-            if report.committed:
-                await self._record(report_event(self.agent, report))
-
     async def final_save(self, deadline_s: float) -> SaveSessionsReport:
-        """The preStop hook's save: everything the pod holds, recorded by the checkpoint service."""
+        """The preStop hook's save: everything the pod holds, recorded by the checkpoint service (which refuses
+        sessions this pod no longer owns). Returns what the service recorded, or the agent's own report when
+        the service did not answer."""
         report = report_event(self.agent, await self.agent.save(deadline_s=deadline_s, reason="prestop"))
-        await self._record(report)
-        return report
+        recorded = await self._record(report)
+        return recorded if recorded is not None else report
+
+    async def _locate(self, session_id: str, timeout: float) -> CheckpointLocation:
+        answer = await self.bus.request(
+            self.bus.subjects.command("checkpoint", "locate"),
+            LocateCheckpoint(
+                session_id=session_id,
+                pod=self.agent.pod,
+                node=self.agent.node,
+                claim=True,
+                namespace=self.agent.namespace,
+                deployment=self.agent.deployment,
+            ),
+            timeout,
+        )
+        if not isinstance(answer, CheckpointLocation):
+            reason = getattr(answer, "reason", "") or answer.kind
+            raise TimeoutError(f"the checkpoint service could not locate session {session_id!r}: {reason}")
+        return answer
+
+    async def start_session(self, session_id: str, timeout: float = 10.0) -> int:
+        """Take a new session: the checkpoint service gives this pod its next generation. Returns it."""
+        answer = await self._locate(session_id, timeout)
+        self.agent.register_session(session_id, generation=answer.generation)
+        self.sessions_changed()
+        return answer.generation
 
     async def restore(
         self, session_id: str, into: Sequence[Any] | None = None, timeout: float = 10.0
     ) -> RestoredSession:
-        """Ask the checkpoint service for the session's newest checkpoint, restore it verified, report it."""
+        """Take the session (its next generation) and restore its newest good checkpoint, verified, then report
+        it. When there is no checkpoint (``CheckpointNotFound``) or none is usable (``ChunkCorrupt``), the
+        session is held fresh under the new generation before the error is raised, so the caller may go on."""
         started = time.monotonic()
-        answer = await self.bus.request(
-            self.bus.subjects.command("checkpoint", "locate"),
-            LocateCheckpoint(session_id=session_id, pod=self.agent.pod, node=self.agent.node),
-            timeout,
-        )
-        if not isinstance(answer, CheckpointLocation) or not answer.found:
-            reason = getattr(answer, "reason", "") or "no committed checkpoint"
-            raise CheckpointNotFound(f"session {session_id!r}: {reason}")
-        restored = await self.agent.restore(session_id, answer.checkpoint_id)
+        answer = await self._locate(session_id, timeout)
+        try:
+            if not answer.found:
+                raise CheckpointNotFound(f"session {session_id!r}: no committed checkpoint")
+            restored = await self.agent.restore(
+                session_id,
+                answer.checkpoint_id,
+                into,
+                candidates=answer.candidates or None,
+                generation=answer.generation,
+            )
+        except (CheckpointNotFound, ChunkCorrupt):
+            self.agent.register_session(session_id, generation=answer.generation)
+            self.sessions_changed()
+            raise
         self.sessions_changed()
         with contextlib.suppress(Exception):
             await self.bus.request(
@@ -182,6 +238,8 @@ class AgentEndpoint:
                     pod=self.agent.pod,
                     bytes_total=restored.manifest.bytes_total,
                     duration_s=time.monotonic() - started,
+                    generation=answer.generation,
+                    fell_back_from=restored.fell_back_from[:16],
                 ),
                 5.0,
             )

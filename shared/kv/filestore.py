@@ -13,16 +13,18 @@ them; a manifest is the last thing written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from shared.kv.manifest import CheckpointManifest, ChunkRef, decode_manifest, encode_manifest
-from shared.kv.store import CheckpointNotFound, PackInfo, StoreError
+from shared.kv.manifest import CheckpointManifest, ChunkRef, encode_manifest, newest_first
+from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, load_manifest
 
 _IOV_MAX = 512
 T = TypeVar("T")
@@ -200,10 +202,7 @@ class FileStore:
             raise CheckpointNotFound(f"no checkpoint {checkpoint_id} for session {session_id}") from None
         except OSError as exc:
             raise _io_error(f"reading checkpoint {checkpoint_id}", exc) from exc
-        try:
-            return decode_manifest(data)
-        except Exception as exc:
-            raise StoreError(f"checkpoint {checkpoint_id}: manifest unreadable: {exc}") from exc
+        return load_manifest(data, session_id, checkpoint_id)
 
     async def checkpoints(self, session_id: str) -> list[str]:
         directory = self.sessions_dir / session_id
@@ -211,7 +210,7 @@ class FileStore:
             names = await asyncio.to_thread(os.listdir, directory)
         except FileNotFoundError:
             return []
-        return sorted((n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")), reverse=True)
+        return newest_first([n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")])
 
     async def sessions(self) -> list[str]:
         return sorted(p for p in await asyncio.to_thread(os.listdir, self.sessions_dir) if not p.startswith("."))
@@ -259,6 +258,33 @@ class FileStore:
 
     async def delete_pack(self, pack_id: str) -> None:
         (self.packs_dir / f"{pack_id}.pack").unlink(missing_ok=True)
+
+    def _sweep(self, grace_s: float) -> int:
+        """Temporary files (``.tmp-*``) of packs and manifests whose writer died or hit a full disk: nothing
+        references them, and after ``grace_s`` without a change nothing is still writing them."""
+        cutoff = time.time() - grace_s
+        gone = 0
+        folders = [self.packs_dir]
+        with os.scandir(self.sessions_dir) as entries:
+            folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        for folder in folders:
+            try:
+                with os.scandir(folder) as entries:
+                    temps = [e for e in entries if e.name.startswith(".tmp-") and e.is_file(follow_symlinks=False)]
+                for entry in temps:
+                    with contextlib.suppress(FileNotFoundError):
+                        if entry.stat().st_mtime < cutoff:
+                            os.unlink(entry.path)
+                            gone += 1
+            except FileNotFoundError:
+                continue
+        return gone
+
+    async def sweep_orphans(self, grace_s: float) -> int:
+        try:
+            return await asyncio.to_thread(self._sweep, grace_s)
+        except OSError as exc:
+            raise _io_error("collecting temporary files", exc) from exc
 
     async def close(self) -> None:
         return None

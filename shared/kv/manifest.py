@@ -7,12 +7,20 @@ and writes only what changed.
 
 A KV cache restored into a different model, version, tokenizer, dtype or block layout silently corrupts
 output, so ``check_compatible`` refuses it by name.
+
+A manifest verifies itself: ``manifest_digest`` covers every other field (session, layout, parent, blocks, token
+count), so an edited or garbled manifest, or another session's manifest stored under this session's name, is
+refused by ``verify_manifest`` before a byte is read. Checkpoint ids order a session's checkpoints by
+(generation, sequence): the generation is the session's ownership fence (only the pod holding the current
+generation may commit), the sequence counts that owner's saves. Never a clock.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 
 import msgspec
 import xxhash
@@ -78,6 +86,9 @@ class CheckpointManifest(msgspec.Struct, frozen=True, kw_only=True):
     key_id: str = ""
     bytes_written: int = 0
     reason: str = ""
+    generation: int = 0
+    sequence: int = 0
+    manifest_digest: str = ""
 
     @property
     def bytes_total(self) -> int:
@@ -106,14 +117,62 @@ def check_compatible(manifest: CheckpointManifest, layout: KvLayout) -> None:
         )
 
 
-def new_checkpoint_id(now: datetime | None = None) -> str:
-    """Sortable by creation time, unique across pods: ``20261202T124501123456Z-<12 hex>``."""
-    now = now or datetime.now(UTC)
-    return now.strftime("%Y%m%dT%H%M%S%fZ") + "-" + uuid.uuid4().hex[:12]
+class ManifestInvalid(ValueError):
+    """A manifest that does not verify: its own digest, its session or its id is not what it claims."""
+
+
+_ID = re.compile(r"^g(?P<generation>\d{10})-s(?P<sequence>\d{10})-[0-9a-f]{12}$")
+
+
+def new_checkpoint_id(generation: int = 0, sequence: int = 0) -> str:
+    """``g<generation>-s<sequence>-<12 hex>``, zero-padded so that the ids of a session sort by (generation,
+    sequence) as plain strings, in every store, and unique across pods."""
+    return f"g{generation:010d}-s{sequence:010d}-{uuid.uuid4().hex[:12]}"
+
+
+def checkpoint_order(checkpoint_id: str) -> tuple[int, int, str]:
+    """(generation, sequence, id): what "newest" means. Ids of an older format order before every new one."""
+    match = _ID.match(checkpoint_id)
+    if match is None:
+        return (-1, -1, checkpoint_id)
+    return (int(match["generation"]), int(match["sequence"]), checkpoint_id)
+
+
+def newest_first(checkpoint_ids: list[str]) -> list[str]:
+    return sorted(checkpoint_ids, key=checkpoint_order, reverse=True)
 
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(CheckpointManifest)
+
+
+def manifest_digest(manifest: CheckpointManifest) -> str:
+    """SHA-256 of the manifest's canonical encoding with ``manifest_digest`` empty."""
+    return hashlib.sha256(_encoder.encode(msgspec.structs.replace(manifest, manifest_digest=""))).hexdigest()
+
+
+def seal_manifest(manifest: CheckpointManifest) -> CheckpointManifest:
+    return msgspec.structs.replace(manifest, manifest_digest=manifest_digest(manifest))
+
+
+def verify_manifest(manifest: CheckpointManifest, session_id: str, checkpoint_id: str) -> None:
+    """Raise ``ManifestInvalid`` unless the manifest is intact and is the one asked for: its digest matches its
+    content, it names ``session_id`` and ``checkpoint_id``, its parent precedes it, and its blocks are whole."""
+    where = f"checkpoint {checkpoint_id} of session {session_id!r}"
+    if not manifest.manifest_digest:
+        raise ManifestInvalid(f"{where}: the manifest carries no digest of its own")
+    if manifest_digest(manifest) != manifest.manifest_digest:
+        raise ManifestInvalid(f"{where}: the manifest's digest does not match its content (edited or garbled)")
+    if manifest.session_id != session_id:
+        raise ManifestInvalid(f"{where}: the manifest is session {manifest.session_id!r}'s")
+    if manifest.checkpoint_id != checkpoint_id:
+        raise ManifestInvalid(f"{where}: the manifest is checkpoint {manifest.checkpoint_id}'s")
+    if manifest.parent_id and checkpoint_order(manifest.parent_id) >= checkpoint_order(checkpoint_id):
+        raise ManifestInvalid(f"{where}: its parent {manifest.parent_id} does not precede it")
+    if checkpoint_order(checkpoint_id)[:2] not in ((manifest.generation, manifest.sequence), (-1, -1)):
+        raise ManifestInvalid(f"{where}: its id does not carry its generation and sequence")
+    if manifest.token_count < 0 or any(ref.size <= 0 or ref.length < ref.size for ref in manifest.blocks):
+        raise ManifestInvalid(f"{where}: a block or the token count is out of range")
 
 
 def encode_manifest(manifest: CheckpointManifest) -> bytes:

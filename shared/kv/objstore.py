@@ -64,8 +64,8 @@ from nats.aio.msg import Msg
 from nats.js import api as js_api
 from nats.nuid import NUID
 
-from shared.kv.manifest import CheckpointManifest, ChunkRef, decode_manifest, encode_manifest
-from shared.kv.store import CheckpointNotFound, PackInfo, StoreError
+from shared.kv.manifest import CheckpointManifest, ChunkRef, encode_manifest, newest_first
+from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, load_manifest
 
 log = logging.getLogger(__name__)
 
@@ -852,10 +852,7 @@ class NatsObjectStore:
                 await self._read_run(run)
         except StoreError as exc:
             raise StoreError(f"checkpoint {checkpoint_id}: manifest unreadable: {exc}") from exc
-        try:
-            return decode_manifest(bytes(buffer))
-        except Exception as exc:
-            raise StoreError(f"checkpoint {checkpoint_id}: manifest unreadable: {exc}") from exc
+        return load_manifest(bytes(buffer), session_id, checkpoint_id)
 
     async def checkpoints(self, session_id: str) -> list[str]:
         prefix = f"{SESSION_PREFIX}{session_id}/"
@@ -863,7 +860,7 @@ class NatsObjectStore:
         candidates = [n[len(prefix) : -5] for n in names if "/" not in n[len(prefix) :]]
         # a meta subject can hold a deletion marker written by another tool (nats obj rm)
         metas = await asyncio.gather(*(self._meta(prefix + c + ".json") for c in candidates))
-        return sorted((c for c, m in zip(candidates, metas, strict=True) if m is not None), reverse=True)
+        return newest_first([c for c, m in zip(candidates, metas, strict=True) if m is not None])
 
     async def sessions(self) -> list[str]:
         found = set()
@@ -972,8 +969,8 @@ class NatsObjectStore:
     async def delete_pack(self, pack_id: str) -> None:
         await self._delete_object(PACK_PREFIX + pack_id)
 
-    async def sweep_orphans(self, older_than_s: float = 3600.0) -> int:
-        """Purge chunk subjects that no meta references and whose first chunk is older than ``older_than_s``
+    async def sweep_orphans(self, grace_s: float = 3600.0) -> int:
+        """Purge chunk subjects that no meta references and whose first chunk is older than ``grace_s``
         (writes that were aborted while the server was unreachable). Returns how many were purged."""
         await self._ensure()
         live = {m.nuid for m in await self._scan_metas(strict=True)}
@@ -1007,7 +1004,7 @@ class NatsObjectStore:
                 window_bytes=64 * 1024,
                 msg_bytes=1024,
             )
-            if stamps and now - stamps[0] >= older_than_s:
+            if stamps and now - stamps[0] >= grace_s:
                 await self._purge(subject)
                 purged += 1
         return purged

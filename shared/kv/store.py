@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.kv.manifest import CheckpointManifest, ChunkRef
+from shared.kv.manifest import CheckpointManifest, ChunkRef, ManifestInvalid, decode_manifest, verify_manifest
 
 
 class StoreError(RuntimeError):
@@ -20,6 +20,24 @@ class StoreError(RuntimeError):
 
 class CheckpointNotFound(StoreError):
     pass
+
+
+class ManifestCorrupt(StoreError):
+    """A manifest that cannot be decoded or does not verify (its own digest, session or id): the checkpoint it
+    would commit is unusable; a restore falls back over it."""
+
+
+def load_manifest(data: bytes, session_id: str, checkpoint_id: str) -> CheckpointManifest:
+    """Decode and verify the manifest a store holds for (session, checkpoint): every store reads through here."""
+    try:
+        manifest = decode_manifest(data)
+    except Exception as exc:
+        raise ManifestCorrupt(f"checkpoint {checkpoint_id}: manifest unreadable: {exc}") from exc
+    try:
+        verify_manifest(manifest, session_id, checkpoint_id)
+    except ManifestInvalid as exc:
+        raise ManifestCorrupt(str(exc)) from exc
+    return manifest
 
 
 class ChunkCorrupt(StoreError):
@@ -69,7 +87,7 @@ class CheckpointStore(Protocol):
     async def manifest(self, session_id: str, checkpoint_id: str) -> CheckpointManifest: ...
 
     async def checkpoints(self, session_id: str) -> list[str]:
-        """Committed checkpoint ids of a session, newest first."""
+        """Checkpoint ids of a session whose manifests are in the store, newest (generation, sequence) first."""
         ...
 
     async def sessions(self) -> list[str]: ...
@@ -84,5 +102,10 @@ class CheckpointStore(Protocol):
     async def packs(self) -> list[PackInfo]: ...
 
     async def delete_pack(self, pack_id: str) -> None: ...
+
+    async def sweep_orphans(self, grace_s: float) -> int:
+        """Delete what a killed or failed writer left behind (temporary files, chunks of aborted packs) once it is
+        older than ``grace_s``; returns how many objects went."""
+        ...
 
     async def close(self) -> None: ...

@@ -126,6 +126,20 @@ class Consumer:
                 await self.task
 
 
+@dataclass
+class Subscription:
+    """One core subscription of a bus; ``unsubscribe`` stops its deliveries and lets the bus forget it."""
+
+    bus: Bus
+    sub: Any
+
+    async def unsubscribe(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.bus._subscriptions.remove(self.sub)
+        with contextlib.suppress(Exception):
+            await self.sub.unsubscribe()
+
+
 class Bus:
     """A connection to NATS under one subject root. Create with ``await Bus.connect(...)``."""
 
@@ -368,7 +382,7 @@ class Bus:
         accepts: tuple[type[Event], ...],
         queue: str = "",
         name: str = "",
-    ) -> None:
+    ) -> Subscription:
         """Core NATS subscription (telemetry). Bad input is dead-lettered like on a durable consumer."""
         label = name or subject
         handled = self.telemetry.messages.get(label, "ack")
@@ -399,6 +413,7 @@ class Bus:
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         self._subscriptions.append(sub)
         await self._subscribed()
+        return Subscription(self, sub)
 
     async def _subscribed(self) -> None:
         """Once this returns the server has the subscription: what is published after it is delivered. Without
@@ -420,7 +435,7 @@ class Bus:
 
     async def serve(
         self, subject: str, responder: Responder, accepts: tuple[type[Event], ...], queue: str = ""
-    ) -> None:
+    ) -> Subscription:
         """Answer commands on ``subject``. A bad command is dead-lettered and answered with a ``DeadLetter``
         naming the reason, so the caller learns why instead of timing out."""
 
@@ -444,6 +459,7 @@ class Bus:
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         self._subscriptions.append(sub)
         await self._subscribed()
+        return Subscription(self, sub)
 
     # -- durable consumers --------------------------------------------------------------------------------------
     async def consume(self, spec: ConsumerSpec, handler: Handler) -> Consumer:

@@ -212,7 +212,7 @@ class SimWorkload:
             layout=layout_of(deployment.model),
         )
         endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s)
-        await endpoint.start(periodic_s=self.periodic_s)
+        await endpoint.start()
         gpu_uuid, memory = "", 0.0
         gpus = self.gpus.get(pod.node)
         if gpus is not None:

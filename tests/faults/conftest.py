@@ -1,0 +1,120 @@
+"""A checkpoint mesh for fault scenarios: the real checkpoint service, a file store, KV agents that take their
+sessions from the service (each under its own generation), and the invariant checker over all of it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from services.checkpoint.config import CheckpointSettings
+from services.checkpoint.handlers import CheckpointService
+from shared.contract.configdocs import CheckpointPolicy
+from shared.contract.node import DrainCompleted, DrainFailed
+from shared.contract.subjects import Subjects
+from shared.kv.agent import KvAgent
+from shared.kv.endpoint import AgentEndpoint
+from shared.kv.filestore import FileStore
+from shared.plumbing.bus import Bus
+from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.runner import RunningService, start_service
+from shared.plumbing.settings import Settings
+from tests.faults.checker import Findings, check_invariants
+from tests.helpers import eventually
+from tests.test_kv_agent import LAYOUT, block_content
+
+
+@dataclass
+class Pod:
+    name: str
+    agent: KvAgent
+    endpoint: AgentEndpoint
+    bus: Bus
+
+    def grow(self, session_id: str, blocks: int) -> None:
+        """The engine appends ``blocks`` full blocks to the session (content fixed by session and index)."""
+        have = len(self.agent.blocks(session_id))
+        for i in range(have, have + blocks):
+            self.agent.append_block(session_id, block_content(session_id, i, LAYOUT.block_bytes))
+        self.endpoint.sessions_changed()
+
+
+def expected(session_id: str, blocks: int) -> list[bytes]:
+    return [block_content(session_id, i, LAYOUT.block_bytes).tobytes() for i in range(blocks)]
+
+
+@dataclass
+class Mesh:
+    settings: Settings
+    subjects: Subjects
+    store: FileStore
+    service: CheckpointService
+    running: RunningService
+    client: aioredis.Redis
+    bus: Bus
+    pods: list[Pod] = field(default_factory=list)
+    verdicts: list[DrainCompleted | DrainFailed] = field(default_factory=list)
+
+    async def add_pod(
+        self, name: str, node: str, sessions: list[str] = (), blocks: int = 3, announce_s: float = 30.0
+    ) -> Pod:  # type: ignore[assignment]
+        bus = await Bus.connect(self.settings.nats, self.subjects, f"agent/{name}")
+        agent = KvAgent(self.store, pod=name, node=node, namespace="llm", deployment="llama", layout=LAYOUT)
+        endpoint = AgentEndpoint(agent, bus, announce_s=announce_s)
+        pod = Pod(name, agent, endpoint, bus)
+        for sid in sessions:
+            await endpoint.start_session(sid)
+            pod.grow(sid, blocks)
+        await endpoint.start()
+        self.pods.append(pod)
+        return pod
+
+    async def sessions_on(self, node: str) -> set[str]:
+        return {s.session_id for s in await self.service.registry.sessions_on_node(node)}
+
+    async def periodic_turn(self) -> int:
+        """One round of periodic saves now (every pod's turn taken afresh); how many pods saved."""
+        turns = [k async for k in self.client.scan_iter(match=self.subjects.redis_key("kv", "turn", "*"))]
+        if turns:
+            await self.client.delete(*turns)
+        return await self.service.periodic_saves(3600)
+
+    async def check(self, **kwargs: Any) -> Findings:
+        found = await check_invariants(self.store, self.client, self.subjects, **kwargs)
+        assert found, "\n".join(found.problems)
+        return found
+
+
+@pytest.fixture
+async def mesh(settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus) -> AsyncIterator[Mesh]:
+    store = FileStore(tmp_path / "store")
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
+    running = await start_service(service, settings)
+    client = aioredis.Redis.from_url(settings.redis.url)
+    # periodic checkpoints off unless a scenario asks for them: scenarios take their turns explicitly
+    await ConfigStore(client, subjects).write("checkpoint", CheckpointPolicy(periodic_interval_s=0), 0, "faults")
+    await eventually(lambda: service.policy().periodic_interval_s == 0)
+    m = Mesh(settings, subjects, store, service, running, client, bus)
+
+    async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
+        m.verdicts.append(event)
+
+    await bus.subscribe(subjects.pattern("node.drain.completed"), on_verdict, (DrainCompleted,))
+    await bus.subscribe(subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,))
+    yield m
+    for pod in m.pods:
+        await pod.endpoint.stop()
+        await pod.bus.close(1)
+    await running.stop(grace=1)
+    keys = [k async for k in client.scan_iter(match=f"{subjects.root}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+__all__ = ["Mesh", "Pod", "expected", "np"]

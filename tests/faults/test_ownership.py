@@ -1,0 +1,89 @@
+"""Session ownership under faults: a pod that lost a session never rolls it back, a stopped agent is silent, and
+the registry forgets pods that are gone (but not pods that are merely silent)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from tests.faults.conftest import Mesh, expected
+from tests.helpers import eventually
+
+
+async def test_a_pod_that_lost_a_session_never_rolls_it_back(mesh: Mesh) -> None:
+    """The issue's case: after a scale-down the removed pod's agent still answers; its stale copy of a session
+    that moved and grew must never become the newest checkpoint."""
+    old = await mesh.add_pod("llama-1", "node-1", ["s1", "s2"], blocks=3)
+    await mesh.bus.publish(DrainRequested(node="node-1", drain_id="d1", deadline_s=10))
+    await eventually(lambda: any(v.drain_id == "d1" for v in mesh.verdicts))
+    assert isinstance(mesh.verdicts[-1], DrainCompleted) and mesh.verdicts[-1].sessions_committed == 2
+    # s1 moves: a pod on node-2 takes it (a new generation) and the conversation grows
+    new = await mesh.add_pod("llama-2", "node-2")
+    restored = await new.endpoint.restore("s1")
+    assert [bytes(b) for b in restored.blocks] == expected("s1", 3)
+    assert new.agent.generation("s1") > old.agent.generation("s1")
+    new.grow("s1", 2)
+    # the old pod keeps running (never stopped) and says it still holds s1: the registry is not moved back
+    await old.endpoint.announce()
+    assert "s1" not in await mesh.sessions_on("node-1") and "s1" in await mesh.sessions_on("node-2")
+    # its node is drained again: it is asked only for what it owns (s2); s1 is not saved by it
+    await mesh.bus.publish(DrainRequested(node="node-1", drain_id="d2", deadline_s=10))
+    await eventually(lambda: any(v.drain_id == "d2" for v in mesh.verdicts))
+    verdict = next(v for v in mesh.verdicts if v.drain_id == "d2")
+    assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 1
+    # asked directly with the registry's view, the stale pod refuses; its own preStop save is refused by the service
+    command = SaveSessions(pod="llama-1", generations={"s1": new.agent.generation("s1")})
+    reply = await mesh.bus.request(mesh.subjects.for_event(command), command, timeout=10)
+    assert isinstance(reply, SaveSessionsReport) and not reply.committed
+    assert "refused" in reply.failed[0].reason
+    final = await old.endpoint.final_save(deadline_s=10)
+    assert {c.session_id for c in final.committed} == {"s2"}
+    assert [f.session_id for f in final.failed] == ["s1"] and "refused" in final.failed[0].reason
+    # the session's newest checkpoint is still the one the new owner restored from; once it saves, its own
+    third = await mesh.add_pod("llama-3", "node-3")
+    assert [bytes(b) for b in (await third.endpoint.restore("s1")).blocks] == expected("s1", 3)
+    # ...and now llama-2 lost s1 in turn; give it back by restoring on llama-2 again, grown, then saved
+    back = await new.endpoint.restore("s1")
+    assert len(back.blocks) == 3
+    new.grow("s1", 2)
+    assert await mesh.periodic_turn() >= 1
+    fourth = await mesh.add_pod("llama-4", "node-3")
+    assert [bytes(b) for b in (await fourth.endpoint.restore("s1")).blocks] == expected("s1", 5)
+    await mesh.check(drains=["d1", "d2"])
+
+
+async def test_a_stopped_agent_stops_answering(mesh: Mesh) -> None:
+    pod = await mesh.add_pod("llama-1", "node-1", ["s1"])
+    command = SaveSessions(pod="llama-1")
+    assert isinstance(await mesh.bus.request(mesh.subjects.for_event(command), command, 10), SaveSessionsReport)
+    await pod.endpoint.stop()
+    with pytest.raises(TimeoutError):
+        await mesh.bus.request(mesh.subjects.for_event(command), command, 1)
+
+
+async def test_gone_pods_leave_the_registry_silent_ones_that_still_exist_do_not(mesh: Mesh) -> None:
+    cluster = mesh.service.cluster
+    assert cluster is not None
+    await cluster.tick()  # schedules the spec's pods
+    real = next(p.name for p in await cluster.pods(node="node-1"))
+    ghost = await mesh.add_pod("ghost-1", "node-1", ["g1", "g2"], announce_s=0.2)
+    hung = await mesh.add_pod(real, "node-1", ["h1"], announce_s=0.2)
+    assert await mesh.sessions_on("node-1") == {"g1", "g2", "h1"}
+    await ghost.endpoint.stop()  # deleted without a word: no preStop, no announcement ever again
+    await hung.endpoint.stop()  # hung: silent, but the cluster still has the pod
+    await eventually(lambda: mesh.service.registry.silent_pods(), timeout=5)
+    await eventually(lambda: _both_silent(mesh, "ghost-1", real), timeout=5)
+    await mesh.bus.publish(DrainRequested(node="node-1", drain_id="d1", deadline_s=2, grace_period_s=5))
+    await eventually(lambda: any(v.drain_id == "d1" for v in mesh.verdicts))
+    verdict = next(v for v in mesh.verdicts if v.drain_id == "d1")
+    # the ghost's sessions were forgotten (their checkpoints, if any, stand); the hung pod's fail the drain
+    assert isinstance(verdict, DrainFailed), verdict
+    assert {f.session_id for f in verdict.failed_sessions} == {"h1"}
+    assert await mesh.sessions_on("node-1") == {"h1"}
+    assert "ghost-1" not in await mesh.service.registry.pods()
+    await mesh.check(drains=["d1"])
+
+
+async def _both_silent(mesh: Mesh, *pods: str) -> bool:
+    return set(pods) <= set(await mesh.service.registry.silent_pods())
