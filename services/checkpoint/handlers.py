@@ -255,7 +255,8 @@ class CheckpointService:
                 self.ctx.subjects.for_event(command), command, timeout=timeout or deadline_s + 5
             )
         except TimeoutError as exc:
-            return f"pod {pod}'s KV agent did not answer in time ({exc})"
+            within = "within the drain deadline" if drain_id else "in time"
+            return f"pod {pod}'s KV agent did not answer {within} ({exc})"
         if isinstance(reply, DeadLetter):
             return f"pod {pod}'s KV agent refused the save: {reply.reason}"
         if not isinstance(reply, SaveSessionsReport):

@@ -199,7 +199,15 @@ class SessionRegistry:
             v for sid, gen in zip(event.sessions, generations, strict=True) for v in (sid, gen)
         ]
         ttl_ms = int(max(1.0, event.ttl_s or 30.0) * 1000)
-        head = [self.subjects.root, event.pod, event.node, event.namespace, event.deployment, time.time(), ttl_ms]
+        head: list[str | int | float] = [
+            self.subjects.root,
+            event.pod,
+            event.node,
+            event.namespace,
+            event.deployment,
+            time.time(),
+            ttl_ms,
+        ]
         stale = await self._announce(keys=[self._key("pod", event.pod)], args=[*head, *pairs])
         return [_text(s) for s in stale]
 

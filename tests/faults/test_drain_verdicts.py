@@ -1,0 +1,198 @@
+"""Every drain gets exactly one verdict, quickly: a runner SIGKILLed mid-drain hands it on within its lease,
+whatever the deadline; a verdict too big for one event summarises; a re-sent drain id is answered with the
+recorded verdict; a node the cluster does not have fails with that reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.subjects import Subjects
+from shared.kv.agent import KvAgent
+from shared.kv.endpoint import AgentEndpoint
+from shared.kv.filestore import FileStore
+from shared.plumbing.bus import Bus
+from shared.plumbing.devservers import free_port
+from shared.plumbing.settings import Settings
+from tests.faults.checker import check_invariants
+from tests.faults.conftest import Mesh
+from tests.helpers import eventually
+from tests.test_kv_agent import LAYOUT, block_content
+from tests.test_runner import get
+
+
+class Runner:
+    """The checkpoint service as its own process, to be killed with SIGKILL."""
+
+    def __init__(self, settings: Settings, store: Path) -> None:
+        self.port = free_port()
+        self.env = dict(
+            os.environ,
+            GPUWARDEN_NATS_URL=settings.nats.servers[0],
+            GPUWARDEN_REDIS_URL=settings.redis.url,
+            GPUWARDEN_ROOT=settings.root,
+            GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{self.port}",
+            GPUWARDEN_CHECKPOINT_STORE=f"file://{store}",
+            GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S="2",
+            GPUWARDEN_CHECKPOINT_GC_S="0",
+        )
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.checkpoint"], env=self.env)
+
+    def ready(self) -> bool:
+        try:
+            return get(self.port, "/readyz")[0] == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def runners() -> Iterator[list[Runner]]:
+    started: list[Runner] = []
+    yield started
+    for runner in started:
+        runner.kill()
+
+
+async def test_a_runner_killed_mid_drain_hands_the_drain_on_and_it_gets_one_verdict(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, runners: list[Runner]
+) -> None:
+    store_dir = tmp_path / "store"
+    runners.append(Runner(settings, store_dir))
+    await eventually(runners[0].ready, timeout=30)
+    store = FileStore(store_dir)
+    pod_bus = await Bus.connect(settings.nats, subjects, "agent/llama-1")
+    agent = KvAgent(store, pod="llama-1", node="node-1", namespace="llm", deployment="llama", layout=LAYOUT)
+    endpoint = AgentEndpoint(agent, pod_bus, announce_s=0.5)
+    asked: list[SaveSessions] = []
+    gate = asyncio.Event()
+    answer = endpoint.on_save
+
+    async def slow_save(command: SaveSessions) -> SaveSessionsReport:
+        asked.append(command)
+        await gate.wait()  # the save takes as long as the test says
+        return await answer(command)
+
+    endpoint.on_save = slow_save  # type: ignore[method-assign]
+    for sid in ("s1", "s2"):
+        await endpoint.start_session(sid)
+        for i in range(3):
+            agent.append_block(sid, block_content(sid, i, LAYOUT.block_bytes))
+    await endpoint.start()
+    seen: list[DrainCompleted | DrainFailed] = []
+
+    async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
+        seen.append(event)
+
+    await bus.subscribe(subjects.pattern("node.drain.completed"), on_verdict, (DrainCompleted,))
+    await bus.subscribe(subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,))
+    await eventually(lambda: _registered(settings, subjects, 2))
+    # a long deadline: the old lease (deadline + 15 s) outlived every redelivery, and the drain never got a verdict
+    await bus.publish(DrainRequested(node="node-1", drain_id="dk", deadline_s=120, grace_period_s=150))
+    await eventually(lambda: asked, timeout=30)
+    runners[0].kill()
+    killed_at = time.monotonic()
+    runners.append(Runner(settings, store_dir))
+    gate.set()
+    await eventually(lambda: any(v.drain_id == "dk" for v in seen), timeout=60)
+    handed_on_s = time.monotonic() - killed_at
+    verdict = next(v for v in seen if v.drain_id == "dk")
+    assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 2, verdict
+    print(f"verdict {handed_on_s:.1f} s after the runner was killed (lease 2 s)")
+    # a later drain is a barrier: by its verdict, a second verdict of dk would have come
+    await bus.publish(DrainRequested(node="node-3", drain_id="dz", deadline_s=5))
+    await eventually(lambda: any(v.drain_id == "dz" for v in seen), timeout=30)
+    assert [v.drain_id for v in seen].count("dk") == 1
+    client = aioredis.Redis.from_url(settings.redis.url)
+    try:
+        found = await check_invariants(store, client, subjects, drains=["dk", "dz"])
+        assert found, found.problems
+    finally:
+        await client.aclose()
+        await endpoint.stop()
+        await pod_bus.close(1)
+
+
+async def _registered(settings: Settings, subjects: Subjects, count: int) -> bool:
+    client = aioredis.Redis.from_url(settings.redis.url)
+    try:
+        return await client.scard(subjects.redis_key("kv", "node", "node-1")) == count
+    finally:
+        await client.aclose()
+
+
+async def test_a_verdict_with_thousands_of_failures_summarises_and_keeps_the_list(mesh: Mesh) -> None:
+    pod = await mesh.add_pod("mute-1", "node-1")
+    await pod.endpoint.stop()  # it holds sessions and answers nothing
+    sids = [f"s{i:05d}" for i in range(8000)]
+    for sid in sids:
+        pod.agent.register_session(sid)
+    await pod.endpoint.announce()
+    await eventually(lambda: _count(mesh, "node-1", 8000))
+    await mesh.bus.publish(DrainRequested(node="node-1", drain_id="big", deadline_s=1, grace_period_s=5))
+    await eventually(lambda: any(v.drain_id == "big" for v in mesh.verdicts), timeout=60)
+    verdict = next(v for v in mesh.verdicts if v.drain_id == "big")
+    assert isinstance(verdict, DrainFailed)
+    assert verdict.failed_total == 8000 and len(verdict.failed_sessions) == 100
+    assert len(msgspec.json.encode(verdict)) < 1024 * 1024
+    kept = await mesh.client.lrange(verdict.failed_ref, 0, -1)
+    assert sorted(json.loads(k)["session_id"] for k in kept) == sids
+    await mesh.check(drains=["big"])
+
+
+async def _count(mesh: Mesh, node: str, n: int) -> bool:
+    return len(await mesh.sessions_on(node)) == n
+
+
+async def test_a_re_sent_drain_id_is_answered_with_its_recorded_verdict(mesh: Mesh) -> None:
+    await mesh.add_pod("llama-1", "node-1", ["s1"])
+    env = dict(os.environ, GPUWARDEN_NATS_URL=mesh.settings.nats.servers[0], GPUWARDEN_ROOT=mesh.subjects.root)
+    command = [
+        sys.executable,
+        "-m",
+        "shared.cli",
+        "drain",
+        "node-1",
+        "--drain-id",
+        "again",
+        "--wait",
+        "--deadline",
+        "5",
+    ]
+    outputs = []
+    for _ in range(2):
+        done = await asyncio.to_thread(subprocess.run, command, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        outputs.append(json.loads(done.stdout.splitlines()[-1]))
+    first, second = outputs
+    assert first["kind"] == second["kind"] == "node.drain.completed"
+    assert first["sessions_committed"] == second["sessions_committed"] == 1
+    assert first["event_id"] != second["event_id"]
+    # run once: one checkpoint of s1, not two
+    assert len(await mesh.service.registry.checkpoints("s1")) == 1
+    await mesh.check(drains=["again"])
+
+
+async def test_a_drain_of_a_node_the_cluster_lacks_fails_with_that_reason(mesh: Mesh) -> None:
+    await mesh.bus.publish(DrainRequested(node="node-99", drain_id="nowhere", deadline_s=5))
+    await eventually(lambda: any(v.drain_id == "nowhere" for v in mesh.verdicts))
+    verdict = next(v for v in mesh.verdicts if v.drain_id == "nowhere")
+    assert isinstance(verdict, DrainFailed) and "node-99 is not in the cluster" in verdict.reason
+    await mesh.check(drains=["nowhere"])
