@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/*.proto)
 
-.PHONY: install run test check format lint types layers bench schemas proto gpu-check gpu-kit clean
+.PHONY: install run test faults check format lint types layers bench schemas proto gpu-check gpu-kit clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The fault suite alone (it is part of `make test` too): real NATS, Redis and processes killed with SIGKILL, each
+# scenario followed by the invariant checker (tests/faults/checker.py).
+faults: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/faults $(PYTEST_ARGS)
 
 check: install format lint types layers
 	$(BIN)/python -m shared.contract.schemas --check

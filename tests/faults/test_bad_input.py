@@ -1,0 +1,72 @@
+"""Bad input anywhere on the checkpoint path gets a clear answer or a dead letter and crashes nothing; temporary
+files a killed writer left are collected after their grace period, young ones are not."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from shared.contract.checkpoint import AgentSessions, CheckpointLocation, LocateCheckpoint
+from shared.contract.deadletter import DeadLetter
+from shared.contract.node import DrainCompleted, DrainRequested
+from shared.plumbing.bus import ConsumerSpec
+from tests.faults.conftest import Mesh, expected
+from tests.helpers import eventually
+
+GARBAGE = [b"", b"{", b"null", b'{"kind":"checkpoint.locate"}', b'{"kind":"nope"}', b"\xff" * 64, b"[" * 10_000]
+
+
+async def test_garbage_on_every_checkpoint_subject_is_refused_and_the_service_goes_on(mesh: Mesh) -> None:
+    letters: list[DeadLetter] = []
+
+    async def on_letter(event: DeadLetter) -> None:
+        letters.append(event)
+
+    await mesh.bus.consume(
+        ConsumerSpec(
+            durable="t-faults-dl",
+            filter_subjects=(f"{mesh.subjects.root}.deadletter.>",),
+            accepts=(DeadLetter,),
+            stream=mesh.subjects.deadletter_stream,
+        ),
+        on_letter,
+    )
+    s = mesh.subjects
+    commands = [s.command("checkpoint", c) for c in ("locate", "restored", "record")]
+    for subject in commands:
+        for data in GARBAGE:
+            reply = await mesh.bus.nc.request(subject, data, timeout=5)
+            assert b"checkpoint" in reply.data or b"deadletter" in reply.data  # a DeadLetter naming the reason
+    await mesh.add_pod("llama-1", "node-1", ["s1"])
+    announcements = s.for_event(AgentSessions(pod="llama-1", node="node-1"))
+    drains = s.for_event(DrainRequested(node="node-1", drain_id="x"))
+    for data in GARBAGE:
+        await mesh.bus.nc.publish(announcements, data)
+        await mesh.bus.nc.publish(drains, data)
+    await eventually(lambda: len(letters) >= len(GARBAGE))
+    # still answering, still draining
+    answer = await mesh.bus.request(s.command("checkpoint", "locate"), LocateCheckpoint(session_id="s1"), 5)
+    assert isinstance(answer, CheckpointLocation)
+    await mesh.bus.publish(DrainRequested(node="node-1", drain_id="after", deadline_s=5))
+    await eventually(lambda: any(v.drain_id == "after" for v in mesh.verdicts))
+    assert isinstance(mesh.verdicts[-1], DrainCompleted) and mesh.verdicts[-1].sessions_committed == 1
+    other = await mesh.add_pod("llama-2", "node-2")
+    assert [bytes(b) for b in (await other.endpoint.restore("s1")).blocks] == expected("s1", 3)
+    await mesh.check(drains=["after"])
+
+
+async def test_temporary_files_older_than_the_grace_period_are_collected(mesh: Mesh) -> None:
+    await mesh.add_pod("llama-1", "node-1", ["s1"])
+    assert await mesh.periodic_turn() == 1
+    store = mesh.store
+    old = [store.packs_dir / ".tmp-dead.pack", store.sessions_dir / "s1" / ".tmp-dead.json"]
+    young = store.packs_dir / ".tmp-writing.pack"
+    for path in [*old, young]:
+        path.write_bytes(b"x" * 100)
+    an_hour_ago = time.time() - 3600
+    for path in old:
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    mesh.service.settings = type(mesh.service.settings)(gc_interval_s=0, gc_grace_s=600)
+    await mesh.service.collect_garbage()
+    assert not any(p.exists() for p in old) and young.exists()
+    await mesh.check(temp_grace_s=600)
