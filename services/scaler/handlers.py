@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client import Gauge
 
 from shared.contract.metrics import DeploymentUtilisation
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
@@ -103,6 +106,7 @@ class ScalerCore:
         self._drain_expiry: dict[str, float] = {}
         self.pods: dict[Deployment, tuple[Mapping[str, int], float]] = {}
         self.decisions_published = 0
+        self.refreshes = 0  # refresh loop iterations so far: "within two refreshes" is counted, not timed
         self._parsed: dict[tuple[Any, ...], Trigger] = {}  # metadata as KEDA sends it -> its checked trigger
         self._wake = asyncio.Event()
         self._outbox: asyncio.Queue[ScaleDecision] = asyncio.Queue(maxsize=10_000)
@@ -290,6 +294,7 @@ class ScalerCore:
             self._forget_idle()
             if self.queues:
                 await self.refresh_queues()
+            self.refreshes += 1
 
     async def placement_loop(self) -> None:
         while True:
@@ -324,6 +329,16 @@ class ScalerCore:
                 await view.unsubscribe()
         self.queues.clear()
 
+    def following(self) -> dict[str, int]:
+        """What the scaler holds now: ScaledObjects watched, queues polled (one JetStream read and one core
+        subscription each), StreamIsActive streams open, and refresh loop iterations so far."""
+        return {
+            "scaled_objects": len(self.watches),
+            "queues": len(self.queues),
+            "streams": sum(w.streams for w in self.watches.values()),
+            "refreshes": self.refreshes,
+        }
+
     def status(self) -> dict[str, Any]:
         return {
             "/".join(key): {
@@ -336,6 +351,10 @@ class ScalerCore:
             }
             for key, w in self.watches.items()
         }
+
+
+def _held(core: ScalerCore, key: str) -> float:
+    return float(core.following()[key])
 
 
 class ScalerService:
@@ -400,3 +419,11 @@ class ScalerService:
         ctx.status["drains_in_flight"] = core.drains_in_flight
         ctx.status["grpc"] = f"{self.settings.host}:{self.port}"
         ctx.status["scaled_objects"] = core.status
+        ctx.status["following"] = core.following
+        for key, what in (
+            ("scaled_objects", "ScaledObjects the scaler watches"),
+            ("queues", "Request queues the scaler polls"),
+            ("streams", "StreamIsActive streams open"),
+        ):
+            gauge = Gauge(f"gpuwarden_scaler_{key}", what, registry=ctx.telemetry.registry)
+            gauge.set_function(functools.partial(_held, core, key))
