@@ -30,15 +30,21 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "externalscaler.ExternalScaler"
 HEALTH_POLL_S = 1.0
+# A KEDA that vanished without closing its connection (pod killed, node lost) answers no HTTP/2 ping: a quiet
+# connection is pinged every KEEPALIVE_S and closed when a ping is not answered within KEEPALIVE_TIMEOUT_S, which
+# ends its streams as a hang-up would. (A ping costs 17 bytes; KEDA shares one connection per scaler address.)
+KEEPALIVE_S = 10.0
+KEEPALIVE_TIMEOUT_S = 5.0
 
 
 class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     def __init__(self, core: ScalerCore) -> None:
         self.core = core
 
-    async def _watch(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> Watch:
+    async def _watch(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext, stream: bool = False) -> Watch:
+        """The ScaledObject's watch; a stream holds it until it gives it back with ``core.release``."""
         try:
-            return await self.core.watch(ref.namespace, ref.name, dict(ref.scalerMetadata))
+            return await self.core.watch(ref.namespace, ref.name, dict(ref.scalerMetadata), stream=stream)
         except TriggerError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this line only satisfies the type checker
@@ -60,8 +66,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     async def StreamIsActive(
         self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.IsActiveResponse]:
-        watch = await self._watch(request, context)
-        watch.streams += 1
+        watch = await self._watch(request, context, stream=True)
         try:
             sent: bool | None = None
             while True:
@@ -73,7 +78,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
                     sent = active
                 await changed.wait()
         finally:
-            watch.streams -= 1
+            self.core.release(watch)
 
     async def GetMetricSpec(
         self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
@@ -86,13 +91,12 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     ) -> AsyncIterator[pb.GetMetricSpecResponse]:
         """The spec follows from the metadata alone, which a stream cannot change: it is sent once, and the
         stream stays open until KEDA closes it."""
-        watch = await self._watch(request, context)
-        watch.streams += 1
+        watch = await self._watch(request, context, stream=True)
         try:
             yield pb.GetMetricSpecResponse(metricSpecs=[self._spec(watch)])
             await asyncio.Event().wait()
         finally:
-            watch.streams -= 1
+            self.core.release(watch)
 
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
@@ -136,7 +140,15 @@ class ScalerServer:
         self.settings = settings
         self.serving = serving
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+                ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # else a ping waits 60 s for its ack
+                ("grpc.http2.max_pings_without_data", 0),  # a quiet StreamIsActive sends no data for hours
+            ]
+        )
         pb_grpc.add_ExternalScalerServicer_to_server(ExternalScalerServicer(core), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._health_task: asyncio.Task[None] | None = None

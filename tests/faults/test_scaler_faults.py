@@ -1,0 +1,204 @@
+"""Faults users found in the KEDA scaler, reproduced over real gRPC sockets, with real NATS behind the scaler.
+
+1. ``StreamIsActive`` streams that KEDA dropped (reconnecting) left their ScaledObjects watched and their queues
+   polled for the 15-minute idle limit. A stream's end must be noticed and, when nothing else uses the
+   ScaledObject, its watch and queue released within a refresh or two; the count of what the scaler holds is
+   read where operators read it (``/healthz`` ``following``, Prometheus ``gpuwarden_scaler_*``).
+2. A 1 MB metadata value was echoed back in the error, which made the answer ``RESOURCE_EXHAUSTED`` instead of
+   ``INVALID_ARGUMENT``. Oversized metadata (``services/scaler/trigger.py`` has the limits) must be refused as
+   ``INVALID_ARGUMENT`` with a short message naming the key and the limit, and no error may echo more than a
+   short prefix of what the caller sent.
+
+No timing is asserted: conditions are awaited with a timeout, and "within two refreshes" is counted in the
+scaler's refresh loop iterations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from services.scaler import grpcserver
+from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
+from shared.plumbing.bus import Bus
+from shared.plumbing.runner import RunningService
+from shared.plumbing.settings import Settings
+from shared.ports.metrics import http_get
+from tests.helpers import eventually
+from tests.test_scaler import ref, serving_consumer, start_scaler
+
+REFRESH_S = 0.25
+STREAMS = 200  # ScaledObjects on external-push, one stream each
+QUEUES = 20  # the deployments they scale: the queues polled for them
+CHANNELS = 4  # KEDA's connections
+
+
+async def following(running: RunningService) -> dict[str, int]:
+    """What the scaler holds, as ``/healthz`` reports it."""
+    status, body = await http_get(f"http://127.0.0.1:{running.http_port}/healthz", 5)
+    assert status == 200
+    return {key: int(n) for key, n in json.loads(body)["following"].items()}
+
+
+def held(f: dict[str, int]) -> tuple[int, int, int]:
+    return f["scaled_objects"], f["queues"], f["streams"]
+
+
+async def after_refreshes(running: RunningService, n: int) -> dict[str, int]:
+    """``following`` once ``n`` more refreshes of the scaler have completed than when called."""
+    start = (await following(running))["refreshes"]
+
+    async def counted() -> dict[str, int] | None:
+        now = await following(running)
+        return now if now["refreshes"] >= start + n else None
+
+    result: dict[str, int] = await eventually(counted, timeout=30)
+    return result
+
+
+async def streams_open(running: RunningService, n: int) -> None:
+    async def reached() -> bool:
+        return (await following(running))["streams"] == n
+
+    await eventually(reached, timeout=30)
+
+
+# -- 1. streams KEDA dropped --------------------------------------------------------------------------------------
+async def test_streams_keda_dropped_release_their_watches_and_queues_within_two_refreshes(
+    settings: Settings, bus: Bus
+) -> None:
+    service, running, _, _ = await start_scaler(settings, refresh_s=REFRESH_S)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") for _ in range(CHANNELS)]
+    stubs = [pb_grpc.ExternalScalerStub(channel) for channel in channels]
+    try:
+        await serving_consumer(bus)
+        assert (await stubs[0].IsActive(ref("polled"))).result is False  # KEDA polls this one: it stays
+        before = await following(running)
+        assert held(before) == (1, 1, 0)
+
+        calls = [
+            stubs[i % CHANNELS].StreamIsActive(ref(f"push-{i}", deployment=f"push-{i % QUEUES}"))
+            for i in range(STREAMS)
+        ]
+        firsts = await asyncio.wait_for(asyncio.gather(*(call.read() for call in calls)), 60)
+        assert {reply.result for reply in firsts} == {False}
+        assert held(await following(running)) == (1 + STREAMS, 1 + QUEUES, STREAMS)
+        _, metrics = await http_get(f"http://127.0.0.1:{running.http_port}/metrics", 5)
+        assert f"gpuwarden_scaler_streams {float(STREAMS)}" in metrics.decode()
+
+        # KEDA reconnects: the streams of its first connection are cancelled one by one, the other connections
+        # are closed under their streams.
+        for call in calls[::CHANNELS]:
+            call.cancel()
+        for channel in channels[1:]:
+            await channel.close()
+        await streams_open(running, 0)  # every end noticed
+
+        after = await after_refreshes(running, 2)
+        assert held(after) == held(before)
+        health = (await http_get(f"http://127.0.0.1:{running.http_port}/healthz", 5))[1]
+        assert list(json.loads(health)["scaled_objects"]) == ["llm/polled"]
+        _, metrics = await http_get(f"http://127.0.0.1:{running.http_port}/metrics", 5)
+        assert "gpuwarden_scaler_queues 1.0" in metrics.decode()
+
+        # Nothing kept growing: the same ScaledObjects streaming again hold the same again, and no more.
+        again = [stubs[0].StreamIsActive(ref(f"push-{i}", deployment=f"push-{i % QUEUES}")) for i in range(STREAMS)]
+        await asyncio.wait_for(asyncio.gather(*(call.read() for call in again)), 60)
+        assert held(await following(running)) == (1 + STREAMS, 1 + QUEUES, STREAMS)
+        for call in again:
+            call.cancel()
+        await streams_open(running, 0)
+        assert held(await after_refreshes(running, 2)) == held(before)
+    finally:
+        for channel in channels:
+            await channel.close()
+        await running.stop(grace=1)
+
+
+async def test_streams_dropped_before_their_first_answer_release_their_watches(settings: Settings) -> None:
+    """No requests stream exists, so the first queue read fails and each new stream waits for it (up to the
+    first-read timeout) before its first answer; KEDA hangs up during that wait."""
+    service, running, _, _ = await start_scaler(settings, refresh_s=REFRESH_S)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    try:
+        before = await following(running)
+        assert held(before) == (0, 0, 0)
+        calls = [stub.StreamIsActive(ref(f"early-{i}", deployment=f"early-{i % 5}")) for i in range(50)]
+        await streams_open(running, 50)
+        for call in calls:
+            call.cancel()
+        await streams_open(running, 0)
+        assert held(await after_refreshes(running, 2)) == held(before)
+    finally:
+        await channel.close()
+        await running.stop(grace=1)
+
+
+class SilentProxy:
+    """A TCP relay to the scaler that can go silent: after ``silence()`` it forwards nothing either way and
+    keeps both connections open, as a KEDA pod that vanished (or a lost node) leaves them."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.silent = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += [client_w, server_w]
+        for source, sink in ((client_r, server_w), (server_r, client_w)):
+            task = asyncio.create_task(self._pump(source, sink))
+            self._tasks.add(task)
+
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while data := await source.read(65536):
+            if self.silent.is_set():
+                return
+            sink.write(data)
+            await sink.drain()
+
+    def silence(self) -> None:
+        self.silent.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for writer in self._writers:
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+
+
+async def test_streams_of_a_keda_that_vanished_without_hanging_up_end_and_release_their_watches(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No FIN, no RST: only the scaler's keepalive pings, unanswered, can tell (shortened here)."""
+    monkeypatch.setattr(grpcserver, "KEEPALIVE_S", 0.5)
+    monkeypatch.setattr(grpcserver, "KEEPALIVE_TIMEOUT_S", 0.5)
+    service, running, _, _ = await start_scaler(settings, refresh_s=REFRESH_S)
+    proxy = SilentProxy(service.port)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{await proxy.start()}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    try:
+        before = await following(running)
+        calls = [stub.StreamIsActive(ref(f"gone-{i}", deployment=f"gone-{i % 5}")) for i in range(50)]
+        await asyncio.wait_for(asyncio.gather(*(call.read() for call in calls)), 60)
+        assert held(await following(running)) == (50, 5, 50)
+        proxy.silence()
+        await streams_open(running, 0)
+        assert held(await after_refreshes(running, 2)) == held(before)
+    finally:
+        await proxy.close()
+        await channel.close()
+        await running.stop(grace=1)
