@@ -1,9 +1,10 @@
 """The gRPC server KEDA talks to: ``externalscaler.ExternalScaler`` and ``grpc.health.v1``, plain, TLS or mTLS.
 
-The servicer is a thin translator over ``ScalerCore``: it checks the trigger metadata (``INVALID_ARGUMENT``
-naming the key and what is allowed), answers from the decision kept in memory, answers ``UNAVAILABLE`` when there
-is no decision to give (so KEDA's ``fallback`` applies), and on ``StreamIsActive`` sends the current state first,
-then every change, until KEDA hangs up.
+The servicer is a thin translator over ``ScalerCore``: it checks the request (``INVALID_ARGUMENT`` naming the key
+and what is allowed, or the limit it is over; no error quotes more than a short prefix of the request), answers
+from the decision kept in memory, answers ``UNAVAILABLE`` when there is no decision to give (so KEDA's
+``fallback`` applies), and on ``StreamIsActive`` sends the current state first, then every change, until KEDA
+hangs up.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .config import ScalerSettings
 from .decision import METRIC_TARGET, Decision
 from .gen import externalscaler_pb2 as pb
 from .gen import externalscaler_pb2_grpc as pb_grpc
-from .trigger import TriggerError
+from .trigger import TriggerError, check_metric_name
 
 if TYPE_CHECKING:
     from .handlers import ScalerCore, Watch
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "externalscaler.ExternalScaler"
 HEALTH_POLL_S = 1.0
+MAX_DETAILS = 512  # characters of an error message, whatever it says
 # A KEDA that vanished without closing its connection (pod killed, node lost) answers no HTTP/2 ping: a quiet
 # connection is pinged every KEEPALIVE_S and closed when a ping is not answered within KEEPALIVE_TIMEOUT_S, which
 # ends its streams as a hang-up would. (A ping costs 17 bytes; KEDA shares one connection per scaler address.)
@@ -46,7 +48,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         try:
             return await self.core.watch(ref.namespace, ref.name, dict(ref.scalerMetadata), stream=stream)
         except TriggerError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this line only satisfies the type checker
 
     @staticmethod
@@ -54,7 +56,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         decision = watch.decision
         if decision is None or not decision.available:
             reason = decision.reason if decision else "no decision yet"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{'/'.join(watch.deployment)}: {reason}")
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, f"{'/'.join(watch.deployment)}: {reason}")
             raise AssertionError("unreachable")
         return decision
 
@@ -101,6 +103,10 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetMetricsResponse:
+        try:
+            check_metric_name(request.metricName)
+        except TriggerError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         watch = await self._watch(request.scaledObjectRef, context)
         decision = await self._decision(watch, context)
         return pb.GetMetricsResponse(
@@ -118,6 +124,13 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         return pb.MetricSpec(
             metricName=watch.trigger.metric_name, targetSize=int(METRIC_TARGET), targetSizeFloat=METRIC_TARGET
         )
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with ``code``; the message is cut to ``MAX_DETAILS`` (grpc-message travels in a header)."""
+    if len(message) > MAX_DETAILS:
+        message = message[: MAX_DETAILS - 3] + "..."
+    await context.abort(code, message)
 
 
 def server_credentials(settings: ScalerSettings) -> grpc.ServerCredentials | None:

@@ -41,7 +41,7 @@ from .config import ScalerSettings, load
 from .decision import Decision, Inputs, Stabiliser, decide
 from .grpcserver import ScalerServer
 from .ports import Placement, RequestQueue
-from .trigger import Trigger, parse_trigger
+from .trigger import KEDA_KEYS, Trigger, check_limits, check_ref, parse_trigger
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +122,17 @@ class ScalerCore:
     async def watch(
         self, ref_namespace: str, ref_name: str, metadata: Mapping[str, str], *, stream: bool = False
     ) -> Watch:
-        """The ScaledObject's watch, created on first sight. Raises ``TriggerError`` for bad metadata.
+        """The ScaledObject's watch, created on first sight. Raises ``TriggerError`` for a bad request: metadata
+        or names over the limits (``trigger.py``), or metadata the scaler cannot use.
 
         A poll (``stream=False``) marks the watch polled now. A stream (``stream=True``) holds the watch until it
         calls ``release``; the hold is taken before the first wait, so no refresh forgets the watch under a stream
         still starting, and it is given back here if the call ends (KEDA hung up) before the watch is returned.
         """
-        cache_key = (ref_namespace, *sorted(metadata.items()))
+        check_ref(ref_name, ref_namespace)
+        check_limits(metadata)
+        # KEDA's own keys (a PEM may be 64 KiB) do not change the trigger: they are no part of the cache's key.
+        cache_key = (ref_namespace, *sorted(item for item in metadata.items() if item[0] not in KEDA_KEYS))
         trigger = self._parsed.get(cache_key)
         if trigger is None:
             trigger = parse_trigger(metadata, ref_namespace)

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
 
 from services.scaler import grpcserver
+from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
+from services.scaler.trigger import MAX_KEY_BYTES, MAX_KEYS, MAX_NAME_BYTES, MAX_VALUE_BYTES
 from shared.plumbing.bus import Bus
 from shared.plumbing.runner import RunningService
 from shared.plumbing.settings import Settings
@@ -202,3 +205,115 @@ async def test_streams_of_a_keda_that_vanished_without_hanging_up_end_and_releas
         await proxy.close()
         await channel.close()
         await running.stop(grace=1)
+
+
+# -- 2. oversized metadata ----------------------------------------------------------------------------------------
+MIB = 1 << 20
+SHORT = 512  # no error message is longer than this
+
+
+@pytest.fixture
+async def stub(settings: Settings) -> AsyncIterator[pb_grpc.ExternalScalerStub]:
+    service, running, _, _ = await start_scaler(settings, refresh_s=REFRESH_S)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
+    yield pb_grpc.ExternalScalerStub(channel)
+    await channel.close()
+    await running.stop(grace=1)
+
+
+Rpc = Callable[[pb_grpc.ExternalScalerStub, pb.ScaledObjectRef], Awaitable[object]]
+
+
+async def _stream_first(stub: pb_grpc.ExternalScalerStub, so: pb.ScaledObjectRef) -> object:
+    call = stub.StreamIsActive(so)
+    try:
+        return await call.read()
+    finally:
+        call.cancel()
+
+
+RPCS: dict[str, Rpc] = {
+    "IsActive": lambda stub, so: stub.IsActive(so, timeout=30),
+    "StreamIsActive": _stream_first,
+    "GetMetricSpec": lambda stub, so: stub.GetMetricSpec(so, timeout=30),
+    "GetMetrics": lambda stub, so: stub.GetMetrics(
+        pb.GetMetricsRequest(scaledObjectRef=so, metricName="m"), timeout=30
+    ),
+}
+
+
+async def refused(rpc: Rpc, stub: pb_grpc.ExternalScalerStub, so: pb.ScaledObjectRef) -> str:
+    """The details of the ``INVALID_ARGUMENT`` the call must end with."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await rpc(stub, so)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.code()
+    details = info.value.details() or ""
+    assert len(details) <= SHORT, len(details)
+    return details
+
+
+OVERSIZED = {
+    "a 1 MiB value of a scaler key": ({"gpuUtilTarget": "7" * MIB}, ["gpuUtilTarget", f"{MAX_VALUE_BYTES}"], "7"),
+    "a 1 MiB value of a KEDA key": ({"scalerAddress": "a" * MIB}, ["scalerAddress", f"{MAX_VALUE_BYTES}"], "a"),
+    "a 1 MiB deployment name": ({"deployment": "d" * MIB}, ["deployment", f"{MAX_VALUE_BYTES}"], "d"),
+    "a value over the limit in bytes, not characters": (
+        {"scalerAddress": "\u00e9" * (MAX_VALUE_BYTES // 2 + 1)},
+        ["scalerAddress", f"{MAX_VALUE_BYTES}"],
+        "\u00e9",
+    ),
+    "a 1 MiB key": ({"k" * MIB: "1"}, ["kkkkkkkk", f"{MAX_KEY_BYTES}"], "k"),
+    "too many keys": (  # with the three keys ref() adds: one more than allowed
+        {f"key{i}": "1" for i in range(MAX_KEYS + 1 - 3)},
+        [f"{MAX_KEYS + 1} keys", f"{MAX_KEYS}"],
+        "1",
+    ),
+    "a wrong value under the limit": ({"gpuUtilTarget": "9" * MAX_VALUE_BYTES}, ["gpuUtilTarget"], "9"),
+    "an unknown key under the limit": ({"q" * MAX_KEY_BYTES: "1"}, ["qqqqqqqq", "unknown key"], "q"),
+    "a deployment name under the limit that is wrong": ({"deployment": "D" * MAX_VALUE_BYTES}, ["deployment"], "D"),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERSIZED))
+@pytest.mark.parametrize("rpc", list(RPCS))
+async def test_oversized_metadata_is_invalid_argument_naming_the_key_and_limit_without_echoing_it(
+    stub: pb_grpc.ExternalScalerStub, rpc: str, case: str
+) -> None:
+    metadata, words, filler = OVERSIZED[case]
+    details = await refused(RPCS[rpc], stub, ref(**metadata))
+    for word in words:
+        assert word in details, (word, details)
+    assert filler * 48 not in details  # at most a short prefix of what was sent
+
+
+@pytest.mark.parametrize("rpc", list(RPCS))
+async def test_oversized_scaled_object_names_are_invalid_argument(stub: pb_grpc.ExternalScalerStub, rpc: str) -> None:
+    for so, field in (
+        (ref("n" * MIB), "name"),
+        (ref(namespace="s" * (MAX_NAME_BYTES + 1)), "namespace"),
+    ):
+        details = await refused(RPCS[rpc], stub, so)
+        assert f"scaledObjectRef {field}" in details and f"{MAX_NAME_BYTES}" in details, details
+
+
+async def test_an_oversized_metric_name_is_invalid_argument(stub: pb_grpc.ExternalScalerStub) -> None:
+    request = pb.GetMetricsRequest(scaledObjectRef=ref(), metricName="m" * MIB)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetMetrics(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details() or ""
+    assert "metricName" in details and f"{MAX_VALUE_BYTES}" in details and len(details) <= SHORT, details
+
+
+async def test_metadata_at_the_limits_is_accepted(stub: pb_grpc.ExternalScalerStub) -> None:
+    """KEDA's own keys at the value limit, KEDA's PEM keys over it (a certificate chain), and the most keys a
+    valid trigger can have: all accepted."""
+    so = ref(
+        scalerAddress="a" * MAX_VALUE_BYTES,
+        caCert="-----BEGIN CERTIFICATE-----\n" + "c" * (16 * 1024),
+        tlsClientCert="-----BEGIN CERTIFICATE-----\n" + "c" * (8 * 1024),
+        enableTLS="false",
+        unsafeSsl="false",
+        queueDepthPerReplica="4",
+    )
+    spec = await stub.GetMetricSpec(so, timeout=30)
+    assert spec.metricSpecs[0].metricName == "gpuwarden-llm-chat"
