@@ -37,6 +37,7 @@ REFRESH_S = 0.25
 STREAMS = 200  # ScaledObjects on external-push, one stream each
 QUEUES = 20  # the deployments they scale: the queues polled for them
 CHANNELS = 4  # KEDA's connections
+BURST = 2500  # streams opened at once
 
 
 async def following(running: RunningService) -> dict[str, int]:
@@ -136,6 +137,27 @@ async def test_streams_dropped_before_their_first_answer_release_their_watches(s
             call.cancel()
         await streams_open(running, 0)
         assert held(await after_refreshes(running, 2)) == held(before)
+    finally:
+        await channel.close()
+        await running.stop(grace=1)
+
+
+async def test_a_burst_of_streams_as_keda_reconnecting_opens_them_all_is_served_whole(settings: Settings) -> None:
+    """gRPC's default limit on calls waiting for the server (1,000, then rejection with rising probability)
+    cancelled a part of such a burst, and KEDA came back with each after its backoff."""
+    service, running, _, _ = await start_scaler(settings, refresh_s=REFRESH_S)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    try:
+        calls = [stub.StreamIsActive(ref(f"burst-{i}", deployment=f"burst-{i % 10}")) for i in range(BURST)]
+        replies = await asyncio.wait_for(asyncio.gather(*(c.read() for c in calls), return_exceptions=True), 120)
+        failed = [r for r in replies if isinstance(r, BaseException)]
+        assert not failed, f"{len(failed)} of {BURST} failed: {failed[0]!r}"
+        assert held(await following(running)) == (BURST, 10, BURST)
+        for call in calls:
+            call.cancel()
+        await streams_open(running, 0)
+        assert held(await after_refreshes(running, 2)) == (0, 0, 0)
     finally:
         await channel.close()
         await running.stop(grace=1)
