@@ -3,7 +3,10 @@
 1. ``StreamIsActive`` streams that KEDA dropped (reconnecting) left their ScaledObjects watched and their queues
    polled for the 15-minute idle limit. A stream's end must be noticed and, when nothing else uses the
    ScaledObject, its watch and queue released within a refresh or two; the count of what the scaler holds is
-   read where operators read it (``/healthz`` ``following``, Prometheus ``gpuwarden_scaler_*``).
+   read where operators read it (``/healthz`` ``following``, Prometheus ``gpuwarden_scaler_*``). Streams are
+   dropped here by cancelling them, by closing their connections, before their first answer, and behind a relay
+   that goes silent (a KEDA that vanished: only keepalive pings can tell). A burst of streams opened at once,
+   as KEDA reconnecting opens them, must be served whole: gRPC's pending-call limit cancelled part of it.
 2. A 1 MB metadata value was echoed back in the error, which made the answer ``RESOURCE_EXHAUSTED`` instead of
    ``INVALID_ARGUMENT``. Oversized metadata (``services/scaler/trigger.py`` has the limits) must be refused as
    ``INVALID_ARGUMENT`` with a short message naming the key and the limit, and no error may echo more than a
