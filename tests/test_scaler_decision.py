@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.scaler.decision import METRIC_TARGET, Inputs, Stabiliser, decide, recommend
-from services.scaler.trigger import Trigger, TriggerError, parse_trigger
+from services.scaler.trigger import KEDA_KEYS, KEYS, SHOWN_CHARS, Trigger, TriggerError, parse_trigger
 
 NOW = 1_000_000.0
 
@@ -109,6 +109,28 @@ def test_bad_metadata_names_the_key_and_what_is_allowed(meta: dict[str, str], ke
     with pytest.raises(TriggerError) as info:
         parse_trigger(meta, "llm")
     assert info.value.key == key and words in str(info.value)
+
+
+KNOWN_KEYS = sorted(KEYS | KEDA_KEYS)
+filler = st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=1500)
+metadata = st.dictionaries(
+    st.one_of(st.sampled_from(KNOWN_KEYS), st.text(min_size=1, max_size=400)),
+    st.one_of(filler, st.integers(-(10**40), 10**40).map(str)),
+    max_size=80,
+)
+
+
+@given(metadata)
+@settings(max_examples=300, deadline=None)
+def test_any_metadata_is_a_trigger_or_a_short_error_that_quotes_no_more_than_a_prefix(meta: dict[str, str]) -> None:
+    try:
+        parse_trigger(meta, "llm")
+    except TriggerError as exc:
+        message = str(exc)
+        assert len(message) <= 400, message
+        sent = [*meta, *meta.values()]
+        longest = max((len(text) for text in sent if text and text in message), default=0)
+        assert longest <= max(SHOWN_CHARS, max(map(len, KNOWN_KEYS))), message
 
 
 def test_metadata_defaults_and_keda_keys() -> None:

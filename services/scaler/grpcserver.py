@@ -1,9 +1,10 @@
 """The gRPC server KEDA talks to: ``externalscaler.ExternalScaler`` and ``grpc.health.v1``, plain, TLS or mTLS.
 
-The servicer is a thin translator over ``ScalerCore``: it checks the trigger metadata (``INVALID_ARGUMENT``
-naming the key and what is allowed), answers from the decision kept in memory, answers ``UNAVAILABLE`` when there
-is no decision to give (so KEDA's ``fallback`` applies), and on ``StreamIsActive`` sends the current state first,
-then every change, until KEDA hangs up.
+The servicer is a thin translator over ``ScalerCore``: it checks the request (``INVALID_ARGUMENT`` naming the key
+and what is allowed, or the limit it is over; no error quotes more than a short prefix of the request), answers
+from the decision kept in memory, answers ``UNAVAILABLE`` when there is no decision to give (so KEDA's
+``fallback`` applies), and on ``StreamIsActive`` sends the current state first, then every change, until KEDA
+hangs up.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .config import ScalerSettings
 from .decision import METRIC_TARGET, Decision
 from .gen import externalscaler_pb2 as pb
 from .gen import externalscaler_pb2_grpc as pb_grpc
-from .trigger import TriggerError
+from .trigger import TriggerError, check_metric_name
 
 if TYPE_CHECKING:
     from .handlers import ScalerCore, Watch
@@ -30,17 +31,28 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "externalscaler.ExternalScaler"
 HEALTH_POLL_S = 1.0
+MAX_DETAILS = 512  # characters of an error message, whatever it says
+# A KEDA that vanished without closing its connection (pod killed, node lost) answers no HTTP/2 ping: a quiet
+# connection is pinged every KEEPALIVE_S and closed when a ping is not answered within KEEPALIVE_TIMEOUT_S, which
+# ends its streams as a hang-up would. (A ping costs 17 bytes; KEDA shares one connection per scaler address.)
+KEEPALIVE_S = 10.0
+KEEPALIVE_TIMEOUT_S = 5.0
+# Calls that arrived and wait for the server loop to take them. gRPC's defaults (1,000, then rejection with rising
+# probability up to 3,000) cancelled about a quarter of 3,000 StreamIsActive calls opened at once, as KEDA does
+# when it reconnects, and each cancelled one came back after KEDA's backoff.
+MAX_PENDING_CALLS = 20_000
 
 
 class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     def __init__(self, core: ScalerCore) -> None:
         self.core = core
 
-    async def _watch(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> Watch:
+    async def _watch(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext, stream: bool = False) -> Watch:
+        """The ScaledObject's watch; a stream holds it until it gives it back with ``core.release``."""
         try:
-            return await self.core.watch(ref.namespace, ref.name, dict(ref.scalerMetadata))
+            return await self.core.watch(ref.namespace, ref.name, dict(ref.scalerMetadata), stream=stream)
         except TriggerError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this line only satisfies the type checker
 
     @staticmethod
@@ -48,7 +60,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         decision = watch.decision
         if decision is None or not decision.available:
             reason = decision.reason if decision else "no decision yet"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{'/'.join(watch.deployment)}: {reason}")
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, f"{'/'.join(watch.deployment)}: {reason}")
             raise AssertionError("unreachable")
         return decision
 
@@ -60,8 +72,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     async def StreamIsActive(
         self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.IsActiveResponse]:
-        watch = await self._watch(request, context)
-        watch.streams += 1
+        watch = await self._watch(request, context, stream=True)
         try:
             sent: bool | None = None
             while True:
@@ -73,7 +84,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
                     sent = active
                 await changed.wait()
         finally:
-            watch.streams -= 1
+            self.core.release(watch)
 
     async def GetMetricSpec(
         self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
@@ -86,17 +97,20 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     ) -> AsyncIterator[pb.GetMetricSpecResponse]:
         """The spec follows from the metadata alone, which a stream cannot change: it is sent once, and the
         stream stays open until KEDA closes it."""
-        watch = await self._watch(request, context)
-        watch.streams += 1
+        watch = await self._watch(request, context, stream=True)
         try:
             yield pb.GetMetricSpecResponse(metricSpecs=[self._spec(watch)])
             await asyncio.Event().wait()
         finally:
-            watch.streams -= 1
+            self.core.release(watch)
 
     async def GetMetrics(
         self, request: pb.GetMetricsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetMetricsResponse:
+        try:
+            check_metric_name(request.metricName)
+        except TriggerError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         watch = await self._watch(request.scaledObjectRef, context)
         decision = await self._decision(watch, context)
         return pb.GetMetricsResponse(
@@ -114,6 +128,13 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         return pb.MetricSpec(
             metricName=watch.trigger.metric_name, targetSize=int(METRIC_TARGET), targetSizeFloat=METRIC_TARGET
         )
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with ``code``; the message is cut to ``MAX_DETAILS`` (grpc-message travels in a header)."""
+    if len(message) > MAX_DETAILS:
+        message = message[: MAX_DETAILS - 3] + "..."
+    await context.abort(code, message)
 
 
 def server_credentials(settings: ScalerSettings) -> grpc.ServerCredentials | None:
@@ -136,7 +157,17 @@ class ScalerServer:
         self.settings = settings
         self.serving = serving
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+                ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # else a ping waits 60 s for its ack
+                ("grpc.http2.max_pings_without_data", 0),  # a quiet StreamIsActive sends no data for hours
+                ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+            ]
+        )
         pb_grpc.add_ExternalScalerServicer_to_server(ExternalScalerServicer(core), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._health_task: asyncio.Task[None] | None = None

@@ -9,17 +9,26 @@ decision is published as a ``ScaleDecision`` event with its inputs and reason.
 
 The one wait on a request path: the first call for a ScaledObject the scaler has not seen yet waits (at most
 ``FIRST_READ_TIMEOUT_S``) for its queue's first read, so that KEDA's first answer is not a made-up number.
+
+What is watched is what KEDA still asks about, and no more: a ScaledObject KEDA polls (``IsActive``,
+``GetMetrics``, ``GetMetricSpec``) is kept for ``IDLE_WATCH_S`` after the last poll (a long ``pollingInterval``
+must not lose its stabilisation history); one that only streams asked about is forgotten at the first refresh
+after its last stream ended, and a queue no watched ScaledObject needs is no longer read nor subscribed to.
+KEDA reconnecting opens a new stream, which follows the queue again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client import Gauge
 
 from shared.contract.metrics import DeploymentUtilisation
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
@@ -32,7 +41,7 @@ from .config import ScalerSettings, load
 from .decision import Decision, Inputs, Stabiliser, decide
 from .grpcserver import ScalerServer
 from .ports import Placement, RequestQueue
-from .trigger import Trigger, parse_trigger
+from .trigger import KEDA_KEYS, Trigger, check_limits, check_ref, parse_trigger
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +52,7 @@ ARRIVAL_HOLD_S = 1.0  # a request just heard counts as depth >= 1 for this long,
 FIRST_READ_TIMEOUT_S = 2.0
 PLACEMENT_EVERY = 2.0  # placement is read every this many queue refresh periods
 PLACEMENT_STALE_S = 30.0
-IDLE_WATCH_S = 900.0  # a ScaledObject KEDA has not asked about for this long (deleted) is forgotten
+IDLE_WATCH_S = 900.0  # a ScaledObject KEDA has not polled for this long (deleted), and no stream holds, is forgotten
 
 
 @dataclass
@@ -65,13 +74,14 @@ class UtilView:
 
 @dataclass
 class Watch:
-    """One ScaledObject (KEDA's namespace and name) as the scaler follows it."""
+    """One ScaledObject (KEDA's namespace and name) as the scaler follows it: kept while a stream holds it
+    (``streams``) or KEDA polled it within ``IDLE_WATCH_S`` (``polled_at``)."""
 
     trigger: Trigger
     stabiliser: Stabiliser
     decision: Decision | None = None
     inputs: Inputs = field(default_factory=Inputs)
-    last_used: float = 0.0
+    polled_at: float | None = None
     streams: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -103,14 +113,26 @@ class ScalerCore:
         self._drain_expiry: dict[str, float] = {}
         self.pods: dict[Deployment, tuple[Mapping[str, int], float]] = {}
         self.decisions_published = 0
+        self.refreshes = 0  # refresh loop iterations so far: "within two refreshes" is counted, not timed
         self._parsed: dict[tuple[Any, ...], Trigger] = {}  # metadata as KEDA sends it -> its checked trigger
         self._wake = asyncio.Event()
         self._outbox: asyncio.Queue[ScaleDecision] = asyncio.Queue(maxsize=10_000)
 
     # -- the gRPC layer's entry ---------------------------------------------------------------------------------
-    async def watch(self, ref_namespace: str, ref_name: str, metadata: Mapping[str, str]) -> Watch:
-        """The ScaledObject's watch, created on first sight. Raises ``TriggerError`` for bad metadata."""
-        cache_key = (ref_namespace, *sorted(metadata.items()))
+    async def watch(
+        self, ref_namespace: str, ref_name: str, metadata: Mapping[str, str], *, stream: bool = False
+    ) -> Watch:
+        """The ScaledObject's watch, created on first sight. Raises ``TriggerError`` for a bad request: metadata
+        or names over the limits (``trigger.py``), or metadata the scaler cannot use.
+
+        A poll (``stream=False``) marks the watch polled now. A stream (``stream=True``) holds the watch until it
+        calls ``release``; the hold is taken before the first wait, so no refresh forgets the watch under a stream
+        still starting, and it is given back here if the call ends (KEDA hung up) before the watch is returned.
+        """
+        check_ref(ref_name, ref_namespace)
+        check_limits(metadata)
+        # KEDA's own keys (a PEM may be 64 KiB) do not change the trigger: they are no part of the cache's key.
+        cache_key = (ref_namespace, *sorted(item for item in metadata.items() if item[0] not in KEDA_KEYS))
         trigger = self._parsed.get(cache_key)
         if trigger is None:
             trigger = parse_trigger(metadata, ref_namespace)
@@ -119,30 +141,52 @@ class ScalerCore:
             self._parsed[cache_key] = trigger
         key = (ref_namespace, ref_name or trigger.deployment)
         watch = self.watches.get(key)
+        fresh = watch is None or watch.decision is None
         if watch is None:
             watch = self.watches[key] = Watch(trigger=trigger, stabiliser=Stabiliser(trigger.stabilisation_window_s))
-            await self._follow_queue(watch.deployment)
-            self._evaluate(watch)
         elif watch.trigger != trigger:  # the ScaledObject was edited: same watch (open streams follow), new rule
-            watch.trigger, watch.stabiliser = trigger, Stabiliser(trigger.stabilisation_window_s)
-            await self._follow_queue(watch.deployment)
-            self._evaluate(watch)
-        watch.last_used = self.clock()
-        if watch.decision is None or not watch.decision.available:
-            view = self.queues[watch.deployment]
-            if not view.first_read.is_set():
-                self._wake.set()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(view.first_read.wait(), FIRST_READ_TIMEOUT_S)
+            watch.trigger, watch.stabiliser, fresh = trigger, Stabiliser(trigger.stabilisation_window_s), True
+        if stream:
+            watch.streams += 1
+        else:
+            watch.polled_at = self.clock()
+        try:
+            await self._follow_queue(watch.deployment)  # returns at once when the queue is followed already
+            if fresh:
                 self._evaluate(watch)
+            if watch.decision is None or not watch.decision.available:
+                view = self.queues.get(watch.deployment)
+                if view is not None and not view.first_read.is_set():
+                    self._wake.set()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(view.first_read.wait(), FIRST_READ_TIMEOUT_S)
+                    self._evaluate(watch)
+        except BaseException:
+            if stream:
+                self.release(watch)
+            raise
         return watch
+
+    def release(self, watch: Watch) -> None:
+        """A stream on ``watch`` ended. Nothing is read for it at once: a watch no stream holds and KEDA does not
+        poll is forgotten, with its queue, at the next refresh."""
+        watch.streams -= 1
 
     # -- inputs -------------------------------------------------------------------------------------------------
     async def _follow_queue(self, deployment: Deployment) -> None:
         if deployment in self.queues:
             return
         view = self.queues[deployment] = QueueView()
-        view.unsubscribe = await self.queue.on_arrival(*deployment, lambda: self._on_arrival(deployment))
+        try:
+            unsubscribe = await self.queue.on_arrival(*deployment, lambda: self._on_arrival(deployment))
+        except BaseException:
+            if self.queues.get(deployment) is view:  # not followed after all: the next call tries again
+                del self.queues[deployment]
+            raise
+        if self.queues.get(deployment) is not view:  # forgotten while subscribing: no subscription may outlive it
+            await unsubscribe()
+            return
+        view.unsubscribe = unsubscribe
         self._wake.set()
 
     def _on_arrival(self, deployment: Deployment) -> None:
@@ -287,9 +331,10 @@ class ScalerCore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.refresh_s)
             self._wake.clear()
-            self._forget_idle()
+            await self._forget_idle()
             if self.queues:
                 await self.refresh_queues()
+            self.refreshes += 1
 
     async def placement_loop(self) -> None:
         while True:
@@ -307,22 +352,34 @@ class ScalerCore:
             except Exception as exc:
                 log.warning("scale decision not published", extra={"error": repr(exc)})
 
-    def _forget_idle(self) -> None:
+    async def _forget_idle(self) -> None:
+        """Forget the watches no stream holds and KEDA has not polled within ``IDLE_WATCH_S`` (never polled: at
+        once), then the queues and placements no watch needs, unsubscribing from those queues."""
         now = self.clock()
         for key, watch in list(self.watches.items()):
-            if watch.streams == 0 and now - watch.last_used > IDLE_WATCH_S:
+            if watch.streams == 0 and (watch.polled_at is None or now - watch.polled_at > IDLE_WATCH_S):
                 del self.watches[key]
         followed = {w.deployment for w in self.watches.values()}
-        for deployment in [d for d in self.queues if d not in followed]:
-            view = self.queues.pop(deployment)
-            if view.unsubscribe is not None:
-                asyncio.ensure_future(view.unsubscribe())
+        released = [self.queues.pop(d) for d in list(self.queues) if d not in followed]
+        for deployment in [d for d in self.pods if d not in followed]:
+            del self.pods[deployment]
+        await asyncio.gather(*(v.unsubscribe() for v in released if v.unsubscribe is not None))
 
     async def close(self) -> None:
         for view in self.queues.values():
             if view.unsubscribe is not None:
                 await view.unsubscribe()
         self.queues.clear()
+
+    def following(self) -> dict[str, int]:
+        """What the scaler holds now: ScaledObjects watched, queues polled (one JetStream read and one core
+        subscription each), StreamIsActive streams open, and refresh loop iterations so far."""
+        return {
+            "scaled_objects": len(self.watches),
+            "queues": len(self.queues),
+            "streams": sum(w.streams for w in self.watches.values()),
+            "refreshes": self.refreshes,
+        }
 
     def status(self) -> dict[str, Any]:
         return {
@@ -336,6 +393,10 @@ class ScalerCore:
             }
             for key, w in self.watches.items()
         }
+
+
+def _held(core: ScalerCore, key: str) -> float:
+    return float(core.following()[key])
 
 
 class ScalerService:
@@ -400,3 +461,11 @@ class ScalerService:
         ctx.status["drains_in_flight"] = core.drains_in_flight
         ctx.status["grpc"] = f"{self.settings.host}:{self.port}"
         ctx.status["scaled_objects"] = core.status
+        ctx.status["following"] = core.following
+        for key, what in (
+            ("scaled_objects", "ScaledObjects the scaler watches"),
+            ("queues", "Request queues the scaler polls"),
+            ("streams", "StreamIsActive streams open"),
+        ):
+            gauge = Gauge(f"gpuwarden_scaler_{key}", what, registry=ctx.telemetry.registry)
+            gauge.set_function(functools.partial(_held, core, key))

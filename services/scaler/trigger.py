@@ -21,6 +21,21 @@ silently running on a default.
 
 KEDA's own keys (``scalerAddress``, ``enableTLS``, ``unsafeSsl``, ``tlsCertFile``, ``caCert``, ``tlsClientCert``,
 ``tlsClientKey``) are accepted and ignored.
+
+Limits, checked before anything else reads the request (sizes in UTF-8 bytes, Kubernetes-sized); over one, the
+answer is ``INVALID_ARGUMENT`` naming the key (its first ``SHOWN_CHARS`` characters when longer) and the limit:
+
+| what | limit |
+|---|---|
+| keys in ``metadata`` | ``MAX_KEYS`` = 64 |
+| a key | ``MAX_KEY_BYTES`` = 253 (a ConfigMap key's limit) |
+| a value | ``MAX_VALUE_BYTES`` = 1024 (1 KiB) |
+| a value of ``caCert``, ``tlsClientCert``, ``tlsClientKey`` | ``MAX_PEM_BYTES`` = 65536 (64 KiB: a certificate chain) |
+| ``ScaledObjectRef`` ``name`` and ``namespace`` | ``MAX_NAME_BYTES`` = 253 (a Kubernetes object name) |
+| ``GetMetricsRequest`` ``metricName`` | ``MAX_VALUE_BYTES`` = 1024 |
+
+No error quotes more than ``SHOWN_CHARS`` (32) characters of what the caller sent (``shown``). A request over
+gRPC's own 4 MiB message limit is refused by gRPC before it is read (``RESOURCE_EXHAUSTED``).
 """
 
 from __future__ import annotations
@@ -35,6 +50,13 @@ from typing import Literal
 KEDA_KEYS = frozenset(
     {"scalerAddress", "enableTLS", "unsafeSsl", "tlsCertFile", "caCert", "tlsClientCert", "tlsClientKey"}
 )
+PEM_KEYS = frozenset({"caCert", "tlsClientCert", "tlsClientKey"})
+MAX_KEYS = 64
+MAX_KEY_BYTES = 253
+MAX_VALUE_BYTES = 1024
+MAX_PEM_BYTES = 64 * 1024
+MAX_NAME_BYTES = 253
+SHOWN_CHARS = 32
 KEYS = frozenset(
     {
         "deployment",
@@ -57,12 +79,53 @@ _DURATION = re.compile(r"^(?P<n>\d+(\.\d+)?)(?P<unit>ms|s|m|h)?$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-class TriggerError(ValueError):
-    """Trigger metadata the scaler cannot use; the message names the key and what is allowed."""
+def size(text: str) -> int:
+    """``text``'s length in UTF-8 bytes (ASCII, the usual case, without encoding it)."""
+    return len(text) if text.isascii() else len(text.encode())
 
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"metadata {key}: {message}")
+
+def shown(text: str) -> str:
+    """``text`` as an error may quote it: quoted, and cut to ``SHOWN_CHARS`` characters plus its size when longer,
+    so that an error never carries back what the caller sent."""
+    if len(text) <= SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:SHOWN_CHARS]!r}... ({size(text)} bytes)"
+
+
+class TriggerError(ValueError):
+    """A request the scaler cannot use; the message names the key (``where`` it is) and what is allowed, and quotes
+    no more than ``shown`` does."""
+
+    def __init__(self, key: str, message: str, where: str = "metadata") -> None:
+        named = key if len(key) <= SHOWN_CHARS and key.isascii() and key.isprintable() else shown(key)
+        super().__init__(f"{where} {named}: {message}" if key else f"{where}: {message}")
         self.key = key
+
+
+def check_limits(meta: Mapping[str, str]) -> None:
+    """Refuse metadata over the limits of the module's table (``TriggerError``) before anything else reads it."""
+    if len(meta) > MAX_KEYS:
+        raise TriggerError("", f"{len(meta)} keys, more than the {MAX_KEYS} allowed")
+    for key in sorted(meta):
+        if size(key) > MAX_KEY_BYTES:  # longer than SHOWN_CHARS too: the message gives its size
+            raise TriggerError(key, f"a key longer than the {MAX_KEY_BYTES} bytes allowed")
+        limit = MAX_PEM_BYTES if key in PEM_KEYS else MAX_VALUE_BYTES
+        if (n := size(meta[key])) > limit:
+            raise TriggerError(key, f"a value of {n} bytes, longer than the {limit} bytes allowed")
+
+
+def check_ref(name: str, namespace: str) -> None:
+    """Refuse a ``ScaledObjectRef`` name or namespace longer than a Kubernetes name may be."""
+    for field, value in (("name", name), ("namespace", namespace)):
+        if (n := size(value)) > MAX_NAME_BYTES:
+            raise TriggerError(field, f"{n} bytes, longer than the {MAX_NAME_BYTES} allowed", where="scaledObjectRef")
+
+
+def check_metric_name(name: str) -> None:
+    if (n := size(name)) > MAX_VALUE_BYTES:
+        raise TriggerError(
+            "metricName", f"{n} bytes, longer than the {MAX_VALUE_BYTES} allowed", where="GetMetricsRequest"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +159,9 @@ def _int(meta: Mapping[str, str], key: str, default: int, low: int) -> int:
     try:
         value = int(raw.strip())
     except ValueError:
-        raise TriggerError(key, f"{raw!r} is not an integer; expected an integer >= {low}") from None
+        raise TriggerError(key, f"{shown(raw)} is not an integer; expected an integer >= {low}") from None
     if value < low:
-        raise TriggerError(key, f"{raw!r} is below {low}; expected an integer >= {low}")
+        raise TriggerError(key, f"{shown(raw)} is below {low}; expected an integer >= {low}")
     return value
 
 
@@ -110,9 +173,9 @@ def _percent(meta: Mapping[str, str], key: str, low: float, strictly_above_low: 
     try:
         value = float(raw.strip().removesuffix("%"))
     except ValueError:
-        raise TriggerError(key, f"{raw!r} is not a number; expected {allowed}") from None
+        raise TriggerError(key, f"{shown(raw)} is not a number; expected {allowed}") from None
     if not math.isfinite(value) or value > 100 or value < low or (strictly_above_low and value == low):
-        raise TriggerError(key, f"{raw!r} is out of range; expected {allowed}")
+        raise TriggerError(key, f"{shown(raw)} is out of range; expected {allowed}")
     return value
 
 
@@ -122,10 +185,10 @@ def _seconds(meta: Mapping[str, str], key: str, default: float, low: float) -> f
         return default
     match = _DURATION.match(raw.strip())
     if not match:
-        raise TriggerError(key, f"{raw!r} is not a duration; expected seconds like '300', '90s' or '5m'")
+        raise TriggerError(key, f"{shown(raw)} is not a duration; expected seconds like '300', '90s' or '5m'")
     value = float(match["n"]) * _UNIT[match["unit"] or "s"]
     if value < low:
-        raise TriggerError(key, f"{raw!r} is too short; expected at least {low:g}s")
+        raise TriggerError(key, f"{shown(raw)} is too short; expected at least {low:g}s")
     return value
 
 
@@ -135,7 +198,7 @@ def _bool(meta: Mapping[str, str], key: str, default: bool) -> bool:
         return default
     lowered = raw.strip().lower()
     if lowered not in ("true", "false"):
-        raise TriggerError(key, f"{raw!r}: expected 'true' or 'false'")
+        raise TriggerError(key, f"{shown(raw)}: expected 'true' or 'false'")
     return lowered == "true"
 
 
@@ -144,12 +207,13 @@ def _name(meta: Mapping[str, str], key: str, default: str) -> str:
     if not raw:
         raise TriggerError(key, "missing; expected the name of a Kubernetes object (lower case DNS name)")
     if not _NAME.match(raw):
-        raise TriggerError(key, f"{raw!r} is not a Kubernetes name; expected lower case letters, digits, '-', '.'")
+        raise TriggerError(key, f"{shown(raw)} is not a Kubernetes name; expected lower case letters, digits, '-', '.'")
     return raw
 
 
 def parse_trigger(meta: Mapping[str, str], default_namespace: str = "") -> Trigger:
     """The trigger described by ``meta``, or ``TriggerError`` for the first key that is wrong."""
+    check_limits(meta)
     for key in sorted(meta):
         if key not in KEYS and key not in KEDA_KEYS:
             close = difflib.get_close_matches(key, sorted(KEYS), n=1)
@@ -159,11 +223,12 @@ def parse_trigger(meta: Mapping[str, str], default_namespace: str = "") -> Trigg
     namespace = _name(meta, "namespace", default_namespace)
     combine = meta.get("combine", "max").strip().lower()
     if combine not in ("max", "sum"):
-        raise TriggerError("combine", f"{meta['combine']!r}: expected 'max' or 'sum'")
+        raise TriggerError("combine", f"{shown(meta['combine'])}: expected 'max' or 'sum'")
     min_replicas = _int(meta, "minReplicas", 0, 0)
     max_replicas = _int(meta, "maxReplicas", 100, 1)
     if min_replicas > max_replicas:
-        raise TriggerError("minReplicas", f"{min_replicas} is above maxReplicas {max_replicas}")
+        above = f"{shown(str(min_replicas))} is above maxReplicas {shown(str(max_replicas))}"
+        raise TriggerError("minReplicas", above)
     return Trigger(
         namespace=namespace,
         deployment=deployment,
