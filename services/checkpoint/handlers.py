@@ -176,13 +176,28 @@ class CheckpointService:
     async def on_announcement(self, event: AgentSessions) -> None:
         """Idempotent: the announcement replaces what the pod held before. Sessions it holds under a generation
         that moved on are stale copies: ignored, and reported."""
-        stale = await self.registry.apply_announcement(event)
+        stale, retired = await self.registry.apply_announcement(event)
+        for sid in retired:
+            await self.retire_session(sid)
         if stale:
             self.m_refused.labels("announcement").inc(len(stale))
             log.warning(
                 "pod announced sessions it no longer owns; ignored",
                 extra={"pod": event.pod, "node": event.node, "sessions": stale[:20], "count": len(stale)},
             )
+
+    async def retire_session(self, session_id: str) -> None:
+        """A finished conversation: its checkpoints go (their packs become garbage for the collector)."""
+        assert self.store is not None
+        for record in await self.registry.checkpoints(session_id, limit=10_000):
+            cid = str(record["checkpoint_id"])
+            try:
+                await self.store.delete_checkpoint(session_id, cid)
+            except StoreError as exc:
+                log.warning("ended session's checkpoint not deleted", extra={"session": session_id, "error": str(exc)})
+                continue
+            await self.registry.forget_checkpoint(session_id, cid)
+            self._manifest_cache.pop(cid, None)
 
     async def _gone_pods(self, node: str | None = None) -> set[str]:
         """Pods the registry knows that stopped announcing and that the cluster no longer has. Empty when the

@@ -48,29 +48,39 @@ local function move(prefix, sid, pod, node, ns, dep, gen, now)
 end
 """
 
-# One announcement applied atomically: ARGV = prefix, pod, node, ns, dep, now, ttl_ms, then (sid, generation)
-# pairs. A session announced under an older generation than the newest handed out has moved on: stale, ignored
-# and returned. A newer one than the registry knows (it lost its data) raises the counter: never handed out again.
+# One announcement applied atomically: ARGV = prefix, pod, node, ns, dep, now, ttl_ms, n, the n ended sessions,
+# then (sid, generation) pairs. A session announced under an older generation than the newest handed out has
+# moved on: stale, ignored and returned. A newer one than the registry knows (it lost its data) raises the
+# counter: never handed out again. An ended session the pod still held leaves the registry and is returned as
+# retired.
 _ANNOUNCE = (
     _MOVE
     + """
 local prefix, pod, node, ns, dep, now, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local first = 9 + tonumber(ARGV[8])
 local podkey = prefix .. ':kv:pod:' .. pod
-local fresh = {}
-for i = 8, #ARGV, 2 do fresh[ARGV[i]] = true end
-for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
-  if not fresh[sid] then
-    local skey = prefix .. ':kv:session:' .. sid
-    if redis.call('HGET', skey, 'pod') == pod then
-      local oldnode = redis.call('HGET', skey, 'node')
-      redis.call('DEL', skey)
-      if oldnode then redis.call('SREM', prefix .. ':kv:node:' .. oldnode, sid) end
-    end
-    redis.call('SREM', podkey, sid)
+local function drop(sid)
+  local skey = prefix .. ':kv:session:' .. sid
+  local held = redis.call('HGET', skey, 'pod') == pod
+  if held then
+    local oldnode = redis.call('HGET', skey, 'node')
+    redis.call('DEL', skey)
+    if oldnode then redis.call('SREM', prefix .. ':kv:node:' .. oldnode, sid) end
   end
+  redis.call('SREM', podkey, sid)
+  return held
+end
+local retired = {}
+for i = 9, first - 1 do
+  if drop(ARGV[i]) then table.insert(retired, ARGV[i]) end
+end
+local fresh = {}
+for i = first, #ARGV, 2 do fresh[ARGV[i]] = true end
+for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
+  if not fresh[sid] then drop(sid) end
 end
 local stale = {}
-for i = 8, #ARGV, 2 do
+for i = first, #ARGV, 2 do
   local sid, gen = ARGV[i], tonumber(ARGV[i + 1])
   local genkey = prefix .. ':kv:generation:' .. sid
   local current = tonumber(redis.call('GET', genkey) or '0')
@@ -84,7 +94,7 @@ for i = 8, #ARGV, 2 do
 end
 redis.call('HSET', prefix .. ':kv:pods', pod, node)
 redis.call('SET', prefix .. ':kv:alive:' .. pod, now, 'PX', ttl)
-return stale
+return {stale, retired}
 """
 )
 
@@ -192,8 +202,9 @@ class SessionRegistry:
         return self.subjects.redis_key("kv", *parts)
 
     # -- ownership and location ----------------------------------------------------------------------------------
-    async def apply_announcement(self, event: AgentSessions) -> list[str]:
-        """Returns the sessions the pod announced under a generation it no longer holds (stale copies)."""
+    async def apply_announcement(self, event: AgentSessions) -> tuple[list[str], list[str]]:
+        """Returns the sessions the pod announced under a generation it no longer holds (stale copies), and the
+        ended sessions it still owned (whose checkpoints are to be retired)."""
         generations = event.generations if len(event.generations) == len(event.sessions) else [0] * len(event.sessions)
         pairs: list[str | int | float] = [
             v for sid, gen in zip(event.sessions, generations, strict=True) for v in (sid, gen)
@@ -208,8 +219,10 @@ class SessionRegistry:
             time.time(),
             ttl_ms,
         ]
-        stale = await self._announce(keys=[self._key("pod", event.pod)], args=[*head, *pairs])
-        return [_text(s) for s in stale]
+        stale, retired = await self._announce(
+            keys=[self._key("pod", event.pod)], args=[*head, len(event.ended), *event.ended, *pairs]
+        )
+        return [_text(s) for s in stale], [_text(s) for s in retired]
 
     async def claim(self, session_id: str, pod: str, node: str, namespace: str, deployment: str, floor: int) -> int:
         """The pod takes the session: its next generation (above ``floor``), and the registry places it there."""

@@ -121,6 +121,9 @@ class AgentSessions(Event, frozen=True, kw_only=True, tag="checkpoint.agent.sess
     """The generation the pod holds for each of ``sessions``, in the same order (empty: all 0)."""
     ttl_s: float = 0.0
     """How long the announcement stands: a pod silent for longer, and gone from the cluster, is forgotten."""
+    ended: list[str] = msgspec.field(default_factory=list)
+    """Sessions the pod finished (the conversation is over) since its last announcement: their checkpoints are
+    retired, if the pod still owned them."""
 
 
 class LocateCheckpoint(Event, frozen=True, kw_only=True, tag="checkpoint.locate"):

@@ -67,6 +67,7 @@ class AgentEndpoint:
         self._tasks: list[asyncio.Task[Any]] = []
         self._serving: Subscription | None = None
         self._stopped = False
+        self._ended: set[str] = set()
         self._changed = asyncio.Event()
 
     async def start(self) -> None:
@@ -88,6 +89,12 @@ class AgentEndpoint:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
         self._tasks.clear()
+
+    def end_session(self, session_id: str) -> None:
+        """The conversation is over: the engine drops it, and the next announcement retires its checkpoints."""
+        self.agent.forget_session(session_id)
+        self._ended.add(session_id)
+        self._changed.set()
 
     def sessions_changed(self) -> None:
         """Tell the endpoint the engine added or ended sessions; the registry hears of it promptly."""
@@ -146,6 +153,7 @@ class AgentEndpoint:
 
     async def announce(self) -> None:
         sessions = sorted(self.agent.sessions())
+        ended = sorted(self._ended)
         await self.bus.publish(
             AgentSessions(
                 pod=self.agent.pod,
@@ -156,8 +164,10 @@ class AgentEndpoint:
                 bytes_held=sum(self.agent.session_bytes(s) for s in sessions),
                 generations=[self.agent.generation(s) for s in sessions],
                 ttl_s=max(1.0, 3 * self.announce_s),
+                ended=ended,
             )
         )
+        self._ended.difference_update(ended)
         with contextlib.suppress(Exception):
             await self.bus.nc.flush(timeout=2)
 

@@ -87,3 +87,23 @@ async def test_gone_pods_leave_the_registry_silent_ones_that_still_exist_do_not(
 
 async def _both_silent(mesh: Mesh, *pods: str) -> bool:
     return set(pods) <= set(await mesh.service.registry.silent_pods())
+
+
+async def test_an_ended_session_is_retired_by_its_owner_only(mesh: Mesh) -> None:
+    """Conversations end; their checkpoints must not pile up for ever, and only the owner may end one."""
+    old = await mesh.add_pod("llama-1", "node-1", ["s1", "s2"])
+    assert await mesh.periodic_turn() == 1
+    new = await mesh.add_pod("llama-2", "node-2")
+    await new.endpoint.restore("s2")  # s2 moves to llama-2
+    old.endpoint.end_session("s2")  # a stale holder cannot end it
+    old.endpoint.end_session("s1")
+    await old.endpoint.announce()
+    await eventually(lambda: _no_checkpoints(mesh, "s1"))
+    assert len(await mesh.service.registry.checkpoints("s2")) == 1
+    assert await mesh.store.checkpoints("s1") == [] and len(await mesh.store.checkpoints("s2")) == 1
+    assert await mesh.sessions_on("node-1") == set() and await mesh.sessions_on("node-2") == {"s2"}
+    await mesh.check()
+
+
+async def _no_checkpoints(mesh: Mesh, sid: str) -> bool:
+    return not await mesh.service.registry.checkpoints(sid)
