@@ -288,7 +288,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     owned: list[Any] = []
     try:
         _start_servers(env, base, owned)
-        return _run_mesh(args, env, nodes, base, state_file, log_dir)
+        return _run_mesh(args, env, nodes, base, state_file, log_dir, owned)
     finally:
         for server in owned:
             server.cleanup()  # the Redis data folder stays for the next run
@@ -310,8 +310,16 @@ def _start_servers(env: dict[str, str], base: Path, owned: list[Any]) -> None:
 
 
 def _run_mesh(
-    args: argparse.Namespace, env: dict[str, str], nodes: list[str], base: Path, state_file: Path, log_dir: Path
+    args: argparse.Namespace,
+    env: dict[str, str],
+    nodes: list[str],
+    base: Path,
+    state_file: Path,
+    log_dir: Path,
+    servers: list[Any],
 ) -> int:
+    """Start the plan's processes and keep them, and the servers this run started, running until stopped: a
+    process or server that exits is started again (a server on its own port and folder)."""
     from shared.plumbing.devservers import free_port
 
     checkpoints = f"file://{base / 'checkpoints'}"
@@ -372,6 +380,14 @@ def _run_mesh(
     try:
         while not stopping and (args.seconds is None or time.monotonic() - started < args.seconds):
             time.sleep(0.5)
+            for server in servers:
+                if server.proc is not None and server.proc.poll() is not None and not stopping:
+                    kind = type(server).__name__
+                    print(f"  {kind} exited with {server.proc.returncode}; restarting on {server.url}", flush=True)
+                    try:
+                        server.start()
+                    except RuntimeError as exc:  # tried again on the next round
+                        print(f"  {kind} did not start again: {exc}", flush=True)
             for label, name, child in plan:
                 proc = procs[label]
                 if proc.poll() is not None and not stopping:
