@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -31,8 +32,8 @@ from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import BY_KIND, codec
 from shared.contract.subjects import Subjects
-from shared.plumbing.errors import ConfigConflict, InvalidConfig, SettingsError
-from shared.plumbing.settings import Settings, load_settings
+from shared.plumbing.errors import ConfigConflict, InvalidConfig, ServerUnreachable, SettingsError
+from shared.plumbing.settings import Settings, load_settings, public_url
 
 SERVICES = ("driver", "device", "metrics", "scaler", "checkpoint")
 NODE_SCOPED = ("driver", "device", "metrics")
@@ -620,17 +621,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unreachable(exc: BaseException) -> ServerUnreachable | None:
+    """The server ``exc`` says did not answer, with the URL this command used; None for any other failure."""
+    from shared.plumbing.bus import nats_unreachable
+    from shared.plumbing.configsync import redis_unreachable
+
+    if isinstance(exc, ServerUnreachable):
+        return exc
+    try:
+        settings = _settings()
+    except (SettingsError, OSError, ValueError, KeyError):
+        settings = Settings()
+    if redis_unreachable(exc):
+        return ServerUnreachable("Redis", public_url(settings.redis.url))
+    if nats_unreachable(exc):
+        return ServerUnreachable("NATS", ", ".join(public_url(s) for s in settings.nats.servers))
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="gpuwarden: %(name)s: %(message)s")  # no clients' chatter
     try:
         return int(args.func(args))
     except (UsageError, SettingsError) as exc:
         print(f"gpuwarden {args.command}: {exc}", file=sys.stderr)
         return 2
-    except (OSError, TimeoutError) as exc:
-        print(f"gpuwarden {args.command}: cannot reach the mesh: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        down = _unreachable(exc)
+        if down is not None:
+            print(f"gpuwarden {args.command}: {down.server} at {down.url} is unreachable", file=sys.stderr)
+            return 1
+        if isinstance(exc, OSError | TimeoutError):
+            print(f"gpuwarden {args.command}: cannot reach the mesh: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -73,6 +73,20 @@ def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: i
     return aioredis.Redis.from_url(settings.url, **options)
 
 
+def redis_unreachable(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from, says that Redis did not answer (refused, lost, timed
+    out); a refused password or a busy server are answers, not silence."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)) and not isinstance(
+            exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 @dataclass(frozen=True)
 class VersionedConfig:
     name: str
