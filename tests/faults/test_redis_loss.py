@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio
 
 from services.driver.agent import bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
@@ -17,13 +18,14 @@ from services.driver.upgrade import EXTERNAL_DRAIN_ANNOTATION, FENCE_ANNOTATION
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainRequested
+from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
-from shared.plumbing.configsync import redis_client
-from shared.plumbing.devservers import RedisServer
+from shared.plumbing.configsync import ConfigStore, ConfigWatcher, redis_client
+from shared.plumbing.devservers import RedisServer, free_port
 from shared.plumbing.settings import Settings
 from shared.ports.kube import KubeCluster
 from tests.fake_kube_api import FakeKubeApi, node
-from tests.helpers import with_redis
+from tests.helpers import eventually, with_redis
 
 
 def test_a_persistent_redis_killed_with_sigkill_comes_back_with_what_it_acknowledged(tmp_path: Path) -> None:
@@ -42,6 +44,44 @@ def test_a_persistent_redis_killed_with_sigkill_comes_back_with_what_it_acknowle
     finally:
         server.cleanup()
     assert (tmp_path / "redis").is_dir(), "cleanup keeps a persistent server's data"
+
+
+async def test_the_config_watcher_reads_everything_again_when_redis_comes_back(
+    tmp_path: Path, settings: Settings, subjects: Subjects
+) -> None:
+    """Redis comes back holding a version nobody announced to this watcher (here: another data folder on the same
+    port, as after a failover or a restore). Pub/sub says nothing of it and the timer is an hour away: only a
+    full read on reconnect finds it."""
+    port = free_port()
+    restored = RedisServer(port=port, dir=tmp_path / "restored", persistent=True).start()
+    client = redis.asyncio.Redis.from_url(restored.url)
+    store = ConfigStore(client, subjects)
+    await store.write("driver", DriverPolicy(desired_version="550.54.15"), 0, "admin")
+    await store.write("driver", DriverPolicy(desired_version="560.35.03"), 1, "admin")
+    await client.aclose()
+    restored.stop()
+    live = RedisServer(port=port, dir=tmp_path / "live", persistent=True).start()
+    client = redis.asyncio.Redis.from_url(live.url)
+    await ConfigStore(client, subjects).write("driver", DriverPolicy(desired_version="550.54.15"), 0, "admin")
+    await client.aclose()
+    watcher = ConfigWatcher(with_redis(settings, live.url).redis, subjects, ["driver"], reread_s=3600)
+    await watcher.start()
+    try:
+        assert _desired(watcher) == "550.54.15"
+        live.kill()
+        await eventually(lambda: not watcher.connected)
+        restored.start()  # the same port, the other folder
+        await eventually(lambda: _desired(watcher) == "560.35.03")
+        assert watcher.connected and watcher.current("driver").version == 2  # type: ignore[union-attr]
+    finally:
+        await watcher.stop()
+        live.cleanup()
+        restored.cleanup()
+
+
+def _desired(watcher: ConfigWatcher) -> str:
+    found = watcher.current("driver")
+    return found.doc.desired_version if found is not None and isinstance(found.doc, DriverPolicy) else ""
 
 
 # -- fencing tokens outlive the lease's counter -------------------------------------------------------------------
