@@ -3,13 +3,22 @@ folder), and the simulation and the services reconnect and read again when it co
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import redis.asyncio
 
+from services.checkpoint.registry import SessionRegistry
 from services.driver.agent import bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
 from services.driver.lease import RedisDrainVerdicts, RedisLeaderLease
@@ -24,6 +33,7 @@ from shared.plumbing.configsync import ConfigStore, ConfigWatcher, redis_client
 from shared.plumbing.devservers import RedisServer, free_port
 from shared.plumbing.settings import Settings
 from shared.ports.kube import KubeCluster
+from shared.sim.cluster import SimCluster
 from tests.fake_kube_api import FakeKubeApi, node
 from tests.helpers import eventually, with_redis
 
@@ -82,6 +92,174 @@ async def test_the_config_watcher_reads_everything_again_when_redis_comes_back(
 def _desired(watcher: ConfigWatcher) -> str:
     found = watcher.current("driver")
     return found.doc.desired_version if found is not None and isinstance(found.doc, DriverPolicy) else ""
+
+
+# -- the simulation and the services, as processes, through a Redis crash ----------------------------------------
+SPEC = """
+nodes:
+  - name: node-1
+  - name: node-2
+deployments:
+  - {name: llama, namespace: llm, replicas: 2, max_unavailable: 1,
+     model: {layers: 2, kv_heads: 2, head_dim: 64, block_tokens: 16}}
+"""
+
+
+class Mesh:
+    """The simulation and some services as separate processes (``python -m ...``), as ``gpuwarden run`` starts
+    them, each with its own health port and log file."""
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env = env
+        self.logs = logs
+        self.procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+
+    def start(self, label: str, module: str, *args: str, **extra: str) -> None:
+        port = free_port()
+        env = dict(self.env, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{port}", **extra)
+        out = open(self.logs / f"{label}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=out, stderr=out)
+        out.close()
+        self.procs[label] = (proc, port)
+
+    async def health(self, label: str) -> dict[str, Any]:
+        """The process's /healthz, or ``{}`` while it does not answer."""
+        port = self.procs[label][1]
+
+        def get() -> dict[str, Any]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+                    return dict(json.loads(response.read()))
+            except OSError:
+                return {}
+
+        return await asyncio.get_running_loop().run_in_executor(None, get)
+
+    async def all_report(self, status: str) -> bool:
+        return all([(await self.health(label)).get("status") == status for label in self.procs])
+
+    def exited(self) -> dict[str, int]:
+        return {label: code for label, (proc, _) in self.procs.items() if (code := proc.poll()) is not None}
+
+    def log(self, label: str) -> str:
+        return (self.logs / f"{label}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _pods(mesh: Mesh) -> dict[str, Any]:
+    return dict((await mesh.health("sim")).get("simulation", {}).get("pods", {}))
+
+
+async def _served(mesh: Mesh) -> int:
+    return int((await mesh.health("sim")).get("simulation", {}).get("served", 0))
+
+
+async def _config_version(mesh: Mesh, label: str, name: str) -> int | None:
+    versions = (await mesh.health(label)).get("config_versions", {})
+    return None if versions.get(name) is None else int(versions[name])
+
+
+async def _sessions(registry: SessionRegistry) -> set[str]:
+    return {s.session_id for node in ("node-1", "node-2") for s in await registry.sessions_on_node(node)}
+
+
+async def test_the_simulation_and_services_ride_through_a_redis_crash(
+    tmp_path: Path, settings: Settings, subjects: Subjects
+) -> None:
+    """SIGKILL the Redis of a running mesh and start it again on the same port and folder: nothing was lost (AOF),
+    every process noticed and came back by itself, the simulation goes on (it serves the sessions it holds while
+    Redis is away, and plays a scale-up made afterwards), and configuration written afterwards reaches the
+    services, over pub/sub, with the hourly re-read far off."""
+    server = RedisServer(dir=tmp_path / "redis", persistent=True).start()
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    (tmp_path / "logs").mkdir()
+    env = dict(
+        os.environ,
+        GPUWARDEN_NATS_URL=settings.nats.servers[0],
+        GPUWARDEN_REDIS_URL=server.url,
+        GPUWARDEN_ROOT=subjects.root,
+        GPUWARDEN_BACKEND="sim",
+        GPUWARDEN_NODE="node-1",
+        GPUWARDEN_SIM_SPEC=str(spec),
+        GPUWARDEN_CHECKPOINT_STORE=f"file://{tmp_path / 'checkpoints'}",
+        GPUWARDEN_CHECKPOINT_GC_S="0",
+        GPUWARDEN_CONFIG_REREAD_S="3600",
+    )
+    mesh = Mesh(env, tmp_path / "logs")
+    client = redis_client(with_redis(settings, server.url).redis)  # reconnects after the crash, as services do
+    registry = SessionRegistry(client, subjects)
+    try:
+        mesh.start("sim", "shared.sim", "--rate", "5", "--sessions", "4")
+        mesh.start("checkpoint", "services.checkpoint")
+        mesh.start("driver", "services.driver", GPUWARDEN_DRIVER_RECONCILE_S="1")
+        await eventually(lambda: mesh.all_report("ok"), timeout=60, interval=0.2)
+        await eventually(lambda: _served(mesh), timeout=30, interval=0.2)
+        await eventually(lambda: _sessions(registry), timeout=30, interval=0.2)  # the agents' sessions, registered
+        before = await _sessions(registry)
+        assert len(await _pods(mesh)) == 2
+
+        server.kill()
+        await eventually(lambda: mesh.all_report("degraded"), timeout=30, interval=0.2)
+        served = await _served(mesh)
+        await eventually(lambda: _more_than(_served(mesh), served + 5), timeout=30, interval=0.2)  # Redis-less
+        server.start()  # the same port and folder
+        await eventually(lambda: mesh.all_report("ok"), timeout=30, interval=0.2)
+
+        assert before <= await _sessions(registry)  # the registry came back from the AOF
+        cluster = SimCluster(client, subjects)
+        assert [n.name for n in await cluster.nodes()] == ["node-1", "node-2"]
+        served = await _served(mesh)
+        await cluster.scale("llm", "llama", 3)  # the simulation must read the cluster again to play this
+        await eventually(lambda: _count_is(_pods(mesh), 3), timeout=30, interval=0.2)
+        await eventually(lambda: _more_than(_served(mesh), served), timeout=30, interval=0.2)
+
+        cli = await asyncio.get_running_loop().run_in_executor(
+            None,
+            lambda: subprocess.run(
+                [sys.executable, "-m", "shared.cli", "config", "set", "checkpoint", '{"keep_per_session": 3}'],
+                env=dict(env, GPUWARDEN_HOME=str(tmp_path)),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ),
+        )
+        assert cli.returncode == 0, cli.stderr
+        version = json.loads(cli.stdout)["version"]
+        await eventually(lambda: _is(_config_version(mesh, "checkpoint", "checkpoint"), version), timeout=20)
+        await ConfigStore(client, subjects).write("driver", DriverPolicy(desired_version="560.35.03"), 0, "test")
+        await eventually(lambda: _is(_config_version(mesh, "driver", "driver"), 1), timeout=20)
+        assert (await mesh.health("driver"))["upgrade"]["leader"] is True  # its coordinator loop lives on
+
+        assert mesh.exited() == {}, {label: mesh.log(label)[-2000:] for label in mesh.exited()}
+        for label in mesh.procs:
+            assert "background loop crashed" not in mesh.log(label), mesh.log(label)[-4000:]
+    finally:
+        mesh.stop()
+        await client.aclose()
+        server.cleanup()
+
+
+async def _count_is(pods: Awaitable[dict[str, Any]], count: int) -> bool:
+    return len(await pods) == count
+
+
+async def _more_than(value: Awaitable[int], than: int) -> bool:
+    return await value > than
+
+
+async def _is(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected
 
 
 # -- fencing tokens outlive the lease's counter -------------------------------------------------------------------
