@@ -32,8 +32,10 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, ConfigWatcher, redis_client
 from shared.plumbing.devservers import RedisServer, free_port
 from shared.plumbing.settings import Settings
+from shared.ports.cluster import ClusterError
 from shared.ports.kube import KubeCluster
 from shared.sim.cluster import SimCluster
+from shared.sim.exporter import find_exporter
 from tests.fake_kube_api import FakeKubeApi, node
 from tests.helpers import eventually, with_redis
 
@@ -114,6 +116,27 @@ class Mesh:
         self.logs = logs
         self.procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
 
+    @classmethod
+    def on(cls, folder: Path, settings: Settings, subjects: Subjects, redis_url: str) -> Mesh:
+        """A mesh of the test's own (its root, spec, store and logs in ``folder``) on ``redis_url``. The hourly
+        full re-read of the configuration leaves pub/sub and the re-read on reconnect to do the work."""
+        spec = folder / "spec.yaml"
+        spec.write_text(SPEC)
+        (folder / "logs").mkdir()
+        env = dict(
+            os.environ,
+            GPUWARDEN_NATS_URL=settings.nats.servers[0],
+            GPUWARDEN_REDIS_URL=redis_url,
+            GPUWARDEN_ROOT=subjects.root,
+            GPUWARDEN_BACKEND="sim",
+            GPUWARDEN_NODE="node-1",
+            GPUWARDEN_SIM_SPEC=str(spec),
+            GPUWARDEN_CHECKPOINT_STORE=f"file://{folder / 'checkpoints'}",
+            GPUWARDEN_CHECKPOINT_GC_S="0",
+            GPUWARDEN_CONFIG_REREAD_S="3600",
+        )
+        return cls(env, folder / "logs")
+
     def start(self, label: str, module: str, *args: str, **extra: str) -> None:
         port = free_port()
         env = dict(self.env, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{port}", **extra)
@@ -181,22 +204,8 @@ async def test_the_simulation_and_services_ride_through_a_redis_crash(
     Redis is away, and plays a scale-up made afterwards), and configuration written afterwards reaches the
     services, over pub/sub, with the hourly re-read far off."""
     server = RedisServer(dir=tmp_path / "redis", persistent=True).start()
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(SPEC)
-    (tmp_path / "logs").mkdir()
-    env = dict(
-        os.environ,
-        GPUWARDEN_NATS_URL=settings.nats.servers[0],
-        GPUWARDEN_REDIS_URL=server.url,
-        GPUWARDEN_ROOT=subjects.root,
-        GPUWARDEN_BACKEND="sim",
-        GPUWARDEN_NODE="node-1",
-        GPUWARDEN_SIM_SPEC=str(spec),
-        GPUWARDEN_CHECKPOINT_STORE=f"file://{tmp_path / 'checkpoints'}",
-        GPUWARDEN_CHECKPOINT_GC_S="0",
-        GPUWARDEN_CONFIG_REREAD_S="3600",
-    )
-    mesh = Mesh(env, tmp_path / "logs")
+    mesh = Mesh.on(tmp_path, settings, subjects, server.url)
+    env = mesh.env
     client = redis_client(with_redis(settings, server.url).redis)  # reconnects after the crash, as services do
     registry = SessionRegistry(client, subjects)
     try:
@@ -248,6 +257,52 @@ async def test_the_simulation_and_services_ride_through_a_redis_crash(
         mesh.stop()
         await client.aclose()
         server.cleanup()
+
+
+async def test_the_simulation_makes_its_world_again_when_redis_comes_back_empty(
+    tmp_path: Path, settings: Settings, subjects: Subjects
+) -> None:
+    """A Redis that keeps nothing (an external one, or one restarted from scratch): the simulation makes its
+    cluster again from the spec and announces its exporters again, and plays on without a restart."""
+    server = RedisServer().start()
+    mesh = Mesh.on(tmp_path, settings, subjects, server.url)
+    client = redis_client(with_redis(settings, server.url).redis)
+    cluster = SimCluster(client, subjects)
+    try:
+        mesh.start("sim", "shared.sim", "--rate", "5", "--sessions", "4")
+        mesh.start("checkpoint", "services.checkpoint")  # a session starts once the checkpoint service says it has none
+        await eventually(lambda: mesh.all_report("ok"), timeout=60, interval=0.2)
+        await eventually(lambda: _count_is(_pods(mesh), 2), timeout=30, interval=0.2)
+        await eventually(lambda: _served(mesh), timeout=30, interval=0.2)
+
+        server.kill()
+        server.start()  # the same port, nothing in it
+        await eventually(lambda: _nodes(cluster), timeout=30, interval=0.2)
+        assert await _nodes(cluster) == ["node-1", "node-2"]
+        await eventually(lambda: _exporters(client, subjects), timeout=10, interval=0.2)
+        await eventually(lambda: mesh.all_report("ok"), timeout=30, interval=0.2)
+        served = await _served(mesh)
+        await cluster.scale("llm", "llama", 3)
+        await eventually(lambda: _count_is(_pods(mesh), 3), timeout=30, interval=0.2)
+        await eventually(lambda: _more_than(_served(mesh), served), timeout=30, interval=0.2)
+        assert mesh.exited() == {}, {label: mesh.log(label)[-2000:] for label in mesh.exited()}
+        for label in mesh.procs:
+            assert "background loop crashed" not in mesh.log(label), mesh.log(label)[-4000:]
+    finally:
+        mesh.stop()
+        await client.aclose()
+        server.cleanup()
+
+
+async def _exporters(client: redis.asyncio.Redis, subjects: Subjects) -> bool:
+    return all([await find_exporter(client, subjects, name) for name in ("node-1", "node-2")])
+
+
+async def _nodes(cluster: SimCluster) -> list[str]:
+    try:
+        return [n.name for n in await cluster.nodes()]
+    except ClusterError:  # not there (yet)
+        return []
 
 
 async def _count_is(pods: Awaitable[dict[str, Any]], count: int) -> bool:
