@@ -36,6 +36,7 @@ from shared.ports.cluster import ClusterError
 from shared.ports.kube import KubeCluster
 from shared.sim.cluster import SimCluster
 from shared.sim.exporter import find_exporter
+from shared.sim.spec import NodeSpec, SimSpec
 from tests.fake_kube_api import FakeKubeApi, node
 from tests.helpers import eventually, with_redis
 
@@ -315,6 +316,34 @@ async def _more_than(value: Awaitable[int], than: int) -> bool:
 
 async def _is(value: Awaitable[object], expected: object) -> bool:
     return await value == expected
+
+
+async def test_a_cluster_watch_says_so_when_redis_comes_back_without_its_changes(
+    own_redis: RedisServer, settings: Settings, subjects: Subjects
+) -> None:
+    """Revisions start again from 1 in a Redis that lost everything: a watch waiting for the revision after the
+    old one would wait for ever. It raises ``ClusterError`` instead, and the next watch starts where the store is."""
+    client = redis_client(with_redis(settings, own_redis.url).redis)
+    spec = SimSpec(nodes=[NodeSpec(name="node-a"), NodeSpec(name="node-b")])
+    try:
+        cluster = await SimCluster.create(client, subjects, spec)
+        for _ in range(3):
+            await cluster.cordon("node-a")
+            await cluster.uncordon("node-a")
+        follow = cluster.watch()
+        waiting = asyncio.ensure_future(anext(follow))
+        own_redis.kill()
+        own_redis.start()  # keeps nothing
+        again = await SimCluster.create(client, subjects, spec)
+        assert again.created
+        with pytest.raises(ClusterError, match="list again and watch anew"):
+            await asyncio.wait_for(waiting, 15)
+        follow = cluster.watch()
+        await again.cordon("node-b")
+        change = await asyncio.wait_for(anext(follow), 5)
+        assert (change.kind, change.type, change.name) == ("node", "MODIFIED", "node-b")
+    finally:
+        await client.aclose()
 
 
 # -- fencing tokens outlive the lease's counter -------------------------------------------------------------------
