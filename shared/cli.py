@@ -2,7 +2,11 @@
 
 The CLI never imports a service: it starts them as processes (``python -m services.<name>``). Commands that
 talk to a mesh find it through ``GPUWARDEN_NATS_URL``/``GPUWARDEN_REDIS_URL``, or else through the state file
-that ``gpuwarden run`` writes (``.gpuwarden/run.json``), or else the defaults.
+that ``gpuwarden run`` writes (``$GPUWARDEN_HOME/run.json``), or else the defaults.
+
+``GPUWARDEN_HOME`` (default ``.gpuwarden`` in the working directory) is the folder of ``gpuwarden run``: its state
+file with the URLs and its pid, the processes' logs, the checkpoints it stores, and the data of the Redis it
+starts (``redis/``, an append-only file), which a later run finds again.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -17,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +32,33 @@ from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import BY_KIND, codec
 from shared.contract.subjects import Subjects
-from shared.plumbing.errors import ConfigConflict, InvalidConfig, SettingsError
-from shared.plumbing.settings import Settings, load_settings
+from shared.plumbing.errors import ConfigConflict, InvalidConfig, ServerUnreachable, SettingsError
+from shared.plumbing.settings import Settings, load_settings, public_url
 
 SERVICES = ("driver", "device", "metrics", "scaler", "checkpoint")
 NODE_SCOPED = ("driver", "device", "metrics")
-STATE_FILE = Path(".gpuwarden/run.json")
+DEFAULT_HOME = ".gpuwarden"
 
 
 class UsageError(Exception):
     """Bad input on the command line: printed as one clear line, exit status 2."""
 
 
+def home(env: Mapping[str, str] | None = None) -> Path:
+    """The folder of ``gpuwarden run``'s state, logs, checkpoints and Redis data: ``GPUWARDEN_HOME``."""
+    env = os.environ if env is None else env
+    return Path(env.get("GPUWARDEN_HOME") or DEFAULT_HOME).expanduser().resolve()
+
+
+def _state_file(env: Mapping[str, str]) -> Path:
+    return home(env) / "run.json"
+
+
 def _env_with_state() -> dict[str, str]:
     env = dict(os.environ)
-    if STATE_FILE.exists() and not (env.get("GPUWARDEN_NATS_URL") and env.get("GPUWARDEN_REDIS_URL")):
-        state = json.loads(STATE_FILE.read_text())
+    state_file = _state_file(env)
+    if state_file.exists() and not (env.get("GPUWARDEN_NATS_URL") and env.get("GPUWARDEN_REDIS_URL")):
+        state = json.loads(state_file.read_text())
         env.setdefault("GPUWARDEN_NATS_URL", state["nats_url"])
         env.setdefault("GPUWARDEN_REDIS_URL", state["redis_url"])
         env.setdefault("GPUWARDEN_ROOT", state.get("root", "gw"))
@@ -226,19 +242,25 @@ def cmd_deadletters(args: argparse.Namespace) -> int:
 
 
 # -- run: the embedded default --------------------------------------------------------------------------------
-def cmd_run(args: argparse.Namespace) -> int:
-    from shared.plumbing.devservers import NatsServer, RedisServer, free_port
+def _live_pid(state_file: Path) -> int | None:
+    """The pid of the ``gpuwarden run`` that wrote ``state_file``, while that process lives."""
+    try:
+        pid = int(json.loads(state_file.read_text()).get("pid", 0))
+    except (OSError, ValueError, AttributeError):
+        return None
+    if pid <= 0 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
 
+
+def cmd_run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
-    owned: list[Any] = []
-    if not env.get("GPUWARDEN_NATS_URL"):
-        nats_server = NatsServer().start()
-        owned.append(nats_server)
-        env["GPUWARDEN_NATS_URL"] = nats_server.url
-    if not env.get("GPUWARDEN_REDIS_URL"):
-        redis_server = RedisServer().start()
-        owned.append(redis_server)
-        env["GPUWARDEN_REDIS_URL"] = redis_server.url
     env.setdefault("GPUWARDEN_ROOT", "gw")
     env.setdefault("GPUWARDEN_BACKEND", "sim")
     try:
@@ -255,11 +277,58 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     if not nodes:
         raise UsageError("--nodes: at least one node name")
+    base = home(env)
+    state_file = _state_file(env)
+    other = _live_pid(state_file)
+    if other is not None:
+        raise UsageError(
+            f"already running as pid {other} with GPUWARDEN_HOME={base}; stop it first or set another GPUWARDEN_HOME"
+        )
+    log_dir = base / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    owned: list[Any] = []
+    try:
+        _start_servers(env, base, owned)
+        return _run_mesh(args, env, nodes, base, state_file, log_dir, owned)
+    finally:
+        for server in owned:
+            server.cleanup()  # the Redis data folder stays for the next run
+        state_file.unlink(missing_ok=True)
+
+
+def _start_servers(env: dict[str, str], base: Path, owned: list[Any]) -> None:
+    """Start NATS and Redis unless their URLs are given; Redis keeps its data in ``base/redis`` (AOF)."""
+    from shared.plumbing.devservers import NatsServer, RedisServer
+
+    if not env.get("GPUWARDEN_NATS_URL"):
+        nats_server = NatsServer()
+        owned.append(nats_server)
+        env["GPUWARDEN_NATS_URL"] = nats_server.start().url
+    if not env.get("GPUWARDEN_REDIS_URL"):
+        redis_server = RedisServer(dir=base / "redis", persistent=True)
+        owned.append(redis_server)
+        env["GPUWARDEN_REDIS_URL"] = redis_server.start().url
+
+
+def _run_mesh(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    nodes: list[str],
+    base: Path,
+    state_file: Path,
+    log_dir: Path,
+    servers: list[Any],
+) -> int:
+    """Start the plan's processes and keep them, and the servers this run started, running until stopped: a
+    process or server that exits is started again (a server on its own port and folder)."""
+    from shared.plumbing.devservers import free_port
+
+    checkpoints = f"file://{base / 'checkpoints'}"
     plan: list[tuple[str, str, dict[str, str]]] = []
     for name in SERVICES:
         for node in nodes if name in NODE_SCOPED else [nodes[0]]:
             child = dict(env, GPUWARDEN_NODE=node, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
-            child.setdefault("GPUWARDEN_CHECKPOINT_STORE", f"file://{Path('.gpuwarden/checkpoints').resolve()}")
+            child.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
             child.setdefault("GPUWARDEN_SCALER_ADDR", f"127.0.0.1:{free_port()}")
             if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters
                 child.setdefault("GPUWARDEN_METRICS_SOURCE", "dcgm")
@@ -267,21 +336,19 @@ def cmd_run(args: argparse.Namespace) -> int:
             label = f"{name}@{node}" if name in NODE_SCOPED else name
             plan.append((label, f"services.{name}", child))
     sim_env = dict(env, GPUWARDEN_NODE=nodes[0], GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
-    sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", f"file://{Path('.gpuwarden/checkpoints').resolve()}")
+    sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
     if env["GPUWARDEN_BACKEND"] == "sim":
         plan.append(("sim", "shared.sim", sim_env))
-    STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    log_dir = STATE_FILE.parent / "logs"
-    log_dir.mkdir(exist_ok=True)
     state: dict[str, Any] = {
+        "pid": os.getpid(),
         "nats_url": env["GPUWARDEN_NATS_URL"],
         "redis_url": env["GPUWARDEN_REDIS_URL"],
         "root": env["GPUWARDEN_ROOT"],
         "simulated": env["GPUWARDEN_BACKEND"] == "sim",
         "services": {label: "http://" + child["GPUWARDEN_HTTP_ADDR"] + "/healthz" for label, _, child in plan},
-        "logs": str(log_dir.resolve()),
+        "logs": str(log_dir),
     }
-    STATE_FILE.write_text(json.dumps(state, indent=2))
+    state_file.write_text(json.dumps(state, indent=2))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     extra = {"sim": ["--rate", str(args.rate)]}
 
@@ -306,7 +373,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"  NATS   {state['nats_url']}   Redis {state['redis_url']}   root {state['root']}")
     for label, url in state["services"].items():
         print(f"  {label:<18} {url}")
-    print(f"  logs   {state['logs']}")
+    print(f"  home   {base}   (state, logs, checkpoints, Redis data)")
     print("  try:   .venv/bin/gpuwarden drain node-1 --wait      (Ctrl-C stops everything)")
     sys.stdout.flush()
     started = time.monotonic()
@@ -314,6 +381,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         while not stopping and (args.seconds is None or time.monotonic() - started < args.seconds):
             time.sleep(0.5)
+            for server in servers:
+                if server.proc is not None and server.proc.poll() is not None and not stopping:
+                    kind = type(server).__name__
+                    print(f"  {kind} exited with {server.proc.returncode}; restarting on {server.url}", flush=True)
+                    try:
+                        server.start()
+                    except RuntimeError as exc:  # tried again on the next round
+                        print(f"  {kind} did not start again: {exc}", flush=True)
             for label, name, child in plan:
                 proc = procs[label]
                 if proc.poll() is not None and not stopping:
@@ -330,9 +405,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        for server in owned:
-            server.cleanup()
-        STATE_FILE.unlink(missing_ok=True)
     print("stopped")
     return 0
 
@@ -549,17 +621,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unreachable(exc: BaseException) -> ServerUnreachable | None:
+    """The server ``exc`` says did not answer, with the URL this command used; None for any other failure."""
+    from shared.plumbing.bus import nats_unreachable
+    from shared.plumbing.configsync import redis_unreachable
+
+    if isinstance(exc, ServerUnreachable):
+        return exc
+    try:
+        settings = _settings()
+    except (SettingsError, OSError, ValueError, KeyError):
+        settings = Settings()
+    if redis_unreachable(exc):
+        return ServerUnreachable("Redis", public_url(settings.redis.url))
+    if nats_unreachable(exc):
+        return ServerUnreachable("NATS", ", ".join(public_url(s) for s in settings.nats.servers))
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="gpuwarden: %(name)s: %(message)s")  # no clients' chatter
     try:
         return int(args.func(args))
     except (UsageError, SettingsError) as exc:
         print(f"gpuwarden {args.command}: {exc}", file=sys.stderr)
         return 2
-    except (OSError, TimeoutError) as exc:
-        print(f"gpuwarden {args.command}: cannot reach the mesh: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        down = _unreachable(exc)
+        if down is not None:
+            print(f"gpuwarden {args.command}: {down.server} at {down.url} is unreachable", file=sys.stderr)
+            return 1
+        if isinstance(exc, OSError | TimeoutError):
+            print(f"gpuwarden {args.command}: cannot reach the mesh: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ own): it stamps the token and lands only if nothing changed the node since the r
 Side effects off the node (an eviction, an install) are preceded by such a stamp. So once a newer leader has
 written a node, a stale leader can write it no more, and a write decided on a stale read is refused
 (``ClusterConflict``: read again, decide again).
+
+The stamps are also what keeps tokens unique when the lease's store forgets its counter (Redis restarted empty):
+a new token is always taken above the highest token stamped on any node (``highest_stamped_token``), and a
+coordinator whose lease holds a token below a stamp gives the lease up, so the next pass takes a token above it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, cast, get_args
 
@@ -35,7 +39,15 @@ from shared.contract.node import DrainRequested
 from shared.ports.cluster import ClusterConflict, ClusterError, ClusterPort, EvictionOutcome, NodeInfo
 from shared.ports.gpu import GpuError
 
-from .ports import AgentUnreachable, DrainVerdicts, InstallStatus, LeaderLease, NodeDrivers, StaleLeader
+from .ports import (
+    AgentUnreachable,
+    DrainVerdicts,
+    InstallStatus,
+    LeaderLease,
+    LeaseUnavailable,
+    NodeDrivers,
+    StaleLeader,
+)
 from .upgrade import (
     DRAIN_ANNOTATION,
     EXTERNAL_DRAIN_ANNOTATION,
@@ -62,6 +74,17 @@ Clock = Callable[[], float]
 _MAX_STEPS_PER_NODE = 12
 _MAX_BACKOFF_S = 60.0
 _DRAIN_DEADLINE_S = 25.0
+
+
+def stamped_token(nodes: Iterable[NodeInfo]) -> int:
+    """The highest fencing token stamped on ``nodes`` (0 when none is)."""
+    stamped = (node.annotations.get(FENCE_ANNOTATION, "") for node in nodes)
+    return max((int(token) for token in stamped if token.isdigit()), default=0)
+
+
+async def highest_stamped_token(cluster: ClusterPort) -> int:
+    """The highest fencing token stamped on any node: every token taken from now on is above it."""
+    return stamped_token(await cluster.nodes())
 
 
 class UpgradeCoordinator:
@@ -102,7 +125,7 @@ class UpgradeCoordinator:
             except StaleLeader as exc:
                 log.warning("no longer the upgrade coordinator", extra={"error": str(exc)})
                 self.token = 0
-            except (ClusterError, GpuError) as exc:
+            except (ClusterError, GpuError, LeaseUnavailable) as exc:
                 log.warning("upgrade pass interrupted; retrying", extra={"error": str(exc)})
             try:
                 await asyncio.wait_for(wake.wait(), timeout=interval_s)
@@ -112,7 +135,7 @@ class UpgradeCoordinator:
 
     async def reconcile_once(self) -> bool:
         """One pass; False when another coordinator leads. Raises ``StaleLeader`` when the lease was lost mid-pass."""
-        token = await self.lease.acquire()
+        token = await self.lease.acquire(self._floor)
         if token is None:
             self.token = 0
             return False
@@ -121,6 +144,9 @@ class UpgradeCoordinator:
         self.token = token
         policy = self.policy()
         infos = await self.cluster.nodes()
+        stamped = stamped_token(infos)
+        if stamped > token:
+            await self._give_up(f"the lease's token {token} is older than token {stamped} stamped on a node")
         views = list(await asyncio.gather(*(self._view(info) for info in infos)))
         for index in range(len(views)):
             views[index] = await self._advance(views[index], views, policy)
@@ -155,6 +181,13 @@ class UpgradeCoordinator:
             ):
                 return view
         return view
+
+    async def _floor(self) -> int:
+        """What a new token must be above: read from the nodes, which keep their stamps whatever the lease's
+        store loses."""
+        highest = await highest_stamped_token(self.cluster)
+        log.info("taking a fencing token above those on the nodes", extra={"highest_stamped": highest})
+        return highest
 
     # -- reading --------------------------------------------------------------------------------------------------
     async def _view(self, info: NodeInfo) -> NodeView:
@@ -200,13 +233,21 @@ class UpgradeCoordinator:
     async def _guard(self, node: NodeView) -> None:
         """Renew the lease (a pass that waits on agents outlasts a lease taken once at its start) and check this
         coordinator still holds it with its token, and that no newer one has written the node."""
-        current = await self.lease.acquire()
+        current = await self.lease.acquire(self._floor)
         if current != self.token:
             held = "another coordinator holds the lease" if current is None else f"the lease lapsed (now {current})"
             raise StaleLeader(f"fencing token {self.token} is stale: {held}")
         stamped = node.annotations.get(FENCE_ANNOTATION, "0")
         if stamped.isdigit() and int(stamped) > self.token:
-            raise StaleLeader(f"{node.name} was written with fencing token {stamped}, newer than {self.token}")
+            await self._give_up(f"{node.name} was written with fencing token {stamped}, newer than {self.token}")
+
+    async def _give_up(self, why: str) -> None:
+        """The lease names this coordinator, yet a node carries a newer token than the lease's: the lease's store
+        lost writes (its counter went back), or the token was taken before it did. Writing on would reuse tokens,
+        so the lease is given up; the next pass (of whichever coordinator) takes a token above every stamp."""
+        await self.lease.release()
+        self.token = 0
+        raise StaleLeader(why)
 
     async def _write(
         self,

@@ -5,17 +5,40 @@ the counter ``<root>:driver:fence``, so tokens only grow. Taking and renewing ar
 Redis. A lease does not by itself guarantee one actor (a paused holder may wake after its lease expired), so the
 coordinator checks its token is still current before every write, stamps the token on the nodes it writes, and
 writes a node only as a compare-and-set on the revision it read (``services.driver.coordinator``).
+
+Redis can lose the counter (restarted without persistence, flushed, a failover that lost the last writes) while
+the nodes keep the tokens stamped on them; a counter starting again from 1 would make every write of the new
+leader look stale, for ever. So a new token is taken above a floor the caller reads from the cluster (the
+highest token stamped on any node), and the counter is raised to it: a token is never handed out twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import RedisSettings
 
-_ACQUIRE = """
+from .ports import LeaseUnavailable, TokenFloor
+
+_RENEW = """
+local holder = redis.call('HGET', KEYS[1], 'holder')
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(redis.call('HGET', KEYS[1], 'token'))
+end
+if holder then
+  return -1
+end
+return 0
+"""
+
+_TAKE = """
 local holder = redis.call('HGET', KEYS[1], 'holder')
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -25,6 +48,11 @@ if holder then
   return -1
 end
 local token = redis.call('INCR', KEYS[2])
+local floor = tonumber(ARGV[3])
+if token <= floor then
+  token = floor + 1
+  redis.call('SET', KEYS[2], token)
+end
 redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return token
@@ -40,6 +68,15 @@ return 0
 _VERDICT_TTL_S = 7 * 24 * 3600
 
 
+@contextmanager
+def _answering() -> Iterator[None]:
+    """Redis not answering is ``LeaseUnavailable``: temporary, the coordinator's next pass tries again."""
+    try:
+        yield
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        raise LeaseUnavailable(f"Redis does not answer: {type(exc).__name__}: {exc}") from exc
+
+
 class RedisLeaderLease:
     """``LeaderLease`` in Redis. ``ttl_s`` should be a few times the renewal interval."""
 
@@ -49,19 +86,29 @@ class RedisLeaderLease:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self._key = subjects.redis_key("driver", "leader")
         self._fence = subjects.redis_key("driver", "fence")
-        self._acquire = client.register_script(_ACQUIRE)
+        self._renew = client.register_script(_RENEW)
+        self._take = client.register_script(_TAKE)
         self._release = client.register_script(_RELEASE)
 
-    async def acquire(self) -> int | None:
-        token = int(await self._acquire(keys=[self._key, self._fence], args=[self.holder, self.ttl_ms]))
+    async def acquire(self, floor: TokenFloor | None = None) -> int | None:
+        """Renew the lease while this holder has it; when nobody does, read ``floor()`` and take a new token above
+        it and above every token the counter gave before."""
+        with _answering():
+            token = int(await self._renew(keys=[self._key], args=[self.holder, self.ttl_ms]))
+            if token != 0:
+                return None if token < 0 else token
+            least = await floor() if floor is not None else 0
+            token = int(await self._take(keys=[self._key, self._fence], args=[self.holder, self.ttl_ms, least]))
         return None if token < 0 else token
 
     async def current_token(self) -> int:
-        raw = await self.client.hget(self._key, "token")
+        with _answering():
+            raw = await self.client.hget(self._key, "token")
         return int(raw) if raw is not None else 0
 
     async def release(self) -> None:
-        await self._release(keys=[self._key], args=[self.holder])
+        with _answering():
+            await self._release(keys=[self._key], args=[self.holder])
 
 
 class RedisDrainVerdicts:
@@ -72,10 +119,12 @@ class RedisDrainVerdicts:
         self.subjects = subjects
 
     async def record(self, drain_id: str, verdict: str) -> None:
-        await self.client.set(self.subjects.redis_key("driver", "verdict", drain_id), verdict, ex=_VERDICT_TTL_S)
+        with _answering():
+            await self.client.set(self.subjects.redis_key("driver", "verdict", drain_id), verdict, ex=_VERDICT_TTL_S)
 
     async def get(self, drain_id: str) -> str:
-        raw = await self.client.get(self.subjects.redis_key("driver", "verdict", drain_id))
+        with _answering():
+            raw = await self.client.get(self.subjects.redis_key("driver", "verdict", drain_id))
         if raw is None:
             return ""
         return raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -4,7 +4,7 @@ node driver over the bus (and the agent that answers it on each node) in ``servi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,13 +22,24 @@ class AgentUnreachable(GpuError):
     failure, retried on the next pass; the policy's timeouts decide when it fails the node."""
 
 
+class LeaseUnavailable(RuntimeError):
+    """The store of the lease and the drain verdicts does not answer (Redis is down or restarting): a temporary
+    failure; the coordinator tries again on its next pass."""
+
+
+TokenFloor = Callable[[], Awaitable[int]]
+"""The highest fencing token ever stamped where the lease's store cannot lose it (on the cluster's nodes)."""
+
+
 class LeaderLease(Protocol):
     """One holder at a time, each new holder with a larger fencing token than every holder before it."""
 
     holder: str
 
-    async def acquire(self) -> int | None:
-        """Take or renew the lease; the fencing token while held, None when another holder has it."""
+    async def acquire(self, floor: TokenFloor | None = None) -> int | None:
+        """Take or renew the lease; the fencing token while held, None when another holder has it. A new token is
+        also above ``floor()`` (asked only when a new token is taken), so a store that lost its counter never
+        hands out a token already used. Raises ``LeaseUnavailable`` when the store does not answer."""
         ...
 
     async def current_token(self) -> int:
@@ -39,7 +50,8 @@ class LeaderLease(Protocol):
 
 
 class DrainVerdicts(Protocol):
-    """Verdicts of drains by drain id, shared by every coordinator replica (any replica may receive one)."""
+    """Verdicts of drains by drain id, shared by every coordinator replica (any replica may receive one). Both
+    methods raise ``LeaseUnavailable`` when the store does not answer."""
 
     async def record(self, drain_id: str, verdict: str) -> None:
         """Idempotent: a redelivered verdict writes the same value."""

@@ -38,11 +38,28 @@ from shared.contract.base import Event
 from shared.contract.deadletter import DEAD_LETTER_PAYLOAD_LIMIT, DeadLetter
 from shared.contract.registry import codec
 from shared.contract.subjects import StreamSpec, Subjects
-from shared.plumbing.errors import PermanentError, TemporaryError
-from shared.plumbing.settings import NatsSettings
+from shared.plumbing.errors import PermanentError, ServerUnreachable, TemporaryError
+from shared.plumbing.settings import NatsSettings, public_url
 from shared.plumbing.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+
+
+def nats_unreachable(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from, says that NATS is not there (no server answered, the
+    connection was lost or closed)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ServerUnreachable) and exc.server == "NATS":
+            return True
+        if isinstance(
+            exc, nats.errors.NoServersError | nats.errors.ConnectionClosedError | nats.errors.StaleConnectionError
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
 
 Handler = Callable[[Any], Awaitable[None]]
 Responder = Callable[[Any], Awaitable[Event | None]]
@@ -236,8 +253,8 @@ class Bus:
                 await nc.close()
             if auth_failed.done():
                 raise ConnectionRefusedError(f"NATS refused the credentials: {auth_failed.result()}")
-            detail = repr(connecting.exception()) if not connecting.cancelled() and connecting.done() else ""
-            raise ConnectionError(f"cannot connect to NATS at {', '.join(settings.servers)} {detail}".strip())
+            detail = str(connecting.exception()) if not connecting.cancelled() and connecting.done() else ""
+            raise ServerUnreachable("NATS", ", ".join(public_url(s) for s in settings.servers), detail)
         up.set(1)
         bus = cls(nc, subjects, source, telemetry, replicas=settings.replicas)
         bus._refused = refused

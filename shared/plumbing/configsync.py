@@ -22,6 +22,8 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from shared.contract.configdocs import CONFIG_DOCUMENTS, ConfigDocument
 from shared.contract.subjects import Subjects
@@ -43,12 +45,20 @@ return {1, nextv}
 """
 
 
-def redis_client(settings: RedisSettings, timeout: float = 2.0) -> aioredis.Redis:
-    """A client with short timeouts: a service must notice quickly that Redis is gone and fall back."""
+def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: int = 3) -> aioredis.Redis:
+    """A client with short timeouts: a service must notice quickly that Redis is gone and fall back.
+
+    A command that finds its connection dead (Redis restarted since the connection was last used) connects again
+    and is sent again, up to ``reconnects`` times with a short backoff, so a Redis that came back costs no caller
+    an error; one that stays down raises ``ConnectionError`` within about a second. A command that timed out is
+    not sent again. ``reconnects=0``: every lost connection reaches the caller (the config watcher wants that, to
+    read everything again)."""
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "health_check_interval": 10,
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), reconnects, (redis.exceptions.ConnectionError,)),
+        "retry_on_error": [redis.exceptions.ConnectionError],
     }
     if settings.username:
         options["username"] = settings.username
@@ -61,6 +71,20 @@ def redis_client(settings: RedisSettings, timeout: float = 2.0) -> aioredis.Redi
             options["ssl_certfile"] = str(settings.tls.cert)
             options["ssl_keyfile"] = str(settings.tls.key)
     return aioredis.Redis.from_url(settings.url, **options)
+
+
+def redis_unreachable(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from, says that Redis did not answer (refused, lost, timed
+    out); a refused password or a busy server are answers, not silence."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)) and not isinstance(
+            exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -238,7 +262,7 @@ class ConfigWatcher:
     async def _run(self) -> None:
         failures = 0
         while True:
-            client = redis_client(self.settings)
+            client = redis_client(self.settings, reconnects=0)  # a lost connection must end up here: read again
             self._client = client
             pubsub = client.pubsub()
             try:

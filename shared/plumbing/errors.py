@@ -39,3 +39,13 @@ class InvalidConfig(ValueError):
 
 class SettingsError(ValueError):
     """An environment variable or mounted file has a value the service cannot use."""
+
+
+class ServerUnreachable(ConnectionError):
+    """A server that is needed (NATS, Redis) does not answer; the message names it and the URL that was tried, in
+    one line: what a person at a terminal needs first."""
+
+    def __init__(self, server: str, url: str, detail: str = "") -> None:
+        super().__init__(f"{server} at {url} is unreachable" + (f" ({detail})" if detail else ""))
+        self.server = server
+        self.url = url

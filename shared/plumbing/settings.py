@@ -112,6 +112,11 @@ class Settings:
         return self.backend == "sim"
 
 
+def public_url(url: str) -> str:
+    """``url`` as it may be shown: a password in it (``redis://user:secret@host``) becomes ``***``."""
+    return re.sub(r"^([a-z]+://[^/@:]*:)[^/@]*@", r"\1***@", url)
+
+
 _HOSTPORT = re.compile(r"^(?P<host>[^:]*|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 
 

@@ -1,7 +1,8 @@
 """``python -m shared.sim`` (``gpuwarden sim run``): the SIMULATED cluster, GPUs and inference workload, as one process
 on the service runner (health, metrics and JSON logs like the services).
 
-It creates the simulated state in Redis when absent (from ``GPUWARDEN_SIM_SPEC`` or the default spec), plays
+It creates the simulated state in Redis when absent (from ``GPUWARDEN_SIM_SPEC`` or the default spec), and again
+whenever Redis comes back without it (restarted without its data), so it never needs a restart of its own; it plays
 every pod of the spec's deployments with a real KV agent and the real checkpoint store
 (``GPUWARDEN_CHECKPOINT_STORE``), answers fault-injection requests, and, with ``--rate``, sends a steady load of
 inference requests so that sessions grow and GPUs look busy.
@@ -10,6 +11,7 @@ inference requests so that sessions grow and GPUs look busy.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -17,10 +19,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.runner import ServiceContext, run
+from shared.ports.cluster import ClusterError
 from shared.sim.cluster import SimCluster
-from shared.sim.exporter import PodRef, SimExporter
+from shared.sim.exporter import PodRef, SimExporter, exporter_url_key
 from shared.sim.faults import serve_faults
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import SimSpec, load_spec
@@ -32,6 +39,9 @@ log = logging.getLogger(__name__)
 class Simulation:
     name = "sim"
     config_names: tuple[str, ...] = ()
+
+    reseed_s = 2.0
+    """How often the simulation checks that its world is still in Redis."""
 
     def __init__(self, spec: SimSpec, store_url: str, rate: float, sessions: int, prompt: int, new: int) -> None:
         self.spec = spec
@@ -48,6 +58,7 @@ class Simulation:
 
         client = redis_client(ctx.settings.redis)
         cluster = await SimCluster.create(client, ctx.subjects, self.spec)
+        ctx.spawn(lambda: self._keep_world(client, ctx.subjects), "sim-world")
         gpus: dict[str, Any] = {}
         for node in self.spec.nodes:
             port = SimGpus(client, ctx.subjects, self.spec, node.name)
@@ -71,6 +82,22 @@ class Simulation:
                 )
 
             ctx.spawn(load, "sim-load")
+
+    async def _keep_world(self, client: aioredis.Redis, subjects: Subjects) -> None:
+        """Runs for the simulation's lifetime. Redis may come back empty (a restart without persistence, a
+        flush): the cluster is made again from the spec and the exporters are announced again, so the workload,
+        the services and the CLI find the simulated world where they look. (The GPUs' state is made again by
+        ``SimGpus`` on first use.) While Redis is away nothing is done; the config watcher reports it."""
+        while True:
+            await asyncio.sleep(self.reseed_s)
+            try:
+                again = await SimCluster.create(client, subjects, self.spec)
+                if again.created:
+                    log.warning("SIMULATED cluster was gone from Redis (restarted empty?); made again from the spec")
+                for exporter in self.exporters:
+                    await client.set(exporter_url_key(subjects, exporter.node), exporter.url, nx=True)
+            except (ClusterError, redis.exceptions.RedisError, OSError):
+                continue
 
     def _pods_of(self, node: str) -> Callable[[], dict[str, PodRef]]:
         """The pods using each GPU of ``node``, as the workload placed them (the kubelet's view on a real node)."""

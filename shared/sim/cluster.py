@@ -210,6 +210,8 @@ class SimCluster:
                 reply = await self._client.xread(
                     {self._changes_key: _stream_id(*last)}, count=_WATCH_BATCH, block=_WATCH_BLOCK_MS
                 )
+                if not reply and last[0] > 0:
+                    await self._still_there(last[0])
             except _REDIS_DOWN as exc:
                 log.warning("simulated cluster watch: Redis unreachable (%s); retrying", exc)
                 await asyncio.sleep(_WATCH_RETRY_S)
@@ -224,6 +226,19 @@ class SimCluster:
                 last = (revision, seq)
                 self._seen = max(self._seen, revision)
                 yield _change_from(entry_id, fields)
+
+    async def _still_there(self, revision: int) -> None:
+        """An idle watch checks that the changes it follows still reach ``revision``. Redis restarted without its
+        data (or a cluster made afresh) starts the revisions again from 1, and a watch after ``revision`` would
+        wait for ever; it says so instead, and ``revision`` (where the next watch starts) follows the store back."""
+        newest: Any = await self._client.xrevrange(self._changes_key, count=1)
+        now = int(_text(newest[0][0]).split("-")[0]) if newest else 0
+        if now < revision:
+            self._seen = now
+            raise ClusterError(
+                f"simulated cluster watch: the changes went back from revision {revision} to {now} (Redis lost them, "
+                "or the cluster was made afresh); list again and watch anew"
+            )
 
     # -- the transaction ----------------------------------------------------------------------------------------
     async def _read(self) -> ClusterState:

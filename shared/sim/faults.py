@@ -325,7 +325,8 @@ def fault_from_args(args: argparse.Namespace) -> SimFault:
 def run_fault(args: argparse.Namespace, settings: Settings) -> int:
     """Apply the fault ``args`` describe (parsed by ``add_fault_arguments``) through Redis. Exit status 0 when
     applied, 2 for a bad request (the message names the field) or spec, 1 when Redis cannot be reached."""
-    from shared.plumbing.configsync import redis_client
+    from shared.plumbing.configsync import redis_client, redis_unreachable
+    from shared.plumbing.settings import public_url
     from shared.sim.spec import load_spec
 
     try:
@@ -348,7 +349,10 @@ def run_fault(args: argparse.Namespace, settings: Settings) -> int:
         print(f"{FAULT_CLI}: {exc}", file=sys.stderr)
         return 2
     except (redis.exceptions.RedisError, OSError) as exc:
-        print(f"{FAULT_CLI}: cannot reach Redis: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if redis_unreachable(exc):
+            print(f"{FAULT_CLI}: Redis at {public_url(settings.redis.url)} is unreachable", file=sys.stderr)
+        else:
+            print(f"{FAULT_CLI}: Redis failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps({"ok": True, "simulated": True, "applied": done}))
     return 0
