@@ -285,7 +285,10 @@ class CheckpointService:
             await asyncio.sleep(min(5.0, max(0.05, interval / 4)) if interval > 0 else 5.0)
             interval = self.policy().periodic_interval_s  # the document may have changed meanwhile
             if interval > 0:
-                await self.periodic_saves(interval)
+                try:
+                    await self.periodic_saves(interval)
+                except TemporaryError as exc:
+                    log.warning("periodic checkpoints skipped this turn", extra={"error": str(exc)})
 
     async def periodic_saves(self, interval_s: float) -> int:
         """Ask every announcing pod whose last periodic save is ``interval_s`` old to save what it owns; the
@@ -619,8 +622,11 @@ class CheckpointService:
     async def _gc_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.gc_interval_s)
-            await self.collect_garbage()
-            await self._gone_pods()
+            try:
+                await self.collect_garbage()
+                await self._gone_pods()
+            except (TemporaryError, StoreError) as exc:
+                log.warning("retention skipped this turn", extra={"error": str(exc)})
 
     async def collect_garbage(self, now: float | None = None) -> tuple[int, int]:
         """Apply the retention policy, then delete packs nothing references. Returns (checkpoints, packs)."""

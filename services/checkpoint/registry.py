@@ -23,16 +23,20 @@ announcement or a save of an older generation is stale and changes nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
 from shared.contract.subjects import Subjects
 from shared.kv.manifest import checkpoint_order
+from shared.plumbing.errors import TemporaryError
 
 _MOVE = """
 local function move(prefix, sid, pod, node, ns, dep, gen, now)
@@ -168,6 +172,24 @@ return 1
 _SEQUENCE_SPAN = 2**32
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _redis_may_be_down(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Redis unreachable is a temporary failure of the caller (retried, or answered "temporary"), said in one
+    line rather than a stack trace per announcement while it is down."""
+
+    @functools.wraps(method)
+    async def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(*args, **kwargs)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise TemporaryError(f"session registry: Redis unreachable ({exc})", delay=1.0) from exc
+
+    return guarded
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -202,6 +224,7 @@ class SessionRegistry:
         return self.subjects.redis_key("kv", *parts)
 
     # -- ownership and location ----------------------------------------------------------------------------------
+    @_redis_may_be_down
     async def apply_announcement(self, event: AgentSessions) -> tuple[list[str], list[str]]:
         """Returns the sessions the pod announced under a generation it no longer holds (stale copies), and the
         ended sessions it still owned (whose checkpoints are to be retired)."""
@@ -224,6 +247,7 @@ class SessionRegistry:
         )
         return [_text(s) for s in stale], [_text(s) for s in retired]
 
+    @_redis_may_be_down
     async def claim(self, session_id: str, pod: str, node: str, namespace: str, deployment: str, floor: int) -> int:
         """The pod takes the session: its next generation (above ``floor``), and the registry places it there."""
         return int(
@@ -233,10 +257,12 @@ class SessionRegistry:
             )
         )
 
+    @_redis_may_be_down
     async def generation(self, session_id: str) -> int:
         raw = await self.client.get(self._key("generation", session_id))
         return int(raw) if raw is not None else 0
 
+    @_redis_may_be_down
     async def sessions_on_node(self, node: str) -> list[SessionLocation]:
         sids = sorted(_text(s) for s in await self.client.smembers(self._key("node", node)))
         out = []
@@ -255,14 +281,17 @@ class SessionRegistry:
                 )
         return out
 
+    @_redis_may_be_down
     async def sessions_of_pod(self, pod: str) -> list[SessionLocation]:
         node = await self.client.hget(self._key("pods"), pod)
         return [] if node is None else [s for s in await self.sessions_on_node(_text(node)) if s.pod == pod]
 
+    @_redis_may_be_down
     async def pods(self) -> dict[str, str]:
         """Every pod the registry knows -> its node."""
         return {_text(k): _text(v) for k, v in (await self.client.hgetall(self._key("pods"))).items()}
 
+    @_redis_may_be_down
     async def silent_pods(self) -> dict[str, str]:
         """Pods whose last announcement no longer stands -> their node."""
         known = await self.pods()
@@ -271,10 +300,12 @@ class SessionRegistry:
         alive = await self.client.mget([self._key("alive", p) for p in known])
         return {pod: node for (pod, node), flag in zip(known.items(), alive, strict=True) if flag is None}
 
+    @_redis_may_be_down
     async def forget_pod(self, pod: str) -> None:
         await self._forget(keys=[self._key("pod", pod)], args=[self.subjects.root, pod])
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
+    @_redis_may_be_down
     async def record_checkpoint(self, committed: CommittedCheckpoint, store: str, pod: str, node: str) -> str:
         """Record a committed checkpoint when ``pod`` holds the session's current generation; else return why
         not (and record nothing)."""
@@ -305,6 +336,7 @@ class SessionRegistry:
         )
         return _text(refused)
 
+    @_redis_may_be_down
     async def checkpoints(self, session_id: str, limit: int = 16) -> list[dict[str, Any]]:
         """The session's recorded checkpoints, newest (generation, sequence) first."""
         ids = [_text(c) for c in await self.client.zrevrange(self._key("checkpoints", session_id), 0, limit - 1)]
@@ -314,16 +346,19 @@ class SessionRegistry:
         out = [json.loads(raw) if raw else {"checkpoint_id": cid} for cid, raw in zip(ids, raws, strict=True)]
         return sorted(out, key=lambda r: checkpoint_order(str(r["checkpoint_id"])), reverse=True)
 
+    @_redis_may_be_down
     async def newest_checkpoint(self, session_id: str) -> dict[str, Any] | None:
         found = await self.checkpoints(session_id, 1)
         return found[0] if found else None
 
+    @_redis_may_be_down
     async def forget_checkpoint(self, session_id: str, checkpoint_id: str) -> None:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.zrem(self._key("checkpoints", session_id), checkpoint_id)
             pipe.delete(self._key("checkpoint", checkpoint_id))
             await pipe.execute()
 
+    @_redis_may_be_down
     async def record_restore(self, session_id: str, checkpoint_id: str, pod: str, node: str) -> None:
         await self.client.xadd(
             self._key("restores"),
@@ -333,11 +368,13 @@ class SessionRegistry:
         )
 
     # -- drains ---------------------------------------------------------------------------------------------------
+    @_redis_may_be_down
     async def drain_verdict(self, drain_id: str) -> bytes | None:
         """The recorded verdict event (JSON), or None while the drain has none."""
         raw = await self.client.hget(self._key("drain", drain_id), "verdict")
         return raw.encode() if isinstance(raw, str) else raw or None
 
+    @_redis_may_be_down
     async def take_drain(self, drain_id: str, node: str, owner: str, lease_s: float) -> bool:
         """Take the lease on running a drain; False while another runner holds it."""
         taken = await self.client.set(self._key("drain", drain_id, "lease"), owner, nx=True, px=int(lease_s * 1000))
@@ -347,11 +384,13 @@ class SessionRegistry:
             )
         return bool(taken)
 
+    @_redis_may_be_down
     async def renew_drain(self, drain_id: str, owner: str, lease_s: float) -> bool:
         """Extend the lease while ``owner`` still holds it; False when it was lost."""
         renewed = await self._renew(keys=[self._key("drain", drain_id, "lease")], args=[owner, int(lease_s * 1000)])
         return bool(renewed)
 
+    @_redis_may_be_down
     async def keep_failures(self, drain_id: str, failures: list[bytes], ttl_s: float) -> str:
         """Keep every failure of a verdict too big for one event; returns the key the verdict references."""
         key = self._key("drain", drain_id, "failed")
@@ -363,6 +402,7 @@ class SessionRegistry:
             await pipe.execute()
         return key
 
+    @_redis_may_be_down
     async def finish_drain(self, drain_id: str, state: str, verdict: bytes, duration_s: float) -> bool:
         """Record the drain's one verdict; False (nothing written) when it already has one."""
         first = await self._finish(
@@ -371,6 +411,7 @@ class SessionRegistry:
         )
         return bool(first)
 
+    @_redis_may_be_down
     async def take_turn(self, what: str, pod: str, owner: str, interval_s: float) -> bool:
         """True for one caller per ``interval_s`` and pod (periodic saves across replicas and restarts)."""
         taken = await self.client.set(self._key("turn", what, pod), owner, nx=True, px=max(1, int(interval_s * 1000)))

@@ -423,6 +423,9 @@ class Bus:
             try:
                 await handler(event)
                 handled.n += 1
+            except TemporaryError as exc:  # a dependency is down: said once, no stack trace
+                log.warning("core handler could not act", extra={"subject": msg.subject, "error": str(exc)})
+                failed.inc()
             except Exception as exc:
                 log.exception("core handler failed", extra={"subject": msg.subject, "error": str(exc)})
                 failed.inc()
@@ -466,6 +469,9 @@ class Bus:
                     answer = await responder(event)
                 except PermanentError as exc:
                     answer = await self._dead_letter(subject, msg, str(exc), None, 0)
+                except TemporaryError as exc:
+                    log.warning("command not answered now", extra={"subject": msg.subject, "error": str(exc)})
+                    answer = DeadLetter(origin_subject=msg.subject, reason=f"temporary: {exc}", source=self.source)
                 except Exception as exc:
                     log.exception("command handler failed", extra={"subject": msg.subject})
                     answer = DeadLetter(origin_subject=msg.subject, reason=f"temporary: {exc}", source=self.source)

@@ -215,7 +215,9 @@ async def test_the_simulation_and_services_ride_through_a_redis_crash(
         mesh.start("driver", "services.driver", GPUWARDEN_DRIVER_RECONCILE_S="1")
         await eventually(lambda: mesh.all_report("ok"), timeout=60, interval=0.2)
         await eventually(lambda: _served(mesh), timeout=30, interval=0.2)
-        await eventually(lambda: _sessions(registry), timeout=30, interval=0.2)  # the agents' sessions, registered
+        # every session of the load held and registered: a new session cannot be taken while Redis is away (its
+        # generation comes from the registry), the ones held are served throughout
+        await eventually(lambda: _count(_sessions(registry), 4), timeout=30, interval=0.2)
         before = await _sessions(registry)
         assert len(await _pods(mesh)) == 2
 
@@ -308,6 +310,10 @@ async def _nodes(cluster: SimCluster) -> list[str]:
 
 async def _count_is(pods: Awaitable[dict[str, Any]], count: int) -> bool:
     return len(await pods) == count
+
+
+async def _count(value: Awaitable[set[str]], n: int) -> bool:
+    return len(await value) == n
 
 
 async def _more_than(value: Awaitable[int], than: int) -> bool:
