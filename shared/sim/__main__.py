@@ -100,7 +100,7 @@ class Simulation:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuwarden sim run", description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--rate", type=float, default=2.0, help="inference requests per second (0: none)")
-    parser.add_argument("--sessions", type=int, default=12, help="open conversations per deployment at a time")
+    parser.add_argument("--sessions", type=int, default=10, help="open conversations per deployment at a time")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per turn")
     parser.add_argument("--new-tokens", type=int, default=32, help="generated tokens per turn")
     parser.add_argument("--max-turns", type=int, default=12, help="turns of a conversation at most (then it closes)")

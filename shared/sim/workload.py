@@ -376,6 +376,10 @@ class SimWorkload:
             self.preempted[sid] = Preempted(runtime.agent.tokens(sid), runtime.info.name)
             runtime.agent.forget_session(sid)
             self.stats.preemptions += 1
+            log.info(
+                "session preempted: its KV blocks went to another session",
+                extra={"session": sid, "pod": runtime.info.name, "tokens": self.preempted[sid].tokens},
+            )
         if victims:
             runtime.endpoint.sessions_changed()
 
