@@ -41,6 +41,7 @@ def test_the_report_names_growth_losses_and_verdicts(tmp_path: Path) -> None:
     final = {"lost": 0, "preemptions": 7, "ended": 3, "tracked": {"home": 4}}
     report = summarise(plan, obs, final, ["node-1", "node-2"], "", tmp_path)
     assert report["sim_rss_max_mb"] == 400.0 and report["sim_rss_growth_mb_per_min"] == pytest.approx(60.0)
+    assert report["sim_rss_high_water_rise_mb"] == 60.0  # 400 MB at the end against 340 MB in the first half
     assert report["rss_max_mb"] == {"cli": 50.0, "sim": 400.0}
     assert (report["drains"], report["drains_completed"], report["drains_failed"]) == (3, 1, 1)
     assert report["drains_without_verdict"] == 1 and report["drains_asked_by_driver"] == 1
