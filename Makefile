@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/*.proto)
 
-.PHONY: install run test faults check format lint types layers bench schemas proto gpu-check gpu-kit clean
+.PHONY: install run test faults check format lint types layers bench soak schemas proto gpu-check gpu-kit clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -58,6 +58,11 @@ bench: install
 	$(BIN)/python -m bench.checkpoint $(BENCH_ARGS)
 	$(BIN)/python -m bench.scaler $(BENCH_ARGS)
 	$(BIN)/python -m bench.metrics $(BENCH_ARGS)
+
+# The embedded default left running (10 minutes; BENCH_ARGS="--seconds 120" for less) with drains and a rolling
+# driver upgrade: memory of every process, lost sessions, drain verdicts. Not part of `make bench`.
+soak: install
+	$(BIN)/python -m bench.soak $(BENCH_ARGS)
 
 schemas: install
 	$(BIN)/python -m shared.contract.schemas

@@ -418,7 +418,12 @@ class CheckpointService:
             committed |= ok
             total += nbytes
             failed += bad
-            for sid in sorted(set(by_pod[pod]) - ok - {f.session_id for f in bad}):
+            if outcome.not_held:
+                log.info(
+                    "sessions no longer held by their pod: nothing of them to save",
+                    extra={"pod": pod, "sessions": outcome.not_held[:20], "count": len(outcome.not_held)},
+                )
+            for sid in sorted(set(by_pod[pod]) - ok - {f.session_id for f in bad} - set(outcome.not_held)):
                 failed.append(SessionFailure(session_id=sid, pod=pod, reason=f"pod {pod} did not report it"))
         failed = await self._still_here(event.node, failed)
         await self.ctx.bus.publish_many(

@@ -3,7 +3,8 @@
 Keys, all under the root (``Subjects.redis_key``):
 
 - ``kv:session:<sid>``        hash: pod, node, namespace, deployment, generation, updated_at
-- ``kv:generation:<sid>``     the session's newest generation handed out; only grows (kept when the session ends)
+- ``kv:generation:<sid>``     the session's newest generation handed out; only grows (kept a week after it ends)
+- ``kv:owner:<sid>``          the pod that took the newest generation (kept while it holds no blocks: it may end it)
 - ``kv:node:<node>``          set of session ids on the node
 - ``kv:pod:<pod>``            set of session ids the pod holds
 - ``kv:pods``                 hash: every pod that announced -> its node
@@ -49,14 +50,15 @@ local function move(prefix, sid, pod, node, ns, dep, gen, now)
     'updated_at', now)
   redis.call('SADD', prefix .. ':kv:node:' .. node, sid)
   redis.call('SADD', prefix .. ':kv:pod:' .. pod, sid)
+  redis.call('SET', prefix .. ':kv:owner:' .. sid, pod)
 end
 """
 
 # One announcement applied atomically: ARGV = prefix, pod, node, ns, dep, now, ttl_ms, n, the n ended sessions,
 # then (sid, generation) pairs. A session announced under an older generation than the newest handed out has
 # moved on: stale, ignored and returned. A newer one than the registry knows (it lost its data) raises the
-# counter: never handed out again. An ended session the pod still held leaves the registry and is returned as
-# retired.
+# counter: never handed out again. An ended session whose newest generation the pod took (held now, or dropped
+# since, as after a preemption) leaves the registry and is returned as retired.
 _ANNOUNCE = (
     _MOVE
     + """
@@ -76,7 +78,16 @@ local function drop(sid)
 end
 local retired = {}
 for i = 9, first - 1 do
-  if drop(ARGV[i]) then table.insert(retired, ARGV[i]) end
+  local sid = ARGV[i]
+  local ownerkey = prefix .. ':kv:owner:' .. sid
+  if redis.call('GET', ownerkey) == pod then
+    drop(sid)
+    redis.call('DEL', ownerkey)
+    redis.call('PEXPIRE', prefix .. ':kv:generation:' .. sid, 604800000)
+    table.insert(retired, sid)
+  else
+    redis.call('SREM', podkey, sid)
+  end
 end
 local fresh = {}
 for i = first, #ARGV, 2 do fresh[ARGV[i]] = true end

@@ -90,6 +90,8 @@ class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.
     store: str = ""
     committed: list[CommittedCheckpoint] = msgspec.field(default_factory=list)
     failed: list[SessionFailure] = msgspec.field(default_factory=list)
+    not_held: list[str] = msgspec.field(default_factory=list)
+    """Sessions asked for that the pod does not hold (ended or preempted since): no KV of them on the pod."""
 
 
 class SaveProgress(Event, frozen=True, kw_only=True, tag="checkpoint.save.progress"):

@@ -83,8 +83,12 @@ class SaveFailure:
 
 @dataclass
 class SaveReport:
+    """``not_held``: sessions asked for by generation that this pod does not hold (ended, or preempted: it has no
+    KV of them to save)."""
+
     committed: list[CheckpointManifest] = field(default_factory=list)
     failed: list[SaveFailure] = field(default_factory=list)
+    not_held: list[str] = field(default_factory=list)
 
     @property
     def bytes_total(self) -> int:
@@ -208,7 +212,9 @@ class KvAgent:
             for sid in session_ids if session_ids is not None else list(self._sessions):
                 session = self._sessions.get(sid)
                 expected = None if generations is None else generations.get(sid)
-                if session is None:
+                if session is None and expected is not None:
+                    report.not_held.append(sid)
+                elif session is None:
                     report.failed.append(SaveFailure(sid, f"not registered on pod {self.pod}"))
                 elif expected is not None and expected != session.generation:
                     report.failed.append(

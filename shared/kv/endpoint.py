@@ -53,6 +53,7 @@ def report_event(agent: KvAgent, report: SaveReport) -> SaveSessionsReport:
             for m in report.committed
         ],
         failed=[SessionFailure(session_id=f.session_id, pod=agent.pod, reason=f.reason) for f in report.failed],
+        not_held=report.not_held,
     )
 
 

@@ -5,7 +5,7 @@ It creates the simulated state in Redis when absent (from ``GPUWARDEN_SIM_SPEC``
 whenever Redis comes back without it (restarted without its data), so it never needs a restart of its own; it plays
 every pod of the spec's deployments with a real KV agent and the real checkpoint store
 (``GPUWARDEN_CHECKPOINT_STORE``), answers fault-injection requests, and, with ``--rate``, sends a steady load of
-inference requests so that sessions grow and GPUs look busy.
+inference requests: conversations of a few turns each, closed and replaced, enough to fill the pods' KV pools.
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ class Simulation:
     reseed_s = 2.0
     """How often the simulation checks that its world is still in Redis."""
 
-    def __init__(self, spec: SimSpec, store_url: str, rate: float, sessions: int, prompt: int, new: int) -> None:
+    def __init__(
+        self, spec: SimSpec, store_url: str, rate: float, sessions: int, prompt: int, new: int, max_turns: int = 12
+    ) -> None:
         self.spec = spec
         self.store_url = store_url
         self.rate = rate
         self.sessions = sessions
         self.prompt = prompt
         self.new = new
+        self.max_turns = max_turns
         self.workload: SimWorkload | None = None
         self.exporters: list[SimExporter] = []
 
@@ -78,7 +81,14 @@ class Simulation:
 
             async def load() -> None:
                 await publish_requests(
-                    ctx.bus, self.spec, self.sessions, self.rate, self.prompt, self.new, seconds=float("inf")
+                    ctx.bus,
+                    self.spec,
+                    self.sessions,
+                    self.rate,
+                    self.prompt,
+                    self.new,
+                    seconds=float("inf"),
+                    max_turns=self.max_turns,
                 )
 
             ctx.spawn(load, "sim-load")
@@ -117,13 +127,16 @@ class Simulation:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuwarden sim run", description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--rate", type=float, default=2.0, help="inference requests per second (0: none)")
-    parser.add_argument("--sessions", type=int, default=12, help="sessions per deployment the load cycles over")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--sessions", type=int, default=10, help="open conversations per deployment at a time")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per turn")
+    parser.add_argument("--new-tokens", type=int, default=32, help="generated tokens per turn")
+    parser.add_argument("--max-turns", type=int, default=12, help="turns of a conversation at most (then it closes)")
     args = parser.parse_args(argv)
-    for name in ("rate", "sessions", "prompt_tokens", "new_tokens"):
+    for name in ("rate", "sessions", "prompt_tokens", "new_tokens", "max_turns"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
+    if args.rate > 0 and args.prompt_tokens + args.new_tokens == 0:
+        parser.error("--prompt-tokens or --new-tokens must be positive (a request with neither closes its session)")
     try:
         spec = load_spec()
     except ValueError as exc:
@@ -131,7 +144,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     store = os.environ.get("GPUWARDEN_CHECKPOINT_STORE", "file:///var/lib/gpuwarden/checkpoints")
     with contextlib.suppress(KeyboardInterrupt):
-        return run(Simulation(spec, store, args.rate, max(1, args.sessions), args.prompt_tokens, args.new_tokens))
+        return run(
+            Simulation(
+                spec,
+                store,
+                args.rate,
+                max(1, args.sessions),
+                args.prompt_tokens,
+                args.new_tokens,
+                max(1, args.max_turns),
+            )
+        )
     return 0
 
 

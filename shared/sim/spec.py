@@ -10,10 +10,17 @@ nodes:
       - {model: NVIDIA H100 80GB HBM3, memory_mib: 81559, count: 2, mig_profiles: ["1g.10gb", "3g.40gb"]}
 deployments:
   - {name: llama, namespace: llm, replicas: 3, gpus_per_pod: 1, max_unavailable: 1,
-     model: {layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_tokens: 16}}
+     gpu_memory_utilization: 0.9,   # or kv_blocks: 128 (the pool's size in blocks, set outright)
+     model: {layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_tokens: 16,
+             weights_mib: 15316, max_model_len: 8192}}
 ```
 
 Unknown keys are refused, and every error names the field (``$.nodes[0].gpus[0].memory_mib``).
+
+Each pod of a deployment runs an engine with a KV block pool sized as vLLM sizes its own: blocks =
+(GPUs per pod x GPU memory x ``gpu_memory_utilization`` - model weights) / block bytes, on the smallest GPU of
+the spec, unless ``kv_blocks`` sets it outright. Either way the pool must hold one ``max_model_len`` sequence
+(vLLM refuses to start otherwise), and an explicit pool must fit in the GPU memory the weights leave.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from shared.contract.base import TOKEN_PATTERN
 
 Name = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
+MIB = 2**20
 
 
 class SpecError(ValueError):
@@ -67,10 +75,21 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     head_dim: Positive = 128
     dtype_bytes: Positive = 2
     block_tokens: Positive = 16
+    weights_mib: Annotated[int, msgspec.Meta(ge=0)] = 15316  # 8.03 B parameters x 2 bytes
+    max_model_len: Positive = 8192  # the longest session, prompt and output, in tokens
 
     @property
     def bytes_per_token(self) -> int:
         return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.bytes_per_token
+
+    @property
+    def max_len_blocks(self) -> int:
+        """Blocks one ``max_model_len`` session holds: the least a pool must have."""
+        return -(-self.max_model_len // self.block_tokens)
 
 
 class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -81,6 +100,44 @@ class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_unavailable: Annotated[int, msgspec.Meta(ge=0)] = 1
     grace_period_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     model: ModelShape = msgspec.field(default_factory=ModelShape)
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    kv_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: derived from the GPU memory, as vLLM does
+
+    def kv_capacity(self, gpu_memory_mib: float) -> int:
+        """The KV pool of one pod on GPUs of ``gpu_memory_mib``, in blocks: ``kv_blocks`` when set, else what
+        ``gpu_memory_utilization`` of the pod's GPUs holds once the weights are loaded (never below 0)."""
+        if self.kv_blocks:
+            return self.kv_blocks
+        spare = self.gpus_per_pod * gpu_memory_mib * self.gpu_memory_utilization - self.model.weights_mib
+        return max(0, int(spare * MIB) // self.model.block_bytes)
+
+    def check_capacity(self, gpu_memory_mib: float) -> None:
+        """``SpecError`` (without the field path) when a pod on such GPUs could not serve one longest session."""
+        model = self.model
+        blocks = self.kv_capacity(gpu_memory_mib)
+        pod_mib = self.gpus_per_pod * gpu_memory_mib
+        if self.kv_blocks:
+            spare_mib = pod_mib - model.weights_mib
+            if self.kv_blocks * model.block_bytes > spare_mib * MIB:
+                raise SpecError(
+                    f"kv_blocks: {self.kv_blocks} blocks of {model.block_bytes / MIB:g} MiB "
+                    f"({self.kv_blocks * model.block_bytes / MIB:g} MiB) do not fit in the {spare_mib:g} MiB the "
+                    f"weights ({model.weights_mib} MiB) leave of a pod's {pod_mib:g} MiB of GPU memory"
+                )
+            where = "kv_blocks"
+        else:
+            where = "gpu_memory_utilization"
+            if blocks <= 0:
+                raise SpecError(
+                    f"gpu_memory_utilization: the model's weights ({model.weights_mib} MiB) leave no room for a KV "
+                    f"cache in {self.gpu_memory_utilization:g} x {pod_mib:g} MiB of GPU memory"
+                )
+        if blocks < model.max_len_blocks:
+            raise SpecError(
+                f"{where}: a pod's KV pool holds {blocks} blocks ({blocks * model.block_tokens} tokens) on "
+                f"{pod_mib:g} MiB of GPU memory, fewer than one model.max_model_len session ({model.max_model_len} "
+                f"tokens, {model.max_len_blocks} blocks): raise {where} or lower model.max_model_len"
+            )
 
 
 class SimSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -108,6 +165,17 @@ class SimSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             if (d.namespace, d.name) in names:
                 raise SpecError(f"$.deployments[{i}].name: duplicate deployment {d.namespace}/{d.name}")
             names.add((d.namespace, d.name))
+        smallest = self.smallest_gpu_mib()
+        if smallest:
+            for i, d in enumerate(self.deployments):
+                try:
+                    d.check_capacity(smallest)
+                except SpecError as exc:
+                    raise SpecError(f"$.deployments[{i}].{exc}") from None
+
+    def smallest_gpu_mib(self) -> int:
+        """The memory of the spec's smallest GPU (0 when it has none): what a pod may land on."""
+        return min((g.memory_mib for n in self.nodes for g in n.gpus), default=0)
 
 
 H100_MIG_PROFILES = ["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
@@ -115,14 +183,22 @@ H100_MIG_PROFILES = ["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
 
 def default_spec() -> SimSpec:
     """3 nodes named node-1..node-3 with 2 H100 GPUs each (node-3's MIG-capable, as the H100's profiles), and one
-    small Llama-3-8B deployment."""
+    small Llama-3-8B deployment.
+
+    The simulation holds every KV block in its own memory, so the default pool is 128 blocks (256 MiB) per pod
+    and sessions end at 1024 tokens, not the 29,043 blocks (57 GiB) and 8192 tokens of a real H100 pod: small
+    enough for a laptop, small enough that the default traffic fills the pools."""
     return SimSpec(
         nodes=[
             NodeSpec(name="node-1"),
             NodeSpec(name="node-2"),
             NodeSpec(name="node-3", gpus=[GpuSpec(count=2, mig_profiles=list(H100_MIG_PROFILES))]),
         ],
-        deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2)],
+        deployments=[
+            DeploymentSpec(
+                name="llama", namespace="llm", replicas=2, kv_blocks=128, model=ModelShape(max_model_len=1024)
+            )
+        ],
     )
 
 

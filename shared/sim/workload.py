@@ -7,6 +7,13 @@ verified byte for byte (``expected_block``; never Python's per-process ``hash()`
 deployment's JetStream request queue; a request for a session no running pod holds is routed to the least
 loaded pod, which restores the session from its newest checkpoint first (lazy restore) or starts it fresh.
 
+Each pod's engine has a KV block pool of the spec's capacity (``shared.sim.blockpool``): a session that needs
+blocks the pool lacks preempts the most recently arrived other session on the pod, which loses its blocks and is
+recomputed from its tokens (its blocks regenerated) when its next request comes. Sessions end: a request with
+neither prompt nor new tokens closes one (as SGLang's ``close_session`` does), a request that would take it past
+the model's ``max_model_len`` ends it (an engine refuses such a request), and one idle for ``session_idle_s`` is
+dropped. An ended session leaves its pod, so the agent's next announcement takes it out of the registry.
+
 A pod that turns Terminating runs its preStop: a final save recorded by the checkpoint service, then it tells
 the cluster it is done. A pod that vanishes without that (a crash, a grace period overrun) loses what its last
 checkpoint did not hold. Everything here is simulated except NATS, Redis and the store.
@@ -19,7 +26,11 @@ import contextlib
 import hashlib
 import logging
 import math
+import random
 import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +44,15 @@ from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
 from shared.plumbing.bus import Bus, ConsumerSpec
 from shared.plumbing.errors import TemporaryError
 from shared.ports.cluster import PodInfo
+from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.cluster import SimCluster
 from shared.sim.clusterstate import object_key
 from shared.sim.spec import DeploymentSpec, ModelShape, SimSpec
 
 log = logging.getLogger(__name__)
+
+LOST_SESSIONS_KEPT = 100  # the newest lost session ids kept for status; the count has them all
+SESSION_IDLE_S = 300.0
 
 
 def layout_of(model: ModelShape) -> KvLayout:
@@ -66,15 +81,35 @@ def verify_blocks(session_id: str, blocks: list[Any]) -> bool:
     )
 
 
+def is_close(request: InferenceRequest) -> bool:
+    """A request with neither prompt nor new tokens closes its session."""
+    return request.prompt_tokens == 0 and request.max_new_tokens == 0
+
+
 @dataclass
 class PodRuntime:
     info: PodInfo
     agent: KvAgent
     endpoint: AgentEndpoint
+    pool: BlockPool
     gpu_uuid: str = ""
     gpu_memory_mib: float = 0.0
     served: int = 0
     stopping: bool = False
+
+
+@dataclass(frozen=True)
+class Preempted:
+    """A session that lost its blocks to preemption: ``tokens`` is what it is recomputed to, ``pod`` where."""
+
+    tokens: int
+    pod: str
+
+
+@dataclass
+class SessionLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
 
 
 @dataclass
@@ -83,9 +118,14 @@ class WorkloadStats:
     served: int = 0
     restored: int = 0
     started_fresh: int = 0
+    recomputed: int = 0
+    preemptions: int = 0
+    ended: int = 0
+    ended_at_max_len: int = 0
+    expired: int = 0
     lost: int = 0
     prestop_saves: int = 0
-    lost_sessions: list[str] = field(default_factory=list)
+    lost_sessions: deque[str] = field(default_factory=lambda: deque(maxlen=LOST_SESSIONS_KEPT))
 
 
 class SimWorkload:
@@ -100,6 +140,8 @@ class SimWorkload:
         periodic_s: float = 0.0,
         announce_s: float = 2.0,
         tick_s: float = 0.2,
+        session_idle_s: float = SESSION_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.bus = bus
         self.cluster = cluster
@@ -109,12 +151,17 @@ class SimWorkload:
         self.periodic_s = periodic_s
         self.announce_s = announce_s
         self.tick_s = tick_s
+        self.session_idle_s = session_idle_s
+        self.clock = clock
         self.deployments: dict[tuple[str, str], DeploymentSpec] = {(d.namespace, d.name): d for d in spec.deployments}
         self.runtimes: dict[str, PodRuntime] = {}
+        # Per live session only: each entry leaves when its session ends, expires or is lost.
         self.home: dict[str, str] = {}
+        self.preempted: dict[str, Preempted] = {}
+        self.last_request: dict[str, float] = {}
         self.stats = WorkloadStats()
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._locks: dict[str, SessionLock] = {}  # only while a request of the session runs or waits
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -135,8 +182,8 @@ class SimWorkload:
                 self.on_request,
             )
         await self.reconcile()
-        self._tasks.append(asyncio.create_task(self._watch(), name="workload-watch"))
-        self._tasks.append(asyncio.create_task(self._loop(), name="workload-loop"))
+        self._spawn(self._watch(), "workload-watch")
+        self._spawn(self._loop(), "workload-loop")
         log.info("SIMULATED workload started", extra={"deployments": len(self.deployments), "simulated": True})
 
     async def stop(self) -> None:
@@ -154,6 +201,12 @@ class SimWorkload:
         for runtime in list(self.runtimes.values()):
             await runtime.endpoint.stop()
         self.runtimes.clear()
+
+    def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run ``work`` in the background; the task is forgotten once it is done."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _watch(self) -> None:
         while True:
@@ -174,6 +227,7 @@ class SimWorkload:
             try:
                 await self.cluster.tick()
                 await self.reconcile()
+                self.expire_idle()
                 await self._report_load()
             except asyncio.CancelledError:
                 raise
@@ -190,16 +244,20 @@ class SimWorkload:
                 await self._start_pod(pod)
             elif pod.phase == "Terminating" and runtime is not None and not runtime.stopping:
                 runtime.stopping = True
-                self._tasks.append(asyncio.create_task(self._pre_stop(runtime), name=f"prestop-{pod.name}"))
+                self._spawn(self._pre_stop(runtime), f"prestop-{pod.name}")
         for name in [n for n in self.runtimes if n not in present]:
             runtime = self.runtimes.pop(name)
             await runtime.endpoint.stop()
             if not runtime.stopping:  # killed without preStop: what was not checkpointed is gone
-                self.stats.lost += len(runtime.agent.sessions())
-                self.stats.lost_sessions += runtime.agent.sessions()
+                gone = runtime.agent.sessions() + [s for s, p in self.preempted.items() if p.pod == name]
+                self.stats.lost += len(gone)
+                self.stats.lost_sessions.extend(gone)
+                for sid in gone:
+                    self.preempted.pop(sid, None)
             for sid in runtime.agent.sessions():
-                if self.home.get(sid) == name:
-                    self.home.pop(sid, None)
+                runtime.agent.forget_session(sid)  # the pod's memory is gone: drop the blocks with it
+            for sid in [s for s, pod in self.home.items() if pod == name]:
+                del self.home[sid]
 
     async def _start_pod(self, pod: PodInfo) -> None:
         deployment = self.deployments[(pod.namespace, pod.deployment)]
@@ -213,7 +271,8 @@ class SimWorkload:
         )
         endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s)
         await endpoint.start()
-        gpu_uuid, memory = "", 0.0
+        node_gpus = [g.memory_mib for n in self.spec.nodes if n.name == pod.node for g in n.gpus]
+        gpu_uuid, memory = "", float(min(node_gpus, default=self.spec.smallest_gpu_mib()))
         gpus = self.gpus.get(pod.node)
         if gpus is not None:
             with contextlib.suppress(Exception):
@@ -224,8 +283,12 @@ class SimWorkload:
                 for device in await gpus.devices():
                     if device.index == first:
                         gpu_uuid, memory = device.uuid, float(device.memory_total_mib)
-        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, gpu_uuid, memory)
-        log.info("SIMULATED pod serving", extra={"pod": pod.name, "node": pod.node, "simulated": True})
+        capacity = max(deployment.kv_capacity(memory), deployment.model.max_len_blocks)
+        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, BlockPool(capacity), gpu_uuid, memory)
+        log.info(
+            "SIMULATED pod serving",
+            extra={"pod": pod.name, "node": pod.node, "kv_blocks": capacity, "simulated": True},
+        )
 
     async def _pre_stop(self, runtime: PodRuntime) -> None:
         deployment = self.deployments[(runtime.info.namespace, runtime.info.deployment)]
@@ -256,26 +319,95 @@ class SimWorkload:
                 await gpus.set_load(runtime.gpu_uuid, util, min(held / 2**20, memory), min(100.0, util / 4))
 
     # -- requests -------------------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _session_lock(self, session_id: str) -> AsyncIterator[None]:
+        """One request of a session at a time; the lock exists only while a request holds or awaits it."""
+        entry = self._locks.setdefault(session_id, SessionLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[session_id]
+
     async def on_request(self, request: InferenceRequest) -> None:
         """Idempotent enough for at-least-once delivery: a redelivered request grows its session again, as a
-        retried request does on a real server."""
+        retried request does on a real server; a redelivered close finds nothing left to close."""
         self.stats.requests += 1
-        lock = self._locks.setdefault(request.session_id, asyncio.Lock())
-        async with lock:
+        sid = request.session_id
+        async with self._session_lock(sid):
+            if is_close(request):
+                if self.end_session(sid):
+                    self.stats.ended += 1
+                return
+            self.last_request[sid] = self.clock()
             runtime = self._runtime_for(request)
-            sid = request.session_id
             if sid not in runtime.agent.sessions():
                 await self._bring_session(runtime, sid)
+                if sid not in runtime.agent.sessions():
+                    return
+            model = self.deployments[(runtime.info.namespace, runtime.info.deployment)].model
             layout = runtime.agent.layout
             tokens = runtime.agent.tokens(sid) + request.prompt_tokens + request.max_new_tokens
+            if tokens > model.max_model_len:
+                log.info(
+                    "session ended: its context is full",
+                    extra={"session": sid, "tokens": tokens, "max_model_len": model.max_model_len},
+                )
+                self.end_session(sid)
+                self.stats.ended_at_max_len += 1
+                return
             have = len(runtime.agent.blocks(sid))
             need = math.ceil(tokens / layout.block_tokens)
+            self._preempt(runtime, runtime.pool.reserve(sid, need))
             for index in range(have, need):
                 runtime.agent.append_block(sid, expected_block(sid, index, layout.block_bytes))
             runtime.agent.set_tokens(sid, tokens)
             runtime.served += 1
             self.stats.served += 1
             runtime.endpoint.sessions_changed()
+
+    def _preempt(self, runtime: PodRuntime, victims: list[str]) -> None:
+        """The pool took these sessions' blocks (recompute preemption): the engine drops their KV and keeps their
+        tokens, to recompute them when they are next scheduled."""
+        for sid in victims:
+            self.preempted[sid] = Preempted(runtime.agent.tokens(sid), runtime.info.name)
+            runtime.agent.forget_session(sid)
+            self.stats.preemptions += 1
+            log.info(
+                "session preempted: its KV blocks went to another session",
+                extra={"session": sid, "pod": runtime.info.name, "tokens": self.preempted[sid].tokens},
+            )
+        if victims:
+            runtime.endpoint.sessions_changed()
+
+    def end_session(self, session_id: str) -> bool:
+        """The session is over: every pod forgets it and frees its blocks. Says whether anything held it."""
+        preempted = self.preempted.pop(session_id, None)
+        held = preempted is not None
+        for runtime in self.runtimes.values():
+            if session_id in runtime.pool or session_id in runtime.agent.sessions():
+                runtime.endpoint.end_session(session_id)  # announced as ended: its checkpoints are retired
+                runtime.pool.release(session_id)
+                held = True
+        owner = self.runtimes.get(preempted.pod) if preempted is not None else None
+        if owner is not None:
+            owner.endpoint.end_session(session_id)  # the pod that owned it last retires its checkpoints
+        self.home.pop(session_id, None)
+        self.last_request.pop(session_id, None)
+        return held
+
+    def expire_idle(self) -> int:
+        """End the sessions that had no request for ``session_idle_s`` (a client that went away without closing
+        them); a session with a request under way is never idle. Returns how many ended."""
+        cutoff = self.clock() - self.session_idle_s
+        idle = [s for s, at in self.last_request.items() if at <= cutoff and s not in self._locks]
+        for sid in idle:
+            if self.end_session(sid):
+                self.stats.expired += 1
+        return len(idle)
 
     def _runtime_for(self, request: InferenceRequest) -> PodRuntime:
         home = self.home.get(request.session_id)
@@ -294,23 +426,53 @@ class SimWorkload:
         return chosen
 
     async def _bring_session(self, runtime: PodRuntime, session_id: str) -> None:
+        """Make the session run on ``runtime``: recompute it when it was preempted, else restore its newest
+        checkpoint, else start it fresh. Its blocks are then reserved in the pool, preempting others."""
+        preempted = self.preempted.pop(session_id, None)
+        if preempted is not None:
+            try:
+                await runtime.endpoint.start_session(session_id)  # this pod takes it: a new generation
+            except TimeoutError as exc:
+                self.preempted[session_id] = preempted
+                raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
+            self._recompute(runtime, session_id, preempted.tokens)
+            return
         try:
             restored = await runtime.endpoint.restore(session_id)
         except CheckpointNotFound:
             runtime.agent.register_session(session_id)
             self.stats.started_fresh += 1
+            self._preempt(runtime, runtime.pool.reserve(session_id, 0))
             return
         except ChunkCorrupt as exc:
             log.error("session context lost: no good checkpoint", extra={"session": session_id, "error": str(exc)})
             self.stats.lost += 1
             self.stats.lost_sessions.append(session_id)
             runtime.agent.register_session(session_id)
+            self._preempt(runtime, runtime.pool.reserve(session_id, 0))
             return
         except TimeoutError as exc:
             raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
         self.stats.restored += 1
         if not verify_blocks(session_id, restored.blocks):
             log.error("restored bytes differ from the session's content", extra={"session": session_id})
+        try:
+            self._preempt(runtime, runtime.pool.reserve(session_id, len(restored.blocks)))
+        except PoolTooSmall as exc:
+            log.error("restored session does not fit in the pod's KV pool", extra={"error": str(exc)})
+            self.end_session(session_id)
+            self.stats.ended_at_max_len += 1
+
+    def _recompute(self, runtime: PodRuntime, session_id: str, tokens: int) -> None:
+        """Prefill a preempted session again from its tokens: the same blocks, regenerated."""
+        layout = runtime.agent.layout
+        need = math.ceil(tokens / layout.block_tokens)
+        self._preempt(runtime, runtime.pool.reserve(session_id, need))
+        runtime.agent.register_session(session_id, token_count=tokens)
+        for index in range(need):
+            runtime.agent.append_block(session_id, expected_block(session_id, index, layout.block_bytes))
+        runtime.agent.set_tokens(session_id, tokens)
+        self.stats.recomputed += 1
 
     # -- for tests and status -------------------------------------------------------------------------------------
     def session_blocks(self, session_id: str) -> list[Any] | None:
@@ -321,38 +483,160 @@ class SimWorkload:
         return runtime.agent.blocks(session_id)
 
     def status(self) -> dict[str, Any]:
+        stats = self.stats
         return {
             "simulated": True,
             "pods": {
-                name: {"node": r.info.node, "sessions": len(r.agent.sessions()), "stopping": r.stopping}
+                name: {
+                    "node": r.info.node,
+                    "sessions": len(r.agent.sessions()),
+                    "stopping": r.stopping,
+                    "kv_blocks": {"capacity": r.pool.capacity, "used": r.pool.used, "peak": r.pool.peak},
+                }
                 for name, r in self.runtimes.items()
             },
-            "requests": self.stats.requests,
-            "served": self.stats.served,
-            "restored": self.stats.restored,
-            "started_fresh": self.stats.started_fresh,
-            "lost": self.stats.lost,
+            "requests": stats.requests,
+            "served": stats.served,
+            "restored": stats.restored,
+            "started_fresh": stats.started_fresh,
+            "recomputed": stats.recomputed,
+            "preemptions": stats.preemptions,
+            "ended": stats.ended,
+            "ended_at_max_len": stats.ended_at_max_len,
+            "expired": stats.expired,
+            "lost": stats.lost,
+            "lost_sessions": list(stats.lost_sessions),
+            "prestop_saves": stats.prestop_saves,
+            "tracked": self.tracked(),
+        }
+
+    def tracked(self) -> dict[str, int]:
+        """How many entries each of the workload's own structures holds: bounded by the live sessions and pods."""
+        return {
+            "runtimes": len(self.runtimes),
+            "home": len(self.home),
+            "preempted": len(self.preempted),
+            "last_request": len(self.last_request),
+            "locks": len(self._locks),
+            "tasks": len(self._tasks),
+            "lost_sessions": len(self.stats.lost_sessions),
         }
 
 
+@dataclass
+class Conversation:
+    session_id: str
+    turns_left: int
+    tokens: int = 0
+
+
+class Conversations:
+    """The traffic ``publish_requests`` sends: per deployment, ``sessions`` conversations at a time, each of a
+    random number of turns (1 to ``max_turns``) and then a close; a new conversation, under a new id, takes the
+    place of each one that closes. A conversation whose next turn would pass the model's ``max_model_len`` sends
+    that turn (the pod refuses it and ends the session, as a client meets a context-length error) and stops
+    there. Only the open conversations are remembered.
+
+    Session ids carry a tag of their own per instance, so a restarted generator never continues the sessions
+    (and checkpoints) of an earlier one by accident."""
+
+    def __init__(
+        self,
+        spec: SimSpec,
+        sessions: int,
+        prompt_tokens: int,
+        new_tokens: int,
+        max_turns: int,
+        *,
+        seed: int | None = None,
+        tag: str = "",
+    ) -> None:
+        if sessions < 1 or max_turns < 1:
+            raise ValueError(f"sessions ({sessions}) and max_turns ({max_turns}) must be at least 1")
+        if prompt_tokens + new_tokens <= 0:
+            raise ValueError("a turn needs prompt or new tokens (a request with neither closes its session)")
+        self.spec = spec
+        self.turn_tokens = prompt_tokens + new_tokens
+        self.prompt_tokens = prompt_tokens
+        self.new_tokens = new_tokens
+        self.max_turns = max_turns
+        self.tag = tag or uuid.uuid4().hex[:6]
+        self._random = random.Random(seed)
+        self._started = 0
+        self._open: dict[tuple[str, str], list[Conversation]] = {
+            (d.namespace, d.name): [self._new(d) for _ in range(sessions)] for d in spec.deployments
+        }
+        self._next = 0
+
+    def _new(self, deployment: DeploymentSpec) -> Conversation:
+        self._started += 1
+        return Conversation(f"{deployment.name}-{self.tag}-{self._started}", self._random.randint(1, self.max_turns))
+
+    @property
+    def started(self) -> int:
+        """Conversations begun so far, over all deployments."""
+        return self._started
+
+    def next_requests(self) -> list[InferenceRequest]:
+        """One request per deployment: the next turn of the next open conversation, or its close."""
+        out: list[InferenceRequest] = []
+        for deployment in self.spec.deployments:
+            slots = self._open[(deployment.namespace, deployment.name)]
+            slot = self._next % len(slots)
+            talk = slots[slot]
+            if talk.turns_left == 0:
+                out.append(self._request(deployment, talk.session_id, 0, 0))
+                slots[slot] = self._new(deployment)
+                continue
+            out.append(self._request(deployment, talk.session_id, self.prompt_tokens, self.new_tokens))
+            talk.tokens += self.turn_tokens
+            talk.turns_left -= 1
+            if talk.tokens > deployment.model.max_model_len:
+                talk.turns_left = 0
+        self._next += 1
+        return out
+
+    def closing(self) -> list[InferenceRequest]:
+        """The close of every open conversation; none is open afterwards (the next request starts new ones)."""
+        out = [
+            self._request(d, talk.session_id, 0, 0)
+            for d in self.spec.deployments
+            for talk in self._open[(d.namespace, d.name)]
+        ]
+        for d in self.spec.deployments:
+            slots = self._open[(d.namespace, d.name)]
+            slots[:] = [self._new(d) for _ in slots]
+        return out
+
+    @staticmethod
+    def _request(deployment: DeploymentSpec, session_id: str, prompt: int, new: int) -> InferenceRequest:
+        return InferenceRequest(
+            namespace=deployment.namespace,
+            deployment=deployment.name,
+            session_id=session_id,
+            prompt_tokens=prompt,
+            max_new_tokens=new,
+        )
+
+
 async def publish_requests(
-    bus: Bus, spec: SimSpec, sessions: int, rate_per_s: float, prompt_tokens: int, new_tokens: int, seconds: float
+    bus: Bus,
+    spec: SimSpec,
+    sessions: int,
+    rate_per_s: float,
+    prompt_tokens: int,
+    new_tokens: int,
+    seconds: float,
+    max_turns: int = 12,
 ) -> int:
-    """A steady load: ``rate_per_s`` requests per second over ``sessions`` sessions per deployment."""
+    """A steady load: ``rate_per_s`` requests per second per deployment over ``sessions`` open conversations
+    per deployment, each of at most ``max_turns`` turns and then closed (``Conversations``)."""
+    conversations = Conversations(spec, sessions, prompt_tokens, new_tokens, max_turns)
     sent = 0
     started = time.monotonic()
     while time.monotonic() - started < seconds:
-        for deployment in spec.deployments:
-            sid = f"{deployment.name}-s{sent % sessions}"
-            await bus.publish(
-                InferenceRequest(
-                    namespace=deployment.namespace,
-                    deployment=deployment.name,
-                    session_id=sid,
-                    prompt_tokens=prompt_tokens,
-                    max_new_tokens=new_tokens,
-                )
-            )
+        for request in conversations.next_requests():
+            await bus.publish(request)
             sent += 1
         await asyncio.sleep(1.0 / rate_per_s)
     return sent

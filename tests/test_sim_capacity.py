@@ -1,0 +1,335 @@
+"""The simulated engines' KV capacity: a block pool per pod that never holds more than it has, sessions that
+end (closed, full context, idle) and leave the agent and the registry, recompute preemption that brings a
+session back with the right bytes, and workload structures that stay bounded however many sessions pass."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.checkpoint.config import CheckpointSettings
+from services.checkpoint.handlers import CheckpointService
+from shared.contract.requests import InferenceRequest
+from shared.contract.subjects import Subjects
+from shared.kv.filestore import FileStore
+from shared.plumbing.bus import Bus
+from shared.plumbing.configsync import redis_client
+from shared.plumbing.runner import start_service
+from shared.plumbing.settings import Settings
+from shared.ports.cluster import EvictionOutcome
+from shared.sim.blockpool import BlockPool, PoolTooSmall
+from shared.sim.cluster import SimCluster
+from shared.sim.spec import DeploymentSpec, GpuSpec, ModelShape, NodeSpec, SimSpec, SpecError, default_spec, parse_spec
+from shared.sim.workload import Conversations, SimWorkload, is_close, verify_blocks
+from tests.helpers import eventually
+
+SMALL_MODEL = ModelShape(layers=2, kv_heads=2, head_dim=64, block_tokens=16, max_model_len=256)  # 16 KiB blocks
+
+
+def spec_of(replicas: int, kv_blocks: int, model: ModelShape = SMALL_MODEL) -> SimSpec:
+    return SimSpec(
+        nodes=[NodeSpec(name=f"node-{i}", gpus=[GpuSpec(count=1)]) for i in range(1, replicas + 1)],
+        deployments=[
+            DeploymentSpec(
+                name="llama", namespace="llm", replicas=replicas, max_unavailable=1, kv_blocks=kv_blocks, model=model
+            )
+        ],
+    )
+
+
+# -- the pool, as a pure rule ---------------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(min_value=4, max_value=40),
+    st.lists(st.tuples(st.booleans(), st.integers(0, 9), st.integers(0, 40)), max_size=80),
+)
+def test_the_pool_never_holds_more_than_its_capacity_and_preempts_the_newest_arrivals(
+    capacity: int, steps: list[tuple[bool, int, int]]
+) -> None:
+    pool = BlockPool(capacity)
+    for release, who, blocks in steps:
+        sid = f"s{who}"
+        if release:
+            pool.release(sid)
+        elif blocks > capacity:
+            with pytest.raises(PoolTooSmall):
+                pool.reserve(sid, blocks)
+        else:
+            before = pool.sessions()
+            victims = pool.reserve(sid, blocks)
+            assert sid not in victims and pool.held(sid) >= blocks
+            others = [s for s in before if s != sid]
+            assert victims == list(reversed(others))[: len(victims)]  # the most recent arrivals, newest first
+            assert [s for s in pool.sessions() if s != sid] == others[: len(others) - len(victims)]
+        assert pool.used == sum(pool.held(s) for s in pool.sessions()) <= capacity
+        assert pool.peak <= capacity
+
+
+def test_a_preempted_session_arrives_again_at_the_back() -> None:
+    pool = BlockPool(10)
+    assert pool.reserve("a", 4) == [] and pool.reserve("b", 4) == []
+    assert pool.reserve("c", 4) == ["b"]
+    assert pool.reserve("b", 4) == ["c"]  # "c" came after "a": the newest other session goes first
+    assert pool.sessions() == ["a", "b"] and pool.used == 8 and pool.preemptions == 2
+
+
+# -- the spec -------------------------------------------------------------------------------------------------------
+def test_capacity_follows_the_gpu_memory_as_vllm_sizes_its_pool() -> None:
+    llama = DeploymentSpec(name="llama")  # Llama-3-8B: 15,316 MiB of weights, 2 MiB blocks, 0.9 of the GPU
+    assert llama.kv_capacity(81559) == int((81559 * 0.9 - 15316) / 2)  # H100 80GB: 29,043 blocks
+    assert llama.kv_capacity(23034) == 2707  # L4
+    assert DeploymentSpec(name="llama", gpus_per_pod=2).kv_capacity(23034) == int((2 * 23034 * 0.9 - 15316) / 2)
+    assert DeploymentSpec(name="llama", kv_blocks=600).kv_capacity(81559) == 600
+    assert default_spec().deployments[0].kv_capacity(81559) == 128
+
+
+@pytest.mark.parametrize(
+    ("deployment", "message"),
+    [
+        ("{name: a, kv_blocks: 10}", r"\$\.deployments\[0\]\.kv_blocks: .*holds 10 blocks.*8192 tokens"),
+        ("{name: a, kv_blocks: 100000}", r"\$\.deployments\[0\]\.kv_blocks: .*do not fit in the 8243 MiB"),
+        ("{name: a, gpu_memory_utilization: 0.5}", r"\$\.deployments\[0\]\.gpu_memory_utilization: .*weights"),
+        ("{name: a, gpu_memory_utilization: 0.67}", r"gpu_memory_utilization: .*fewer than one model\.max_model_len"),
+        ("{name: a, gpu_memory_utilization: 1.5}", r"\$\.deployments\[0\]\.gpu_memory_utilization"),
+        ("{name: a, model: {max_model_len: 0}}", r"\$\.deployments\[0\]\.model\.max_model_len"),
+        ("{name: a, kv_blocks: -1}", r"\$\.deployments\[0\]\.kv_blocks"),
+    ],
+)
+def test_a_pool_that_cannot_serve_is_refused_naming_the_field(deployment: str, message: str) -> None:
+    raw = f"nodes: [{{name: n1, gpus: [{{memory_mib: 23559}}]}}]\ndeployments: [{deployment}]"
+    with pytest.raises(SpecError, match=message):
+        parse_spec(raw, "spec.yaml")
+
+
+def test_an_explicit_pool_that_fits_is_taken() -> None:
+    spec = parse_spec("nodes: [{name: n1}]\ndeployments: [{name: a, kv_blocks: 512, model: {max_model_len: 8192}}]")
+    assert spec.deployments[0].kv_capacity(81559) == 512
+
+
+# -- the traffic ----------------------------------------------------------------------------------------------------
+def test_conversations_have_bounded_turns_then_close_and_make_way_for_new_ones() -> None:
+    spec = spec_of(1, 32)
+    talks = Conversations(spec, sessions=5, prompt_tokens=30, new_tokens=10, max_turns=8, seed=3, tag="t")
+    turns: dict[str, int] = {}
+    closed: list[str] = []
+    for _ in range(2000):
+        for request in talks.next_requests():
+            sid = request.session_id
+            assert sid not in closed, "a request after the close"
+            if is_close(request):
+                closed.append(sid)
+            else:
+                turns[sid] = turns.get(sid, 0) + 1
+        assert len(set(turns) - set(closed)) <= 5  # never more open at once than asked for
+    assert len(closed) > 200 and talks.started == len(closed) + 5
+    full = SMALL_MODEL.max_model_len // 40 + 1  # the turn that passes max_model_len is the last one
+    assert all(1 <= turns[s] <= min(8, full) for s in closed)
+    assert any(turns[s] == full for s in closed)
+    assert len(talks.closing()) == 5
+
+
+# -- on the bus -----------------------------------------------------------------------------------------------------
+@dataclass
+class Mesh:
+    workload: CheckedWorkload
+    service: CheckpointService
+    cluster: SimCluster
+    bus: Bus
+
+
+class CheckedWorkload(SimWorkload):
+    """Checks after every request that each pod's agent holds exactly what its pool counts, within capacity."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.violations: list[str] = []
+        self.checks = 0
+
+    async def on_request(self, request: InferenceRequest) -> None:
+        await super().on_request(request)
+        self.checks += 1
+        for name, runtime in self.runtimes.items():
+            held = {s: len(runtime.agent.blocks(s)) for s in runtime.agent.sessions()}
+            counted = {s: runtime.pool.held(s) for s in runtime.pool.sessions()}
+            if sum(held.values()) > runtime.pool.capacity or held != counted:
+                self.violations.append(f"{name}: agent {held}, pool {counted}")
+
+
+@contextlib.asynccontextmanager
+async def mesh(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, spec: SimSpec, **options: Any
+) -> AsyncIterator[Mesh]:
+    client = redis_client(settings.redis)
+    cluster = await SimCluster.create(client, subjects, spec)
+    store = FileStore(tmp_path / "checkpoints")
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
+    running = await start_service(service, settings)
+    workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
+    workload = CheckedWorkload(workload_bus, cluster, store, spec, announce_s=1.0, tick_s=0.1, **options)
+    try:
+        await workload.start()
+        await eventually(lambda: len(workload.runtimes) == spec.deployments[0].replicas)
+        yield Mesh(workload, service, cluster, bus)
+    finally:
+        await workload.stop()
+        await workload_bus.close(1)
+        await running.stop(grace=1)
+        await cluster.close()
+        await client.aclose()
+
+
+def turn(sid: str, prompt: int, new: int = 0) -> InferenceRequest:
+    return InferenceRequest(
+        namespace="llm", deployment="llama", session_id=sid, prompt_tokens=prompt, max_new_tokens=new
+    )
+
+
+def close(sid: str) -> InferenceRequest:
+    return InferenceRequest(namespace="llm", deployment="llama", session_id=sid)
+
+
+def quiet(workload: SimWorkload) -> bool:
+    """No session anywhere: every pod's agent and pool empty, nothing tracked per session."""
+    tracked = workload.tracked()
+    return (
+        all(not r.agent.sessions() and r.pool.used == 0 and not len(r.pool) for r in workload.runtimes.values())
+        and tracked["home"] == tracked["preempted"] == tracked["last_request"] == tracked["locks"] == 0
+    )
+
+
+async def test_heavy_traffic_fills_the_pools_but_never_past_their_capacity(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    spec = spec_of(2, kv_blocks=24)  # 24 blocks of 16 tokens per pod; a session ends past 256 tokens
+    async with mesh(settings, subjects, bus, tmp_path, spec) as m:
+        talks = Conversations(spec, sessions=12, prompt_tokens=32, new_tokens=16, max_turns=7, seed=11, tag="hv")
+        sent = 0
+        for _ in range(160):
+            for request in talks.next_requests():
+                await bus.publish(request)
+                sent += 1
+        for request in talks.closing():
+            await bus.publish(request)
+            sent += 1
+        w = m.workload
+        await eventually(lambda: w.stats.requests >= sent and quiet(w), timeout=60)
+        assert w.checks >= sent and w.violations == []
+        assert all(r.pool.preemptions > 0 and r.pool.peak <= 24 for r in w.runtimes.values())  # full, never over
+        stats = w.stats
+        assert stats.preemptions > 0 and stats.recomputed > 0
+        assert stats.ended > 20 and stats.ended_at_max_len > 0
+        assert stats.lost == 0 and stats.restored == 0
+
+
+async def test_sessions_end_and_leave_the_agent_and_the_registry(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    async with mesh(settings, subjects, bus, tmp_path, spec_of(1, kv_blocks=32)) as m:
+        w, registry = m.workload, m.service.registry
+        (runtime,) = w.runtimes.values()
+        for sid in ("keep", "done", "long"):
+            await bus.publish(turn(sid, 100, 20))
+        await eventually(lambda: w.stats.served == 3)
+
+        async def registered(expected: set[str]) -> bool:
+            return {s.session_id for s in await registry.sessions_on_node(runtime.info.node)} == expected
+
+        await eventually(lambda: registered({"keep", "done", "long"}))
+        await bus.publish(close("done"))
+        await bus.publish(turn("long", 100, 40))  # 260 tokens: past max_model_len, the session ends
+        await eventually(lambda: w.stats.ended == 1 and w.stats.ended_at_max_len == 1)
+        assert runtime.agent.sessions() == ["keep"] and runtime.pool.sessions() == ["keep"]
+        assert runtime.pool.used == 8 and set(w.home) == {"keep"} == set(w.last_request)
+        await eventually(lambda: registered({"keep"}))
+        await bus.publish(close("done"))  # a redelivered close finds nothing to close
+        await eventually(lambda: w.stats.requests == 6)
+        assert w.stats.ended == 1 and w.stats.started_fresh == 3
+
+
+async def test_a_preempted_session_is_recomputed_with_the_right_bytes_on_its_next_request(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    model = ModelShape(layers=2, kv_heads=2, head_dim=64, block_tokens=16, max_model_len=128)
+    async with mesh(settings, subjects, bus, tmp_path, spec_of(1, kv_blocks=8, model=model)) as m:
+        w = m.workload
+        (runtime,) = w.runtimes.values()
+        await bus.publish(turn("first", 70, 10))  # 5 blocks
+        await eventually(lambda: w.stats.served == 1)
+        await bus.publish(turn("second", 70, 10))  # 5 more: the pool has 8, so "first" is preempted
+        await eventually(lambda: w.stats.served == 2)
+        assert w.stats.preemptions == 1 and runtime.agent.sessions() == ["second"]
+        assert w.preempted["first"].tokens == 80 and runtime.pool.used == 5 and "first" not in runtime.pool
+
+        await bus.publish(turn("first", 10, 6))  # recomputed to 80 tokens, then grown to 96: "second" goes
+        await eventually(lambda: w.stats.served == 3)
+        assert w.stats.recomputed == 1 and w.stats.preemptions == 2 and w.stats.restored == 0
+        assert runtime.agent.sessions() == ["first"] and runtime.agent.tokens("first") == 96
+        blocks = w.session_blocks("first") or []
+        assert len(blocks) == 6 and verify_blocks("first", blocks)
+        assert w.preempted["second"].tokens == 80 and "first" not in w.preempted
+
+        await bus.publish(turn("second", 0, 16))
+        await eventually(lambda: w.stats.served == 4)
+        assert runtime.agent.tokens("second") == 96 and verify_blocks("second", w.session_blocks("second") or [])
+        assert w.stats.recomputed == 2 and w.stats.lost == 0 and runtime.pool.peak <= 8
+
+
+async def test_idle_sessions_end(settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path) -> None:
+    now = [1000.0]
+    async with mesh(
+        settings, subjects, bus, tmp_path, spec_of(1, kv_blocks=16), session_idle_s=60.0, clock=lambda: now[0]
+    ) as m:
+        w = m.workload
+        (runtime,) = w.runtimes.values()
+        await bus.publish(turn("quiet", 50))
+        await bus.publish(turn("busy", 50))
+        await eventually(lambda: w.stats.served == 2)
+        now[0] += 45
+        await bus.publish(turn("busy", 10))
+        await eventually(lambda: w.stats.served == 3)
+        now[0] += 20  # "quiet" idle for 65 s, "busy" for 20 s
+        await eventually(lambda: w.stats.expired == 1)
+        assert runtime.agent.sessions() == ["busy"] and set(w.last_request) == {"busy"} == set(w.home)
+
+
+async def test_structures_stay_bounded_after_many_sessions_and_a_pod_deletion(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    spec = spec_of(2, kv_blocks=16)
+    async with mesh(settings, subjects, bus, tmp_path, spec) as m:
+        w = m.workload
+        talks = Conversations(spec, sessions=4, prompt_tokens=20, new_tokens=12, max_turns=3, seed=5, tag="many")
+        sent = 0
+        for _ in range(600):
+            for request in talks.next_requests():
+                await bus.publish(request)
+                sent += 1
+        await eventually(lambda: w.stats.requests >= sent, timeout=60)
+        old = min(w.runtimes.values(), key=lambda r: r.info.name)
+        assert old.agent.sessions()  # the pod holds sessions when it goes
+        assert await m.cluster.evict("llm", old.info.name) is EvictionOutcome.EVICTED
+        await eventually(lambda: old.info.name not in w.runtimes and len(w.runtimes) == 2, timeout=20)
+        assert old.agent.sessions() == []  # the deleted pod's agent holds no blocks any more
+        assert old.info.name not in w.home.values()
+        for request in talks.closing():
+            await bus.publish(request)
+            sent += 1
+        await eventually(lambda: w.stats.requests >= sent and quiet(w), timeout=30)
+        assert talks.started > 150 and w.stats.ended > 100
+        assert w.tracked() == {
+            "runtimes": 2,
+            "home": 0,
+            "preempted": 0,
+            "last_request": 0,
+            "locks": 0,
+            "tasks": 2,  # the cluster watch and the reconcile loop; finished preStop tasks are gone
+            "lost_sessions": 0,
+        }
+        assert w.stats.lost == 0 and w.stats.prestop_saves == 1
