@@ -107,3 +107,22 @@ async def test_an_ended_session_is_retired_by_its_owner_only(mesh: Mesh) -> None
 
 async def _no_checkpoints(mesh: Mesh, sid: str) -> bool:
     return not await mesh.service.registry.checkpoints(sid)
+
+
+async def test_a_session_dropped_then_ended_is_retired_by_the_pod_that_owned_it_last(mesh: Mesh) -> None:
+    """A preempted session: its pod dropped its blocks (and said so), then the conversation ended. That pod took
+    its newest generation, so it still may retire it; another pod may not."""
+    pod = await mesh.add_pod("llama-1", "node-1", ["s1"])
+    other = await mesh.add_pod("llama-2", "node-1")
+    assert await mesh.periodic_turn() == 1
+    pod.agent.forget_session("s1")  # preempted: no KV of it left on the pod
+    await pod.endpoint.announce()
+    assert await mesh.sessions_on("node-1") == set()
+    other.endpoint.end_session("s1")
+    await other.endpoint.announce()
+    assert len(await mesh.service.registry.checkpoints("s1")) == 1  # not its to end
+    pod.endpoint.end_session("s1")
+    await pod.endpoint.announce()
+    await eventually(lambda: _no_checkpoints(mesh, "s1"))
+    assert await mesh.store.checkpoints("s1") == []
+    await mesh.check()
