@@ -309,7 +309,7 @@ class CheckpointService:
                 return
             if outcome.committed or outcome.failed:
                 await self._record_report(outcome, "")
-            saved += 1
+                saved += 1
 
         await asyncio.gather(*(save(pod) for pod in sorted(set(known) - set(silent))))
         return saved
