@@ -150,10 +150,10 @@ def http_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
 async def wait_ready(home: Path, proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
     """The run's state file, once every process it lists answers ``/healthz``."""
     deadline = time.monotonic() + timeout
-    state_file = home / ".gpuwarden" / "run.json"
+    state_file = home / "run.json"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"gpuwarden run exited with {proc.returncode}; see {home / '.gpuwarden' / 'logs'}")
+            raise RuntimeError(f"gpuwarden run exited with {proc.returncode}; see {home / 'logs'}")
         if state_file.exists():
             with contextlib.suppress(ValueError, OSError):
                 state = json.loads(state_file.read_text())
@@ -164,7 +164,7 @@ async def wait_ready(home: Path, proc: subprocess.Popen[bytes], timeout: float) 
                     if sim.get("simulation", {}).get("pods"):
                         return dict(state)
         await asyncio.sleep(1.0)
-    raise TimeoutError(f"gpuwarden run was not ready within {timeout:.0f}s; see {home / '.gpuwarden' / 'logs'}")
+    raise TimeoutError(f"gpuwarden run was not ready within {timeout:.0f}s; see {home / 'logs'}")
 
 
 def _answers(url: str) -> bool:
@@ -389,7 +389,7 @@ def summarise(
             else None
         ),
         "process_restarts": sum(obs.restarts.values()),
-        "checkpoint_store_mb": round(_size(home / ".gpuwarden" / "checkpoints") / MB, 1),
+        "checkpoint_store_mb": round(_size(home / "checkpoints") / MB, 1),
         "rss_max_mb": {label: max(v for _, v in points) for label, points in series.items()},
         "rss_growth_mb_per_min": {
             label: _round(slope_per_min([(t, v) for t, v in points if t >= plan.seconds / 2]))
