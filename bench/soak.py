@@ -129,7 +129,8 @@ def processes(run: psutil.Process, servers: dict[str, int]) -> dict[str, psutil.
     return found
 
 
-def sample(obs: Observations, run: psutil.Process, servers: dict[str, int]) -> None:
+def sample(obs: Observations, run: psutil.Process, servers: dict[str, int], store: Path | None = None) -> None:
+    """RSS of every process; every fifth sample also the checkpoint store's size on disk."""
     rss: dict[str, float] = {}
     for label, proc in processes(run, servers).items():
         try:
@@ -139,7 +140,10 @@ def sample(obs: Observations, run: psutil.Process, servers: dict[str, int]) -> N
         if label in obs.pids and obs.pids[label] != proc.pid:
             obs.restarts[label] = obs.restarts.get(label, 0) + 1
         obs.pids[label] = proc.pid
-    obs.samples.append({"t": round(obs.now(), 1), "rss_mb": rss})
+    point: dict[str, Any] = {"t": round(obs.now(), 1), "rss_mb": rss}
+    if store is not None and len(obs.samples) % 5 == 0:
+        point["store_mb"] = round(_size(store) / MB, 1)
+    obs.samples.append(point)
 
 
 def http_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
@@ -269,7 +273,7 @@ async def soak(plan: SoakPlan, home: Path, nats_url: str, redis_url: str, server
             if proc.poll() is not None:
                 raise RuntimeError(f"gpuwarden run exited with {proc.returncode} during the soak")
             if obs.now() >= next_sample:
-                await asyncio.to_thread(sample, obs, run, servers)
+                await asyncio.to_thread(sample, obs, run, servers, home / "checkpoints")
                 next_sample += plan.sample_every
             if obs.now() >= next_drain:
                 await drain(bus, obs, nodes[drains % len(nodes)], drains)
@@ -390,6 +394,10 @@ def summarise(
         ),
         "process_restarts": sum(obs.restarts.values()),
         "checkpoint_store_mb": round(_size(home / "checkpoints") / MB, 1),
+        "checkpoint_store_max_mb": max((p["store_mb"] for p in obs.samples if "store_mb" in p), default=None),
+        "checkpoint_store_second_half_max_mb": max(
+            (p["store_mb"] for p in obs.samples if "store_mb" in p and p["t"] >= plan.seconds / 2), default=None
+        ),
         "rss_max_mb": {label: max(v for _, v in points) for label, points in series.items()},
         "rss_growth_mb_per_min": {
             label: _round(slope_per_min([(t, v) for t, v in points if t >= plan.seconds / 2]))

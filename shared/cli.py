@@ -329,6 +329,9 @@ def _run_mesh(
         for node in nodes if name in NODE_SCOPED else [nodes[0]]:
             child = dict(env, GPUWARDEN_NODE=node, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
             child.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
+            # one machine's disk, every writer on it: packs nothing references go after a minute, not ten
+            child.setdefault("GPUWARDEN_CHECKPOINT_GC_S", "30")
+            child.setdefault("GPUWARDEN_CHECKPOINT_GC_GRACE_S", "60")
             child.setdefault("GPUWARDEN_SCALER_ADDR", f"127.0.0.1:{free_port()}")
             if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters
                 child.setdefault("GPUWARDEN_METRICS_SOURCE", "dcgm")
