@@ -21,6 +21,7 @@ from shared.ports.cluster import EvictionOutcome
 from shared.sim.cluster import SimCluster
 from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
 from shared.sim.workload import SimWorkload, verify_blocks
+from tests.faults.checker import check_invariants
 from tests.helpers import eventually
 
 SMALL_MODEL = ModelShape(layers=2, kv_heads=2, head_dim=64, block_tokens=16)  # 16 KiB blocks
@@ -97,6 +98,9 @@ async def run_drain_scenario(settings: Settings, subjects: Subjects, bus: Bus, s
             assert home.info.node != node
             assert home.agent.tokens(sid) == tokens[sid] + 5
             assert verify_blocks(sid, workload.session_blocks(sid) or []), sid
+        found = await check_invariants(store, client, subjects, drains=["upgrade-1"])
+        assert found, found.problems
+        assert found.recorded >= len(moving)
     finally:
         await workload.stop()
         await workload_bus.close(1)
