@@ -7,7 +7,11 @@ The same blocks (Llama-3-8B shape: 2 MiB per 16-token block, deterministic conte
 - safetensors, one file per session with an fsync after each (``safetensors_*``, a peer users know);
 - a second checkpoint after 10% of the blocks changed (``incremental_save_gbps``, logical bytes per second);
 - the NATS object store through our adapter and through nats-py's own object store (``objstore_*``, ``raw_objstore_*``);
-- a drain of a whole simulated node through the checkpoint service (``drain_seconds``).
+- a drain of a whole simulated node through the checkpoint service (``drain_seconds``);
+- real cache tensors: a Llama-shaped transformers model (random weights from a seed, no download) prefills each
+  session, its ``DynamicCache`` goes into blocks (``hf_track_gbps``), through the agent into the file store
+  (``hf_save_gbps``) and back into a new ``DynamicCache`` (``hf_restore_gbps``: read, verify, rebuild), and the
+  next token's logits from the restored cache must equal the original's bit for bit (``hf_resume_exact``).
 
 Reads are from the disk, not the page cache: every file read is dropped from the cache first
 (``posix_fadvise(DONTNEED)`` after fsync), for our files and the peers' alike.
@@ -353,9 +357,74 @@ async def measure(
             results["objstore_save_vs_raw_put"] = results["objstore_save_gbps"] / results["raw_objstore_put_gbps"]
             results["drain_seconds"] = await drain_figure(url, root / "drain", sessions, pods)
         results["drain_limit_seconds"] = 1.3 * total / (results["raw_write_gbps"] * 1e9) + 1.0
+        results |= await transformers_figures(root / "hf", device, sessions_n, 64 * blocks_n)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return results
+
+
+async def transformers_figures(directory: Path, device: str, sessions_n: int, tokens: int) -> dict[str, float]:
+    """The transformers case: real cache tensors of a Llama-shaped model, end to end through the engine adapter."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shared.kv.engines import restore_cache
+    from shared.kv.engines.huggingface import TransformersEngine
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )  # 8 layers x 4 KV heads x 64 x 2 (K, V): 16 KiB per token in float32, 8 KiB in float16
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
+    engine = TransformersEngine(model, block_tokens=16)
+    gen = torch.Generator().manual_seed(1)
+    caches, nexts = {}, {}
+    with torch.no_grad():
+        for s in range(sessions_n):
+            ids = torch.randint(0, config.vocab_size, (1, tokens + 1), generator=gen).to(device)
+            cache = engine.new_cache()
+            model(ids[:, :-1], cache=cache, use_cache=True)
+            caches[f"hf-{s}"], nexts[f"hf-{s}"] = cache, ids[:, -1:]
+    store = FileStore(directory)
+    agent = KvAgent(store, pod="hf-0", node="node-1", namespace="bench", deployment="llama", layout=engine.layout)
+    started = time.perf_counter()
+    for sid, cache in caches.items():
+        agent.register_session(sid)
+        engine.track(agent, sid, cache)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    track_s = time.perf_counter() - started
+    total = sum(agent.session_bytes(sid) for sid in caches)
+    started = time.perf_counter()
+    report = await agent.save()
+    save_s = time.perf_counter() - started
+    assert not report.failed, report.failed
+    drop_cache(directory)
+    restorer = KvAgent(store, pod="hf-1", node="node-2", namespace="bench", deployment="llama", layout=engine.layout)
+    started = time.perf_counter()
+    rebuilt = {sid: (await restore_cache(restorer, engine, sid))[0] for sid in caches}
+    if device == "cuda":
+        torch.cuda.synchronize()
+    restore_s = time.perf_counter() - started
+    sid = next(iter(caches))
+    with torch.no_grad():
+        resumed = model(nexts[sid], cache=rebuilt[sid]).logits
+        original = model(nexts[sid], cache=caches[sid]).logits
+    return {
+        "hf_bytes": total,
+        "hf_tokens_per_session": tokens,
+        "hf_track_gbps": total / track_s / 1e9,
+        "hf_save_gbps": total / save_s / 1e9,
+        "hf_restore_gbps": total / restore_s / 1e9,
+        "hf_resume_exact": float(torch.equal(resumed, original)),
+    }
 
 
 def cuda_copy_figures(sessions: dict[str, list[Any]]) -> dict[str, float]:
@@ -390,6 +459,7 @@ TARGETS = [
     Target("objstore_restore_vs_raw_get", ">=", 5.0, "object store restore >= 5x nats-py object store get"),
     Target("objstore_save_vs_raw_put", ">=", 1.5, "object store save >= 1.5x nats-py object store put"),
     Target("incremental_vs_full", ">=", 5.0, "incremental save >= 5x full save in logical bytes/s"),
+    Target("hf_resume_exact", ">=", 1.0, "a restored transformers cache gives the original's logits bit for bit"),
 ]
 
 

@@ -34,8 +34,12 @@ def digest(data: memoryview | bytes | bytearray) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-class KvLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The shape a KV cache was produced with; restoring into any other shape is refused."""
+class KvLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The shape a KV cache was produced with; restoring into any other shape is refused.
+
+    ``weights_digest`` (SHA-256 of the model's tensors, as an engine adapter computes it), ``tp_rank`` and
+    ``tp_size`` came later: they default to what older manifests meant, and are left out of the encoding while
+    at their default, so an older manifest re-encodes to the very bytes its ``manifest_digest`` covers."""
 
     model_id: str
     model_version: str
@@ -45,6 +49,9 @@ class KvLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     layers: int
     kv_heads: int
     head_dim: int
+    weights_digest: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def bytes_per_token(self) -> int:
@@ -100,7 +107,7 @@ class CheckpointManifest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class IncompatibleCheckpoint(ValueError):
-    """A checkpoint made for another model, version, tokenizer, dtype or layout."""
+    """A checkpoint made for another model, version, weights, tokenizer, dtype, layout or tensor-parallel shard."""
 
 
 def check_compatible(manifest: CheckpointManifest, layout: KvLayout) -> None:

@@ -1,0 +1,203 @@
+"""Hugging Face transformers for real on the CPU: a tiny Llama's DynamicCache saved mid-conversation through the agent
+and a file store, restored in another process, and decoding goes on exactly as if nothing had happened.
+
+Exact equality holds because the restored K/V tensors are the very bytes, and the next forward runs the same CPU
+kernels on the same shapes; both processes use one thread so that no reduction is split differently.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+from shared.kv.agent import KvAgent
+from shared.kv.engines import restore_cache
+from shared.kv.engines.huggingface import TransformersEngine, weights_digest
+from shared.kv.filestore import FileStore
+from shared.kv.manifest import (
+    IncompatibleCheckpoint,
+    KvLayout,
+    check_compatible,
+    decode_manifest,
+    encode_manifest,
+    verify_manifest,
+)
+from tests.kv_transformers_worker import BLOCK_TOKENS, greedy, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tokens(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def same(these: list, those: list) -> bool:
+    """The very same objects: nothing copied."""
+    return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
+
+
+def make_agent(store: FileStore, layout: KvLayout, pod: str = "llama-0") -> KvAgent:
+    return KvAgent(store, pod=pod, node="node-1", namespace="llm", deployment="llama", layout=layout)
+
+
+async def test_a_conversation_saved_mid_way_goes_on_in_another_process_exactly(tmp_path: Path) -> None:
+    engine = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS)
+    prompt, reply = tokens(1, 13), tokens(2, 5)
+
+    cache = engine.new_cache()  # the uninterrupted run: two turns on one cache
+    first, _ = greedy(engine.model, prompt, cache, 7)
+    turn2 = torch.cat([first, reply], dim=1)
+    expected, expected_logits = greedy(engine.model, turn2, cache, 9)
+
+    cache = engine.new_cache()  # the interrupted one: turn 1 here, saved, turn 2 on another pod
+    again, _ = greedy(engine.model, prompt, cache, 7)
+    assert torch.equal(again, first)
+    store = FileStore(tmp_path / "store")
+    agent = make_agent(store, engine.layout)
+    agent.register_session("s-1")
+    engine.track(agent, "s-1", cache)
+    assert agent.tokens("s-1") == 19  # 13 + 7 generated, less the last one (its KV comes with the next forward)
+    report = await agent.save(reason="drain")
+    assert not report.failed and report.bytes_total == 3 * engine.layout.block_bytes
+
+    out = tmp_path / "turn2.pt"
+    ids = ",".join(str(t) for t in turn2[0].tolist())
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.kv_transformers_worker", str(store.root), "s-1", ids, "9", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "restored 19" in result.stdout
+    resumed = torch.load(out, weights_only=True)
+    assert torch.equal(resumed["sequences"], expected)
+    assert torch.equal(resumed["logits"], expected_logits)  # bit for bit, not merely close
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+async def test_full_blocks_are_copied_once_and_the_tail_again_as_it_grows(tmp_path: Path, dtype: torch.dtype) -> None:
+    engine = TransformersEngine(tiny_llama(dtype=dtype), block_tokens=BLOCK_TOKENS)
+    cache = engine.new_cache()
+    ids, _ = greedy(engine.model, tokens(3, 12), cache, 5)  # 16 positions cached: two full blocks
+    agent = make_agent(FileStore(tmp_path / "store"), engine.layout)
+    agent.register_session("s")
+    engine.track(agent, "s", cache)
+    full = agent.blocks("s")
+    assert len(full) == 2 and all(b.is_contiguous() and b.dtype == dtype for b in full)
+    assert (await agent.save()).bytes_written == 2 * engine.layout.block_bytes
+
+    ids, _ = greedy(engine.model, ids, cache, 3)  # 19 positions: a partial tail of 3
+    engine.track(agent, "s", cache)
+    engine.track(agent, "s", cache)  # idempotent
+    held = agent.blocks("s")
+    assert same(held[:2], full) and agent.tokens("s") == 19  # full blocks never copied again
+    second = await agent.save()
+    assert second.bytes_written == engine.layout.block_bytes  # only the new tail block is written
+
+    greedy(engine.model, ids, cache, 2)  # 21 positions: the same tail block grew
+    engine.track(agent, "s", cache)
+    assert same(agent.blocks("s")[:2], full) and agent.blocks("s")[2] is not held[2]
+    assert (await agent.save()).bytes_written == engine.layout.block_bytes
+
+    other = TransformersEngine(tiny_llama(dtype=dtype), block_tokens=BLOCK_TOKENS)
+    rebuilt, restored = await restore_cache(make_agent(agent.store, other.layout, "llama-1"), other, "s")
+    assert restored.manifest.token_count == 21 and rebuilt.get_seq_length() == 21
+    for mine, theirs in zip(cache.layers, rebuilt.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_the_layout_is_read_from_the_model() -> None:
+    model = tiny_llama()
+    layout = TransformersEngine(model, block_tokens=BLOCK_TOKENS).layout
+    config = model.config
+    assert (layout.layers, layout.kv_heads, layout.head_dim) == (2, 2, config.hidden_size // 4)
+    assert (layout.dtype, layout.model_id, layout.tp_rank, layout.tp_size) == ("float32", "llama", 0, 1)
+    assert layout.weights_digest == weights_digest(tiny_llama())  # the same seed builds the same weights
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1e-3
+    assert weights_digest(model) != layout.weights_digest
+
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, "a")))
+
+
+@pytest.mark.parametrize(
+    ("changed", "field"),
+    [
+        ({"model": lambda: tiny_llama(seed=1)}, "weights_digest"),
+        ({"model": lambda: tiny_llama(dtype=torch.bfloat16)}, "dtype"),
+        ({"block_tokens": 4}, "block_tokens"),
+        ({"tp_rank": 1}, "tp_rank"),
+        ({"tokenizer": word_tokenizer(["a", "b", "c"])}, "tokenizer_id"),
+    ],
+)
+async def test_a_restore_into_other_weights_dtype_or_layout_is_refused_by_name(
+    tmp_path: Path, changed: dict, field: str
+) -> None:
+    engine = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS, tokenizer=word_tokenizer(["a", "b"]))
+    cache = engine.new_cache()
+    greedy(engine.model, tokens(4, 10), cache, 3)
+    agent = make_agent(FileStore(tmp_path / "store"), engine.layout)
+    agent.register_session("s")
+    engine.track(agent, "s", cache)
+    assert not (await agent.save()).failed
+
+    kwargs = {"block_tokens": BLOCK_TOKENS, "tokenizer": word_tokenizer(["a", "b"])}
+    kwargs.update({k: v for k, v in changed.items() if k != "model"})
+    model = changed["model"]() if "model" in changed else tiny_llama()
+    other = TransformersEngine(model, **kwargs)
+    with pytest.raises(IncompatibleCheckpoint, match=f"{field}: checkpoint has"):
+        await restore_cache(make_agent(agent.store, other.layout, "llama-1"), other, "s")
+
+
+def test_a_cache_that_shrank_is_refused(tmp_path: Path) -> None:
+    engine = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS)
+    cache = engine.new_cache()
+    greedy(engine.model, tokens(5, 10), cache, 3)
+    agent = make_agent(FileStore(tmp_path / "store"), engine.layout)
+    agent.register_session("s")
+    engine.track(agent, "s", cache)
+    cache.crop(-4)  # 12 positions less 4, as assisted decoding does when drafts are rejected
+    with pytest.raises(ValueError, match="the cache holds 8 positions, the agent 12"):
+        engine.track(agent, "s", cache)
+
+
+OLD_MANIFEST = (  # committed before KvLayout had weights_digest, tp_rank and tp_size
+    b'{"checkpoint_id":"g0000000001-s0000000001-0123456789ab","session_id":"s","namespace":"llm","deployment":'
+    b'"llama","pod":"p","node":"n","layout":{"model_id":"llama","model_version":"1","tokenizer_id":"t","dtype":'
+    b'"float16","block_tokens":16,"layers":2,"kv_heads":2,"head_dim":64},"token_count":20,"blocks":[["ddddddddd'
+    b'ddddddddddddddddddddddd",16384,"pk",0,16384,""],["dddddddddddddddddddddddddddddddd",16384,"pk",0,16384,""]'
+    b'],"created_at":"2025-01-02T03:04:05Z","digest_algorithm":"xxh3-128","parent_id":"","key_id":"","bytes_wr'
+    b'itten":0,"reason":"","generation":1,"sequence":1,"manifest_digest":"33d8bf7a7c95c36962599615b067d43f832561'
+    b'ce59aa480aacbb58ecc863070c"}'
+)
+
+
+def test_an_older_manifest_still_decodes_verifies_and_means_one_unsharded_rank() -> None:
+    manifest = decode_manifest(OLD_MANIFEST)
+    verify_manifest(manifest, "s", manifest.checkpoint_id)  # its digest still covers what it re-encodes to
+    assert encode_manifest(manifest) == OLD_MANIFEST
+    assert (manifest.layout.weights_digest, manifest.layout.tp_rank, manifest.layout.tp_size) == ("", 0, 1)
+    sharded = msgspec.structs.replace(manifest.layout, tp_rank=1, tp_size=2)
+    with pytest.raises(IncompatibleCheckpoint, match="tp_rank: checkpoint has 0, this pod has 1; tp_size"):
+        check_compatible(manifest, sharded)
