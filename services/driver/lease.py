@@ -26,7 +26,8 @@ from shared.plumbing.settings import RedisSettings
 
 from .ports import LeaseUnavailable, TokenFloor
 
-_RENEW = """
+# The holder renews and gets its token back; another holder's lease answers -1.
+_HELD = """
 local holder = redis.call('HGET', KEYS[1], 'holder')
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -35,18 +36,13 @@ end
 if holder then
   return -1
 end
-return 0
 """
 
-_TAKE = """
-local holder = redis.call('HGET', KEYS[1], 'holder')
-if holder == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return tonumber(redis.call('HGET', KEYS[1], 'token'))
-end
-if holder then
-  return -1
-end
+_RENEW = _HELD + "return 0\n"
+
+_TAKE = (
+    _HELD
+    + """
 local token = redis.call('INCR', KEYS[2])
 local floor = tonumber(ARGV[3])
 if token <= floor then
@@ -57,6 +53,7 @@ redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return token
 """
+)
 
 _RELEASE = """
 if redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then
