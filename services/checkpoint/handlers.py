@@ -257,11 +257,10 @@ class CheckpointService:
         timeout: float | None = None,
     ) -> SaveSessionsReport | str:
         """Have one pod's agent save; its report, or why there is none. Without ``generations`` the pod saves
-        the sessions the registry says it owns, each under its generation."""
+        the sessions the registry says it owns, each under its generation; when the registry knows none of them,
+        all it holds (what it no longer owns is then refused when recorded)."""
         if generations is None:
             generations = {s.session_id: s.generation for s in await self.registry.sessions_of_pod(pod)}
-            if not generations:
-                return SaveSessionsReport(pod=pod)
         command = SaveSessions(
             pod=pod, drain_id=drain_id, deadline_s=deadline_s, reason=reason, generations=generations
         )
