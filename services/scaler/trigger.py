@@ -87,9 +87,11 @@ def size(text: str) -> int:
 def shown(text: str) -> str:
     """``text`` as an error may quote it: quoted, and cut to ``SHOWN_CHARS`` characters plus its size when longer,
     so that an error never carries back what the caller sent."""
-    if len(text) <= SHOWN_CHARS:
-        return repr(text)
-    return f"{text[:SHOWN_CHARS]!r}... ({size(text)} bytes)"
+    quoted = repr(text[:SHOWN_CHARS])
+    cut = len(text) > SHOWN_CHARS
+    if len(quoted) > 2 * SHOWN_CHARS:  # unprintable characters escape to as many as 10 characters each
+        quoted, cut = quoted[: 2 * SHOWN_CHARS], True
+    return f"{quoted}... ({size(text)} bytes)" if cut else quoted
 
 
 class TriggerError(ValueError):

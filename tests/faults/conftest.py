@@ -72,7 +72,11 @@ class Mesh:
             pod.grow(sid, blocks)
         await endpoint.start()
         self.pods.append(pod)
+        await eventually(lambda: self._registered(name))  # the service has heard its first announcement
         return pod
+
+    async def _registered(self, pod: str) -> bool:
+        return pod in await self.service.registry.pods()
 
     async def sessions_on(self, node: str) -> set[str]:
         return {s.session_id for s in await self.service.registry.sessions_on_node(node)}
