@@ -75,6 +75,16 @@ class Mesh:
         await eventually(lambda: self._registered(name))  # the service has heard its first announcement
         return pod
 
+    async def announce(self, pod: Pod) -> None:
+        """The pod announces what it holds; returns once the service has applied the announcement."""
+        key = self.subjects.redis_key("kv", "alive", pod.name)
+        before = await self.client.get(key)
+        await pod.endpoint.announce()
+        await eventually(lambda: self._changed(key, before))
+
+    async def _changed(self, key: str, before: bytes | None) -> bool:
+        return await self.client.get(key) != before
+
     async def _registered(self, pod: str) -> bool:
         return pod in await self.service.registry.pods()
 

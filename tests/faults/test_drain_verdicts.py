@@ -144,7 +144,7 @@ async def test_a_verdict_with_thousands_of_failures_summarises_and_keeps_the_lis
     sids = [f"s{i:05d}" for i in range(8000)]
     for sid in sids:
         pod.agent.register_session(sid)
-    await pod.endpoint.announce()
+    await mesh.announce(pod)
     await eventually(lambda: _count(mesh, "node-1", 8000))
     await mesh.bus.publish(DrainRequested(node="node-1", drain_id="big", deadline_s=1, grace_period_s=5))
     await eventually(lambda: any(v.drain_id == "big" for v in mesh.verdicts), timeout=60)

@@ -25,7 +25,7 @@ async def test_a_pod_that_lost_a_session_never_rolls_it_back(mesh: Mesh) -> None
     assert new.agent.generation("s1") > old.agent.generation("s1")
     new.grow("s1", 2)
     # the old pod keeps running (never stopped) and says it still holds s1: the registry is not moved back
-    await old.endpoint.announce()
+    await mesh.announce(old)
     assert "s1" not in await mesh.sessions_on("node-1") and "s1" in await mesh.sessions_on("node-2")
     # its node is drained again: it is asked only for what it owns (s2); s1 is not saved by it
     await mesh.bus.publish(DrainRequested(node="node-1", drain_id="d2", deadline_s=10))
@@ -97,7 +97,7 @@ async def test_an_ended_session_is_retired_by_its_owner_only(mesh: Mesh) -> None
     await new.endpoint.restore("s2")  # s2 moves to llama-2
     old.endpoint.end_session("s2")  # a stale holder cannot end it
     old.endpoint.end_session("s1")
-    await old.endpoint.announce()
+    await mesh.announce(old)
     await eventually(lambda: _no_checkpoints(mesh, "s1"))
     assert len(await mesh.service.registry.checkpoints("s2")) == 1
     assert await mesh.store.checkpoints("s1") == [] and len(await mesh.store.checkpoints("s2")) == 1
@@ -116,13 +116,13 @@ async def test_a_session_dropped_then_ended_is_retired_by_the_pod_that_owned_it_
     other = await mesh.add_pod("llama-2", "node-1")
     assert await mesh.periodic_turn() == 1
     pod.agent.forget_session("s1")  # preempted: no KV of it left on the pod
-    await pod.endpoint.announce()
+    await mesh.announce(pod)
     assert await mesh.sessions_on("node-1") == set()
     other.endpoint.end_session("s1")
-    await other.endpoint.announce()
+    await mesh.announce(other)
     assert len(await mesh.service.registry.checkpoints("s1")) == 1  # not its to end
     pod.endpoint.end_session("s1")
-    await pod.endpoint.announce()
+    await mesh.announce(pod)
     await eventually(lambda: _no_checkpoints(mesh, "s1"))
     assert await mesh.store.checkpoints("s1") == []
     await mesh.check()
