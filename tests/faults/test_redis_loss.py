@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from pathlib import Path
@@ -47,6 +48,13 @@ def test_a_persistent_redis_killed_with_sigkill_comes_back_with_what_it_acknowle
         client = redis.Redis.from_url(server.url)
         client.set("gw:probe", "kept")
         client.hset("gw:config:driver", mapping={"version": 3, "doc": "{}"})
+        # appendfsync everysec: a write may wait up to about a second (longer while the disk is slow to fsync)
+        # before it reaches the AOF; the promise is about what reached it, so wait until nothing is pending
+        for _ in range(200):
+            info = client.info("persistence")
+            if info.get("aof_buffer_length", 0) == 0 and info.get("aof_pending_bio_fsync", 0) == 0:
+                break
+            time.sleep(0.05)
         client.close()
         server.kill()
         server.start()  # the same port and the same folder
