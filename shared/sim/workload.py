@@ -137,7 +137,6 @@ class SimWorkload:
         spec: SimSpec,
         *,
         gpus: dict[str, Any] | None = None,
-        periodic_s: float = 0.0,
         announce_s: float = 2.0,
         tick_s: float = 0.2,
         session_idle_s: float = SESSION_IDLE_S,
@@ -148,7 +147,6 @@ class SimWorkload:
         self.store = store
         self.spec = spec
         self.gpus = gpus or {}
-        self.periodic_s = periodic_s
         self.announce_s = announce_s
         self.tick_s = tick_s
         self.session_idle_s = session_idle_s
