@@ -173,6 +173,12 @@ class Mesh:
     def exited(self) -> dict[str, int]:
         return {label: code for label, (proc, _) in self.procs.items() if (code := proc.poll()) is not None}
 
+    def assert_unharmed(self) -> None:
+        """No process exited and no background loop crashed."""
+        assert self.exited() == {}, {label: self.log(label)[-2000:] for label in self.exited()}
+        for label in self.procs:
+            assert "background loop crashed" not in self.log(label), self.log(label)[-4000:]
+
     def log(self, label: str) -> str:
         return (self.logs / f"{label}.log").read_text(errors="replace")
 
@@ -264,9 +270,7 @@ async def test_the_simulation_and_services_ride_through_a_redis_crash(
         await eventually(lambda: _is(_config_version(mesh, "driver", "driver"), 1), timeout=20)
         assert (await mesh.health("driver"))["upgrade"]["leader"] is True  # its coordinator loop lives on
 
-        assert mesh.exited() == {}, {label: mesh.log(label)[-2000:] for label in mesh.exited()}
-        for label in mesh.procs:
-            assert "background loop crashed" not in mesh.log(label), mesh.log(label)[-4000:]
+        mesh.assert_unharmed()
     finally:
         mesh.stop()
         await client.aclose()
@@ -299,9 +303,7 @@ async def test_the_simulation_makes_its_world_again_when_redis_comes_back_empty(
         await cluster.scale("llm", "llama", 3)
         await eventually(lambda: _count_is(_pods(mesh), 3), timeout=30, interval=0.2)
         await eventually(lambda: _more_than(_served(mesh), served), timeout=30, interval=0.2)
-        assert mesh.exited() == {}, {label: mesh.log(label)[-2000:] for label in mesh.exited()}
-        for label in mesh.procs:
-            assert "background loop crashed" not in mesh.log(label), mesh.log(label)[-4000:]
+        mesh.assert_unharmed()
     finally:
         mesh.stop()
         await client.aclose()
