@@ -293,7 +293,7 @@ class CheckpointService:
         """Ask every announcing pod whose last periodic save is ``interval_s`` old to save what it owns; the
         turn is taken in Redis, so replicas of this service never double a save. Returns how many pods saved."""
         known = await self.registry.pods()
-        silent = await self.registry.silent_pods()
+        silent = await self.registry.silent_pods(known)
         limit = asyncio.Semaphore(self.policy().drain_parallelism)
         saved = 0
 

@@ -303,9 +303,10 @@ class SessionRegistry:
         return {_text(k): _text(v) for k, v in (await self.client.hgetall(self._key("pods"))).items()}
 
     @_redis_may_be_down
-    async def silent_pods(self) -> dict[str, str]:
-        """Pods whose last announcement no longer stands -> their node."""
-        known = await self.pods()
+    async def silent_pods(self, known: dict[str, str] | None = None) -> dict[str, str]:
+        """Pods whose last announcement no longer stands -> their node (of ``known``, when the caller has read
+        the pods already)."""
+        known = await self.pods() if known is None else known
         if not known:
             return {}
         alive = await self.client.mget([self._key("alive", p) for p in known])
