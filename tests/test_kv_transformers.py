@@ -125,6 +125,35 @@ async def test_full_blocks_are_copied_once_and_the_tail_again_as_it_grows(tmp_pa
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
+async def test_a_static_cache_session_resumes_exactly_in_another_engine(tmp_path: Path) -> None:
+    """A ``StaticCache`` (preallocated, as for torch.compile) is tracked from its filled positions only and restored
+    into a static cache of the same size; decoding goes on bit for bit."""
+    engine = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS, max_cache_len=64)
+    prompt, reply = tokens(6, 11), tokens(7, 4)
+    cache = engine.new_cache()
+    first, _ = greedy(engine.model, prompt, cache, 6)
+    turn2 = torch.cat([first, reply], dim=1)
+    expected, expected_logits = greedy(engine.model, turn2, cache, 8)
+
+    cache = engine.new_cache()
+    greedy(engine.model, prompt, cache, 6)
+    agent = make_agent(FileStore(tmp_path / "store"), engine.layout)
+    agent.register_session("s")
+    engine.track(agent, "s", cache)
+    assert agent.tokens("s") == 16 and len(agent.blocks("s")) == 2  # 64 allocated, 16 filled
+    assert (await agent.save()).bytes_written == 2 * engine.layout.block_bytes
+
+    other = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS, max_cache_len=64)
+    rebuilt, _ = await restore_cache(make_agent(agent.store, other.layout, "llama-1"), other, "s")
+    assert type(rebuilt).__name__ == "StaticCache" and int(rebuilt.get_seq_length()) == 16
+    resumed, logits = greedy(other.model, turn2, rebuilt, 8)
+    assert torch.equal(resumed, expected) and torch.equal(logits, expected_logits)
+
+    small = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS, max_cache_len=12)
+    with pytest.raises(ValueError, match="16 positions do not fit in this engine's static cache of 12"):
+        await restore_cache(make_agent(agent.store, small.layout, "llama-2"), small, "s")
+
+
 def test_the_layout_is_read_from_the_model() -> None:
     model = tiny_llama()
     layout = TransformersEngine(model, block_tokens=BLOCK_TOKENS).layout

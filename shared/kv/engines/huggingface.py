@@ -1,10 +1,13 @@
-"""Hugging Face transformers: a causal LM's ``DynamicCache`` per session, as the agent's blocks and back.
+"""Hugging Face transformers: a causal LM's cache per session (``DynamicCache`` or ``StaticCache``), as the agent's
+blocks and back.
 
-transformers keeps one growing ``[batch, kv_heads, tokens, head_dim]`` tensor per layer for K and for V, not pages,
-so the adapter keeps its own copy in blocks: each full block is copied out of the cache once, the partial tail
-again each time it grows (at most ``block_tokens - 1`` positions). A restore concatenates the blocks back into the
-per-layer tensors of a new ``DynamicCache``, which ``model(...)`` and ``model.generate(...)`` take as
-``past_key_values``. One session is one sequence: a cache of batch size 1.
+transformers keeps one ``[batch, kv_heads, tokens, head_dim]`` tensor per layer for K and for V, not pages: a
+``DynamicCache`` grows it, a ``StaticCache`` allocates ``max_cache_len`` positions up front and counts how many are
+filled. Either way the adapter keeps its own copy in blocks: each full block is copied out of the cache once, the
+partial tail again each time it grows (at most ``block_tokens - 1`` positions). A restore writes the blocks back
+into a new cache of the engine's kind (static when the engine was made with ``max_cache_len``), which
+``model(...)`` and ``model.generate(...)`` take as ``past_key_values``. One session is one sequence: a cache of
+batch size 1.
 
 Only full-attention layers are supported: a sliding-window layer keeps only the last positions, which would not
 map to a session's token positions.
@@ -18,8 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from shared.kv.agent import KvAgent
 from shared.kv.engines import blocks_for
@@ -46,10 +49,17 @@ def tokenizer_id(tokenizer: Any) -> str:
 
 class TransformersEngine:
     """One model's sessions: the layout read from the model (and its tokenizer, when given), the weights digest
-    computed once here."""
+    computed once here. With ``max_cache_len`` the engine's caches are ``StaticCache`` of that many positions (as
+    for ``torch.compile``), else ``DynamicCache``; either kind is tracked, and a restore builds the engine's kind."""
 
     def __init__(
-        self, model: PreTrainedModel, *, block_tokens: int = 16, tokenizer: Any = None, tp_rank: int | None = None
+        self,
+        model: PreTrainedModel,
+        *,
+        block_tokens: int = 16,
+        tokenizer: Any = None,
+        tp_rank: int | None = None,
+        max_cache_len: int | None = None,
     ) -> None:
         config = model.config.get_text_config(decoder=True)
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -59,8 +69,11 @@ class TransformersEngine:
         if tp_rank is None:
             distributed = tp_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
             tp_rank = torch.distributed.get_rank() if distributed else 0
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be at least 1, not {max_cache_len}")
         heads = config.num_attention_heads
         self.model = model
+        self.max_cache_len = max_cache_len
         self.dtype: torch.dtype = model.dtype
         self._layout = KvLayout(
             model_id=model.name_or_path or config.model_type,
@@ -85,20 +98,30 @@ class TransformersEngine:
         lay = self._layout
         return (lay.layers, 2, lay.kv_heads, lay.block_tokens, lay.head_dim)
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self) -> Cache:
+        """An empty cache of the engine's kind for a new session."""
+        if self.max_cache_len is not None:
+            return StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
         return DynamicCache(config=self.model.config)
 
-    def _layers(self, cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _layers(self, cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's filled positions ``[1, kv_heads, length, head_dim]`` (views, nothing copied); ``[]`` for a
+        cache nothing was written to yet."""
         lay = self._layout
         if len(cache.layers) != lay.layers:
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {lay.layers}")
         out = []
         for i, layer in enumerate(cache.layers):
-            if type(layer) is not DynamicLayer:
-                raise ValueError(f"layer {i} of the cache is a {type(layer).__name__}, not a DynamicLayer")
+            if type(layer) not in (DynamicLayer, StaticLayer):
+                raise ValueError(
+                    f"layer {i} of the cache is a {type(layer).__name__}, not a DynamicLayer or StaticLayer"
+                )
             keys, values = layer.keys, layer.values
             if not layer.is_initialized or keys is None or values is None or keys.numel() == 0:
                 return []
+            if type(layer) is StaticLayer:
+                length = int(layer.get_seq_length())
+                keys, values = keys[:, :, :length], values[:, :, :length]
             expected = (1, lay.kv_heads, keys.shape[-2], lay.head_dim)
             if tuple(keys.shape) != expected or tuple(values.shape) != expected or keys.dtype != self.dtype:
                 raise ValueError(
@@ -116,7 +139,7 @@ class TransformersEngine:
             block[i, 1, :, :n].copy_(values[0, :, start:end])
         return block
 
-    def track(self, agent: KvAgent, session_id: str, cache: DynamicCache) -> None:
+    def track(self, agent: KvAgent, session_id: str, cache: Cache) -> None:
         """Append the blocks that filled since the last call, hand over the tail again if it grew. Full blocks the
         agent already holds are never copied again. A cache that shrank (cropped) is refused: its checkpointed
         positions would no longer be the session's."""
@@ -146,10 +169,14 @@ class TransformersEngine:
             raise TypeError(f"a restored block is a {type(block).__name__}, not bytes or a tensor")
         return block.reshape(-1).view(torch.uint8).view(self.dtype).reshape(self.block_shape)
 
-    def rebuild(self, blocks: Sequence[Any], token_count: int) -> DynamicCache:
+    def rebuild(self, blocks: Sequence[Any], token_count: int) -> Cache:
         bt = self._layout.block_tokens
         if len(blocks) != blocks_for(token_count, bt):
             raise ValueError(f"{len(blocks)} blocks cannot hold exactly {token_count} positions of {bt}")
+        if self.max_cache_len is not None and token_count > self.max_cache_len:
+            raise ValueError(
+                f"{token_count} positions do not fit in this engine's static cache of {self.max_cache_len}"
+            )
         cache = self.new_cache()
         if token_count == 0:
             return cache
