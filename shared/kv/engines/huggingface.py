@@ -112,14 +112,14 @@ class TransformersEngine:
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {lay.layers}")
         out = []
         for i, layer in enumerate(cache.layers):
-            if type(layer) not in (DynamicLayer, StaticLayer):
+            if not isinstance(layer, DynamicLayer | StaticLayer) or type(layer) not in (DynamicLayer, StaticLayer):
                 raise ValueError(
                     f"layer {i} of the cache is a {type(layer).__name__}, not a DynamicLayer or StaticLayer"
                 )
             keys, values = layer.keys, layer.values
             if not layer.is_initialized or keys is None or values is None or keys.numel() == 0:
                 return []
-            if type(layer) is StaticLayer:
+            if isinstance(layer, StaticLayer):
                 length = int(layer.get_seq_length())
                 keys, values = keys[:, :, :length], values[:, :, :length]
             expected = (1, lay.kv_heads, keys.shape[-2], lay.head_dim)
