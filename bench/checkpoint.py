@@ -41,7 +41,7 @@ from bench.common import BenchOptions, Target, finish, machine_info, nats_server
 from shared.kv.agent import KvAgent
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import KvLayout
-from shared.sim.workload import expected_block
+from shared.sim.engines import expected_block
 
 LAYOUT = KvLayout(
     model_id="meta-llama/Meta-Llama-3-8B",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +27,17 @@ from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
 from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.cluster import SimCluster
-from shared.sim.spec import DeploymentSpec, GpuSpec, ModelShape, NodeSpec, SimSpec, SpecError, default_spec, parse_spec
+from shared.sim.spec import (
+    TINY_LLAMA,
+    DeploymentSpec,
+    GpuSpec,
+    ModelShape,
+    NodeSpec,
+    SimSpec,
+    SpecError,
+    default_spec,
+    parse_spec,
+)
 from shared.sim.workload import Conversations, SimWorkload, is_close, verify_blocks
 from tests.helpers import eventually
 
@@ -155,9 +166,10 @@ class CheckedWorkload(SimWorkload):
     async def on_request(self, request: InferenceRequest) -> None:
         await super().on_request(request)
         self.checks += 1
-        for name, runtime in self.runtimes.items():
-            held = {s: len(runtime.agent.blocks(s)) for s in runtime.agent.sessions()}
-            counted = {s: runtime.pool.held(s) for s in runtime.pool.sessions()}
+        for name, runtime in list(self.runtimes.items()):
+            async with runtime.lock:  # between engine steps, as a real engine's scheduler sees its pool
+                held = {s: len(runtime.agent.blocks(s)) for s in runtime.agent.sessions()}
+                counted = {s: runtime.pool.held(s) for s in runtime.pool.sessions()}
             if sum(held.values()) > runtime.pool.capacity or held != counted:
                 self.violations.append(f"{name}: agent {held}, pool {counted}")
 
@@ -281,6 +293,43 @@ async def test_a_preempted_session_is_recomputed_with_the_right_bytes_on_its_nex
         assert w.stats.recomputed == 2 and w.stats.lost == 0 and runtime.pool.peak <= 8
 
 
+async def test_a_real_model_under_pressure_recomputes_and_restores_to_the_reference_bits(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    """The tiny Llama on two pods with small pools: sessions are preempted and recomputed, a pod is evicted (its
+    sessions restored elsewhere from their preStop checkpoints); every live session still equals a reference run
+    of its conversation, and every restore was checked."""
+    model = msgspec.structs.replace(TINY_LLAMA, max_model_len=256)
+    spec = spec_of(2, kv_blocks=16, model=model)  # one longest session per pod
+    async with mesh(settings, subjects, bus, tmp_path, spec) as m:
+        w = m.workload
+        talks = Conversations(spec, sessions=8, prompt_tokens=24, new_tokens=8, max_turns=6, seed=2, tag="real")
+        sent = 0
+        for _ in range(48):
+            for request in talks.next_requests():
+                await bus.publish(request)
+                sent += 1
+        await eventually(lambda: w.stats.requests >= sent and w.tracked()["locks"] == 0, timeout=60)
+        assert w.stats.preemptions > 0 and w.stats.recomputed > 0 and w.violations == []
+        gone = min(w.runtimes.values(), key=lambda r: len(r.agent.sessions()) * -1)
+        moving = gone.agent.sessions()
+        assert moving
+        assert await m.cluster.evict("llm", gone.info.name) is EvictionOutcome.EVICTED
+        await eventually(lambda: gone.info.name not in w.runtimes and len(w.runtimes) == 2, timeout=30)
+        for _ in range(12):
+            for request in talks.next_requests():
+                await bus.publish(request)
+                sent += 1
+        await eventually(lambda: w.stats.requests >= sent and w.tracked()["locks"] == 0, timeout=60)
+        assert w.stats.restored > 0 and w.stats.lost == 0
+        assert w.stats.restore_verified == w.stats.restored and w.stats.restore_check_failed == 0
+        live = [s for r in w.runtimes.values() for s in r.agent.sessions()]
+        assert live
+        for sid in live:
+            check = await w.check_session(sid)
+            assert check.verified is True, (sid, check.detail)
+
+
 async def test_idle_sessions_end(settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path) -> None:
     now = [1000.0]
     async with mesh(
@@ -331,5 +380,6 @@ async def test_structures_stay_bounded_after_many_sessions_and_a_pod_deletion(
             "locks": 0,
             "tasks": 2,  # the cluster watch and the reconcile loop; finished preStop tasks are gone
             "lost_sessions": 0,
+            "conversations": 0,
         }
         assert w.stats.lost == 0 and w.stats.prestop_saves == 1

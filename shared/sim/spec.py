@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import yaml
@@ -64,7 +64,14 @@ class NodeSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A model's KV geometry: bytes per token = layers x kv_heads x head_dim x 2 (K and V) x dtype_bytes."""
+    """A model's KV geometry: bytes per token = layers x kv_heads x head_dim x 2 (K and V) x dtype_bytes.
+
+    ``engine``: ``synthetic`` (blocks of this geometry filled from the session id: any model size, no compute) or
+    ``transformers`` (a real Llama of this shape, ``attention_heads`` query heads (0: twice ``kv_heads``) and a
+    ``vocab_size`` vocabulary, its weights drawn from ``seed``; it really prefills and decodes, so keep it tiny).
+    A real model's layout (tokenizer, weights digest) is read from the model, not from ``tokenizer_id``."""
+
+    engine: Literal["synthetic", "transformers"] = "synthetic"
 
     model_id: str = "meta-llama/Meta-Llama-3-8B"
     model_version: str = "1"
@@ -77,6 +84,22 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     block_tokens: Positive = 16
     weights_mib: Annotated[int, msgspec.Meta(ge=0)] = 15316  # 8.03 B parameters x 2 bytes
     max_model_len: Positive = 8192  # the longest session, prompt and output, in tokens
+    attention_heads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    vocab_size: Annotated[int, msgspec.Meta(ge=3)] = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engine != "transformers":
+            return
+        sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+        if self.dtype not in sizes:
+            raise SpecError(f"model.dtype: a transformers engine runs {', '.join(sizes)}, not {self.dtype!r}")
+        if self.dtype_bytes != sizes[self.dtype]:
+            raise SpecError(f"model.dtype_bytes: {self.dtype} takes {sizes[self.dtype]} bytes, not {self.dtype_bytes}")
+        if self.attention_heads % self.kv_heads:
+            raise SpecError(
+                f"model.attention_heads: {self.attention_heads} is not a multiple of kv_heads ({self.kv_heads})"
+            )
 
     @property
     def bytes_per_token(self) -> int:
@@ -180,25 +203,38 @@ class SimSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 H100_MIG_PROFILES = ["1g.10gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
 
+TINY_LLAMA = ModelShape(
+    engine="transformers",
+    model_id="gpuwarden/tiny-llama",
+    model_version="1",
+    dtype="float32",
+    dtype_bytes=4,
+    layers=2,
+    kv_heads=2,
+    attention_heads=4,
+    head_dim=16,
+    block_tokens=16,
+    weights_mib=1,
+    max_model_len=1024,
+)
+"""A real 2-layer Llama (about 70 K parameters, 8 KiB blocks): each request really prefills and decodes on the CPU."""
+
 
 def default_spec() -> SimSpec:
     """3 nodes named node-1..node-3 with 2 H100 GPUs each (node-3's MIG-capable, as the H100's profiles), and one
-    small Llama-3-8B deployment.
+    deployment of a real tiny Llama (``TINY_LLAMA``): its pods really prefill and decode, and every restored
+    session is checked against a reference run.
 
-    The simulation holds every KV block in its own memory, so the default pool is 128 blocks (256 MiB) per pod
-    and sessions end at 1024 tokens, not the 29,043 blocks (57 GiB) and 8192 tokens of a real H100 pod: small
-    enough for a laptop, small enough that the default traffic fills the pools."""
+    The pool is 128 blocks per pod and sessions end at 1024 tokens, not the 29,043 blocks and 8192 tokens of a
+    Llama-3-8B on a real H100 pod: small enough for a laptop's CPU, small enough that the default traffic fills the
+    pools (preemption and recompute happen). A Llama-3-8B's geometry runs with ``engine: synthetic``."""
     return SimSpec(
         nodes=[
             NodeSpec(name="node-1"),
             NodeSpec(name="node-2"),
             NodeSpec(name="node-3", gpus=[GpuSpec(count=2, mig_profiles=list(H100_MIG_PROFILES))]),
         ],
-        deployments=[
-            DeploymentSpec(
-                name="llama", namespace="llm", replicas=2, kv_blocks=128, model=ModelShape(max_model_len=1024)
-            )
-        ],
+        deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2, kv_blocks=128, model=TINY_LLAMA)],
     )
 
 

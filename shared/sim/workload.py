@@ -1,11 +1,11 @@
 """The simulated inference workload: plays every pod of the spec's deployments on the simulated cluster.
 
 Each Running pod gets a real KV agent (``shared.kv``) with a real store, answering the checkpoint service over
-NATS like a real inference server would. Sessions hold KV blocks sized like the model's (block tokens x bytes
-per token) and filled deterministically from the session id and block index, so any copy anywhere can be
-verified byte for byte (``expected_block``; never Python's per-process ``hash()``). Requests come from each
-deployment's JetStream request queue; a request for a session no running pod holds is routed to the least
-loaded pod, which restores the session from its newest checkpoint first (lazy restore) or starts it fresh.
+NATS like a real inference server would, and an engine (``shared.sim.engines``): a real tiny transformers model
+that prefills and decodes (the default), or synthetic blocks sized like a big model's and filled from the session
+id. Requests come from each deployment's JetStream request queue; a request for a session no running pod holds
+is routed to the least loaded pod, which restores the session from its newest checkpoint first (lazy restore) and
+checks it against a reference run (``restore_verified``), or starts it fresh.
 
 Each pod's engine has a KV block pool of the spec's capacity (``shared.sim.blockpool``): a session that needs
 blocks the pool lacks preempts the most recently arrived other session on the pod, which loses its blocks and is
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 import random
@@ -34,12 +33,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from shared.contract.requests import InferenceRequest
-from shared.kv.agent import KvAgent
+from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.endpoint import AgentEndpoint
-from shared.kv.manifest import KvLayout
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
 from shared.plumbing.bus import Bus, ConsumerSpec
 from shared.plumbing.errors import TemporaryError
@@ -47,7 +43,16 @@ from shared.ports.cluster import PodInfo
 from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.cluster import SimCluster
 from shared.sim.clusterstate import object_key
-from shared.sim.spec import DeploymentSpec, ModelShape, SimSpec
+from shared.sim.engines import (
+    DeploymentEngine,
+    PodEngine,
+    SessionCheck,
+    engine_for,
+    expected_block,
+    layout_of,
+    verify_blocks,
+)
+from shared.sim.spec import DeploymentSpec, SimSpec
 
 log = logging.getLogger(__name__)
 
@@ -55,30 +60,7 @@ LOST_SESSIONS_KEPT = 100  # the newest lost session ids kept for status; the cou
 SESSION_IDLE_S = 300.0
 
 
-def layout_of(model: ModelShape) -> KvLayout:
-    return KvLayout(
-        model_id=model.model_id,
-        model_version=model.model_version,
-        tokenizer_id=model.tokenizer_id,
-        dtype=model.dtype,
-        block_tokens=model.block_tokens,
-        layers=model.layers,
-        kv_heads=model.kv_heads,
-        head_dim=model.head_dim,
-    )
-
-
-def expected_block(session_id: str, index: int, nbytes: int) -> np.ndarray:
-    """The content of a session's block ``index``: the same in every process, on every machine."""
-    seed = int.from_bytes(hashlib.blake2b(f"{session_id}/{index}".encode(), digest_size=8).digest(), "little")
-    return np.random.Generator(np.random.PCG64(seed)).integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def verify_blocks(session_id: str, blocks: list[Any]) -> bool:
-    return all(
-        bytes(memoryview(b).cast("B")) == expected_block(session_id, i, memoryview(b).nbytes).tobytes()
-        for i, b in enumerate(blocks)
-    )
+__all__ = ["Conversations", "SimWorkload", "expected_block", "layout_of", "publish_requests", "verify_blocks"]
 
 
 def is_close(request: InferenceRequest) -> bool:
@@ -92,10 +74,15 @@ class PodRuntime:
     agent: KvAgent
     endpoint: AgentEndpoint
     pool: BlockPool
+    engine: PodEngine
     gpu_uuid: str = ""
     gpu_memory_mib: float = 0.0
     served: int = 0
     stopping: bool = False
+    gone: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """The engine runs one step at a time: held while it computes and while its pool changes, so a session is never
+    preempted in the middle of its own turn."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +112,9 @@ class WorkloadStats:
     expired: int = 0
     lost: int = 0
     prestop_saves: int = 0
+    restore_verified: int = 0
+    restore_check_failed: int = 0
+    restore_unchecked: int = 0
     lost_sessions: deque[str] = field(default_factory=lambda: deque(maxlen=LOST_SESSIONS_KEPT))
 
 
@@ -152,6 +142,7 @@ class SimWorkload:
         self.session_idle_s = session_idle_s
         self.clock = clock
         self.deployments: dict[tuple[str, str], DeploymentSpec] = {(d.namespace, d.name): d for d in spec.deployments}
+        self.engines: dict[tuple[str, str], DeploymentEngine] = {k: engine_for(d) for k, d in self.deployments.items()}
         self.runtimes: dict[str, PodRuntime] = {}
         # Per live session only: each entry leaves when its session ends, expires or is lost.
         self.home: dict[str, str] = {}
@@ -246,6 +237,9 @@ class SimWorkload:
         for name in [n for n in self.runtimes if n not in present]:
             runtime = self.runtimes.pop(name)
             await runtime.endpoint.stop()
+            await runtime.lock.acquire()  # the step under way ends first; those waiting find the pod gone
+            runtime.gone = True
+            runtime.lock.release()
             if not runtime.stopping:  # killed without preStop: what was not checkpointed is gone
                 gone = runtime.agent.sessions() + [s for s, p in self.preempted.items() if p.pod == name]
                 self.stats.lost += len(gone)
@@ -253,19 +247,21 @@ class SimWorkload:
                 for sid in gone:
                     self.preempted.pop(sid, None)
             for sid in runtime.agent.sessions():
-                runtime.agent.forget_session(sid)  # the pod's memory is gone: drop the blocks with it
+                runtime.engine.release(sid)  # the pod's memory is gone: drop the blocks with it
+                runtime.agent.forget_session(sid)
             for sid in [s for s, pod in self.home.items() if pod == name]:
                 del self.home[sid]
 
     async def _start_pod(self, pod: PodInfo) -> None:
         deployment = self.deployments[(pod.namespace, pod.deployment)]
+        engine = self.engines[(pod.namespace, pod.deployment)]
         agent = KvAgent(
             self.store,
             pod=pod.name,
             node=pod.node,
             namespace=pod.namespace,
             deployment=pod.deployment,
-            layout=layout_of(deployment.model),
+            layout=engine.layout,
         )
         endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s)
         await endpoint.start()
@@ -282,7 +278,9 @@ class SimWorkload:
                     if device.index == first:
                         gpu_uuid, memory = device.uuid, float(device.memory_total_mib)
         capacity = max(deployment.kv_capacity(memory), deployment.model.max_len_blocks)
-        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, BlockPool(capacity), gpu_uuid, memory)
+        self.runtimes[pod.name] = PodRuntime(
+            pod, agent, endpoint, BlockPool(capacity), engine.for_pod(agent), gpu_uuid, memory
+        )
         log.info(
             "SIMULATED pod serving",
             extra={"pod": pod.name, "node": pod.node, "kv_blocks": capacity, "simulated": True},
@@ -342,27 +340,26 @@ class SimWorkload:
                 return
             self.last_request[sid] = self.clock()
             runtime = self._runtime_for(request)
-            if sid not in runtime.agent.sessions():
-                await self._bring_session(runtime, sid)
-                if sid not in runtime.agent.sessions():
-                    return
             model = self.deployments[(runtime.info.namespace, runtime.info.deployment)].model
-            layout = runtime.agent.layout
-            tokens = runtime.agent.tokens(sid) + request.prompt_tokens + request.max_new_tokens
-            if tokens > model.max_model_len:
-                log.info(
-                    "session ended: its context is full",
-                    extra={"session": sid, "tokens": tokens, "max_model_len": model.max_model_len},
-                )
-                self.end_session(sid)
-                self.stats.ended_at_max_len += 1
-                return
-            have = len(runtime.agent.blocks(sid))
-            need = math.ceil(tokens / layout.block_tokens)
-            self._preempt(runtime, runtime.pool.reserve(sid, need))
-            for index in range(have, need):
-                runtime.agent.append_block(sid, expected_block(sid, index, layout.block_bytes))
-            runtime.agent.set_tokens(sid, tokens)
+            async with runtime.lock:
+                if runtime.gone:
+                    raise TemporaryError(f"pod {runtime.info.name} is gone", delay=0.2)
+                if sid not in runtime.agent.sessions():
+                    await self._bring_session(runtime, sid)
+                    if sid not in runtime.agent.sessions():
+                        return
+                tokens = runtime.engine.tokens_after(sid, request.prompt_tokens, request.max_new_tokens)
+                if tokens > model.max_model_len:
+                    log.info(
+                        "session ended: its context is full",
+                        extra={"session": sid, "tokens": tokens, "max_model_len": model.max_model_len},
+                    )
+                    self.end_session(sid)
+                    self.stats.ended_at_max_len += 1
+                    return
+                blocks = math.ceil(tokens / runtime.agent.layout.block_tokens)
+                self._preempt(runtime, runtime.pool.reserve(sid, blocks))
+                await runtime.engine.serve(sid, request.prompt_tokens, request.max_new_tokens)
             runtime.served += 1
             self.stats.served += 1
             runtime.endpoint.sessions_changed()
@@ -372,6 +369,7 @@ class SimWorkload:
         tokens, to recompute them when they are next scheduled."""
         for sid in victims:
             self.preempted[sid] = Preempted(runtime.agent.tokens(sid), runtime.info.name)
+            runtime.engine.release(sid)
             runtime.agent.forget_session(sid)
             self.stats.preemptions += 1
             log.info(
@@ -388,11 +386,14 @@ class SimWorkload:
         for runtime in self.runtimes.values():
             if session_id in runtime.pool or session_id in runtime.agent.sessions():
                 runtime.endpoint.end_session(session_id)  # announced as ended: its checkpoints are retired
+                runtime.engine.release(session_id)
                 runtime.pool.release(session_id)
                 held = True
         owner = self.runtimes.get(preempted.pod) if preempted is not None else None
         if owner is not None:
             owner.endpoint.end_session(session_id)  # the pod that owned it last retires its checkpoints
+        for engine in self.engines.values():
+            engine.end(session_id)
         self.home.pop(session_id, None)
         self.last_request.pop(session_id, None)
         return held
@@ -425,7 +426,8 @@ class SimWorkload:
 
     async def _bring_session(self, runtime: PodRuntime, session_id: str) -> None:
         """Make the session run on ``runtime``: recompute it when it was preempted, else restore its newest
-        checkpoint, else start it fresh. Its blocks are then reserved in the pool, preempting others."""
+        checkpoint (checked against the reference), else start it (recomputed from its tokens where the engine
+        knows them, else empty). Its blocks are then reserved in the pool, preempting others."""
         preempted = self.preempted.pop(session_id, None)
         if preempted is not None:
             try:
@@ -433,44 +435,90 @@ class SimWorkload:
             except TimeoutError as exc:
                 self.preempted[session_id] = preempted
                 raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
-            self._recompute(runtime, session_id, preempted.tokens)
+            await self._recompute(runtime, session_id, preempted.tokens)
             return
         try:
             restored = await runtime.endpoint.restore(session_id)
         except CheckpointNotFound:
-            runtime.agent.register_session(session_id)
-            self.stats.started_fresh += 1
-            self._preempt(runtime, runtime.pool.reserve(session_id, 0))
+            await self._start(runtime, session_id, context_lost=False)
             return
         except ChunkCorrupt as exc:
-            log.error("session context lost: no good checkpoint", extra={"session": session_id, "error": str(exc)})
-            self.stats.lost += 1
-            self.stats.lost_sessions.append(session_id)
-            runtime.agent.register_session(session_id)
-            self._preempt(runtime, runtime.pool.reserve(session_id, 0))
+            log.error("no good checkpoint of the session", extra={"session": session_id, "error": str(exc)})
+            await self._start(runtime, session_id, context_lost=True)
             return
         except TimeoutError as exc:
             raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
         self.stats.restored += 1
-        if not verify_blocks(session_id, restored.blocks):
-            log.error("restored bytes differ from the session's content", extra={"session": session_id})
+        if not await self._adopt(runtime, session_id, restored):
+            return
         try:
-            self._preempt(runtime, runtime.pool.reserve(session_id, len(restored.blocks)))
+            self._preempt(runtime, runtime.pool.reserve(session_id, len(runtime.agent.blocks(session_id))))
         except PoolTooSmall as exc:
             log.error("restored session does not fit in the pod's KV pool", extra={"error": str(exc)})
             self.end_session(session_id)
             self.stats.ended_at_max_len += 1
 
-    def _recompute(self, runtime: PodRuntime, session_id: str, tokens: int) -> None:
-        """Prefill a preempted session again from its tokens: the same blocks, regenerated."""
-        layout = runtime.agent.layout
-        need = math.ceil(tokens / layout.block_tokens)
+    async def _adopt(self, runtime: PodRuntime, session_id: str, restored: RestoredSession) -> bool:
+        """The engine takes the restored session and checks it against the reference run; a session that cannot
+        go on (a wrong cache and no tokens to recompute it from) starts again, its context lost."""
+        try:
+            check = await runtime.engine.adopt(session_id, restored)
+        except ValueError as exc:
+            log.error("restored session cannot go on", extra={"session": session_id, "error": str(exc)})
+            await self._start(runtime, session_id, context_lost=True)
+            return False
+        self._count_check(session_id, check, restored.manifest.checkpoint_id)
+        return True
+
+    def _count_check(self, session_id: str, check: SessionCheck, checkpoint_id: str) -> None:
+        if check.verified is True:
+            self.stats.restore_verified += 1
+        elif check.verified is None:
+            self.stats.restore_unchecked += 1
+        else:
+            self.stats.restore_check_failed += 1
+            log.error(
+                "restored session differs from its reference run",
+                extra={"session": session_id, "checkpoint": checkpoint_id, "detail": check.detail},
+            )
+
+    async def _start(self, runtime: PodRuntime, session_id: str, *, context_lost: bool) -> None:
+        """The agent holds the session, empty (``restore`` registered it): the engine starts it, recomputing its
+        context from its tokens when it knows them. Without them a session that had a context has lost it."""
+        runtime.engine.release(session_id)
+        if await runtime.engine.start(session_id):
+            self.stats.recomputed += 1
+        elif context_lost:
+            self.stats.lost += 1
+            self.stats.lost_sessions.append(session_id)
+        else:
+            self.stats.started_fresh += 1
+        self._preempt(runtime, runtime.pool.reserve(session_id, len(runtime.agent.blocks(session_id))))
+
+    async def _recompute(self, runtime: PodRuntime, session_id: str, tokens: int) -> None:
+        """Prefill a preempted session again from its tokens: the same blocks, computed again."""
+        need = math.ceil(tokens / runtime.agent.layout.block_tokens)
         self._preempt(runtime, runtime.pool.reserve(session_id, need))
-        runtime.agent.register_session(session_id, token_count=tokens)
-        for index in range(need):
-            runtime.agent.append_block(session_id, expected_block(session_id, index, layout.block_bytes))
-        runtime.agent.set_tokens(session_id, tokens)
+        try:
+            await runtime.engine.recompute(session_id, tokens)
+        except ValueError as exc:
+            log.error("preempted session cannot be recomputed", extra={"session": session_id, "error": str(exc)})
+            runtime.pool.release(session_id)
+            await self._start(runtime, session_id, context_lost=True)
+            return
         self.stats.recomputed += 1
+
+    async def check_session(self, session_id: str) -> SessionCheck:
+        """Compare what the session's pod holds now with the reference (between its requests)."""
+        async with self._session_lock(session_id):
+            home = self.home.get(session_id)
+            runtime = self.runtimes.get(home) if home else None
+            if runtime is None or session_id not in runtime.agent.sessions():
+                return SessionCheck(None, f"no running pod holds session {session_id!r}")
+            async with runtime.lock:
+                if runtime.gone:
+                    return SessionCheck(None, f"pod {runtime.info.name} is gone")
+                return await runtime.engine.check(session_id)
 
     # -- for tests and status -------------------------------------------------------------------------------------
     def session_blocks(self, session_id: str) -> list[Any] | None:
@@ -505,6 +553,12 @@ class SimWorkload:
             "lost": stats.lost,
             "lost_sessions": list(stats.lost_sessions),
             "prestop_saves": stats.prestop_saves,
+            "restore_checks": {
+                "verified": stats.restore_verified,
+                "failed": stats.restore_check_failed,
+                "unchecked": stats.restore_unchecked,
+            },
+            "engines": {f"{ns}/{name}": e.layout.model_id for (ns, name), e in self.engines.items()},
             "tracked": self.tracked(),
         }
 
@@ -518,6 +572,7 @@ class SimWorkload:
             "locks": len(self._locks),
             "tasks": len(self._tasks),
             "lost_sessions": len(self.stats.lost_sessions),
+            "conversations": sum(e.tracked() for e in self.engines.values()),
         }
 
 

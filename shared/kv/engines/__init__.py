@@ -14,10 +14,20 @@ rest of ``shared.kv`` imports without them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.manifest import KvLayout
+
+
+@dataclass(frozen=True)
+class SessionCheck:
+    """What a check of a session's KV cache against its reference found: ``verified`` True (the same), False (not
+    the same: ``detail`` says where), or None (nothing to compare with: ``detail`` says why)."""
+
+    verified: bool | None
+    detail: str = ""
 
 
 class EngineCache(Protocol):

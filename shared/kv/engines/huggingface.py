@@ -104,7 +104,7 @@ class TransformersEngine:
             return StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
         return DynamicCache(config=self.model.config)
 
-    def _layers(self, cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def layers_of(self, cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's filled positions ``[1, kv_heads, length, head_dim]`` (views, nothing copied); ``[]`` for a
         cache nothing was written to yet."""
         lay = self._layout
@@ -130,6 +130,11 @@ class TransformersEngine:
             out.append((keys, values))
         return out
 
+    def length(self, cache: Cache) -> int:
+        """Positions the cache holds."""
+        layers = self.layers_of(cache)
+        return int(layers[0][0].shape[-2]) if layers else 0
+
     def block(self, layers: list[tuple[torch.Tensor, torch.Tensor]], start: int, end: int) -> torch.Tensor:
         """Positions ``start:end`` of every layer's K and V as one new contiguous block (zeros past ``end``)."""
         block = torch.zeros(self.block_shape, dtype=self.dtype, device=layers[0][0].device)
@@ -145,7 +150,7 @@ class TransformersEngine:
         positions would no longer be the session's."""
         if agent.layout != self._layout:
             raise ValueError(f"the agent of pod {agent.pod} serves another layout than this engine's")
-        layers = self._layers(cache)
+        layers = self.layers_of(cache)
         length = layers[0][0].shape[-2] if layers else 0
         held = agent.tokens(session_id)
         if length < held:
