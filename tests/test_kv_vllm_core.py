@@ -429,7 +429,8 @@ async def test_a_corrupt_chunk_falls_back_and_reports_the_blocks_it_could_not_lo
     assert errors == {ids[3], ids[4]}, "checkpoint 1 restored instead: its 3 blocks load, blocks 3-4 are reported"
     for p in range(12):
         assert all(
-            torch.equal(x, y) for x, y in zip(read_position(b.cache, ids, p), expected_position(turn3[p], p), strict=True)
+            torch.equal(x, y)
+            for x, y in zip(read_position(b.cache, ids, p), expected_position(turn3[p], p), strict=True)
         )
     b.worker.flush(10)
     assert b.agent.tokens("chat-4") == 12 and len(b.agent.blocks("chat-4")) == 3

@@ -415,7 +415,7 @@ class PagedCache:
                 block[:, :, :, n:].zero_()
         return out
 
-    def scatter(self, block_ids: Sequence[int], blocks: Sequence[torch.Tensor]) -> None:
+    def scatter(self, block_ids: Sequence[int], blocks: Sequence[Any]) -> None:
         """Write whole agent blocks (host or device tensors of ``block_shape``) into vLLM blocks ``block_ids``."""
         if len(block_ids) != len(blocks):
             raise ValueError(f"{len(blocks)} blocks for {len(block_ids)} block ids")
