@@ -49,7 +49,7 @@ from shared.kv.engines.vllm_core import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.gpuwarden")  # under vLLM's logger: its handlers print what the connector says
 
 
 class GpuwardenConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -204,7 +204,9 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         self._plan = decode_plan(metadata.payload)
-        self.worker.before_forward(self._plan)
+        report = self.worker.before_forward(self._plan)
+        if report.loaded_blocks or report.load_errors:
+            log.info("gpuwarden loaded %d blocks, %d failed", report.loaded_blocks, len(report.load_errors))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous: start_load_kv returns once every block is in place
