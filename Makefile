@@ -78,6 +78,11 @@ gpu-kit: install
 	$(BIN)/python -m pip download --quiet --only-binary=:all: --implementation cp --python-version $(GPU_PYTHON) \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  --platform linux_x86_64 --platform any -d .gpu-kit/wheels -r bench/gpu_requirements.txt
+	@# GPU_KIT_VLLM=1: also vLLM and its dependencies (several GB; see bench/gpu_vllm_requirements.txt)
+	@if [ "$(GPU_KIT_VLLM)" = 1 ]; then $(BIN)/python -m pip download --quiet --only-binary=:all: --implementation cp \
+	  --python-version $(GPU_PYTHON) --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any -d .gpu-kit/vllm \
+	  -r bench/gpu_vllm_requirements.txt; fi
 	@du -sh .gpu-kit
 
 # The NVML adapter on this machine's GPUs: prints what it finds; "skipped" (exit 0) where there is no GPU/NVML.

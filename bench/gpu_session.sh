@@ -3,8 +3,11 @@
 #   here:  make gpu-kit            # wheels of bench/gpu_requirements.txt for the machine's Python, in .gpu-kit/
 #   there: bash bench/gpu_session.sh   with .gpu-kit carried; results in $OUT (at most 8 files)
 # It runs, in order: nvidia-smi; the NVML adapter on the real GPU (make gpu-check, JSON); the KV agent's CUDA tests;
-# bench.checkpoint with CUDA tensors, quick then full (each bounded). A step that fails is recorded and the rest
-# still run; the exit status is 1 if any failed. $OUT ends with at most 7 files (the device tool returns 8).
+# bench.checkpoint with CUDA tensors, quick then full (each bounded); the vLLM connector (bench.vllm_session: a
+# conversation saved by one vLLM process continues in a second, compared token for token with a reference run) when
+# vLLM is importable there or its wheels were carried in .gpu-kit/vllm (make gpu-kit GPU_KIT_VLLM=1), else it is
+# recorded as skipped in vllm-session.log. A step that fails is recorded and the rest still run; the exit status
+# is 1 if any failed. $OUT ends with at most 8 files (the device tool returns 8).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
@@ -41,6 +44,20 @@ step "bench.checkpoint --device cuda --quick" checkpoint.log "$PYBIN" -m bench.c
     --quick --out "$OUT/checkpoint-cuda-quick.json"
 step "bench.checkpoint --device cuda (full, at most ${FULL_BENCH_S}s)" checkpoint.log timeout "$FULL_BENCH_S" \
     "$PYBIN" -m bench.checkpoint --device cuda --out "$OUT/checkpoint-cuda.json"
+VLLM_S=${VLLM_S:-900}
+if [ -d .gpu-kit/vllm ]; then
+    step "install vLLM (offline, from .gpu-kit/vllm)" vllm-session.log "$PYBIN" -m pip install --no-index \
+        --find-links .gpu-kit/vllm -r bench/gpu_vllm_requirements.txt
+fi
+if "$PYBIN" -c "import vllm" >/dev/null 2>&1; then
+    step "vLLM connector: save on one server, restore on another (at most ${VLLM_S}s)" vllm-session.log \
+        timeout "$VLLM_S" "$PYBIN" -m bench.vllm_session --out /tmp/gpuwarden-vllm/vllm-session.json \
+        --work /tmp/gpuwarden-vllm  # the results JSON ends the log: $OUT holds at most 8 files
+else
+    echo "== vLLM connector: SKIPPED (vLLM is not installed and .gpu-kit/vllm was not carried)" | tee -a "$OUT/session.log"
+    printf '{"ok": false, "skipped": "vLLM not installed on the GPU machine; see bench/gpu_vllm_requirements.txt"}\n' \
+        >"$OUT/vllm-session.log"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
     printf 'failed: %s\n' "${failed[@]}" | tee -a "$OUT/session.log"
     exit 1

@@ -166,6 +166,13 @@ class KvAgent:
     def set_tokens(self, session_id: str, token_count: int) -> None:
         self._session(session_id).token_count = token_count
 
+    def truncate(self, session_id: str, block_count: int) -> None:
+        """Keep only the session's first ``block_count`` blocks (the conversation was rewritten from there on): the
+        token count drops to what they hold. The next save writes the session as it now is."""
+        session = self._session(session_id)
+        del session.blocks[max(0, block_count) :]
+        session.token_count = min(session.token_count, max(0, block_count) * self.layout.block_tokens)
+
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 
