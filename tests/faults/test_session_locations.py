@@ -3,8 +3,12 @@ service, and "which pod holds session S now" is answered over the bus and HTTP, 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 from itertools import pairwise
+from pathlib import Path
 
 import msgspec
 
@@ -207,6 +211,32 @@ async def test_a_checkpoint_recorded_twice_is_one_event(mesh: Mesh) -> None:
     await mesh.announce(pod)
     await eventually(lambda: router.of("s1") and router.of("s1")[-1].reason == "ended")
     assert [e.reason for e in router.seen] == ["placed", "saved", "ended"]
+
+
+async def test_gpuwarden_where_prints_one_line(mesh: Mesh, tmp_path: Path) -> None:
+    pod = await mesh.add_pod("llama-1", "node-1", ["s1", "s2"])
+    pod.endpoint.end_session("s2")
+    await mesh.announce(pod)
+    env = dict(
+        os.environ,
+        GPUWARDEN_HOME=str(tmp_path),
+        GPUWARDEN_NATS_URL=mesh.settings.nats.servers[0],
+        GPUWARDEN_REDIS_URL=mesh.settings.redis.url,
+        GPUWARDEN_ROOT=mesh.subjects.root,
+    )
+
+    async def where_cli(session: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shared.cli", "where", session, env=env, stdout=-1, stderr=-1
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+    assert await where_cli("s1") == (0, "s1: pod llama-1 on node node-1, generation 1\n", "")
+    assert await where_cli("s2") == (1, "s2: held by no pod (ended, last on pod llama-1)\n", "")
+    assert await where_cli("nope") == (1, "nope: unknown (no pod holds it, no checkpoint)\n", "")
+    code, out, err = await where_cli("a b")
+    assert (code, out) == (2, "") and err.count("\n") == 1 and "is not a session id" in err
 
 
 async def _silent(mesh: Mesh, pod: str) -> bool:
