@@ -11,6 +11,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import msgspec
+from nats.js import api as js_api
 
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainRequested
@@ -143,6 +144,13 @@ async def test_a_session_drained_and_restored_elsewhere_is_followed_in_order(mes
     never = await where(mesh, "never-seen")
     assert (never.held, never.reason, never.sequence) == (False, "unknown", 0)
     assert (await http_where(mesh, "/sessions/never-seen"))[0] == 404
+    # a router starting now reads the newest location of every session from the stream, then follows
+    catch_up = await mesh.bus.js.pull_subscribe(
+        mesh.subjects.pattern("kv.session.location"),
+        config=js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.LAST_PER_SUBJECT),
+    )
+    newest = {e.session_id: e for e in (codec.decode(m.data) for m in await catch_up.fetch(2, timeout=5))}
+    assert newest == router.table
     await mesh.check(drains=["d1", "d2"])
 
 
