@@ -93,18 +93,21 @@ local function located(prefix, sid, reason, cid)
 end
 """
 
+# Places the session on the pod under ``gen``; returns whether that moved it (another pod, another generation,
+# or not placed before).
 _MOVE = """
 local function move(prefix, sid, pod, node, ns, dep, gen, now)
   local skey = prefix .. ':kv:session:' .. sid
-  local oldnode = redis.call('HGET', skey, 'node')
+  local old = redis.call('HMGET', skey, 'node', 'pod', 'generation')
+  local oldnode, oldpod = old[1], old[2]
   if oldnode and oldnode ~= node then redis.call('SREM', prefix .. ':kv:node:' .. oldnode, sid) end
-  local oldpod = redis.call('HGET', skey, 'pod')
   if oldpod and oldpod ~= pod then redis.call('SREM', prefix .. ':kv:pod:' .. oldpod, sid) end
   redis.call('HSET', skey, 'pod', pod, 'node', node, 'namespace', ns, 'deployment', dep, 'generation', gen,
     'updated_at', now)
   redis.call('SADD', prefix .. ':kv:node:' .. node, sid)
   redis.call('SADD', prefix .. ':kv:pod:' .. pod, sid)
   redis.call('SET', prefix .. ':kv:owner:' .. sid, pod)
+  return oldpod ~= pod or tonumber(old[3]) ~= tonumber(gen)
 end
 """
 
@@ -162,10 +165,10 @@ for i = first, #ARGV, 2 do
     table.insert(stale, sid)
     redis.call('SREM', podkey, sid)
   else
-    local was = redis.call('HMGET', prefix .. ':kv:session:' .. sid, 'pod', 'generation')
     if gen > current then redis.call('SET', genkey, gen) end
-    move(prefix, sid, pod, node, ns, dep, gen, now)
-    if was[1] ~= pod or tonumber(was[2]) ~= gen then table.insert(changes, located(prefix, sid, 'placed', '')) end
+    if move(prefix, sid, pod, node, ns, dep, gen, now) then
+      table.insert(changes, located(prefix, sid, 'placed', ''))
+    end
   end
 end
 redis.call('HSET', prefix .. ':kv:pods', pod, node)
