@@ -31,6 +31,7 @@ import msgspec
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import BY_KIND, codec
+from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import Subjects
 from shared.plumbing.errors import ConfigConflict, InvalidConfig, ServerUnreachable, SettingsError
 from shared.plumbing.settings import Settings, load_settings, public_url
@@ -504,6 +505,41 @@ def cmd_agent_final_save(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
+def cmd_where(args: argparse.Namespace) -> int:
+    """One line: which pod holds the session's KV cache now (exit 0), or why none does (exit 1)."""
+    from shared.contract.base import is_token
+
+    if not is_token(args.session):
+        raise UsageError(f"{args.session!r} is not a session id (letters, digits, '-', '_' and '.')")
+    settings = _settings()
+
+    async def main() -> int:
+        bus = await _connect(settings, "cli")
+        try:
+            answer = await bus.request(
+                bus.subjects.command("checkpoint", "where"), WhereIsSession(session_id=args.session), 5.0
+            )
+        finally:
+            await bus.close(1)
+        if not isinstance(answer, SessionLocation):
+            raise UsageError(f"the checkpoint service answered: {getattr(answer, 'reason', answer.kind)}")
+        print(where_line(answer))
+        return 0 if answer.held else 1
+
+    return asyncio.run(main())
+
+
+def where_line(at: SessionLocation) -> str:
+    """A ``kv.session.location`` as one line for people."""
+    saved = f", checkpoint {at.checkpoint_id} ({at.token_count} tokens)" if at.checkpoint_id else ""
+    if at.held:
+        return f"{at.session_id}: pod {at.pod} on node {at.node}, generation {at.generation}{saved}"
+    if at.reason == "unknown":
+        return f"{at.session_id}: unknown (no pod holds it, no checkpoint)"
+    last = f", last on pod {at.previous_pod}" if at.previous_pod else ""
+    return f"{at.session_id}: held by no pod ({at.reason}{last}){saved}"
+
+
 def cmd_nats_auth(args: argparse.Namespace) -> int:
     """Print a nats-server authorization block: one least-privilege user per service, the KV agents, an admin."""
     from shared.contract.permissions import USERS, nats_auth_config
@@ -610,6 +646,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--pod", default=os.environ.get("GPUWARDEN_POD_NAME", ""), help="default $GPUWARDEN_POD_NAME")
     f.add_argument("--deadline", type=float, default=25.0)
     f.set_defaults(func=cmd_agent_final_save)
+
+    p = sub.add_parser("where", help="which pod holds SESSION's KV cache now (exit 1 when none does)")
+    p.add_argument("session")
+    p.set_defaults(func=cmd_where)
 
     p = sub.add_parser("nats-auth", help="print a nats-server authorization block, one user per service")
     p.add_argument("--password-dir", required=True, help="folder with one file per user holding its password")

@@ -28,7 +28,7 @@ from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
-from shared.plumbing.runner import start_service
+from shared.plumbing.runner import ServiceContext, start_service
 from shared.plumbing.settings import Settings, load_settings
 from tests.helpers import eventually, with_redis
 from tests.servers import RedisServer, free_port
@@ -180,3 +180,33 @@ def test_settings_defaults_and_errors() -> None:
     with pytest.raises(Exception, match="GPUWARDEN_NATS_TLS_CERT is set but GPUWARDEN_NATS_TLS_KEY is not"):
         load_settings({"GPUWARDEN_NATS_TLS_CERT": __file__})
     assert replace(s, root="x").root == "x"
+
+
+class _Pages:
+    """A service with read-only HTTP routes of its own, beside the probes."""
+
+    name = "pages"
+    config_names: tuple[str, ...] = ()
+
+    async def start(self, ctx: ServiceContext) -> None:
+        async def page(method: str, path: str) -> tuple[str, str, bytes]:
+            if path.endswith("/boom"):
+                raise RuntimeError("page broke")
+            return "200 OK", "text/plain", f"{method} {path}".encode()
+
+        ctx.add_route("/pages/", page)
+        with pytest.raises(ValueError, match="shadow the probes"):
+            ctx.add_route("/healthz", page)
+
+
+async def test_a_service_adds_routes_to_the_one_http_endpoint(settings: Settings) -> None:
+    running = await start_service(_Pages(), settings)
+    try:
+        assert await fetch(running.http_port, "/pages/a?x=1") == (200, b"GET /pages/a")
+        status, body = await fetch(running.http_port, "/pages/boom")
+        assert status == 500 and b"RuntimeError: page broke" in body
+        assert (await fetch(running.http_port, "/healthz"))[0] == 200  # the probes are still the runner's
+        status, body = await fetch(running.http_port, "/elsewhere")
+        assert status == 404 and b"/pages/..." in body
+    finally:
+        await running.stop(grace=1)

@@ -20,16 +20,23 @@ most one interval.
 
 A GPU that fails (``device.health.changed``, unhealthy, naming the pods that hold it) has those pods' agents save
 everything they hold at once, before the pods are restarted or moved.
+
+Routers: every change of where a session's KV is (a pod claimed it, restored it, saved it, dropped it, ended
+it, or is gone) is published once as ``kv.session.location``, from what the registry's script returned for the
+change; ``kv.session.where`` over the bus and ``GET /sessions/<id>`` on the HTTP endpoint answer where it is now.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
+from urllib.parse import unquote
 
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
@@ -50,11 +57,13 @@ from shared.contract.deadletter import DeadLetter
 from shared.contract.device import DeviceHealthChanged
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, SessionFailure
 from shared.contract.registry import codec
+from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.kv.manifest import checkpoint_order
 from shared.kv.store import CheckpointStore, StoreError
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.errors import PermanentError, TemporaryError
+from shared.plumbing.http import Response
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 from shared.ports.select import cluster_port
@@ -126,6 +135,12 @@ class CheckpointService:
             registry=r,
         )
         self.m_gbps = Gauge("gpuwarden_checkpoint_last_drain_gbps", "GB/s of the last drain", registry=r)
+        self.m_locations = Counter(
+            "gpuwarden_kv_session_locations_total",
+            "kv.session.location events, by outcome (published, or lost: routers then ask where)",
+            ["outcome"],
+            registry=r,
+        )
         s = ctx.subjects
         await ctx.consume(
             ConsumerSpec(
@@ -162,6 +177,8 @@ class CheckpointService:
         await ctx.bus.serve(
             s.command("checkpoint", "record"), self.on_record, (SaveSessionsReport,), queue="checkpoint"
         )
+        await ctx.bus.serve(s.command("checkpoint", "where"), self.on_where, (WhereIsSession,), queue="checkpoint")
+        ctx.add_route("/sessions/", self.on_http_session)
         ctx.status["drains"] = self.drains
         ctx.status["store"] = self.store.url
         if self.settings.gc_interval_s > 0:
@@ -176,7 +193,8 @@ class CheckpointService:
     async def on_announcement(self, event: AgentSessions) -> None:
         """Idempotent: the announcement replaces what the pod held before. Sessions it holds under a generation
         that moved on are stale copies: ignored, and reported."""
-        stale, retired = await self.registry.apply_announcement(event)
+        stale, retired, changes = await self.registry.apply_announcement(event)
+        await self._publish_locations(changes)
         for sid in retired:
             await self.retire_session(sid)
         if stale:
@@ -216,7 +234,7 @@ class CheckpointService:
             return set()
         gone = set(silent) - present
         for pod in sorted(gone):
-            await self.registry.forget_pod(pod)
+            await self._publish_locations(await self.registry.forget_pod(pod))
             log.info("pod gone: its sessions left the registry", extra={"pod": pod, "node": silent[pod]})
         return gone
 
@@ -537,7 +555,7 @@ class CheckpointService:
                     problem = f"pack {ref.pack} missing or short"
                     break
             if not problem:
-                refused = await self.registry.record_checkpoint(c, report.store, report.pod, report.node)
+                refused, location = await self.registry.record_checkpoint(c, report.store, report.pod, report.node)
                 if refused:
                     self.m_refused.labels("save").inc()
                     problem = f"refused: pod {report.pod} saved generation {c.generation}, but {refused}"
@@ -565,6 +583,8 @@ class CheckpointService:
                     drain_id=drain_id,
                 )
             )
+            if location is not None:
+                await self._publish_locations([location])
             ok.add(c.session_id)
             total += c.bytes_total
         return ok, failed, total
@@ -594,9 +614,10 @@ class CheckpointService:
         generation = 0
         if event.claim:
             floor = max((checkpoint_order(c)[0] for c in candidates), default=0)
-            generation = await self.registry.claim(
+            generation, location = await self.registry.claim(
                 event.session_id, event.pod, event.node, event.namespace, event.deployment, floor
             )
+            await self._publish_locations([location])
         if not candidates:
             return CheckpointLocation(
                 session_id=event.session_id, found=False, store=self.store.url, generation=generation
@@ -613,6 +634,8 @@ class CheckpointService:
         )
 
     async def on_restored(self, event: SessionRestored) -> SessionRestored:
+        """Idempotent: a repeated report publishes ``checkpoint.restored`` again (deduplicated by its event id)
+        but no second location; a report of a pod that no longer holds the generation publishes no location."""
         if event.fell_back_from:
             self.m_fallbacks.inc(len(event.fell_back_from))
             log.warning(
@@ -620,7 +643,50 @@ class CheckpointService:
                 extra={"session": event.session_id, "used": event.checkpoint_id, "why": event.fell_back_from},
             )
         await self.ctx.publish(event)
+        location = await self.registry.note_restored(event.session_id, event.pod, event.generation, event.checkpoint_id)
+        if location is not None:
+            await self._publish_locations([location])
         return event
+
+    # -- locations, for routers -------------------------------------------------------------------------------------
+    async def _publish_locations(self, locations: Sequence[SessionLocation]) -> None:
+        """Publish what the registry changed. Never fails the change itself (it is recorded): a location not
+        published is counted and logged, and ``where`` still answers it."""
+        if not locations:
+            return
+        try:
+            await self.ctx.bus.publish_many(locations)
+        except Exception as exc:
+            self.m_locations.labels("lost").inc(len(locations))
+            log.warning(
+                "session locations not published; routers must ask where",
+                extra={"sessions": [loc.session_id for loc in locations[:20]], "error": str(exc)},
+            )
+            return
+        self.m_locations.labels("published").inc(len(locations))
+
+    async def on_where(self, event: WhereIsSession) -> SessionLocation:
+        """Read-only: where the session's KV is now, from the registry."""
+        return await self.registry.where(event.session_id)
+
+    async def on_http_session(self, method: str, path: str) -> Response:
+        """``GET /sessions/<id>``: the ``kv.session.location`` JSON of the session; 200 while a pod holds it,
+        404 when none does (ended, dropped, its pod gone, or never seen: the body says which), 400 for a bad
+        id, 503 while Redis is unreachable."""
+        sid = unquote(path.removeprefix("/sessions/"))
+        if not sid or "/" in sid or not is_token(sid):
+            return _json_error(
+                "400 Bad Request",
+                f"session id {sid!r} is not valid: GET /sessions/<id>, the id 1-253 letters, digits, '-', '_' or '.'"
+                if sid
+                else "no session id: GET /sessions/<id>",
+            )
+        try:
+            location = await self.registry.where(sid)
+        except TemporaryError as exc:
+            return _json_error("503 Service Unavailable", str(exc))
+        status = "200 OK" if location.held else "404 Not Found"
+        return status, "application/json", codec.encode(location)
 
     # -- retention --------------------------------------------------------------------------------------------------
     async def _gc_loop(self) -> None:
@@ -672,3 +738,7 @@ class CheckpointService:
                 extra={"checkpoints_deleted": len(doomed), "packs_deleted": len(garbage), "orphans_deleted": orphans},
             )
         return len(doomed), len(garbage)
+
+
+def _json_error(status: str, message: str) -> Response:
+    return status, "application/json", json.dumps({"error": message}).encode()

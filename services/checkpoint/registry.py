@@ -16,10 +16,17 @@ Keys, all under the root (``Subjects.redis_key``):
 - ``kv:drain:<drain_id>:failed`` every failed session of a verdict too big for one event (JSON records)
 - ``kv:turn:<what>:<pod>``    whose turn it is (periodic saves: one replica per interval and pod)
 - ``kv:restores``             stream of restore records
+- ``kv:last:<sid>``           hash: the session's last location change: sequence, reason, pod (the holder, or
+  the last one), namespace, deployment (kept a week after it ends)
 
 Ownership: a pod takes a session by claiming it (``claim``), which hands out the next generation. Only the
 holder of the session's current generation moves it in the registry and gets its checkpoints recorded; an
 announcement or a save of an older generation is stale and changes nothing.
+
+Locations: each script that changes where a session's KV is (claimed, announced unplaced, restored, saved,
+dropped, forgotten, ended) takes the session's next location sequence in the same step and returns the
+location after the change, which the service publishes as ``kv.session.location``. A script that changes
+nothing (a repeated announcement, a stale save, a checkpoint recorded twice) returns none: one event per change.
 """
 
 from __future__ import annotations
@@ -35,22 +42,72 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
+from shared.contract.sessions import SessionLocation
 from shared.contract.subjects import Subjects
 from shared.kv.manifest import checkpoint_order
 from shared.plumbing.errors import TemporaryError
 
+# The session's location, as one flat record (see ``_location``). With a ``reason`` it is a change: the
+# session's next sequence is taken (strictly above the last, and at least the registry's clock in microseconds,
+# so it keeps growing across a registry that lost its data) and the change remembered in ``kv:last:<sid>``.
+# ``cid``: the checkpoint the change is about; '' for the newest recorded, '-' for none (an ended session's
+# checkpoints are being retired).
+_LOCATED = """
+local function located(prefix, sid, reason, cid)
+  local skey = prefix .. ':kv:session:' .. sid
+  local lastkey = prefix .. ':kv:last:' .. sid
+  local genkey = prefix .. ':kv:generation:' .. sid
+  local cur = redis.call('HMGET', skey, 'pod', 'node', 'namespace', 'deployment')
+  local last = redis.call('HMGET', lastkey, 'sequence', 'reason', 'pod', 'namespace', 'deployment')
+  local ns = cur[3] or last[4] or ''
+  local dep = cur[4] or last[5] or ''
+  local prev = last[3] or ''
+  local seq = last[1] or '0'
+  if cid == '-' then
+    cid = ''
+  elseif cid == '' then
+    cid = redis.call('ZREVRANGE', prefix .. ':kv:checkpoints:' .. sid, 0, 0)[1] or ''
+  end
+  local tokens = '0'
+  if cid ~= '' then
+    local summary = redis.call('GET', prefix .. ':kv:checkpoint:' .. cid)
+    if summary then tokens = string.format('%.0f', cjson.decode(summary)['token_count'] or 0) end
+  end
+  if reason then
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    seq = string.format('%.0f', math.max(tonumber(seq) + 1, now))
+    redis.call('HSET', lastkey, 'sequence', seq, 'reason', reason, 'pod', cur[1] or prev, 'namespace', ns,
+      'deployment', dep)
+  else
+    reason = last[2]
+    if not reason then
+      if cur[1] then reason = 'placed'
+      elseif cid ~= '' or redis.call('EXISTS', genkey) == 1 then reason = 'dropped'
+      else reason = 'unknown' end
+    end
+  end
+  if cur[1] == prev then prev = '' end
+  return {sid, reason, seq, cur[1] and '1' or '', cur[1] or '', cur[2] or '', ns, dep,
+    redis.call('GET', genkey) or '0', prev, cid, tokens}
+end
+"""
+
+# Places the session on the pod under ``gen``; returns whether that moved it (another pod, another generation,
+# or not placed before).
 _MOVE = """
 local function move(prefix, sid, pod, node, ns, dep, gen, now)
   local skey = prefix .. ':kv:session:' .. sid
-  local oldnode = redis.call('HGET', skey, 'node')
+  local old = redis.call('HMGET', skey, 'node', 'pod', 'generation')
+  local oldnode, oldpod = old[1], old[2]
   if oldnode and oldnode ~= node then redis.call('SREM', prefix .. ':kv:node:' .. oldnode, sid) end
-  local oldpod = redis.call('HGET', skey, 'pod')
   if oldpod and oldpod ~= pod then redis.call('SREM', prefix .. ':kv:pod:' .. oldpod, sid) end
   redis.call('HSET', skey, 'pod', pod, 'node', node, 'namespace', ns, 'deployment', dep, 'generation', gen,
     'updated_at', now)
   redis.call('SADD', prefix .. ':kv:node:' .. node, sid)
   redis.call('SADD', prefix .. ':kv:pod:' .. pod, sid)
   redis.call('SET', prefix .. ':kv:owner:' .. sid, pod)
+  return oldpod ~= pod or tonumber(old[3]) ~= tonumber(gen)
 end
 """
 
@@ -58,9 +115,11 @@ end
 # then (sid, generation) pairs. A session announced under an older generation than the newest handed out has
 # moved on: stale, ignored and returned. A newer one than the registry knows (it lost its data) raises the
 # counter: never handed out again. An ended session whose newest generation the pod took (held now, or dropped
-# since, as after a preemption) leaves the registry and is returned as retired.
+# since, as after a preemption) leaves the registry and is returned as retired. Returns (stale, retired, the
+# locations that changed).
 _ANNOUNCE = (
-    _MOVE
+    _LOCATED
+    + _MOVE
     + """
 local prefix, pod, node, ns, dep, now, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local first = 9 + tonumber(ARGV[8])
@@ -77,6 +136,7 @@ local function drop(sid)
   return held
 end
 local retired = {}
+local changes = {}
 for i = 9, first - 1 do
   local sid = ARGV[i]
   local ownerkey = prefix .. ':kv:owner:' .. sid
@@ -85,6 +145,8 @@ for i = 9, first - 1 do
     redis.call('DEL', ownerkey)
     redis.call('PEXPIRE', prefix .. ':kv:generation:' .. sid, 604800000)
     table.insert(retired, sid)
+    table.insert(changes, located(prefix, sid, 'ended', '-'))
+    redis.call('PEXPIRE', prefix .. ':kv:last:' .. sid, 604800000)
   else
     redis.call('SREM', podkey, sid)
   end
@@ -92,7 +154,7 @@ end
 local fresh = {}
 for i = first, #ARGV, 2 do fresh[ARGV[i]] = true end
 for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
-  if not fresh[sid] then drop(sid) end
+  if not fresh[sid] and drop(sid) then table.insert(changes, located(prefix, sid, 'dropped', '')) end
 end
 local stale = {}
 for i = first, #ARGV, 2 do
@@ -104,19 +166,22 @@ for i = first, #ARGV, 2 do
     redis.call('SREM', podkey, sid)
   else
     if gen > current then redis.call('SET', genkey, gen) end
-    move(prefix, sid, pod, node, ns, dep, gen, now)
+    if move(prefix, sid, pod, node, ns, dep, gen, now) then
+      table.insert(changes, located(prefix, sid, 'placed', ''))
+    end
   end
 end
 redis.call('HSET', prefix .. ':kv:pods', pod, node)
 redis.call('SET', prefix .. ':kv:alive:' .. pod, now, 'PX', ttl)
-return {stale, retired}
+return {stale, retired, changes}
 """
 )
 
 # ARGV = prefix, sid, pod, node, ns, dep, now, floor: the next generation, above ``floor`` (the newest generation
 # the store holds checkpoints of: a registry that lost its data never hands out a generation twice).
 _CLAIM = (
-    _MOVE
+    _LOCATED
+    + _MOVE
     + """
 local prefix, sid, pod, node, ns, dep, now, floor = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
   tonumber(ARGV[8])
@@ -124,47 +189,79 @@ local genkey = prefix .. ':kv:generation:' .. sid
 if tonumber(redis.call('GET', genkey) or '0') < floor then redis.call('SET', genkey, floor) end
 local gen = redis.call('INCR', genkey)
 move(prefix, sid, pod, node, ns, dep, gen, now)
-return gen
+return {gen, located(prefix, sid, 'placed', '')}
 """
 )
 
 # ARGV = prefix, sid, cid, generation, pod, summary, score. Records a checkpoint only from the holder of the
-# session's current generation; otherwise returns why not.
-_RECORD = """
+# session's current generation; otherwise returns why not. Returns (why not, the location when it changed).
+_RECORD = (
+    _LOCATED
+    + """
 local prefix, sid, cid, gen, pod = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local genkey = prefix .. ':kv:generation:' .. sid
 local current = tonumber(redis.call('GET', genkey) or '0')
 local skey = prefix .. ':kv:session:' .. sid
 local holder = redis.call('HGET', skey, 'pod')
 if gen < current then
-  return 'generation ' .. current .. ' of the session is held by pod ' .. (holder or '(none now)')
+  return {'generation ' .. current .. ' of the session is held by pod ' .. (holder or '(none now)'), {}}
 end
 if gen > 0 and gen == current and holder and holder ~= pod and tonumber(redis.call('HGET', skey, 'generation')) == gen
 then
-  return 'generation ' .. gen .. ' of the session is held by pod ' .. holder
+  return {'generation ' .. gen .. ' of the session is held by pod ' .. holder, {}}
 end
 if gen > current then redis.call('SET', genkey, gen) end
 redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[6])
-redis.call('ZADD', prefix .. ':kv:checkpoints:' .. sid, ARGV[7], cid)
-return ''
+if redis.call('ZADD', prefix .. ':kv:checkpoints:' .. sid, ARGV[7], cid) == 1 then
+  return {'', located(prefix, sid, 'saved', cid)}
+end
+return {'', {}}
 """
+)
 
 # ARGV = prefix, pod. Forget a pod that is gone: its sessions leave the registry (their checkpoints stay).
-_FORGET = """
+# Returns the locations that changed.
+_FORGET = (
+    _LOCATED
+    + """
 local prefix, pod = ARGV[1], ARGV[2]
 local podkey = prefix .. ':kv:pod:' .. pod
+local changes = {}
 for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
   local skey = prefix .. ':kv:session:' .. sid
   if redis.call('HGET', skey, 'pod') == pod then
     local node = redis.call('HGET', skey, 'node')
     redis.call('DEL', skey)
     if node then redis.call('SREM', prefix .. ':kv:node:' .. node, sid) end
+    table.insert(changes, located(prefix, sid, 'forgotten', ''))
   end
 end
 redis.call('DEL', podkey)
 redis.call('HDEL', prefix .. ':kv:pods', pod)
-return 1
+return changes
 """
+)
+
+# ARGV = prefix, sid, pod, generation, cid: the holder of ``generation`` restored ``cid``; a change when the pod
+# still holds that generation (after a later claim the report is stale) and had not reported it (a repeat).
+_RESTORED = (
+    _LOCATED
+    + """
+local prefix, sid, pod, gen, cid = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local f = redis.call('HMGET', prefix .. ':kv:session:' .. sid, 'pod', 'generation')
+if f[1] ~= pod or tonumber(f[2]) ~= gen then return {} end
+if redis.call('HGET', prefix .. ':kv:last:' .. sid, 'reason') == 'restored' then return {} end
+return located(prefix, sid, 'restored', cid)
+"""
+)
+
+# ARGV = prefix, sid: the session's location now (no change).
+_WHERE = (
+    _LOCATED
+    + """
+return located(ARGV[1], ARGV[2], nil, '')
+"""
+)
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -210,8 +307,29 @@ def checkpoint_score(generation: int, sequence: int) -> float:
     return float(generation * _SEQUENCE_SPAN + sequence)
 
 
+def _location(raw: list[Any]) -> SessionLocation:
+    """A location record of ``_LOCATED`` as the event a router reads."""
+    sid, reason, seq, held, pod, node, ns, dep, gen, prev, cid, tokens = (_text(v) for v in raw)
+    return SessionLocation(
+        session_id=sid,
+        sequence=int(seq),
+        reason=reason,
+        held=held == "1",
+        pod=pod,
+        node=node,
+        namespace=ns,
+        deployment=dep,
+        generation=int(gen),
+        token_count=int(tokens),
+        checkpoint_id=cid,
+        previous_pod=prev,
+    )
+
+
 @dataclass(frozen=True)
-class SessionLocation:
+class SessionPlace:
+    """Where the registry places a session (its pod's view); ``SessionLocation`` is the routers' view."""
+
     session_id: str
     pod: str
     node: str
@@ -230,15 +348,17 @@ class SessionRegistry:
         self._forget = client.register_script(_FORGET)
         self._renew = client.register_script(_RENEW)
         self._finish = client.register_script(_FINISH)
+        self._restored = client.register_script(_RESTORED)
+        self._where = client.register_script(_WHERE)
 
     def _key(self, *parts: str) -> str:
         return self.subjects.redis_key("kv", *parts)
 
     # -- ownership and location ----------------------------------------------------------------------------------
     @_redis_may_be_down
-    async def apply_announcement(self, event: AgentSessions) -> tuple[list[str], list[str]]:
-        """Returns the sessions the pod announced under a generation it no longer holds (stale copies), and the
-        ended sessions it still owned (whose checkpoints are to be retired)."""
+    async def apply_announcement(self, event: AgentSessions) -> tuple[list[str], list[str], list[SessionLocation]]:
+        """Returns the sessions the pod announced under a generation it no longer holds (stale copies), the
+        ended sessions it still owned (whose checkpoints are to be retired), and the locations that changed."""
         generations = event.generations if len(event.generations) == len(event.sessions) else [0] * len(event.sessions)
         pairs: list[str | int | float] = [
             v for sid, gen in zip(event.sessions, generations, strict=True) for v in (sid, gen)
@@ -253,19 +373,40 @@ class SessionRegistry:
             time.time(),
             ttl_ms,
         ]
-        stale, retired = await self._announce(
+        stale, retired, changes = await self._announce(
             keys=[self._key("pod", event.pod)], args=[*head, len(event.ended), *event.ended, *pairs]
         )
-        return [_text(s) for s in stale], [_text(s) for s in retired]
+        return [_text(s) for s in stale], [_text(s) for s in retired], [_location(c) for c in changes]
 
     @_redis_may_be_down
-    async def claim(self, session_id: str, pod: str, node: str, namespace: str, deployment: str, floor: int) -> int:
-        """The pod takes the session: its next generation (above ``floor``), and the registry places it there."""
-        return int(
-            await self._claim(
-                keys=[self._key("generation", session_id)],
-                args=[self.subjects.root, session_id, pod, node, namespace, deployment, time.time(), floor],
-            )
+    async def claim(
+        self, session_id: str, pod: str, node: str, namespace: str, deployment: str, floor: int
+    ) -> tuple[int, SessionLocation]:
+        """The pod takes the session: its next generation (above ``floor``), and the registry places it there.
+        Returns the generation and the session's new location."""
+        generation, location = await self._claim(
+            keys=[self._key("generation", session_id)],
+            args=[self.subjects.root, session_id, pod, node, namespace, deployment, time.time(), floor],
+        )
+        return int(generation), _location(location)
+
+    @_redis_may_be_down
+    async def note_restored(
+        self, session_id: str, pod: str, generation: int, checkpoint_id: str
+    ) -> SessionLocation | None:
+        """``pod`` restored ``checkpoint_id`` under ``generation``: the new location, or None when the pod no
+        longer holds that generation (the report is stale)."""
+        raw = await self._restored(
+            keys=[self._key("session", session_id)],
+            args=[self.subjects.root, session_id, pod, generation, checkpoint_id],
+        )
+        return _location(raw) if raw else None
+
+    @_redis_may_be_down
+    async def where(self, session_id: str) -> SessionLocation:
+        """The session's location now; ``reason`` ``"unknown"`` and sequence 0 when the registry never saw it."""
+        return _location(
+            await self._where(keys=[self._key("session", session_id)], args=[self.subjects.root, session_id])
         )
 
     @_redis_may_be_down
@@ -274,14 +415,14 @@ class SessionRegistry:
         return int(raw) if raw is not None else 0
 
     @_redis_may_be_down
-    async def sessions_on_node(self, node: str) -> list[SessionLocation]:
+    async def sessions_on_node(self, node: str) -> list[SessionPlace]:
         sids = sorted(_text(s) for s in await self.client.smembers(self._key("node", node)))
         out = []
         for sid in sids:
             fields = await self.client.hgetall(self._key("session", sid))
             if fields and _text(fields.get(b"node", b"")) == node:
                 out.append(
-                    SessionLocation(
+                    SessionPlace(
                         sid,
                         _text(fields[b"pod"]),
                         node,
@@ -293,7 +434,7 @@ class SessionRegistry:
         return out
 
     @_redis_may_be_down
-    async def sessions_of_pod(self, pod: str) -> list[SessionLocation]:
+    async def sessions_of_pod(self, pod: str) -> list[SessionPlace]:
         node = await self.client.hget(self._key("pods"), pod)
         return [] if node is None else [s for s in await self.sessions_on_node(_text(node)) if s.pod == pod]
 
@@ -313,14 +454,18 @@ class SessionRegistry:
         return {pod: node for (pod, node), flag in zip(known.items(), alive, strict=True) if flag is None}
 
     @_redis_may_be_down
-    async def forget_pod(self, pod: str) -> None:
-        await self._forget(keys=[self._key("pod", pod)], args=[self.subjects.root, pod])
+    async def forget_pod(self, pod: str) -> list[SessionLocation]:
+        """The pod's sessions leave the registry; returns their locations now (held by nothing)."""
+        return [_location(c) for c in await self._forget(keys=[self._key("pod", pod)], args=[self.subjects.root, pod])]
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     @_redis_may_be_down
-    async def record_checkpoint(self, committed: CommittedCheckpoint, store: str, pod: str, node: str) -> str:
+    async def record_checkpoint(
+        self, committed: CommittedCheckpoint, store: str, pod: str, node: str
+    ) -> tuple[str, SessionLocation | None]:
         """Record a committed checkpoint when ``pod`` holds the session's current generation; else return why
-        not (and record nothing)."""
+        not (and record nothing). With the reason (empty when recorded) comes the session's new location, when
+        this recorded the checkpoint for the first time."""
         summary = {
             "session_id": committed.session_id,
             "checkpoint_id": committed.checkpoint_id,
@@ -334,7 +479,7 @@ class SessionRegistry:
             "node": node,
             "recorded_at": time.time(),
         }
-        refused = await self._record(
+        refused, location = await self._record(
             keys=[self._key("generation", committed.session_id)],
             args=[
                 self.subjects.root,
@@ -346,7 +491,7 @@ class SessionRegistry:
                 checkpoint_score(committed.generation, committed.sequence),
             ],
         )
-        return _text(refused)
+        return _text(refused), (_location(location) if location else None)
 
     @_redis_may_be_down
     async def checkpoints(self, session_id: str, limit: int = 16) -> list[dict[str, Any]]:

@@ -53,6 +53,7 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "checkpoint.failed",
         "checkpoint.restored",
         "checkpoint.save.command",
+        "kv.session.location",
     ),
 }
 

@@ -35,6 +35,7 @@ from shared.contract.metrics import DeploymentUtilisation, GpuSample
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, NodeCordoned, NodeUncordoned
 from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
+from shared.contract.sessions import SessionLocation, WhereIsSession
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     DrainRequested,
@@ -65,6 +66,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     AgentSessions,
     LocateCheckpoint,
     CheckpointLocation,
+    SessionLocation,
+    WhereIsSession,
     ConfigApplied,
     InferenceRequest,
     DeadLetter,

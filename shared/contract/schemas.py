@@ -39,7 +39,7 @@ DEFAULT_ROOT = "gw"
 
 # Kinds that systems outside gpuwarden publish; the AsyncAPI document is written from such a system's point of
 # view, so these are what it sends and every other kind is what it receives.
-EXTERNALLY_PUBLISHED: frozenset[str] = frozenset({"node.drain.requested", "requests.inference"})
+EXTERNALLY_PUBLISHED: frozenset[str] = frozenset({"node.drain.requested", "requests.inference", "kv.session.where"})
 
 _COMPONENT_REF = "#/components/schemas/{name}"
 _FIELD_RE = re.compile(r"\{(\w+)\}")
@@ -173,9 +173,9 @@ def asyncapi() -> Document:
             "version": f"{SCHEMA_VERSION}.0.0",
             "description": (
                 "Events of gpuwarden, the event-driven GPU operator. Written from the point of view of a "
-                "system integrating with it: such a system sends drain and inference requests and receives "
-                "every other event. Every subject starts with the installation root. Evolution is additive: "
-                "decoders must ignore properties they do not know."
+                "system integrating with it: such a system sends drain and inference requests (and asks where "
+                "sessions are) and receives every other event. Every subject starts with the installation "
+                "root. Evolution is additive: decoders must ignore properties they do not know."
             ),
         },
         "defaultContentType": CONTENT_TYPE,

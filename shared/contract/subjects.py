@@ -102,6 +102,14 @@ ROUTES: dict[str, Route] = {
         "cmd.checkpoint.locate", Delivery.CORE, "Request/reply: where is a session's newest committed checkpoint?"
     ),
     "checkpoint.location": Route("kvagent.location.{session_id}", Delivery.CORE, "The answer to a locate request."),
+    "kv.session.location": Route(
+        "kv.session.{session_id}.location",
+        Delivery.JETSTREAM,
+        "Where a session's KV cache is after a change (placed, restored, saved, dropped, forgotten, ended).",
+    ),
+    "kv.session.where": Route(
+        "cmd.checkpoint.where", Delivery.CORE, "Request/reply: which pod holds a session's KV cache now?"
+    ),
     "config.applied": Route(
         "config.{name}.applied.{service}", Delivery.JETSTREAM, "A service applied a configuration version."
     ),
@@ -227,7 +235,7 @@ class Subjects:
     # -- streams ------------------------------------------------------------------------------------------------
     @property
     def events_stream(self) -> StreamSpec:
-        families = ("node", "driver", "device", "scaler", "checkpoint", "config")
+        families = ("node", "driver", "device", "scaler", "checkpoint", "kv", "config")
         return StreamSpec(
             name=f"{self._stream_prefix}_EVENTS",
             subjects=tuple(f"{self.root}.{f}.>" for f in families),

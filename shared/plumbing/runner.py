@@ -7,6 +7,7 @@ stop taking messages, let in-flight handlers finish (or nak them), stop loops, c
 HTTP: ``/healthz`` answers 200 while the process runs, with ``"status": "ok"`` or ``"degraded"`` and each
 component's state (Redis down is degraded: the service keeps going on its last good configuration);
 ``/readyz`` answers 200 once started and while NATS is connected, 503 otherwise; ``/metrics`` is Prometheus.
+A service adds its own read-only routes with ``ctx.add_route(prefix, route)`` on the same server.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from shared.plumbing import logs
 from shared.plumbing.bus import Bus, Consumer, ConsumerSpec, Handler
 from shared.plumbing.configsync import ConfigWatcher, VersionedConfig
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.http import SmallHttpServer
+from shared.plumbing.http import Response, Route, SmallHttpServer
 from shared.plumbing.settings import Settings, load_settings
 from shared.plumbing.telemetry import Telemetry
 
@@ -57,6 +58,7 @@ class ServiceContext:
     status: dict[str, Any] = field(default_factory=dict)  # shown in /healthz; callables are called each time
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _consumers: list[Consumer] = field(default_factory=list)
+    _routes: dict[str, Route] = field(default_factory=dict)
 
     @property
     def node(self) -> str:
@@ -91,6 +93,13 @@ class ServiceContext:
 
     async def publish(self, event: Event) -> None:
         await self.bus.publish(event)
+
+    def add_route(self, prefix: str, route: Route) -> None:
+        """Answer GET requests for paths under ``prefix`` (``"/sessions/"``) on the service's HTTP endpoint;
+        ``route`` gets the method and the path (without the query) and returns (status line, type, body)."""
+        if not prefix.startswith("/") or prefix in ("/healthz", "/readyz", "/metrics"):
+            raise ValueError(f"HTTP route prefix {prefix!r}: must start with '/' and not shadow the probes")
+        self._routes[prefix] = route
 
     def health(self) -> dict[str, Any]:
         components = {
@@ -138,7 +147,20 @@ class HealthServer(SmallHttpServer):
             return ("200 OK" if ok else "503 Service Unavailable"), "application/json", body
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.ctx.telemetry.registry)
-        return "404 Not Found", "text/plain", b"try /healthz, /readyz or /metrics\n"
+        for prefix, route in self.ctx._routes.items():
+            if path.startswith(prefix):
+                return await self._added(route, method, path)
+        known = ", ".join(["/healthz", "/readyz", "/metrics", *(f"{p}..." for p in self.ctx._routes)])
+        return "404 Not Found", "text/plain", f"try {known}\n".encode()
+
+    @staticmethod
+    async def _added(route: Route, method: str, path: str) -> Response:
+        """A service's own route; one that raises answers 500 with one line, never a dropped connection."""
+        try:
+            return await route(method, path)
+        except Exception as exc:
+            log.exception("HTTP route failed", extra={"path": path})
+            return "500 Internal Server Error", "text/plain", f"{type(exc).__name__}: {exc}\n".encode()
 
 
 class RunningService:

@@ -22,6 +22,7 @@ NEEDS_NATS = [
     ["drain", "node-1"],
     ["deadletters"],
     ["agent", "final-save", "--pod", "llama-1", "--deadline", "1"],
+    ["where", "s1"],
 ]
 
 

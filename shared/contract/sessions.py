@@ -1,0 +1,73 @@
+"""Where each session's KV cache lives, for routers: one event per change of a session's location, and the
+question "which pod holds session S now?".
+
+A KV-aware router (a gateway's endpoint picker keeping a conversation on the pod that has its cache) follows
+``kv.session.location`` events, or asks with ``kv.session.where`` when it has no answer yet. Where engines'
+own KV events (vLLM's ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``) describe blocks of one pod,
+these describe whole sessions across pods: gpuwarden moves sessions between pods, engines do not.
+
+Order: ``sequence`` strictly increases over every change of one session, in the order the registry applied
+them, whatever order events arrive in; a router keeps, per session, the location with the highest sequence
+(``supersedes``) and drops the rest. ``generation`` is the ownership fence the holder took (it never falls
+along a session's sequence), not an order of events: saves and drops happen within one generation.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from shared.contract.base import Event, Token
+
+LOCATION_REASONS: dict[str, str] = {
+    "placed": "a pod took the session (started it, or claimed it to restore it), or announced it unplaced",
+    "restored": "the pod that holds the session restored it from ``checkpoint_id``",
+    "saved": "the pod that holds the session committed checkpoint ``checkpoint_id``",
+    "dropped": "the pod no longer holds the session's KV (preempted or evicted by the engine); not ended",
+    "forgotten": "the pod is gone (silent and no longer in the cluster): nothing holds the session now",
+    "ended": "the conversation is over: its checkpoints are retired",
+    "unknown": "(answers only) the registry knows nothing of the session",
+}
+"""Why a location changed (``SessionLocation.reason``); an answer to ``kv.session.where`` repeats the reason
+of the last change. Consumers must accept reasons they do not know (evolution is additive)."""
+
+
+class SessionLocation(Event, frozen=True, kw_only=True, tag="kv.session.location"):
+    """Where a session's KV cache is, after the change ``reason`` names (published once per change by the
+    checkpoint service, from the registry's own record of it), or now (the answer to ``kv.session.where``).
+
+    ``held``: a pod holds the KV now: route the session's requests to ``pod``. Otherwise no pod holds it:
+    any pod of ``namespace``/``deployment`` may take it, restoring ``checkpoint_id`` when there is one.
+    ``previous_pod``: the pod that held it before this change, when that was another one (forget it there)."""
+
+    family: ClassVar[str] = "kv"
+
+    session_id: Token
+    sequence: int
+    """Strictly increasing per session over every change (microseconds of the registry's clock where that is
+    larger, so it keeps increasing across a registry that lost its data); 0 for a session never seen."""
+    reason: str
+    held: bool
+    pod: str = ""
+    node: str = ""
+    namespace: str = ""
+    deployment: str = ""
+    generation: int = 0
+    """The session's newest generation handed out: the holder's ownership fence."""
+    token_count: int = 0
+    """Tokens in ``checkpoint_id``."""
+    checkpoint_id: str = ""
+    """The checkpoint this change is about (saved, restored from), else the session's newest committed one."""
+    previous_pod: str = ""
+
+    def supersedes(self, other: SessionLocation) -> bool:
+        """Whether this location is newer than ``other`` (of the same session): the one rule a router needs."""
+        return self.sequence > other.sequence
+
+
+class WhereIsSession(Event, frozen=True, kw_only=True, tag="kv.session.where"):
+    """Which pod holds this session's KV cache now? Answered with a ``kv.session.location`` (``held`` false
+    and ``reason`` ``"unknown"`` for a session the registry never saw)."""
+
+    family: ClassVar[str] = "kv"
+
+    session_id: Token
