@@ -379,6 +379,10 @@ def summarise(
         "sessions_ended_at_max_len": final.get("ended_at_max_len"),
         "sessions_expired": final.get("expired"),
         "prestop_saves": final.get("prestop_saves"),
+        "restores_verified": final.get("restore_checks", {}).get("verified"),
+        "restores_check_failed": final.get("restore_checks", {}).get("failed"),
+        "restores_unchecked": final.get("restore_checks", {}).get("unchecked"),
+        "engines": final.get("engines", {}),
         "drains": len(drains),
         "drains_asked_here": len(ours),
         "drains_asked_by_driver": sum(1 for d in drains if d.by != "bench.soak"),
@@ -446,6 +450,7 @@ TARGETS = [
     Target("sim_rss_high_water_rise_mb", "<=", 64.0, "the simulation's peak memory does not rise in the second half"),
     Target("lost_sessions", "<=", 0, "no session lost"),
     Target("drains_without_verdict", "<=", 0, "every drain gets a verdict"),
+    Target("restores_check_failed", "<=", 0, "every restored session continues as its reference run does"),
 ]
 
 
