@@ -808,7 +808,9 @@ async def test_a_layout_change_commits_every_session_before_the_first_mig_change
     # The order: when the first MIG change began, every session already had its committed checkpoint, and every
     # checkpoint.saved had gone out.
     assert gpus.seen_then == dict.fromkeys(sessions, True)
-    await eventually(lambda: len(saved) == 5)
+    await eventually(
+        lambda: {e.session_id for e in saved} == set(sessions)
+    )  # (at least once: a redelivery may repeat one)
     assert {e.session_id for e in saved} == set(sessions) and {e.drain_id for e in saved} == {request.drain_id}
     assert gpus.first_change_at is not None and all(e.occurred_at <= gpus.first_change_at for e in saved)
     assert len((await gpus.devices())[0].mig_instances) == 7
