@@ -26,7 +26,7 @@ $(VENV)/.prometheus: $(STAMP)
 install: $(STAMP) $(VENV)/.prometheus
 
 run: install
-	$(BIN)/gpuwarden run
+	$(BIN)/gpuwarden up
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

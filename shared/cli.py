@@ -312,8 +312,8 @@ def cmd_events(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             return
         table = Table(show_header=not printed, box=None, pad_edge=False)
-        for column, width in (("time", 12), ("kind", 30), ("source", 18), ("", None)):
-            table.add_column(column, min_width=width, max_width=width, no_wrap=True)
+        for column, width in (("time", 12), ("kind", 30), ("source", 18), ("what", None)):
+            table.add_column(column, min_width=width, max_width=width, no_wrap=True, overflow="ellipsis")
         for event in found:
             table.add_row(*events.row(event))
         out.print(table)

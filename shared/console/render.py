@@ -53,7 +53,7 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
             upgrade,
             str(len(node.pods)),
             str(node.sessions),
-            "  ".join(gpus) or "-",
+            "\n".join(gpus) or "-",
         )
     deployments = Table(title="deployments", title_justify="left")
     for column in ("deployment", "replicas", "desired", "why"):
@@ -69,7 +69,7 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
         verified = {True: "yes", None: "-"}.get(session.verified_after_restore, "NO")
         sessions.add_row(
             session.id,
-            session.pod,
+            session.pod if session.state == "held" else Text(f"{session.pod} (moving)", style="yellow"),
             session.node,
             str(session.generation),
             _bytes(session.bytes),
@@ -106,4 +106,8 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
 
 
 def console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    """A terminal's own width; 160 columns into a pipe or a file (rich would take 80 and wrap every table)."""
+    found = Console(stderr=stderr, highlight=False)
+    if found.is_terminal:
+        return found
+    return Console(stderr=stderr, highlight=False, width=160)

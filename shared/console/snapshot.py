@@ -102,6 +102,9 @@ class SessionView(msgspec.Struct, kw_only=True):
     """True: the pod holding it now restored it and every digest checked out; None: it did not come from a
     checkpoint on this pod (started or recomputed here)."""
     restored_from: str = ""
+    state: str = "held"
+    """held: its pod runs; moving: its pod is terminating or gone, and the session is restored elsewhere on its
+    next request (the registry drops it once the pod's announcements lapse)."""
 
 
 class DrainView(msgspec.Struct, kw_only=True):
@@ -214,8 +217,12 @@ async def take(mesh: MeshClient, samples: SampleListener | None = None, sample_w
     if samples is not None and sample_wait_s > 0:
         await samples.wait_for({g.uuid for inv in inventories.values() for g in inv.gpus}, sample_wait_s)
     sessions = await read_sessions(mesh)
+    running = {p.name for p in pods if p.phase == "Running"}
     by_node: dict[str, int] = {}
     for session in sessions:
+        if session.pod not in running:
+            session.state = "moving"
+            continue
         by_node[session.node] = by_node.get(session.node, 0) + 1
     nodes = [
         _node_view(info, inventories.get(info.name), pods, samples, by_node.get(info.name, 0))
