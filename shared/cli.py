@@ -800,9 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, ClusterError):
             print(f"gpuwarden {args.command}: {exc}", file=sys.stderr)
             return 1
-        print(
-            f"gpuwarden {args.command}: {type(exc).__name__}: {exc} (GPUWARDEN_DEBUG=1 shows where)", file=sys.stderr
-        )
+        print(f"gpuwarden {args.command}: {type(exc).__name__}: {exc} (GPUWARDEN_DEBUG=1 shows where)", file=sys.stderr)
         return 1
 
 

@@ -6,6 +6,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_HOME": (
+        "gpuwarden up/down and the other commands: the run's folder: run.json (URLs, health URLs, pids), "
+        "logs/, checkpoints/, redis/ (default .gpuwarden in the working directory)"
+    ),
+    "GPUWARDEN_POD_NAME": "inference pods: the pod name `gpuwarden agent final-save` addresses",
+    "GPUWARDEN_DEBUG": "gpuwarden: set to show the traceback of an unexpected error instead of its one line",
+}
+"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+
 
 class CommandError(Exception):
     """Something the user can fix or should know, said in one line; the command exits 1."""
