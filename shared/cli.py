@@ -294,8 +294,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from shared.console import events, render
 
     kinds = None
@@ -311,12 +309,11 @@ def cmd_events(args: argparse.Namespace) -> int:
                 sys.stdout.write(codec.encode(event).decode() + "\n")
             sys.stdout.flush()
             return
-        table = Table(show_header=not printed, box=None, pad_edge=False)
-        for column, width in (("time", 12), ("kind", 30), ("source", 18), ("what", None)):
-            table.add_column(column, min_width=width, max_width=width, no_wrap=True, overflow="ellipsis")
+        width = out.width
+        if not printed:
+            out.print(events.line(("time", "kind", "source", "what"), width), style="bold")
         for event in found:
-            table.add_row(*events.row(event))
-        out.print(table)
+            out.print(events.line(events.row(event), width))
 
     printed = False
 

@@ -46,6 +46,13 @@ def row(event: Event) -> tuple[str, str, str, str]:
     return at, event.kind, event.source, summary(event)
 
 
+def line(cells: tuple[str, str, str, str], width: int) -> str:
+    """One row of the table, cut to ``width``: fixed columns, then the summary."""
+    at, kind, source, what = cells
+    text = f"{at:<12}  {kind:<30}  {source:<18}  {what}"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 async def stored(mesh: MeshClient, kinds: list[str] | None, limit: int) -> list[Event]:
     """The newest ``limit`` lifecycle events of these kinds in the stream, oldest first."""
     stream = mesh.subjects.events_stream.name

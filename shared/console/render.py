@@ -106,8 +106,11 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
 
 
 def console(stderr: bool = False) -> Console:
-    """A terminal's own width; 160 columns into a pipe or a file (rich would take 80 and wrap every table)."""
+    """A terminal's own width; into a pipe or a file $COLUMNS or 160 (rich would take 80 and wrap every table)."""
     found = Console(stderr=stderr, highlight=False)
     if found.is_terminal:
         return found
-    return Console(stderr=stderr, highlight=False, width=160)
+    import os
+
+    columns = os.environ.get("COLUMNS", "")
+    return Console(stderr=stderr, highlight=False, width=int(columns) if columns.isdigit() else 160)

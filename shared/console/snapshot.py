@@ -217,10 +217,10 @@ async def take(mesh: MeshClient, samples: SampleListener | None = None, sample_w
     if samples is not None and sample_wait_s > 0:
         await samples.wait_for({g.uuid for inv in inventories.values() for g in inv.gpus}, sample_wait_s)
     sessions = await read_sessions(mesh)
-    running = {p.name for p in pods if p.phase == "Running"}
+    serving = {p.name for p in pods if p.phase == "Running"}
     by_node: dict[str, int] = {}
     for session in sessions:
-        if session.pod not in running:
+        if session.pod not in serving:
             session.state = "moving"
             continue
         by_node[session.node] = by_node.get(session.node, 0) + 1

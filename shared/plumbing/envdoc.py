@@ -44,13 +44,15 @@ def _sources() -> list[Path]:
 
 def _documented(tree: ast.Module) -> dict[str, str]:
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        target: ast.expr | None = None
+        value: ast.expr | None = None
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
         if isinstance(target, ast.Name) and target.id == "DOCUMENTED" and isinstance(value, ast.Dict):
             return {
-                k.value: v.value
+                str(k.value): str(v.value)
                 for k, v in zip(value.keys, value.values, strict=True)
                 if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
             }
@@ -123,12 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = render(current, variables)
     if args.check:
         if wanted != current:
-            print(f"envdoc: {TARGET.relative_to(ROOT)} is out of date: run `python -m shared.plumbing.envdoc`")
+            print(f"envdoc: {TARGET} is out of date: run `python -m shared.plumbing.envdoc`")
             return 1
         return 0
     if wanted != current:
         TARGET.write_text(wanted)
-        print(f"wrote {TARGET.relative_to(ROOT)} ({len(variables)} variables)")
+        print(f"wrote {TARGET} ({len(variables)} variables)")
     return 0
 
 
