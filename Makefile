@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/*.proto)
 
-.PHONY: install run test faults check format lint types layers bench soak schemas proto gpu-check gpu-kit clean
+.PHONY: install run test faults check format lint types layers bench soak schemas envdoc proto gpu-check gpu-kit clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,7 +26,7 @@ $(VENV)/.prometheus: $(STAMP)
 install: $(STAMP) $(VENV)/.prometheus
 
 run: install
-	$(BIN)/gpuwarden run
+	$(BIN)/gpuwarden up
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
@@ -40,6 +40,7 @@ check: install format lint types layers
 	$(BIN)/python -m shared.contract.schemas --check
 	$(BIN)/python -m services.scaler.protogen --check
 	$(BIN)/python -m services.device.protogen --check
+	$(BIN)/python -m shared.plumbing.envdoc --check
 
 format: install
 	$(BIN)/ruff format --check shared services tests bench
@@ -66,6 +67,10 @@ soak: install
 
 schemas: install
 	$(BIN)/python -m shared.contract.schemas
+
+# docs/configuration.md's table of environment variables, from the DOCUMENTED tables next to the code that reads them
+envdoc: install
+	$(BIN)/python -m shared.plumbing.envdoc
 
 proto: install
 	$(BIN)/python -m services.scaler.protogen

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +26,8 @@ from typing import Any
 
 import msgspec
 
+from shared.console.process import DEFAULT_HOME, NODE_SCOPED, SERVICES, home, state_file
+from shared.console.state import CommandError, read_state
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import BY_KIND, codec
@@ -36,30 +36,21 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.errors import ConfigConflict, InvalidConfig, ServerUnreachable, SettingsError
 from shared.plumbing.settings import Settings, load_settings, public_url
 
-SERVICES = ("driver", "device", "metrics", "scaler", "checkpoint")
-NODE_SCOPED = ("driver", "device", "metrics")
-DEFAULT_HOME = ".gpuwarden"
+__all__ = ["DEFAULT_HOME", "NODE_SCOPED", "SERVICES", "home", "main"]
 
 
 class UsageError(Exception):
     """Bad input on the command line: printed as one clear line, exit status 2."""
 
 
-def home(env: Mapping[str, str] | None = None) -> Path:
-    """The folder of ``gpuwarden run``'s state, logs, checkpoints and Redis data: ``GPUWARDEN_HOME``."""
-    env = os.environ if env is None else env
-    return Path(env.get("GPUWARDEN_HOME") or DEFAULT_HOME).expanduser().resolve()
-
-
 def _state_file(env: Mapping[str, str]) -> Path:
-    return home(env) / "run.json"
+    return state_file(env)
 
 
 def _env_with_state() -> dict[str, str]:
     env = dict(os.environ)
-    state_file = _state_file(env)
-    if state_file.exists() and not (env.get("GPUWARDEN_NATS_URL") and env.get("GPUWARDEN_REDIS_URL")):
-        state = json.loads(state_file.read_text())
+    state = read_state(_state_file(env))
+    if state.get("nats_url") and not (env.get("GPUWARDEN_NATS_URL") and env.get("GPUWARDEN_REDIS_URL")):
         env.setdefault("GPUWARDEN_NATS_URL", state["nats_url"])
         env.setdefault("GPUWARDEN_REDIS_URL", state["redis_url"])
         env.setdefault("GPUWARDEN_ROOT", state.get("root", "gw"))
@@ -121,7 +112,9 @@ def _subject(settings: Settings, event: Any) -> str:
     return Subjects(settings.root).for_event(event)
 
 
-def cmd_drain(args: argparse.Namespace) -> int:
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """Save every session on the node (a drain request, as the checkpoint service takes it): no cordon, no
+    eviction. ``--wait`` prints the verdict."""
     drain_id = args.drain_id or f"drain-{uuid.uuid4().hex[:12]}"
     try:
         event = DrainRequested(
@@ -133,7 +126,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
         )
         msgspec.json.decode(codec.encode(event), type=DrainRequested)  # same validation as any consumer
     except msgspec.ValidationError as exc:
-        raise UsageError(f"drain: {exc}") from None
+        raise UsageError(f"checkpoint: {exc}") from None
     settings = _settings()
 
     async def main() -> int:
@@ -242,175 +235,258 @@ def cmd_deadletters(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
-# -- run: the embedded default --------------------------------------------------------------------------------
-def _live_pid(state_file: Path) -> int | None:
-    """The pid of the ``gpuwarden run`` that wrote ``state_file``, while that process lives."""
-    try:
-        pid = int(json.loads(state_file.read_text()).get("pid", 0))
-    except (OSError, ValueError, AttributeError):
-        return None
-    if pid <= 0 or pid == os.getpid():
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        return pid
-    return pid
+# -- up / down: the embedded default -------------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace) -> int:
+    from shared.console import process
+
+    if not args.detach:
+        return process.run_foreground(args)
+    argv = ["--nodes", args.nodes, "--rate", str(args.rate)]
+    argv += ["--nats-port", str(args.nats_port), "--redis-port", str(args.redis_port)]
+    if args.seconds is not None:
+        argv += ["--seconds", str(args.seconds)]
+    return process.run_detached(args, argv)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    env = dict(os.environ)
-    env.setdefault("GPUWARDEN_ROOT", "gw")
-    env.setdefault("GPUWARDEN_BACKEND", "sim")
-    try:
-        load_settings(env)
-    except SettingsError as exc:
-        raise UsageError(str(exc)) from None
-    nodes = [n for n in args.nodes.split(",") if n]
-    if not nodes and env["GPUWARDEN_BACKEND"] == "sim":
-        from shared.sim.spec import SpecError, load_spec
+def cmd_down(args: argparse.Namespace) -> int:
+    from shared.console import process
 
-        try:
-            nodes = [n.name for n in load_spec(env.get("GPUWARDEN_SIM_SPEC")).nodes]
-        except SpecError as exc:
-            raise UsageError(str(exc)) from None
-    if not nodes:
-        raise UsageError("--nodes: at least one node name")
-    base = home(env)
-    state_file = _state_file(env)
-    other = _live_pid(state_file)
-    if other is not None:
-        raise UsageError(
-            f"already running as pid {other} with GPUWARDEN_HOME={base}; stop it first or set another GPUWARDEN_HOME"
-        )
-    log_dir = base / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    owned: list[Any] = []
-    try:
-        _start_servers(env, base, owned)
-        return _run_mesh(args, env, nodes, base, state_file, log_dir, owned)
-    finally:
-        for server in owned:
-            server.cleanup()  # the Redis data folder stays for the next run
-        state_file.unlink(missing_ok=True)
-
-
-def _start_servers(env: dict[str, str], base: Path, owned: list[Any]) -> None:
-    """Start NATS and Redis unless their URLs are given; Redis keeps its data in ``base/redis`` (AOF)."""
-    from shared.plumbing.devservers import NatsServer, RedisServer
-
-    if not env.get("GPUWARDEN_NATS_URL"):
-        nats_server = NatsServer()
-        owned.append(nats_server)
-        env["GPUWARDEN_NATS_URL"] = nats_server.start().url
-    if not env.get("GPUWARDEN_REDIS_URL"):
-        redis_server = RedisServer(dir=base / "redis", persistent=True)
-        owned.append(redis_server)
-        env["GPUWARDEN_REDIS_URL"] = redis_server.start().url
-
-
-def _run_mesh(
-    args: argparse.Namespace,
-    env: dict[str, str],
-    nodes: list[str],
-    base: Path,
-    state_file: Path,
-    log_dir: Path,
-    servers: list[Any],
-) -> int:
-    """Start the plan's processes and keep them, and the servers this run started, running until stopped: a
-    process or server that exits is started again (a server on its own port and folder)."""
-    from shared.plumbing.devservers import free_port
-
-    checkpoints = f"file://{base / 'checkpoints'}"
-    plan: list[tuple[str, str, dict[str, str]]] = []
-    for name in SERVICES:
-        for node in nodes if name in NODE_SCOPED else [nodes[0]]:
-            child = dict(env, GPUWARDEN_NODE=node, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
-            child.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
-            # one machine's disk, every writer on it: packs nothing references go after a minute, not ten
-            child.setdefault("GPUWARDEN_CHECKPOINT_GC_S", "30")
-            child.setdefault("GPUWARDEN_CHECKPOINT_GC_GRACE_S", "60")
-            child.setdefault("GPUWARDEN_SCALER_ADDR", f"127.0.0.1:{free_port()}")
-            if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters
-                child.setdefault("GPUWARDEN_METRICS_SOURCE", "dcgm")
-                child.setdefault("GPUWARDEN_METRICS_AGGREGATE", "bus" if node == nodes[0] else "off")
-            label = f"{name}@{node}" if name in NODE_SCOPED else name
-            plan.append((label, f"services.{name}", child))
-    sim_env = dict(env, GPUWARDEN_NODE=nodes[0], GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
-    sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
-    if env["GPUWARDEN_BACKEND"] == "sim":
-        plan.append(("sim", "shared.sim", sim_env))
-    state: dict[str, Any] = {
-        "pid": os.getpid(),
-        "nats_url": env["GPUWARDEN_NATS_URL"],
-        "redis_url": env["GPUWARDEN_REDIS_URL"],
-        "root": env["GPUWARDEN_ROOT"],
-        "simulated": env["GPUWARDEN_BACKEND"] == "sim",
-        "services": {label: "http://" + child["GPUWARDEN_HTTP_ADDR"] + "/healthz" for label, _, child in plan},
-        "logs": str(log_dir),
-    }
-    state_file.write_text(json.dumps(state, indent=2))
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    extra = {"sim": ["--rate", str(args.rate)]}
-
-    def launch(label: str, module: str, child: dict[str, str]) -> None:
-        out = open(log_dir / f"{label.replace('@', '-')}.log", "ab")
-        procs[label] = subprocess.Popen(
-            [sys.executable, "-m", module, *extra.get(label, [])], env=child, stdout=out, stderr=out
-        )
-
-    stopping = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    for label, name, child in plan:
-        launch(label, name, child)
-    banner = "gpuwarden is running" + (" (SIMULATED GPUs and cluster)" if state["simulated"] else "")
-    print(banner)
-    print(f"  NATS   {state['nats_url']}   Redis {state['redis_url']}   root {state['root']}")
-    for label, url in state["services"].items():
-        print(f"  {label:<18} {url}")
-    print(f"  home   {base}   (state, logs, checkpoints, Redis data)")
-    print("  try:   .venv/bin/gpuwarden drain node-1 --wait      (Ctrl-C stops everything)")
-    sys.stdout.flush()
-    started = time.monotonic()
-    restarts: dict[str, int] = {}
-    try:
-        while not stopping and (args.seconds is None or time.monotonic() - started < args.seconds):
-            time.sleep(0.5)
-            for server in servers:
-                if server.proc is not None and server.proc.poll() is not None and not stopping:
-                    kind = type(server).__name__
-                    print(f"  {kind} exited with {server.proc.returncode}; restarting on {server.url}", flush=True)
-                    try:
-                        server.start()
-                    except RuntimeError as exc:  # tried again on the next round
-                        print(f"  {kind} did not start again: {exc}", flush=True)
-            for label, name, child in plan:
-                proc = procs[label]
-                if proc.poll() is not None and not stopping:
-                    restarts[label] = restarts.get(label, 0) + 1
-                    print(f"  {label} exited with {proc.returncode}; restarting (#{restarts[label]})", flush=True)
-                    time.sleep(min(restarts[label], 5))
-                    launch(label, name, child)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    print("stopped")
+    process.stop(os.environ, timeout=args.timeout)
     return 0
+
+
+# -- status / events ------------------------------------------------------------------------------------------
+def _open_mesh() -> Any:
+    from shared.console.client import MeshClient, read_state
+
+    return MeshClient.open(_settings(), read_state(_state_file(os.environ)))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from shared.console import render, snapshot
+
+    async def main() -> int:
+        mesh = await _open_mesh()
+        samples = snapshot.SampleListener(mesh)
+        try:
+            await samples.start()
+            if not args.watch:
+                status = await snapshot.take(mesh, samples, args.sample)
+                if args.json:
+                    sys.stdout.write(snapshot.to_json(status).decode() + "\n")
+                else:
+                    render.console().print(render.status_tables(status))
+                return 0
+            from rich.live import Live
+
+            status = await snapshot.take(mesh, samples, args.sample)
+            with Live(render.status_tables(status), console=render.console(), auto_refresh=False) as live:
+                while True:
+                    await asyncio.sleep(args.interval)
+                    live.update(render.status_tables(await snapshot.take(mesh, samples)), refresh=True)
+        finally:
+            await samples.stop()
+            await mesh.close()
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from shared.console import events, render
+
+    kinds = None
+    if args.kind:
+        kinds = events.kinds_matching(args.kind)
+        if not kinds:
+            raise UsageError(f"--kind {args.kind}: no such event kind (kinds: {', '.join(sorted(BY_KIND))})")
+    out = render.console()
+
+    def show(found: list[Any]) -> None:
+        if args.json:
+            for event in found:
+                sys.stdout.write(codec.encode(event).decode() + "\n")
+            sys.stdout.flush()
+            return
+        width = out.width
+        if not printed:
+            out.print(events.line(("time", "kind", "source", "what"), width), style="bold")
+        for event in found:
+            out.print(events.line(events.row(event), width))
+
+    printed = False
+
+    async def main() -> int:
+        nonlocal printed
+        mesh = await _open_mesh()
+        try:
+            show(await events.stored(mesh, kinds, args.limit))
+            printed = True
+            if args.follow:
+                await events.follow(mesh, kinds, lambda event: show([event]))
+            return 0
+        finally:
+            await mesh.close()
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return 0
+
+
+# -- drain / uncordon / upgrade-driver --------------------------------------------------------------------------
+def cmd_drain_node(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shared.console import operations, render
+
+    err = render.console(stderr=True)
+    live = err.is_terminal and not args.json
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
+    )
+    tasks: dict[str, Any] = {}
+
+    def report(phase: str, done: dict[str, Any]) -> None:
+        if phase == "cordoned":
+            total = done["sessions"]
+            if live:
+                tasks["save"] = progress.add_task(f"save {total} session(s)", total=max(total, 1))
+            elif not args.json:
+                err.print(f"{args.node} cordoned; saving {total} session(s)")
+        elif phase == "saved":
+            if live:
+                progress.update(tasks["save"], completed=progress.tasks[0].total)
+                tasks["evict"] = progress.add_task("evict pods", total=None)
+            elif not args.json:
+                err.print(f"saved {done['sessions']} session(s), {done['bytes']} bytes; evicting pods")
+        elif phase == "evicting" and live:
+            progress.update(tasks["evict"], description=f"evict pods ({done['pods_left']} left)")
+        elif phase == "moving":
+            if live:
+                if "move" not in tasks:
+                    progress.update(tasks["evict"], total=1, completed=1, description="evict pods (none left)")
+                    tasks["move"] = progress.add_task("restore + verify elsewhere", total=max(done["total"], 1))
+                progress.update(tasks["move"], completed=done["done"])
+
+    async def main() -> int:
+        mesh = await _open_mesh()
+        try:
+            with progress if live else contextlib.nullcontext():
+                result = await operations.drain(
+                    mesh,
+                    args.node,
+                    wait=args.wait,
+                    timeout=args.timeout,
+                    deadline_s=args.deadline,
+                    reason=args.reason,
+                    requested_by=args.requested_by,
+                    drain_id=args.drain_id,
+                    report=report,
+                )
+        finally:
+            await mesh.close()
+        if args.json:
+            print(json.dumps(result.as_json()))
+        if not result.ok:
+            if not args.json:
+                print(f"gpuwarden drain: {args.node}: {result.reason}", file=sys.stderr)
+            return 1
+        if not args.json:
+            restored = [m for m in result.sessions if m.outcome == "restored"]
+            ended = [m for m in result.sessions if m.outcome == "ended"]
+            where = sorted({m.new_node for m in restored})
+            line = (
+                f"{args.node} drained: {result.sessions_committed} session(s) saved in {result.save_s:.1f}s, "
+                f"{len(result.pods_evicted)} pod(s) evicted"
+            )
+            if args.wait:
+                line += f", {len(restored)} restored and verified on {', '.join(where) or '-'}"
+                line += f" ({len(ended)} ended by their clients)" if ended else ""
+                line += f" in {result.save_s + result.evict_s + result.move_s:.1f}s"
+            print(line + f"; still cordoned: `gpuwarden uncordon {args.node}`")
+        return 0
+
+    return asyncio.run(main())
+
+
+def cmd_uncordon(args: argparse.Namespace) -> int:
+    from shared.console import operations
+
+    async def main() -> int:
+        mesh = await _open_mesh()
+        try:
+            changed = await operations.uncordon(mesh, args.node)
+        finally:
+            await mesh.close()
+        print(f"{args.node} uncordoned" if changed else f"{args.node} was schedulable already")
+        return 0
+
+    return asyncio.run(main())
+
+
+def cmd_upgrade_driver(args: argparse.Namespace) -> int:
+    from shared.contract.configdocs import DRIVER_VERSION_PATTERN
+
+    if not re.match(DRIVER_VERSION_PATTERN, args.version):
+        raise UsageError(f"{args.version!r} is not a driver version like 560.35.03")
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise UsageError("--max-parallel must be at least 1")
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from shared.console import operations, render
+
+    err = render.console(stderr=True)
+    live = err.is_terminal and not args.json
+    progress = Progress(
+        TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[state]}"), console=err
+    )
+    tasks: dict[str, Any] = {}
+    last: dict[str, str] = {}
+    steps = len(operations.STATE_ORDER)
+
+    def report(nodes: list[Any]) -> None:
+        for n in nodes:
+            state = "done" if operations.node_done(n, args.version) else n.state or "waiting for a slot"
+            if live:
+                if n.node not in tasks:
+                    tasks[n.node] = progress.add_task(n.node, total=steps, state="")
+                at = (
+                    steps
+                    if state == "done"
+                    else operations.STATE_ORDER.index(n.state) + 1
+                    if n.state in operations.STATE_ORDER
+                    else 0
+                )
+                progress.update(tasks[n.node], completed=at, state=f"{state} ({n.version or '?'})")
+            elif not args.json and last.get(n.node) != state:
+                err.print(f"{n.node}: {state} (driver {n.version or '?'})")
+            last[n.node] = state
+
+    async def main() -> int:
+        mesh = await _open_mesh()
+        try:
+            version = await operations.set_driver(mesh, args.version, args.max_parallel)
+            if not args.json:
+                print(f"driver document v{version}: desired_version {args.version}, auto_upgrade on")
+            if not args.wait:
+                return 0
+            with progress if live else contextlib.nullcontext():
+                ok, why = await operations.follow_upgrade(mesh, args.version, args.timeout, report)
+            nodes = await operations.upgrade_progress(mesh, args.version)
+        finally:
+            await mesh.close()
+        if args.json:
+            print(json.dumps({"version": args.version, "ok": ok, "reason": why, "nodes": [n.__dict__ for n in nodes]}))
+        elif ok:
+            print(f"every node runs driver {args.version}: {', '.join(n.node for n in nodes)}")
+        else:
+            print(f"gpuwarden upgrade-driver: {why}", file=sys.stderr)
+        return 0 if ok else 1
+
+    return asyncio.run(main())
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------
@@ -581,11 +657,68 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuwarden", description=__doc__.splitlines()[0] if __doc__ else "")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("run", help="servers, the five services and the simulated cluster, in the foreground")
+    p = sub.add_parser(
+        "up", aliases=["run"], help="servers, the five services and the simulated cluster and workload (run: the same)"
+    )
+    p.add_argument("--detach", action="store_true", help="run in the background; `gpuwarden down` stops it")
     p.add_argument("--nodes", default="", help="comma-separated node names (default: the simulation spec's nodes)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--rate", type=float, default=2.0, help="simulated inference requests per second")
-    p.set_defaults(func=cmd_run)
+    p.add_argument("--nats-port", type=int, default=0, help="port of the NATS server it starts (default: a free one)")
+    p.add_argument("--redis-port", type=int, default=0, help="port of the Redis server it starts (default: a free one)")
+    p.add_argument("--ready-timeout", type=float, default=90.0, help="--detach: seconds to wait for /readyz")
+    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("down", help="stop the mesh `gpuwarden up --detach` started (pids in $GPUWARDEN_HOME/run.json)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to let it stop before SIGKILL (default 30)")
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser("status", help="nodes, GPUs, deployments, sessions and drains in flight")
+    p.add_argument("--json", action="store_true", help="one JSON document (documented in docs/cli.md)")
+    p.add_argument("--watch", action="store_true", help="a live table, refreshed every --interval seconds")
+    p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--sample", type=float, default=2.5, help="seconds to wait for every GPU's utilisation sample")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("events", help="the lifecycle events on the bus, as a table")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing events as they are published")
+    p.add_argument("--kind", default="", help="only this kind, or every kind under a prefix (node.drain)")
+    p.add_argument("--limit", type=int, default=30, help="how many stored events to show first (default 30)")
+    p.add_argument("--json", action="store_true", help="one JSON event per line")
+    p.set_defaults(func=cmd_events)
+
+    p = sub.add_parser("drain", help="cordon NODE, save every session there, evict its pods (--wait: until restored)")
+    p.add_argument("node")
+    p.add_argument("--wait", action="store_true", help="follow every session until restored and verified elsewhere")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole drain (default 300)")
+    p.add_argument("--deadline", type=float, default=25.0, help="seconds the savers have (default 25)")
+    p.add_argument("--drain-id", default="")
+    p.add_argument("--reason", default="maintenance")
+    p.add_argument("--requested-by", default="cli")
+    p.add_argument("--json", action="store_true", help="print the outcome as one JSON document")
+    p.set_defaults(func=cmd_drain_node)
+
+    p = sub.add_parser("checkpoint", help="save every session on NODE (a drain request): no cordon, no eviction")
+    p.add_argument("node")
+    p.add_argument("--drain-id", default="")
+    p.add_argument("--reason", default="maintenance")
+    p.add_argument("--requested-by", default="cli")
+    p.add_argument("--deadline", type=float, default=25.0, help="seconds the savers have (default 25)")
+    p.add_argument("--wait", action="store_true", help="wait for drain.completed or drain.failed")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("uncordon", help="make NODE schedulable again")
+    p.add_argument("node")
+    p.set_defaults(func=cmd_uncordon)
+
+    p = sub.add_parser("upgrade-driver", help="roll driver VERSION over every node, sessions saved before evictions")
+    p.add_argument("version")
+    p.add_argument("--max-parallel", type=int, default=None, help="nodes upgraded at once (default: the document's)")
+    p.add_argument("--wait", action="store_true", help="follow every node until it runs VERSION")
+    p.add_argument("--timeout", type=float, default=900.0, help="--wait: seconds at most (default 900)")
+    p.add_argument("--json", action="store_true", help="--wait: print the outcome as one JSON document")
+    p.set_defaults(func=cmd_upgrade_driver)
 
     p = sub.add_parser("service", help="run one service in the foreground (python -m services.NAME)")
     p.add_argument("name", choices=SERVICES)
@@ -594,15 +727,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("publish", help="validate and publish one event (JSON, @file or - for stdin)")
     p.add_argument("event")
     p.set_defaults(func=cmd_publish)
-
-    p = sub.add_parser("drain", help="ask for a drain of NODE: save every KV cache there first")
-    p.add_argument("node")
-    p.add_argument("--drain-id", default="")
-    p.add_argument("--reason", default="maintenance")
-    p.add_argument("--requested-by", default="cli")
-    p.add_argument("--deadline", type=float, default=25.0, help="seconds the savers have (default 25)")
-    p.add_argument("--wait", action="store_true", help="wait for drain.completed or drain.failed")
-    p.set_defaults(func=cmd_drain)
 
     p = sub.add_parser("config", help="read or compare-and-set a configuration document in Redis")
     csub = p.add_subparsers(dest="action", required=True)
@@ -639,6 +763,10 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("node")
     lab.add_argument("labels", nargs="+", metavar="KEY=VALUE|KEY-")
     lab.set_defaults(func=cmd_sim_label)
+
+    p = sub.add_parser("fault", help="inject a SIMULATED fault (the same as `gpuwarden sim fault`)")
+    add_fault_arguments(p)
+    p.set_defaults(func=cmd_sim_fault)
 
     p = sub.add_parser("agent", help="talk to a pod's KV agent")
     asub = p.add_subparsers(dest="action", required=True)
@@ -691,6 +819,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, SettingsError) as exc:
         print(f"gpuwarden {args.command}: {exc}", file=sys.stderr)
         return 2
+    except CommandError as exc:
+        print(f"gpuwarden {args.command}: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         down = _unreachable(exc)
         if down is not None:
@@ -699,7 +830,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, OSError | TimeoutError):
             print(f"gpuwarden {args.command}: cannot reach the mesh: {exc}", file=sys.stderr)
             return 1
-        raise
+        if os.environ.get("GPUWARDEN_DEBUG"):
+            raise
+        from shared.ports.cluster import ClusterError
+
+        if isinstance(exc, ClusterError):
+            print(f"gpuwarden {args.command}: {exc}", file=sys.stderr)
+            return 1
+        print(f"gpuwarden {args.command}: {type(exc).__name__}: {exc} (GPUWARDEN_DEBUG=1 shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,17 @@ from shared.kv.stores import parse_store_url
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import env_seconds
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_CHECKPOINT_GC_S": "checkpoint: seconds between retention passes (default 60; 0 disables)",
+    "GPUWARDEN_CHECKPOINT_GC_GRACE_S": (
+        "checkpoint: a pack or a temporary file is collected only when older than this (default 600)"
+    ),
+    "GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S": (
+        "checkpoint: how long a drain's runner holds it unrenewed (default 10; renewed every third of it)"
+    ),
+}
+"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+
 
 @dataclass(frozen=True)
 class CheckpointSettings:

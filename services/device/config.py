@@ -30,6 +30,61 @@ ResourceName = Annotated[
 Replicas = Annotated[int, msgspec.Meta(ge=2, le=1024, description="how many times each device is advertised")]
 
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_DEVICE_PLUGIN_DIR": "device: kubelet device plugin directory (default /var/lib/kubelet/device-plugins/)",
+    "GPUWARDEN_DEVICE_INVENTORY_S": "device: seconds between inventory re-reads (default 10)",
+    "GPUWARDEN_DEVICE_RECOVERY_S": (
+        "device: an unhealthy GPU with no critical XID for this long is probed and, if it passes, offered "
+        "again (default 300; 0: never)"
+    ),
+    "GPUWARDEN_DEVICE_PLUGIN": (
+        "device: `auto` (serve the device plugin when the plugin directory exists, default), `on` (required), `off`"
+    ),
+    "GPUWARDEN_DEVICE_PLUGIN_CONFIG": (
+        "device: YAML/JSON file with `mig_strategy` (none/single/mixed), `device_list_strategy` (envvar/cdi),"
+        " `sharing.time_slicing.resources[{name, replicas}]`"
+    ),
+    "GPUWARDEN_DEVICE_APPLICATION_XIDS": (
+        "device: XIDs that are the application's fault and leave the GPU healthy, comma separated (default "
+        "13,31,43,45,68,109; `none`: every XID counts)"
+    ),
+    "GPUWARDEN_MIG_STEP_TIMEOUT_S": (
+        "device: one MIG change (mode, create, destroy) running longer fails the layout (default 120)"
+    ),
+    "GPUWARDEN_MIG_RECONCILE_S": "device: seconds between MIG layout checks when nothing changed (default 60)",
+    "GPUWARDEN_MIG_RETRY_S": (
+        "device: a failed MIG layout is tried again after this, or at once when its document or label changes"
+        " (default 300)"
+    ),
+    "GPUWARDEN_MIG_CHECKPOINT": (
+        "device: `on` (default) drains the node, saving every session's KV cache, before any MIG change; "
+        "`off` for nodes without inference sessions"
+    ),
+    "GPUWARDEN_MIG_DRAIN_TIMEOUT_S": (
+        "device: no drain verdict within this fails the MIG layout with the GPUs unchanged (default 300; the "
+        "savers get 80% of it, at most 25s)"
+    ),
+    "GPUWARDEN_DEVICE_POD_RESOURCES_SOCKET": (
+        "device: the kubelet's PodResources API, asked which pods hold a failing GPU (default "
+        "/var/lib/kubelet/pod-resources/kubelet.sock)"
+    ),
+    "GPUWARDEN_CDI_DIR": (
+        "device: where the CDI spec of the node's GPUs is written while the plugin runs (default /var/run/cdi)"
+    ),
+    "GPUWARDEN_DRIVER_ROOT": (
+        "device: the folder the NVIDIA driver is installed under, as the host sees it; the CDI spec mounts "
+        "its libraries, firmware and tools and runs its `nvidia-cdi-hook` from there (default /; GPU Operator"
+        " nodes: /run/nvidia/driver)"
+    ),
+    "GPUWARDEN_DRIVER_ROOT_MOUNT": (
+        "device: where the device service's own container has `GPUWARDEN_DRIVER_ROOT` mounted, to look into "
+        "it (default: the same path)"
+    ),
+    "GPUWARDEN_KUBELET_POLL_S": "device: seconds between checks of `kubelet.sock` for a restarted kubelet (default 1)",
+}
+"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+
+
 class ConfigError(SettingsError):
     """The device plugin's configuration is wrong; the message names the field (``$.sharing...``)."""
 

@@ -7,6 +7,18 @@ from dataclasses import dataclass
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import env_seconds
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_DRIVER_RECONCILE_S": "driver: seconds between reconciliations (default 10)",
+    "GPUWARDEN_DRIVER_COORDINATE": "driver: take part in electing the cluster-wide upgrade coordinator (default true)",
+    "GPUWARDEN_DRIVER_LEASE_TTL_S": "driver: coordinator leader lease TTL (default 15)",
+    "GPUWARDEN_DRIVER_AGENT_TIMEOUT_S": (
+        "driver: seconds the coordinator waits for a node's driver agent to answer one command (default 5; "
+        "the lease TTL must be at least twice it); the whole install is bounded by the `driver` document's "
+        "`install_timeout_s`"
+    ),
+}
+"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+
 
 @dataclass(frozen=True)
 class DriverSettings:

@@ -19,6 +19,19 @@ from pathlib import Path
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import parse_host_port
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_SCALER_ADDR": (
+        "scaler: gRPC listen address of the KEDA external scaler (default 0.0.0.0:9090; port 0 takes a free port)"
+    ),
+    "GPUWARDEN_SCALER_TLS_CERT": "scaler: serve TLS with this PEM certificate and key",
+    "GPUWARDEN_SCALER_TLS_KEY": "scaler: the PEM key of GPUWARDEN_SCALER_TLS_CERT",
+    "GPUWARDEN_SCALER_TLS_CA": "scaler: require client certificates signed by this CA (mTLS)",
+    "GPUWARDEN_SCALER_REFRESH_S": (
+        "scaler: seconds between background refreshes of queue depth and utilisation (default 1)"
+    ),
+}
+"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+
 
 @dataclass(frozen=True)
 class ScalerTls:

@@ -24,6 +24,21 @@ FORMS = "file:///absolute/path or nats://<bucket>[?replicas=N]"
 _BUCKET = re.compile(r"^[A-Za-z0-9_-]{1,240}$")
 
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_CHECKPOINT_STORE": (
+        "checkpoint, agents: `file:///path` or `nats://bucket` (default file:///var/lib/gpuwarden/checkpoints)"
+    ),
+    "GPUWARDEN_CHECKPOINT_KEY": (
+        "checkpoint, agents: encryption key for checkpoints at rest, base64 of 32 bytes (AES-256-GCM per "
+        "chunk; or GPUWARDEN_CHECKPOINT_KEY_FILE)"
+    ),
+    "GPUWARDEN_CHECKPOINT_KEY_ID": (
+        "checkpoint, agents: an id for the key, written into each manifest (default: derived from the key)"
+    ),
+}
+"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+
+
 def parse_store_url(url: str) -> tuple[str, str, dict[str, Any]]:
     """``("file", path, {})`` or ``("nats", bucket, options)``; ``ValueError`` naming the variable and the allowed
     forms for anything else. Settings can call this to fail at start-up, before any connection exists."""

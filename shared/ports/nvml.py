@@ -58,6 +58,15 @@ _PROFILE_SUFFIXES: dict[str, str] = {
 _GI_PROFILE_COUNT = 0x12
 
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_DRIVER_INSTALL_COMMAND": (
+        "real backend: the shell command that installs a driver version on the node (`{version}` is "
+        "substituted), e.g. restarting the node's driver container"
+    ),
+}
+"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+
+
 def cuda_version_text(raw: int) -> str:
     """NVML's CUDA driver version integer (12040) as text ("12.4")."""
     return f"{raw // 1000}.{(raw % 1000) // 10}"

@@ -39,6 +39,14 @@ Positive = Annotated[int, msgspec.Meta(gt=0)]
 MIB = 2**20
 
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_SIM_SPEC": (
+        "sim: the node spec file, YAML or JSON (default: nodes node-1..3 with 2 GPUs each; see `shared/sim/spec.py`)"
+    ),
+}
+"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+
+
 class SpecError(ValueError):
     """The spec file is unusable; the message names the file and the field."""
 

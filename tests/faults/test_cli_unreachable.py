@@ -20,6 +20,11 @@ NEEDS_REDIS = [
 ]
 NEEDS_NATS = [
     ["drain", "node-1"],
+    ["checkpoint", "node-1"],
+    ["uncordon", "node-1"],
+    ["status"],
+    ["events"],
+    ["upgrade-driver", "560.35.03"],
     ["deadletters"],
     ["agent", "final-save", "--pod", "llama-1", "--deadline", "1"],
     ["where", "s1"],

@@ -168,7 +168,7 @@ async def test_a_re_sent_drain_id_is_answered_with_its_recorded_verdict(mesh: Me
         sys.executable,
         "-m",
         "shared.cli",
-        "drain",
+        "checkpoint",
         "node-1",
         "--drain-id",
         "again",

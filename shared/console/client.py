@@ -1,0 +1,82 @@
+"""One connection to a running mesh for a command: the bus, Redis, the cluster port, and the run's state file."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared.console.state import CommandError, read_state
+from shared.contract.registry import codec
+from shared.contract.subjects import Subjects
+from shared.plumbing.bus import Bus
+from shared.plumbing.configsync import redis_client
+from shared.plumbing.settings import Settings
+from shared.ports.cluster import ClusterError, ClusterPort
+
+__all__ = ["CommandError", "MeshClient", "read_state"]
+
+
+@dataclass
+class MeshClient:
+    """What a command talks to. ``services``: the health URLs the run's state file lists (empty for a mesh this
+    machine did not start, e.g. one in Kubernetes)."""
+
+    settings: Settings
+    bus: Bus
+    redis: Any
+    cluster: ClusterPort | None
+    services: dict[str, str] = field(default_factory=dict)
+    simulated: bool = True
+
+    @property
+    def subjects(self) -> Subjects:
+        return self.bus.subjects
+
+    @classmethod
+    async def open(cls, settings: Settings, state: dict[str, Any], source: str = "cli") -> MeshClient:
+        bus = await Bus.connect(settings.nats, Subjects(settings.root), source, connect_timeout=3.0)
+        try:
+            await bus.ensure_streams()
+        except BaseException:
+            await bus.close(1)
+            raise
+        redis = redis_client(settings.redis)
+        cluster: ClusterPort | None = None
+        if settings.backend == "sim":
+            from shared.sim.cluster import SimCluster
+
+            cluster = SimCluster(redis, Subjects(settings.root))
+        else:
+            with contextlib.suppress(ClusterError):
+                from shared.ports.kube import KubeCluster
+
+                cluster = await KubeCluster.connect()
+        services = state.get("services") if isinstance(state.get("services"), dict) else {}
+        return cls(settings, bus, redis, cluster, dict(services or {}), settings.backend == "sim")
+
+    def need_cluster(self) -> ClusterPort:
+        if self.cluster is None:
+            raise CommandError("no cluster to act on: GPUWARDEN_BACKEND=real and no Kubernetes configuration found")
+        return self.cluster
+
+    async def last_event(self, subject: str) -> Any | None:
+        """The newest lifecycle event stored under ``subject`` (a JetStream direct read), or None."""
+        try:
+            raw = await self.bus.js.get_last_msg(self.subjects.events_stream.name, subject)
+        except Exception:
+            return None
+        try:
+            return codec.decode(raw.data or b"")
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+
+    async def close(self) -> None:
+        if self.cluster is not None and self.settings.backend != "sim":
+            with contextlib.suppress(Exception):
+                await self.cluster.close()
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+        await self.bus.close(1)

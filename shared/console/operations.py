@@ -1,0 +1,328 @@
+"""What ``gpuwarden drain``, ``uncordon`` and ``upgrade-driver`` do, as any client of the mesh could.
+
+``drain`` does what ``kubectl drain`` users expect, plus the step gpuwarden exists for: it cordons the node (naming
+its drain on the node, so the driver service asks for no second one), asks the checkpoint service to commit every
+session there and waits for the verdict, evicts the node's pods through the Eviction API (a PodDisruptionBudget
+refusal is retried), waits until the node is empty, and with ``--wait`` follows each session to the pod that takes
+it until that pod has restored it and verified every digest (its ``checkpoint.restored`` event, published by the
+KV agent only after the check, for a generation newer than the one drained). A session whose conversation ends
+in between (its client closes it: an inference request with neither prompt nor new tokens) has nothing left to
+restore and is counted as ended, not as lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+import msgspec
+
+from shared.console.client import CommandError, MeshClient
+from shared.console.snapshot import (
+    CORDON_DRAIN_ANNOTATION,
+    UPGRADE_FAILURE_ANNOTATION,
+    UPGRADE_STATE_LABEL,
+    read_sessions,
+)
+from shared.contract.checkpoint import SessionRestored
+from shared.contract.configdocs import DriverPolicy
+from shared.contract.device import DeviceInventory
+from shared.contract.driver import UpgradeState
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, NodeCordoned, NodeUncordoned
+from shared.contract.registry import codec
+from shared.contract.requests import InferenceRequest
+from shared.plumbing.configsync import ConfigStore
+from shared.ports.cluster import EvictionOutcome
+
+Report = Callable[[str, dict[str, Any]], None]
+"""Progress: a phase name and what it has done so far; the command draws it (a bar, or plain lines)."""
+
+
+@dataclass
+class MovedSession:
+    id: str
+    pod: str
+    generation: int
+    outcome: str = ""
+    """restored, ended (its client closed it in transit), or empty while waiting."""
+    new_pod: str = ""
+    new_node: str = ""
+    checkpoint_id: str = ""
+    fell_back_from: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DrainResult:
+    node: str
+    drain_id: str
+    verdict: str = ""
+    sessions_committed: int = 0
+    bytes_saved: int = 0
+    save_s: float = 0.0
+    pods_evicted: list[str] = field(default_factory=list)
+    evict_s: float = 0.0
+    sessions: list[MovedSession] = field(default_factory=list)
+    move_s: float = 0.0
+    ok: bool = False
+    reason: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self.__dict__ | {"sessions": [s.__dict__ for s in self.sessions]})
+
+
+async def _known_node(mesh: MeshClient, node: str) -> None:
+    cluster = mesh.need_cluster()
+    if await cluster.node(node) is None:
+        names = ", ".join(sorted(n.name for n in await cluster.nodes())) or "none: is the mesh running?"
+        raise CommandError(f"no node {node!r} in the cluster (nodes: {names})")
+
+
+async def cordon(mesh: MeshClient, node: str, drain_id: str = "", by: str = "cli") -> None:
+    await _known_node(mesh, node)
+    annotations = {CORDON_DRAIN_ANNOTATION: drain_id} if drain_id else None
+    await mesh.need_cluster().update_node(node, annotations=annotations, schedulable=False)
+    await mesh.bus.publish(NodeCordoned(node=node, by=by, reason=f"drain {drain_id}" if drain_id else ""))
+
+
+async def uncordon(mesh: MeshClient, node: str, by: str = "cli") -> bool:
+    """Make the node schedulable again; False when it already was."""
+    await _known_node(mesh, node)
+    cluster = mesh.need_cluster()
+    info = await cluster.node(node)
+    if info is not None and info.schedulable:
+        return False
+    state = info.labels.get(UPGRADE_STATE_LABEL, "") if info else ""
+    if state not in ("", "upgrade-done"):
+        raise CommandError(f"{node} is in driver upgrade state {state!r}: the driver service uncordons it when done")
+    await cluster.update_node(node, schedulable=True)
+    await mesh.bus.publish(NodeUncordoned(node=node, by=by))
+    return True
+
+
+async def drain(
+    mesh: MeshClient,
+    node: str,
+    *,
+    wait: bool,
+    timeout: float,
+    deadline_s: float,
+    reason: str,
+    requested_by: str,
+    drain_id: str = "",
+    report: Report = lambda phase, done: None,
+) -> DrainResult:
+    drain_id = drain_id or f"drain-{node}-{uuid.uuid4().hex[:8]}"
+    try:
+        request = DrainRequested(
+            node=node, drain_id=drain_id, reason=reason, requested_by=requested_by, deadline_s=deadline_s
+        )
+        msgspec.json.decode(codec.encode(request), type=DrainRequested)
+    except msgspec.ValidationError as exc:
+        raise CommandError(f"{exc}") from None
+    await _known_node(mesh, node)
+    started = time.monotonic()
+    result = DrainResult(node=node, drain_id=drain_id)
+    before = [s for s in await read_sessions(mesh) if s.node == node]
+    result.sessions = [MovedSession(s.id, s.pod, s.generation) for s in before]
+    verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
+        if event.drain_id == drain_id and not verdict.done():
+            verdict.set_result(event)
+
+    closed: set[str] = set()
+
+    async def on_request(event: InferenceRequest) -> None:
+        if event.prompt_tokens == 0 and event.max_new_tokens == 0:
+            closed.add(event.session_id)
+
+    s = mesh.subjects
+    subs = [
+        await mesh.bus.subscribe(s.pattern("node.drain.completed", node=node), on_verdict, (DrainCompleted,)),
+        await mesh.bus.subscribe(s.pattern("node.drain.failed", node=node), on_verdict, (DrainFailed,)),
+        await mesh.bus.subscribe(s.pattern("requests.inference"), on_request, (InferenceRequest,)),
+    ]
+    try:
+        await cordon(mesh, node, drain_id)
+        report("cordoned", {"sessions": len(before)})
+        await mesh.bus.publish(request)
+        report("saving", {"sessions": len(before)})
+        try:
+            event = await asyncio.wait_for(verdict, timeout=min(timeout, deadline_s + 30))
+        except TimeoutError:
+            result.reason = f"no drain verdict from the checkpoint service within {min(timeout, deadline_s + 30):g}s"
+            return result
+        result.save_s = time.monotonic() - started
+        if isinstance(event, DrainFailed):
+            result.verdict = "failed"
+            result.sessions_committed = event.sessions_committed
+            named = ", ".join(f"{f.session_id} ({f.reason})" for f in event.failed_sessions[:3])
+            more = event.failed_total or len(event.failed_sessions)
+            result.reason = f"not every session was saved: {event.reason}; {more} failed: {named}"
+            return result  # evict nothing: the node stays cordoned with its sessions where they are
+        result.verdict = "completed"
+        result.sessions_committed = event.sessions_committed
+        result.bytes_saved = event.bytes_saved
+        report("saved", {"sessions": event.sessions_committed, "bytes": event.bytes_saved})
+        end = started + timeout
+        evicted = await _evict_all(mesh, node, end, report)
+        result.evict_s = time.monotonic() - started - result.save_s
+        if evicted is None:
+            result.reason = f"pods still on {node} after {timeout:g}s (a PodDisruptionBudget, or a slow preStop)"
+            return result
+        result.pods_evicted = evicted
+        if wait:
+            moved = await _follow(mesh, node, result.sessions, closed, end, report)
+            result.move_s = time.monotonic() - started - result.save_s - result.evict_s
+            if not moved:
+                waiting = [m.id for m in result.sessions if not m.outcome]
+                result.reason = (
+                    f"{len(waiting)} session(s) not restored elsewhere within {timeout:g}s: {', '.join(waiting[:5])}"
+                    " (a session is restored when its next request arrives)"
+                )
+                return result
+        result.ok = True
+        return result
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def _evict_all(mesh: MeshClient, node: str, end: float, report: Report) -> list[str] | None:
+    """Evict every pod on ``node`` (retrying PodDisruptionBudget refusals) and wait until none is left there.
+    The pods evicted, or None when some are still there at ``end``."""
+    cluster = mesh.need_cluster()
+    evicted: list[str] = []
+    backoff = 0.5
+    while time.monotonic() < end:
+        pods = await cluster.pods(node=node)
+        if not pods:
+            return evicted
+        blocked = False
+        for pod in pods:
+            if pod.phase == "Terminating":
+                continue
+            outcome = await cluster.evict(pod.namespace, pod.name)
+            if outcome is EvictionOutcome.EVICTED:
+                evicted.append(pod.name)
+                report("evicted", {"pod": pod.name})
+            elif outcome is EvictionOutcome.BLOCKED_BY_PDB:
+                blocked = True
+        report("evicting", {"pods_left": len(pods)})
+        await asyncio.sleep(backoff if blocked else 0.2)
+        backoff = min(backoff * 2, 5.0) if blocked else 0.5
+    return None
+
+
+async def _follow(
+    mesh: MeshClient,
+    node: str,
+    sessions: list[MovedSession],
+    closed: set[str],
+    end: float,
+    report: Report,
+) -> bool:
+    """Until each session is restored (and verified) on a pod off ``node`` under a newer generation, or ended by
+    its client; False at ``end`` with some still waiting."""
+    s = mesh.subjects
+    while True:
+        for moved in sessions:
+            if moved.outcome:
+                continue
+            event = await mesh.last_event(s.pattern("checkpoint.restored", session_id=moved.id))
+            if isinstance(event, SessionRestored) and event.generation > moved.generation and event.node != node:
+                moved.outcome = "restored"
+                moved.new_pod, moved.new_node = event.pod, event.node
+                moved.checkpoint_id = event.checkpoint_id
+                moved.fell_back_from = list(event.fell_back_from)
+            elif moved.id in closed:
+                moved.outcome = "ended"
+        done = sum(1 for m in sessions if m.outcome)
+        report("moving", {"done": done, "total": len(sessions)})
+        if done == len(sessions):
+            return True
+        if time.monotonic() >= end:
+            return False
+        await asyncio.sleep(0.3)
+
+
+# -- driver upgrades ------------------------------------------------------------------------------------------------
+STATE_ORDER: tuple[str, ...] = tuple(s for s in get_args(UpgradeState) if s not in ("", "drain-required"))
+
+
+async def set_driver(mesh: MeshClient, version: str, max_parallel: int | None, by: str = "cli") -> int:
+    """Merge the desired version (and the parallelism) into the ``driver`` document, compare-and-set; turns
+    ``auto_upgrade`` on. Returns the document's new version."""
+    store = ConfigStore(mesh.redis, mesh.subjects)
+    for _ in range(5):
+        current = await store.read("driver")
+        doc = current.doc if current is not None and isinstance(current.doc, DriverPolicy) else DriverPolicy()
+        changes: dict[str, Any] = {"desired_version": version, "auto_upgrade": True}
+        if max_parallel is not None:
+            changes["max_parallel_upgrades"] = max_parallel
+            if doc.max_unavailable == DriverPolicy().max_unavailable:
+                changes["max_unavailable"] = str(max_parallel)  # otherwise 25% of a small cluster allows one
+        raw = msgspec.json.encode(msgspec.structs.replace(doc, **changes))
+        from shared.plumbing.errors import ConfigConflict, InvalidConfig
+
+        try:
+            return await store.write_raw("driver", raw, current.version if current else 0, by)
+        except InvalidConfig as exc:
+            raise CommandError(str(exc)) from None
+        except ConfigConflict:
+            continue  # someone wrote it meanwhile: merge into theirs
+    raise CommandError("the driver document kept changing under this command; try again")
+
+
+@dataclass
+class NodeUpgrade:
+    node: str
+    state: str
+    version: str
+    failure: str = ""
+
+
+async def upgrade_progress(mesh: MeshClient, version: str) -> list[NodeUpgrade]:
+    cluster = mesh.need_cluster()
+    out = []
+    for info in sorted(await cluster.nodes(), key=lambda n: n.name):
+        inventory = await mesh.last_event(mesh.subjects.pattern("device.inventory", node=info.name))
+        installed = inventory.driver_version if isinstance(inventory, DeviceInventory) else ""
+        out.append(
+            NodeUpgrade(
+                info.name,
+                info.labels.get(UPGRADE_STATE_LABEL, ""),
+                installed,
+                info.annotations.get(UPGRADE_FAILURE_ANNOTATION, ""),
+            )
+        )
+    return out
+
+
+def node_done(n: NodeUpgrade, version: str) -> bool:
+    return n.version == version and n.state in ("", "upgrade-done")
+
+
+async def follow_upgrade(
+    mesh: MeshClient, version: str, timeout: float, report: Callable[[list[NodeUpgrade]], None]
+) -> tuple[bool, str]:
+    """Until every node runs ``version`` and is done (True), one fails, or ``timeout`` passes (False, why)."""
+    end = time.monotonic() + timeout
+    while True:
+        nodes = await upgrade_progress(mesh, version)
+        report(nodes)
+        failed = [n for n in nodes if n.state == "upgrade-failed"]
+        if failed:
+            return False, f"{failed[0].node}: upgrade-failed: {failed[0].failure or 'no reason recorded'}"
+        if nodes and all(node_done(n, version) for n in nodes):
+            return True, ""
+        if time.monotonic() >= end:
+            late = [
+                f"{n.node} ({n.state or 'not started'}, {n.version or '?'})" for n in nodes if not node_done(n, version)
+            ]
+            return False, f"not every node runs {version} after {timeout:g}s: {', '.join(late)}"
+        await asyncio.sleep(0.5)

@@ -1,0 +1,381 @@
+"""``gpuwarden up`` and ``down``: the embedded default, in the foreground or in the background, and its end.
+
+``up`` starts a NATS server with JetStream and a Redis server (unless their URLs are given), the five services as
+separate processes (``python -m services.<name>``; the node-scoped ones once per node) and the simulated cluster
+and workload, and keeps them running: a process that exits is started again. ``$GPUWARDEN_HOME/run.json`` says
+where everything is: the URLs, every health URL, and the pid of every process the run started, which is what
+``down`` stops and then checks. ``up --detach`` starts the same run in a session of its own, waits until every
+process answers ``/readyz``, prints where things are and returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shared.console.state import CommandError, read_state
+from shared.plumbing.errors import SettingsError
+from shared.plumbing.settings import load_settings
+
+SERVICES = ("driver", "device", "metrics", "scaler", "checkpoint")
+NODE_SCOPED = ("driver", "device", "metrics")
+DEFAULT_HOME = ".gpuwarden"
+
+
+def home(env: Mapping[str, str] | None = None) -> Path:
+    """The folder of the run's state, logs, checkpoints and Redis data: ``GPUWARDEN_HOME``."""
+    env = os.environ if env is None else env
+    return Path(env.get("GPUWARDEN_HOME") or DEFAULT_HOME).expanduser().resolve()
+
+
+def state_file(env: Mapping[str, str]) -> Path:
+    return home(env) / "run.json"
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    """Replace the state file at once: a reader never sees half of it."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, path)
+
+
+def alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie (exited, not yet reaped by its parent) is gone for our purposes
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def live_pid(path: Path) -> int | None:
+    """The pid of the run that wrote the state file ``path``, while that process lives."""
+    try:
+        pid = int(read_state(path).get("pid", 0))
+    except (TypeError, ValueError):
+        return None
+    return pid if pid != os.getpid() and alive(pid) else None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    for flag, port in (("--nats-port", args.nats_port), ("--redis-port", args.redis_port)):
+        if port and not _port_free(port):
+            raise CommandError(f"port {port} on 127.0.0.1 is taken; choose another with {flag}, or leave it out")
+
+
+# -- foreground -------------------------------------------------------------------------------------------------
+def run_foreground(args: argparse.Namespace) -> int:
+    env = dict(os.environ)
+    env.setdefault("GPUWARDEN_ROOT", "gw")
+    env.setdefault("GPUWARDEN_BACKEND", "sim")
+    try:
+        load_settings(env)
+    except SettingsError as exc:
+        raise CommandError(str(exc)) from None
+    nodes = [n for n in args.nodes.split(",") if n]
+    if not nodes and env["GPUWARDEN_BACKEND"] == "sim":
+        from shared.sim.spec import SpecError, load_spec
+
+        try:
+            nodes = [n.name for n in load_spec(env.get("GPUWARDEN_SIM_SPEC")).nodes]
+        except SpecError as exc:
+            raise CommandError(str(exc)) from None
+    if not nodes:
+        raise CommandError("--nodes: at least one node name")
+    base = home(env)
+    path = state_file(env)
+    other = live_pid(path)
+    if other is not None:
+        raise CommandError(
+            f"already running as pid {other} with GPUWARDEN_HOME={base}; `gpuwarden down` stops it, or set another "
+            "GPUWARDEN_HOME"
+        )
+    check_ports(args)
+    log_dir = base / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    owned: list[Any] = []
+    try:
+        _start_servers(env, base, owned, args)
+        return _run_mesh(args, env, nodes, base, path, log_dir, owned)
+    finally:
+        for server in owned:
+            server.cleanup()  # the Redis data folder stays for the next run
+        path.unlink(missing_ok=True)
+
+
+def _start_servers(env: dict[str, str], base: Path, owned: list[Any], args: argparse.Namespace) -> None:
+    """Start NATS and Redis unless their URLs are given; Redis keeps its data in ``base/redis`` (AOF)."""
+    from shared.plumbing.devservers import NatsServer, RedisServer, free_port
+
+    try:
+        if not env.get("GPUWARDEN_NATS_URL"):
+            nats_server = NatsServer(port=args.nats_port or free_port())
+            owned.append(nats_server)
+            env["GPUWARDEN_NATS_URL"] = nats_server.start().url
+        if not env.get("GPUWARDEN_REDIS_URL"):
+            redis_server = RedisServer(port=args.redis_port or free_port(), dir=base / "redis", persistent=True)
+            owned.append(redis_server)
+            env["GPUWARDEN_REDIS_URL"] = redis_server.start().url
+    except RuntimeError as exc:  # a missing binary, a server that would not start: one line
+        raise CommandError(str(exc)) from None
+
+
+def _run_mesh(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    nodes: list[str],
+    base: Path,
+    path: Path,
+    log_dir: Path,
+    servers: list[Any],
+) -> int:
+    """Start the plan's processes and keep them, and the servers this run started, running until stopped: a
+    process or server that exits is started again (a server on its own port and folder)."""
+    from shared.plumbing.devservers import free_port
+
+    checkpoints = f"file://{base / 'checkpoints'}"
+    plan: list[tuple[str, str, dict[str, str]]] = []
+    for name in SERVICES:
+        for node in nodes if name in NODE_SCOPED else [nodes[0]]:
+            child = dict(env, GPUWARDEN_NODE=node, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
+            child.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
+            # one machine's disk, every writer on it: packs nothing references go after a minute, not ten
+            child.setdefault("GPUWARDEN_CHECKPOINT_GC_S", "30")
+            child.setdefault("GPUWARDEN_CHECKPOINT_GC_GRACE_S", "60")
+            child.setdefault("GPUWARDEN_SCALER_ADDR", f"127.0.0.1:{free_port()}")
+            if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters
+                child.setdefault("GPUWARDEN_METRICS_SOURCE", "dcgm")
+                child.setdefault("GPUWARDEN_METRICS_AGGREGATE", "bus" if node == nodes[0] else "off")
+                child.setdefault("GPUWARDEN_METRICS_INTERVAL_S", "2")  # `gpuwarden status` hears every GPU soon
+            label = f"{name}@{node}" if name in NODE_SCOPED else name
+            plan.append((label, f"services.{name}", child))
+    sim_env = dict(env, GPUWARDEN_NODE=nodes[0], GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
+    sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
+    if env["GPUWARDEN_BACKEND"] == "sim":
+        plan.append(("sim", "shared.sim", sim_env))
+    state: dict[str, Any] = {
+        "pid": os.getpid(),
+        "pgid": os.getpgid(0),
+        "nats_url": env["GPUWARDEN_NATS_URL"],
+        "redis_url": env["GPUWARDEN_REDIS_URL"],
+        "root": env["GPUWARDEN_ROOT"],
+        "simulated": env["GPUWARDEN_BACKEND"] == "sim",
+        "services": {label: "http://" + child["GPUWARDEN_HTTP_ADDR"] + "/healthz" for label, _, child in plan},
+        "logs": str(log_dir),
+        "pids": {},
+    }
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    extra = {"sim": ["--rate", str(args.rate)]}
+
+    def record() -> None:
+        pids = {label: p.pid for label, p in procs.items()}
+        for server in servers:
+            if server.proc is not None:
+                pids[type(server).__name__.removesuffix("Server").lower()] = server.proc.pid
+        state["pids"] = pids
+        _write_state(path, state)
+
+    def launch(label: str, module: str, child: dict[str, str]) -> None:
+        out = open(log_dir / f"{label.replace('@', '-')}.log", "ab")
+        procs[label] = subprocess.Popen(
+            [sys.executable, "-m", module, *extra.get(label, [])], env=child, stdout=out, stderr=out
+        )
+
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    for label, name, child in plan:
+        launch(label, name, child)
+    record()
+    if not args.quiet:
+        print(banner(state, base))
+        print("  Ctrl-C stops everything", flush=True)
+    started = time.monotonic()
+    restarts: dict[str, int] = {}
+    try:
+        while not stopping and (args.seconds is None or time.monotonic() - started < args.seconds):
+            time.sleep(0.5)
+            changed = False
+            for server in servers:
+                if server.proc is not None and server.proc.poll() is not None and not stopping:
+                    kind = type(server).__name__
+                    print(f"  {kind} exited with {server.proc.returncode}; restarting on {server.url}", flush=True)
+                    try:
+                        server.start()
+                        changed = True
+                    except RuntimeError as exc:  # tried again on the next round
+                        print(f"  {kind} did not start again: {exc}", flush=True)
+            for label, name, child in plan:
+                proc = procs[label]
+                if proc.poll() is not None and not stopping:
+                    restarts[label] = restarts.get(label, 0) + 1
+                    print(f"  {label} exited with {proc.returncode}; restarting (#{restarts[label]})", flush=True)
+                    time.sleep(min(restarts[label], 5))
+                    launch(label, name, child)
+                    changed = True
+            if changed:
+                record()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    print("stopped", flush=True)
+    return 0
+
+
+def banner(state: dict[str, Any], base: Path) -> str:
+    simulated = " (SIMULATED GPUs and cluster)" if state.get("simulated") else ""
+    lines = [
+        f"gpuwarden is running{simulated}",
+        f"  NATS   {state['nats_url']}   Redis {state['redis_url']}   root {state['root']}",
+    ]
+    lines += [f"  {label:<18} {url}" for label, url in state.get("services", {}).items()]
+    lines.append(f"  home   {base}   (state, logs, checkpoints, Redis data)")
+    lines.append("  try:   gpuwarden status      gpuwarden drain node-1 --wait      gpuwarden events --follow")
+    return "\n".join(lines)
+
+
+# -- detached -----------------------------------------------------------------------------------------------------
+def _ready(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.removesuffix("/healthz") + "/readyz", timeout=1.0) as answer:
+            return bool(answer.status == 200)
+    except Exception:
+        return False
+
+
+def _last_words(log: Path) -> str:
+    """The line of the run's log that says why it stopped (its last non-empty one)."""
+    with contextlib.suppress(OSError):
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return lines[-1].removeprefix("gpuwarden up: ")
+    return "no output"
+
+
+def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start ``gpuwarden up`` (without ``--detach``) in a session of its own, wait until every process it lists
+    answers ``/readyz``, print where things are."""
+    env = dict(os.environ)
+    base = home(env)
+    path = state_file(env)
+    other = live_pid(path)
+    if other is not None:
+        raise CommandError(f"already running as pid {other} with GPUWARDEN_HOME={base}; `gpuwarden down` stops it")
+    check_ports(args)
+    (base / "logs").mkdir(parents=True, exist_ok=True)
+    log = base / "logs" / "up.log"
+    with open(log, "ab") as out:
+        out.truncate(0)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", "up", *argv, "--quiet"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + args.ready_timeout
+    state: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise CommandError(f"the mesh did not start: {_last_words(log)} (log: {log})")
+        state = read_state(path)
+        if state.get("pid") == proc.pid:
+            waiting = [label for label, url in state.get("services", {}).items() if not _ready(url)]
+            if not waiting:
+                break
+        time.sleep(0.3)
+    else:
+        stop(env, quiet=True)
+        raise CommandError(f"the mesh was not ready within {args.ready_timeout:g}s (log: {log}); stopped it again")
+    print(banner(state, base))
+    print(f"  pid {proc.pid}; `gpuwarden down` stops everything", flush=True)
+    return 0
+
+
+# -- down ---------------------------------------------------------------------------------------------------------
+def _ours(pid: int) -> bool:
+    """The pid still runs a program a run starts (not a stranger that got the number since)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return alive(pid)
+    return any(word in cmdline for word in (b"python", b"nats-server", b"redis-server", b"shared.cli", b"gpuwarden"))
+
+
+def stop(env: Mapping[str, str], *, quiet: bool = False, timeout: float = 30.0) -> int:
+    """Stop the run of ``GPUWARDEN_HOME``: SIGTERM to the run (it stops its processes and servers), then anything
+    it started that is still there, by the pids it recorded. Returns how many processes were stopped."""
+    path = state_file(env)
+    state = read_state(path)
+    main = int(state.get("pid", 0) or 0)
+    recorded = [int(p) for p in (state.get("pids") or {}).values() if str(p).isdigit()]
+    if not state or (not alive(main) and not any(alive(p) for p in recorded)):
+        path.unlink(missing_ok=True)
+        if not quiet:
+            print(f"nothing to stop: no mesh is running under GPUWARDEN_HOME={home(env)}")
+        return 0
+    everyone = [p for p in [main, *recorded] if alive(p) and _ours(p)]
+    if alive(main):
+        os.kill(main, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive(main):
+        time.sleep(0.1)
+    left = [p for p in recorded if alive(p) and _ours(p)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(p) for p in left):
+        time.sleep(0.1)
+    for pid in [main, *left]:
+        if alive(pid) and _ours(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    survivors = [p for p in [main, *recorded] if alive(p)]
+    if survivors:
+        raise CommandError(f"processes {survivors} did not stop")
+    path.unlink(missing_ok=True)
+    if not quiet:
+        print(f"stopped: {len(everyone)} processes (run pid {main}, its services, NATS and Redis); none left")
+    return len(everyone)

@@ -1,0 +1,116 @@
+"""Tables and progress for people (``rich``); scripts read ``--json`` instead."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from shared.console.snapshot import MeshStatus
+
+
+def _mib(value: float | None) -> str:
+    return "?" if value is None else f"{value / 1024:.1f}G" if value >= 1024 else f"{value:.0f}M"
+
+
+def _bytes(value: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value} B"
+
+
+def _ago(at: float | None, now: float) -> str:
+    if at is None:
+        return "-"
+    seconds = max(0.0, now - at)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
+    now = status.taken_at
+    nodes = Table(title="nodes" + (" (SIMULATED)" if status.simulated else ""), title_justify="left")
+    for column in ("node", "schedulable", "driver", "upgrade", "pods", "sessions", "GPUs (health util mem MIG)"):
+        nodes.add_column(column)
+    for node in status.nodes:
+        gpus = []
+        for gpu in node.gpus:
+            health = "ok" if gpu.healthy else "UNHEALTHY"
+            util = "?" if gpu.util_percent is None else f"{gpu.util_percent:.0f}%"
+            mem = f"{_mib(gpu.memory_used_mib)}/{_mib(gpu.memory_total_mib)}"
+            mig = f" MIG {','.join(m.profile for m in gpu.mig)}" if gpu.mig_enabled else ""
+            gpus.append(f"{gpu.index}:{health} {util} {mem}{mig}")
+        upgrade = node.upgrade_state or "-"
+        if node.upgrade_failure:
+            upgrade += f" ({node.upgrade_failure})"
+        nodes.add_row(
+            node.name,
+            "yes" if node.schedulable else Text("cordoned", style="yellow"),
+            node.driver_version or "?",
+            upgrade,
+            str(len(node.pods)),
+            str(node.sessions),
+            "\n".join(gpus) or "-",
+        )
+    deployments = Table(title="deployments", title_justify="left")
+    for column in ("deployment", "replicas", "desired", "why"):
+        deployments.add_column(column)
+    for dep in status.deployments:
+        desired = str(dep.desired) + (f" (scaler {dep.scaler_desired})" if dep.scaler_desired is not None else "")
+        deployments.add_row(f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, dep.why)
+    sessions = Table(title=f"sessions ({len(status.sessions)})", title_justify="left")
+    for column in ("session", "pod", "node", "gen", "bytes", "tokens", "last checkpoint", "restored+verified"):
+        sessions.add_column(column)
+    for session in status.sessions[:max_sessions]:
+        last = session.last_checkpoint
+        verified = {True: "yes", None: "-"}.get(session.verified_after_restore, "NO")
+        sessions.add_row(
+            session.id,
+            session.pod if session.state == "held" else Text(f"{session.pod} (moving)", style="yellow"),
+            session.node,
+            str(session.generation),
+            _bytes(session.bytes),
+            str(session.tokens),
+            _ago(last.at, now) if last else "none yet",
+            verified,
+        )
+    if len(status.sessions) > max_sessions:
+        sessions.caption = f"... and {len(status.sessions) - max_sessions} more (--json lists all)"
+    parts: list[Any] = [nodes, deployments, sessions]
+    if status.drains:
+        drains = Table(title="drains in flight", title_justify="left")
+        for column in ("drain", "node", "saves", "committed", "pods left", "sessions left"):
+            drains.add_column(column)
+        for d in status.drains:
+            drains.add_row(d.id, d.node, d.state, str(d.sessions_committed), str(d.pods_left), str(d.sessions_left))
+        parts.append(drains)
+    down = {k: v for k, v in status.services.items() if v != "ok"}
+    if down:
+        parts.append(Text("services not ok: " + ", ".join(f"{k} {v}" for k, v in down.items()), style="red"))
+    if status.simulation:
+        sim = status.simulation
+        parts.append(
+            Text(
+                "simulation: "
+                + "  ".join(
+                    f"{k} {sim.get(k, 0)}" for k in ("requests", "served", "restored", "started_fresh", "ended", "lost")
+                ),
+                style="dim",
+            )
+        )
+    parts.append(Text(time.strftime("as of %H:%M:%S", time.localtime(now)), style="dim"))
+    return Group(*parts)
+
+
+def console(stderr: bool = False) -> Console:
+    """A terminal's own width; into a pipe or a file $COLUMNS or 160 (rich would take 80 and wrap every table)."""
+    found = Console(stderr=stderr, highlight=False)
+    if found.is_terminal:
+        return found
+    import os
+
+    columns = os.environ.get("COLUMNS", "")
+    return Console(stderr=stderr, highlight=False, width=int(columns) if columns.isdigit() else 160)

