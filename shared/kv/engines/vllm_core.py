@@ -70,6 +70,13 @@ END_KEY = "gpuwarden_end"
 # -- configuration -----------------------------------------------------------------------------------------------
 
 
+DOCUMENTED: dict[str, str] = {
+    "GPUWARDEN_NAMESPACE": "vLLM connector: the pod's namespace unless its extra config names one (default default)",
+    "GPUWARDEN_DEPLOYMENT": "vLLM connector: the pod's deployment unless its extra config names one (default vllm)",
+}
+"""Variables only the vLLM connector reads (shared.plumbing.envdoc); the others it shares with the agents."""
+
+
 class ConfigError(ValueError):
     """A ``kv_connector_extra_config`` value (or its environment default) that cannot work, named."""
 
