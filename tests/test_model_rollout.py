@@ -5,6 +5,9 @@ cache, and no checkpoint is ever restored into another version."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -218,3 +221,34 @@ async def test_a_failed_prepare_aborts_before_the_switch_and_everything_stays_on
         again = await begin_rollout(store, "llm", "llama", "2", by="test")
         await eventually(lambda: _is(phase(store, again.rollout_id), "switched"), timeout=30)
         await eventually(lambda: all(r.agent.layout.model_version == "2" for r in w.runtimes.values()), timeout=10)
+
+
+async def test_the_cli_begins_a_rollout_waits_for_the_switch_and_refuses_a_second_one(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    env = dict(
+        os.environ,
+        GPUWARDEN_HOME=str(tmp_path / "home"),
+        GPUWARDEN_NATS_URL=settings.nats.servers[0],
+        GPUWARDEN_REDIS_URL=settings.redis.url,
+        GPUWARDEN_ROOT=subjects.root,
+    )
+
+    async def cli(*argv: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shared.cli", "rollout", *argv, env=env, stdout=-1, stderr=-1
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+    async with mesh(settings, subjects, bus, tmp_path, spec_of(2, kv_blocks=32, model=SMALL_MODEL)) as m:
+        code, out, err = await cli("llm/llama", "2")
+        assert code == 2 and out == "" and err.count("\n") == 1 and "--from" in err
+        code, out, err = await cli("nonsense", "2")
+        assert code == 2 and "not namespace/name" in err
+        code, out, _ = await cli("llm/llama", "2", "--from", "1", "--wait")
+        assert code == 0, out
+        assert json.loads(out.splitlines()[-1])["phase"] == "switched"
+        await eventually(lambda: all(r.agent.layout.model_version == "2" for r in m.workload.runtimes.values()))
+        code, _, err = await cli("llm/llama", "2")
+        assert code == 2 and "already serves '2'" in err
