@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from shared.console.rollout import add_rollout_parser
 from shared.console.process import DEFAULT_HOME, NODE_SCOPED, SERVICES, home, state_file
 from shared.console.state import CommandError, read_state
 from shared.contract.deadletter import DeadLetter
@@ -785,6 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pod", default="", help="scope the KV agents' user to this pod (default: any pod)")
     p.add_argument("--bucket", default="", help="let the KV agents use this Object Store bucket (nats://<bucket>)")
     p.set_defaults(func=cmd_nats_auth)
+
+    add_rollout_parser(sub, _settings)
 
     p = sub.add_parser("schemas", help="write (or --check) the JSON Schema and AsyncAPI files in proto/events")
     p.add_argument("--check", action="store_true")

@@ -154,7 +154,7 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
     for kind in ("checkpoint.agent.sessions", "checkpoint.save.report", "checkpoint.save.progress"):
         assert may_publish(perms, concrete(subjects, kind, pod="llama-1"))
         assert not may_publish(perms, concrete(subjects, kind, pod="llama-2"))
-    for verb in ("locate", "record", "restored"):
+    for verb in ("locate", "record", "restored", "serving"):
         assert may_publish(perms, subjects.command("checkpoint", verb))
     assert may_publish(perms, concrete(subjects, "checkpoint.save.command", pod="llama-1"))  # its preStop hook
     assert not may_publish(perms, concrete(subjects, "checkpoint.save.command", pod="llama-2"))
@@ -165,7 +165,14 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
     assert may_publish(perms, "$JS.API.CONSUMER.CREATE.OBJ_ck.reader")
     assert not may_publish(perms, "$JS.API.STREAM.CREATE.OBJ_ck")
     assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{subjects.events_stream.name}.x")
-    assert perms["subscribe"]["allow"] == [concrete(subjects, "checkpoint.save.command", pod="llama-1"), "_INBOX.>"]
+    assert may_publish(perms, concrete(subjects, "model.prepare.report", pod="llama-1"))
+    assert not may_publish(perms, concrete(subjects, "model.prepare.report", pod="llama-2"))
+    assert perms["subscribe"]["allow"] == [
+        concrete(subjects, "checkpoint.save.command", pod="llama-1"),
+        concrete(subjects, "model.prepare.command", pod="llama-1"),  # its own prepare commands only
+        subjects.pattern("kv.rollout.state"),  # every rollout's switch
+        "_INBOX.>",
+    ]
     anywhere = agent_permissions(subjects)
     assert may_publish(anywhere, concrete(subjects, "checkpoint.agent.sessions", pod="llama-7"))
     assert not any(p.startswith("$O.") for p in anywhere["publish"]["allow"])

@@ -375,6 +375,7 @@ async def test_structures_stay_bounded_after_many_sessions_and_a_pod_deletion(
         assert w.tracked() == {
             "runtimes": 2,
             "home": 0,
+            "versions": 0,
             "preempted": 0,
             "last_request": 0,
             "locks": 0,

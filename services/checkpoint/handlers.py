@@ -55,13 +55,14 @@ from shared.contract.checkpoint import (
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter
 from shared.contract.device import DeviceHealthChanged
+from shared.contract.models import ServingQuery
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, SessionFailure
 from shared.contract.registry import codec
 from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.kv.manifest import checkpoint_order
 from shared.kv.store import CheckpointStore, StoreError
 from shared.plumbing.bus import ConsumerSpec
-from shared.plumbing.configsync import redis_client
+from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.errors import PermanentError, TemporaryError
 from shared.plumbing.http import Response
 from shared.plumbing.runner import ServiceContext
@@ -71,6 +72,7 @@ from shared.ports.select import cluster_port
 from .config import CheckpointSettings, load
 from .registry import SessionRegistry
 from .retention import CheckpointRecord, RetentionPolicy, expired, unreferenced_packs
+from .rollout import RolloutCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +180,15 @@ class CheckpointService:
             s.command("checkpoint", "record"), self.on_record, (SaveSessionsReport,), queue="checkpoint"
         )
         await ctx.bus.serve(s.command("checkpoint", "where"), self.on_where, (WhereIsSession,), queue="checkpoint")
+        self.rollouts = RolloutCoordinator(
+            ctx, ConfigStore(self.registry.client, ctx.subjects), self.registry, self.cluster, self.owner
+        )
+        await ctx.bus.serve(
+            s.command("checkpoint", "serving"), self.rollouts.on_serving_query, (ServingQuery,), queue="checkpoint"
+        )
+        ctx.config.on_change(self.rollouts.wake)
+        ctx.spawn(self.rollouts.loop, "checkpoint-rollouts")
+        ctx.status["rollouts"] = self.rollouts.running
         ctx.add_route("/sessions/", self.on_http_session)
         ctx.status["drains"] = self.drains
         ctx.status["store"] = self.store.url

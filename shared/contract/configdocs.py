@@ -64,16 +64,58 @@ class CheckpointPolicy(ConfigDocument, frozen=True, kw_only=True, forbid_unknown
     drain_parallelism: Annotated[int, msgspec.Meta(ge=1)] = 8
 
 
+ModelVersion = Annotated[
+    str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+\-]{0,63}$", description="a model version like '2' or 'v2.1'")
+]
+DeploymentKey = Annotated[
+    str,
+    msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$", description="'namespace/name'"),
+]
+
+
 class ModelRollout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    model_id: str
-    model_version: str
-    tokenizer_id: str = ""
+    """One rollout of a deployment from ``from_version`` to ``to_version``.
+
+    ``pinned_sessions``: sessions that began on ``from_version`` ``finish`` on it (on pods that still hold it), or
+    are ``end``ed at the switch with ``end_reason``; never are they continued, or restored, on ``to_version``.
+    ``prepare_timeout_s``: pods not ready this long after ``started_at`` count as failed. ``min_ready``: the
+    fraction of the deployment's running pods that must be ready for the switch (1.0: every one, and a single
+    failure aborts); below it the rollout is aborted and everything stays on ``from_version``.
+    ``phase`` and what follows are written by the checkpoint service as the rollout goes."""
+
+    rollout_id: str
+    from_version: ModelVersion
+    to_version: ModelVersion
+    pinned_sessions: Literal["finish", "end"] = "finish"
+    end_reason: str = "the deployment moved to a new model version"
+    prepare_timeout_s: Seconds = 120.0
+    min_ready: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    started_at: float = 0.0
+    started_by: str = ""
+    phase: Literal["preparing", "switched", "aborted"] = "preparing"
+    reason: str = ""
+    finished_at: float = 0.0
+    ready: list[str] = msgspec.field(default_factory=list)
+    failed: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.from_version == self.to_version:
+            raise ValueError(f"to_version: the deployment already serves {self.to_version!r}")
+
+
+class DeploymentModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A deployment's serving version ('' until a rollout switches it: pods serve what they started with) and its
+    newest rollout."""
+
+    serving_version: Annotated[str, msgspec.Meta(pattern=r"^$|^[A-Za-z0-9][A-Za-z0-9_.+\-]{0,63}$")] = ""
+    rollout: ModelRollout | None = None
 
 
 class ModelVersions(ConfigDocument, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Which model each deployment serves; a KV cache only restores into the same model, version and tokenizer."""
+    """Which model version each deployment (``namespace/name``) serves, and its rollout. A KV cache only restores
+    into the same model, version, weights and tokenizer (the manifest's layout says which)."""
 
-    deployments: dict[str, ModelRollout] = msgspec.field(default_factory=dict)
+    deployments: dict[DeploymentKey, DeploymentModel] = msgspec.field(default_factory=dict)
 
 
 MIG_PROFILE_PATTERN = r"^[1-7]g\.[1-9][0-9]*gb(\+me)?$"

@@ -54,6 +54,8 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "checkpoint.restored",
         "checkpoint.save.command",
         "kv.session.location",
+        "kv.rollout.state",
+        "model.prepare.command",
     ),
 }
 
@@ -61,8 +63,13 @@ SERVICES: tuple[str, ...] = tuple(PUBLISHES)
 
 # The core subjects a KV agent publishes as its pod (announcements, save reports and progress), and the commands
 # it sends the checkpoint service.
-AGENT_PUBLISHES: tuple[str, ...] = ("checkpoint.agent.sessions", "checkpoint.save.report", "checkpoint.save.progress")
-AGENT_REQUESTS: tuple[str, ...] = ("locate", "record", "restored")
+AGENT_PUBLISHES: tuple[str, ...] = (
+    "checkpoint.agent.sessions",
+    "checkpoint.save.report",
+    "checkpoint.save.progress",
+    "model.prepare.report",
+)
+AGENT_REQUESTS: tuple[str, ...] = ("locate", "record", "restored", "serving")
 
 # Everyone ``nats_auth_config`` writes a user for.
 USERS: tuple[str, ...] = (*SERVICES, AGENT, ADMIN)
@@ -176,6 +183,8 @@ def agent_permissions(subjects: Subjects, pod: str | None = None, bucket: str | 
     fields: dict[str, str] = {"pod": pod} if pod is not None else {}
     own = [subjects.pattern(kind, **fields) for kind in AGENT_PUBLISHES]
     save_command = subjects.pattern("checkpoint.save.command", **fields)  # the preStop hook asks its own agent
+    prepare_command = subjects.pattern("model.prepare.command", **fields)
+    rollouts = subjects.pattern("kv.rollout.state")  # a rollout's switch, heard by every agent
     requests = [subjects.command("checkpoint", verb) for verb in AGENT_REQUESTS]
     deadletters = subjects.deadletter_stream
     publish = [*own, save_command, *requests, INBOX, *deadletters.subjects, f"{JS_API}.STREAM.INFO.{deadletters.name}"]
@@ -183,7 +192,7 @@ def agent_permissions(subjects: Subjects, pod: str | None = None, bucket: str | 
         publish += object_store_api(bucket)
     return {
         "publish": {"allow": _unique(publish)},
-        "subscribe": {"allow": [save_command, INBOX]},
+        "subscribe": {"allow": [save_command, prepare_command, rollouts, INBOX]},
     }
 
 

@@ -32,6 +32,7 @@ from shared.contract.driver import (
     ValidateDriver,
 )
 from shared.contract.metrics import DeploymentUtilisation, GpuSample
+from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, ServingQuery
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, NodeCordoned, NodeUncordoned
 from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
@@ -68,6 +69,10 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     CheckpointLocation,
     SessionLocation,
     WhereIsSession,
+    PrepareModel,
+    ModelPrepared,
+    ServingQuery,
+    RolloutState,
     ConfigApplied,
     InferenceRequest,
     DeadLetter,

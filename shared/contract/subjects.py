@@ -110,6 +110,22 @@ ROUTES: dict[str, Route] = {
     "kv.session.where": Route(
         "cmd.checkpoint.where", Delivery.CORE, "Request/reply: which pod holds a session's KV cache now?"
     ),
+    "model.prepare.command": Route(
+        "cmd.kvagent.{pod}.prepare",
+        Delivery.CORE,
+        "Request/reply: a pod's KV agent makes a model version ready while serving the current one.",
+    ),
+    "model.prepare.report": Route(
+        "kvagent.{pod}.prepared", Delivery.CORE, "A KV agent's answer to a prepare command (ready or failed)."
+    ),
+    "model.serving.query": Route(
+        "cmd.checkpoint.serving", Delivery.CORE, "Request/reply: which model version does a deployment serve now?"
+    ),
+    "kv.rollout.state": Route(
+        "kv.rollout.{namespace}.{deployment}.state",
+        Delivery.JETSTREAM,
+        "A deployment's model rollout changed phase (preparing, switched, aborted): the serving version.",
+    ),
     "config.applied": Route(
         "config.{name}.applied.{service}", Delivery.JETSTREAM, "A service applied a configuration version."
     ),

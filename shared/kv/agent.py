@@ -73,6 +73,8 @@ class Session:
     last: CheckpointManifest | None = None
     generation: int = 0
     sequence: int = 0
+    layout: KvLayout | None = None
+    """The model (version, weights) that built this session's KV: its checkpoints carry it, and it never changes."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,10 @@ class KvAgent:
         self.namespace = namespace
         self.deployment = deployment
         self.layout = layout
+        """The layout new sessions start on: the model version the pod serves now."""
+        self.layouts: dict[str, KvLayout] = {layout.model_version: layout}
+        """Every model version the pod holds ready, by version (the serving one, one being prepared, one that
+        sessions pinned to it still run on)."""
         self.cipher = cipher
         self._sessions: dict[str, Session] = {}
         self._staging_bytes = staging_bytes
@@ -137,10 +143,47 @@ class KvAgent:
         self._corrupt: set[tuple[str, int]] = set()  # (pack, offset) of chunks found corrupt: never referenced
 
     # -- what the engine calls ----------------------------------------------------------------------------------
-    def register_session(self, session_id: str, token_count: int = 0, generation: int = 0) -> None:
+    def register_session(
+        self, session_id: str, token_count: int = 0, generation: int = 0, layout: KvLayout | None = None
+    ) -> None:
         """A new session (or nothing, when it is already held). ``generation``: the one the checkpoint service
-        gave this pod for it (``AgentEndpoint.start_session``); 0 where no service fences ownership."""
-        self._sessions.setdefault(session_id, Session(session_id, token_count=token_count, generation=generation))
+        gave this pod for it (``AgentEndpoint.start_session``); 0 where no service fences ownership. ``layout``:
+        the model version it runs on (default: the one the pod serves now); it stays pinned to it."""
+        if layout is not None and layout.model_version not in self.layouts:
+            raise ValueError(f"pod {self.pod} does not hold model version {layout.model_version!r}")
+        self._sessions.setdefault(
+            session_id,
+            Session(session_id, token_count=token_count, generation=generation, layout=layout or self.layout),
+        )
+
+    # -- model versions -------------------------------------------------------------------------------------------
+    def hold(self, layout: KvLayout) -> None:
+        """The pod holds ``layout``'s model version ready (its weights loaded): sessions may run on it."""
+        self.layouts[layout.model_version] = layout
+
+    def serve(self, version: str) -> bool:
+        """New sessions start on ``version`` from now on (it must be held). Says whether that changed anything;
+        sessions already held stay on the version that built their KV."""
+        if version not in self.layouts:
+            raise ValueError(f"pod {self.pod} does not hold model version {version!r}")
+        changed = self.layout.model_version != version
+        self.layout = self.layouts[version]
+        return changed
+
+    def release(self, version: str) -> bool:
+        """Drop a version that is neither served nor holding a session. Says whether it was dropped."""
+        if version == self.layout.model_version or self.sessions_on(version):
+            return False
+        return self.layouts.pop(version, None) is not None
+
+    def session_layout(self, session_id: str) -> KvLayout:
+        return self._layout_of(self._session(session_id))
+
+    def sessions_on(self, version: str) -> list[str]:
+        return [s.session_id for s in self._sessions.values() if self._layout_of(s).model_version == version]
+
+    def _layout_of(self, session: Session) -> KvLayout:
+        return session.layout or self.layout
 
     def generation(self, session_id: str) -> int:
         return self._session(session_id).generation
@@ -149,7 +192,9 @@ class KvAgent:
         session = self._session(session_id)
         block = as_block(buffer)
         session.blocks.append(block)
-        session.token_count = tokens if tokens is not None else session.token_count + self.layout.block_tokens
+        session.token_count = (
+            tokens if tokens is not None else session.token_count + self._layout_of(session).block_tokens
+        )
 
     def update_block(self, session_id: str, index: int, buffer: Any = None) -> None:
         """Block ``index`` changed in place (or is now ``buffer``): the next save reads and hashes it again.
@@ -171,7 +216,7 @@ class KvAgent:
         token count drops to what they hold. The next save writes the session as it now is."""
         session = self._session(session_id)
         del session.blocks[max(0, block_count) :]
-        session.token_count = min(session.token_count, max(0, block_count) * self.layout.block_tokens)
+        session.token_count = min(session.token_count, max(0, block_count) * self._layout_of(session).block_tokens)
 
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -295,7 +340,8 @@ class KvAgent:
                 token_count = session.token_count
                 slots: list[ChunkRef | None] = [None] * len(blocks)
                 written = 0
-                full_blocks = token_count // self.layout.block_tokens if self.layout.block_tokens else len(blocks)
+                block_tokens = self._layout_of(session).block_tokens
+                full_blocks = token_count // block_tokens if block_tokens else len(blocks)
                 todo: list[int] = []
                 for i, block in enumerate(blocks):
                     known_ref = known.get(block.digest) if i < full_blocks and block.digest else None
@@ -350,7 +396,7 @@ class KvAgent:
                     deployment=self.deployment,
                     pod=self.pod,
                     node=self.node,
-                    layout=self.layout,
+                    layout=self._layout_of(session),
                     token_count=token_count,
                     blocks=[s for s in slots if s is not None],
                     created_at=now,
@@ -418,7 +464,9 @@ class KvAgent:
             manifest: CheckpointManifest | None = None
             try:
                 manifest = await self.store.manifest(session_id, cid)
-                check_compatible(manifest, self.layout)
+                # a session restores only into the model version that built it, if this pod holds it
+                held = self.layouts.get(manifest.layout.model_version, self.layout)
+                check_compatible(manifest, held)
                 blocks = await self._read_verified(manifest, into)
             except StoreError as exc:
                 if isinstance(exc, ChunkCorrupt) and manifest is not None and 0 <= exc.index < len(manifest.blocks):
@@ -436,7 +484,7 @@ class KvAgent:
             for block, ref in zip(restored_blocks, manifest.blocks, strict=True):
                 block.digest = ref.digest  # verified just now
             self._sessions[session_id] = Session(
-                session_id, restored_blocks, manifest.token_count, manifest, generation=generation
+                session_id, restored_blocks, manifest.token_count, manifest, generation=generation, layout=held
             )
             return RestoredSession(manifest, blocks, failures)
         summary = f"no usable checkpoint of session {session_id!r}: " + " | ".join(failures)

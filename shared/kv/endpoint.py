@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from shared.contract.checkpoint import (
     AgentSessions,
@@ -25,8 +25,10 @@ from shared.contract.checkpoint import (
     SaveSessionsReport,
     SessionRestored,
 )
+from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, ServingQuery
 from shared.contract.node import SessionFailure
 from shared.kv.agent import KvAgent, RestoredSession, SaveReport
+from shared.kv.manifest import KvLayout
 from shared.kv.store import CheckpointNotFound, ChunkCorrupt
 from shared.plumbing.bus import Bus, Subscription
 from shared.plumbing.errors import PermanentError
@@ -57,16 +59,40 @@ def report_event(agent: KvAgent, report: SaveReport) -> SaveSessionsReport:
     )
 
 
+class ModelHost(Protocol):
+    """The inference engine's side of a model rollout, as the pod's endpoint drives it."""
+
+    async def prepare(self, version: str) -> KvLayout:
+        """Make ``version`` ready (load its weights) beside the version being served, and return the layout its
+        KV caches have. Raise to say it cannot (the message is the reason). Idempotent."""
+        ...
+
+    def switched(self, state: RolloutState, previous: str) -> None:
+        """The pod now starts new sessions on ``state.serving_version`` (it served ``previous``): sessions of
+        ``previous`` finish on it, or are ended with ``state.end_reason`` when ``state.pinned_sessions`` says
+        ``end``."""
+        ...
+
+
 class AgentEndpoint:
     """``start`` answers save commands and announces the pod's sessions; ``stop`` ends both: a stopped agent
-    never saves again (its pod is gone; what it still holds may have moved on elsewhere)."""
+    never saves again (its pod is gone; what it still holds may have moved on elsewhere).
 
-    def __init__(self, agent: KvAgent, bus: Bus, announce_s: float = 5.0) -> None:
+    With a ``models`` host the endpoint also takes part in model rollouts: it answers prepare commands, and
+    follows the deployment's serving version, heard from ``kv.rollout.state`` and asked for again at start and
+    with every announcement, so a pod that missed the switch (disconnected, or started later) switches anyway."""
+
+    def __init__(self, agent: KvAgent, bus: Bus, announce_s: float = 5.0, models: ModelHost | None = None) -> None:
         self.agent = agent
         self.bus = bus
         self.announce_s = announce_s
+        self.models = models
+        self.rollout: RolloutState | None = None
+        """The newest rollout state this pod heard of its deployment."""
         self._tasks: list[asyncio.Task[Any]] = []
         self._serving: Subscription | None = None
+        self._model_subs: list[Subscription] = []
+        self._switch_lock = asyncio.Lock()
         self._stopped = False
         self._ended: set[str] = set()
         self._changed = asyncio.Event()
@@ -77,6 +103,20 @@ class AgentEndpoint:
         self._serving = await self.bus.serve(
             subjects.for_event(SaveSessions(pod=self.agent.pod)), self.on_save, (SaveSessions,)
         )
+        if self.models is not None:
+            self._model_subs = [
+                await self.bus.serve(
+                    subjects.for_event(PrepareModel(pod=self.agent.pod, version="-")), self.on_prepare, (PrepareModel,)
+                ),
+                await self.bus.subscribe(
+                    subjects.pattern(
+                        "kv.rollout.state", namespace=self.agent.namespace, deployment=self.agent.deployment
+                    ),
+                    self.on_rollout_state,
+                    (RolloutState,),
+                ),
+            ]
+            await self.follow_serving_version()
         await self.announce()
         self._tasks.append(asyncio.create_task(self._announce_loop(), name=f"kv-announce-{self.agent.pod}"))
 
@@ -85,6 +125,10 @@ class AgentEndpoint:
         if self._serving is not None:
             await self._serving.unsubscribe()
             self._serving = None
+        for sub in self._model_subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._model_subs = []
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -146,6 +190,82 @@ class AgentEndpoint:
         )
         return report_event(self.agent, report)
 
+    # -- model rollouts -----------------------------------------------------------------------------------------
+    async def on_prepare(self, command: PrepareModel) -> ModelPrepared:
+        """Idempotent: a version already held is ready at once. The pod keeps serving its current version."""
+        if self._stopped or self.models is None:
+            raise PermanentError(f"pod {self.agent.pod}'s KV agent takes no model rollouts")
+        layout = self.agent.layouts.get(command.version)
+        try:
+            if layout is None:
+                layout = await asyncio.wait_for(self.models.prepare(command.version), command.deadline_s)
+                if layout.model_version != command.version:
+                    raise ValueError(f"the engine prepared version {layout.model_version!r}")
+                self.agent.hold(layout)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            log.warning("model version not prepared", extra={"pod": self.agent.pod, "version": command.version})
+            return ModelPrepared(
+                pod=self.agent.pod, rollout_id=command.rollout_id, version=command.version, reason=reason
+            )
+        log.info("model version prepared", extra={"pod": self.agent.pod, "version": command.version})
+        return ModelPrepared(
+            pod=self.agent.pod,
+            rollout_id=command.rollout_id,
+            version=command.version,
+            ready=True,
+            weights_digest=layout.weights_digest,
+        )
+
+    async def on_rollout_state(self, state: RolloutState) -> None:
+        await self.apply_rollout(state)
+
+    async def follow_serving_version(self, timeout: float = 2.0) -> None:
+        """Ask the checkpoint service which version the deployment serves now, and switch to it if this pod
+        has not (it missed the announcement). Quiet when nobody answers: the next announcement asks again."""
+        try:
+            answer = await self.bus.request(
+                self.bus.subjects.command("checkpoint", "serving"),
+                ServingQuery(namespace=self.agent.namespace, deployment=self.agent.deployment, pod=self.agent.pod),
+                timeout,
+            )
+        except Exception as exc:
+            log.debug("serving version not read", extra={"pod": self.agent.pod, "error": str(exc)})
+            return
+        if isinstance(answer, RolloutState):
+            await self.apply_rollout(answer)
+
+    async def apply_rollout(self, state: RolloutState) -> bool:
+        """Serve ``state.serving_version`` for new sessions, preparing it first when this pod never did (it
+        started or reconnected after the prepare). Idempotent; says whether the pod switched now."""
+        if self.models is None or state.namespace != self.agent.namespace or state.deployment != self.agent.deployment:
+            return False
+        async with self._switch_lock:
+            if self.rollout is not None and state.config_version < self.rollout.config_version:
+                return False  # read before what this pod already follows
+            self.rollout = state
+            version = state.serving_version
+            previous = self.agent.layout.model_version
+            if not version or version == previous or self._stopped:
+                return False
+            if version not in self.agent.layouts:
+                try:
+                    self.agent.hold(await self.models.prepare(version))
+                except Exception as exc:
+                    log.error(
+                        "cannot switch to the serving model version",
+                        extra={"pod": self.agent.pod, "version": version, "error": str(exc)},
+                    )
+                    return False
+            self.agent.serve(version)
+            log.info(
+                "serving a new model version",
+                extra={"pod": self.agent.pod, "version": version, "previous": previous, "rollout": state.rollout_id},
+            )
+            self.models.switched(state, previous)
+            self._changed.set()
+            return True
+
     async def _record(self, event: SaveSessionsReport) -> SaveSessionsReport | None:
         with contextlib.suppress(Exception):
             answer = await self.bus.request(self.bus.subjects.command("checkpoint", "record"), event, 5.0)
@@ -177,6 +297,8 @@ class AgentEndpoint:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=self.announce_s)
             self._changed.clear()
+            if self.models is not None:
+                await self.follow_serving_version()
             try:
                 await self.announce()
             except Exception as exc:
@@ -209,10 +331,11 @@ class AgentEndpoint:
             raise TimeoutError(f"the checkpoint service could not locate session {session_id!r}: {reason}")
         return answer
 
-    async def start_session(self, session_id: str, timeout: float = 10.0) -> int:
-        """Take a new session: the checkpoint service gives this pod its next generation. Returns it."""
+    async def start_session(self, session_id: str, timeout: float = 10.0, layout: KvLayout | None = None) -> int:
+        """Take a new session: the checkpoint service gives this pod its next generation. Returns it. ``layout``:
+        the model version it runs on (default: the one the pod serves now)."""
         answer = await self._locate(session_id, timeout)
-        self.agent.register_session(session_id, generation=answer.generation)
+        self.agent.register_session(session_id, generation=answer.generation, layout=layout)
         self.sessions_changed()
         return answer.generation
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
 from shared.kv.agent import KvAgent, RestoredSession
@@ -110,12 +111,13 @@ def verify_blocks(session_id: str, blocks: list[Any]) -> bool:
 
 
 class SyntheticPod:
-    def __init__(self, agent: KvAgent) -> None:
+    def __init__(self, agent: KvAgent, layout: KvLayout) -> None:
         self.agent = agent
+        self._layout = layout
 
     @property
     def layout(self) -> KvLayout:
-        return self.agent.layout
+        return self._layout
 
     def tokens_after(self, session_id: str, prompt_tokens: int, new_tokens: int) -> int:
         return self.agent.tokens(session_id) + prompt_tokens + new_tokens
@@ -161,7 +163,7 @@ class SyntheticEngine:
         return self._layout
 
     def for_pod(self, agent: KvAgent) -> PodEngine:
-        return SyntheticPod(agent)
+        return SyntheticPod(agent, self._layout)
 
     def end(self, session_id: str) -> None:
         return None
@@ -170,9 +172,18 @@ class SyntheticEngine:
         return 0
 
 
-def engine_for(deployment: DeploymentSpec) -> DeploymentEngine:
-    """The engine the spec names for ``deployment``'s pods."""
-    model = deployment.model
+def model_at(model: ModelShape, version: str) -> ModelShape:
+    """The deployment's model at ``version``: the same shape, other weights (a seed drawn from the version, so a
+    real engine's weights digest differs from every other version's). The spec's own version is the spec's."""
+    if version == model.model_version:
+        return model
+    seed = int.from_bytes(hashlib.blake2b(f"{model.model_id}@{version}".encode(), digest_size=4).digest(), "little")
+    return msgspec.structs.replace(model, model_version=version, seed=seed)
+
+
+def engine_for(deployment: DeploymentSpec, version: str = "") -> DeploymentEngine:
+    """The engine the spec names for ``deployment``'s pods, at model ``version`` (default: the spec's)."""
+    model = model_at(deployment.model, version or deployment.model.model_version)
     if model.engine == "transformers":
         from shared.kv.engines.chat import ChatModel  # torch and transformers only when a real model is asked for
 

@@ -28,14 +28,16 @@ import math
 import random
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.contract.models import RolloutState
 from shared.contract.requests import InferenceRequest
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.endpoint import AgentEndpoint
+from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
 from shared.plumbing.bus import Bus, ConsumerSpec
 from shared.plumbing.errors import TemporaryError
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 
 LOST_SESSIONS_KEPT = 100  # the newest lost session ids kept for status; the count has them all
 SESSION_IDLE_S = 300.0
+RETIRED_KEPT = 10_000
 
 
 __all__ = ["Conversations", "SimWorkload", "expected_block", "layout_of", "publish_requests", "verify_blocks"]
@@ -74,7 +77,9 @@ class PodRuntime:
     agent: KvAgent
     endpoint: AgentEndpoint
     pool: BlockPool
-    engine: PodEngine
+    engines: dict[str, PodEngine]
+    """The pod's engine per model version it holds: the serving one, and during a rollout the next one (prepared)
+    or the previous one (its sessions finish on it)."""
     gpu_uuid: str = ""
     gpu_memory_mib: float = 0.0
     served: int = 0
@@ -84,13 +89,23 @@ class PodRuntime:
     """The engine runs one step at a time: held while it computes and while its pool changes, so a session is never
     preempted in the middle of its own turn."""
 
+    def engine_of(self, session_id: str) -> PodEngine:
+        """The engine of the model version the session is pinned to (the one that built its KV)."""
+        return self.engines[self.agent.session_layout(session_id).model_version]
+
+    def release(self, session_id: str) -> None:
+        for engine in self.engines.values():
+            engine.release(session_id)
+
 
 @dataclass(frozen=True)
 class Preempted:
-    """A session that lost its blocks to preemption: ``tokens`` is what it is recomputed to, ``pod`` where."""
+    """A session that lost its blocks to preemption: ``tokens`` is what it is recomputed to, ``pod`` where, on
+    model ``version``."""
 
     tokens: int
     pod: str
+    version: str = ""
 
 
 @dataclass
@@ -115,6 +130,11 @@ class WorkloadStats:
     restore_verified: int = 0
     restore_check_failed: int = 0
     restore_unchecked: int = 0
+    ended_by_rollout: int = 0
+    refused_retired: int = 0
+    restore_refused_version: int = 0
+    mixed_versions: int = 0
+    served_by_version: dict[str, int] = field(default_factory=dict)
     lost_sessions: deque[str] = field(default_factory=lambda: deque(maxlen=LOST_SESSIONS_KEPT))
 
 
@@ -142,7 +162,19 @@ class SimWorkload:
         self.session_idle_s = session_idle_s
         self.clock = clock
         self.deployments: dict[tuple[str, str], DeploymentSpec] = {(d.namespace, d.name): d for d in spec.deployments}
-        self.engines: dict[tuple[str, str], DeploymentEngine] = {k: engine_for(d) for k, d in self.deployments.items()}
+        self.engines: dict[tuple[str, str, str], DeploymentEngine] = {
+            (ns, name, d.model.model_version): engine_for(d) for (ns, name), d in self.deployments.items()
+        }
+        """Every model version's engine, per deployment: one set of weights per version, shared by the pods."""
+        self.versions: dict[str, str] = {}
+        """The model version each live session is pinned to (the one that built its KV); it never changes."""
+        self.retired: OrderedDict[str, str] = OrderedDict()
+        """Sessions a rollout ended (``pinned_sessions: end``), with the reason: their later requests are refused,
+        never served on another version. The newest ``RETIRED_KEPT``."""
+        self.prepare_faults: dict[str, str] = {}
+        """Fault injection: a pod (by name, or ``*``) whose prepare of a model version fails, with the reason."""
+        self.served_log: list[tuple[str, str]] | None = None
+        """When a list: every served request's (session, model version) is appended (for tests)."""
         self.runtimes: dict[str, PodRuntime] = {}
         # Per live session only: each entry leaves when its session ends, expires or is lost.
         self.home: dict[str, str] = {}
@@ -217,6 +249,7 @@ class SimWorkload:
                 await self.cluster.tick()
                 await self.reconcile()
                 self.expire_idle()
+                self.release_versions()
                 await self._report_load()
             except asyncio.CancelledError:
                 raise
@@ -247,14 +280,14 @@ class SimWorkload:
                 for sid in gone:
                     self.preempted.pop(sid, None)
             for sid in runtime.agent.sessions():
-                runtime.engine.release(sid)  # the pod's memory is gone: drop the blocks with it
+                runtime.release(sid)  # the pod's memory is gone: drop the blocks with it
                 runtime.agent.forget_session(sid)
             for sid in [s for s, pod in self.home.items() if pod == name]:
                 del self.home[sid]
 
     async def _start_pod(self, pod: PodInfo) -> None:
         deployment = self.deployments[(pod.namespace, pod.deployment)]
-        engine = self.engines[(pod.namespace, pod.deployment)]
+        engine = self.engines[(pod.namespace, pod.deployment, deployment.model.model_version)]
         agent = KvAgent(
             self.store,
             pod=pod.name,
@@ -263,8 +296,8 @@ class SimWorkload:
             deployment=pod.deployment,
             layout=engine.layout,
         )
-        endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s)
-        await endpoint.start()
+        engines: dict[str, PodEngine] = {engine.layout.model_version: engine.for_pod(agent)}
+        endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s, models=PodModels(self, agent, engines))
         node_gpus = [g.memory_mib for n in self.spec.nodes if n.name == pod.node for g in n.gpus]
         gpu_uuid, memory = "", float(min(node_gpus, default=self.spec.smallest_gpu_mib()))
         gpus = self.gpus.get(pod.node)
@@ -278,9 +311,8 @@ class SimWorkload:
                     if device.index == first:
                         gpu_uuid, memory = device.uuid, float(device.memory_total_mib)
         capacity = max(deployment.kv_capacity(memory), deployment.model.max_len_blocks)
-        self.runtimes[pod.name] = PodRuntime(
-            pod, agent, endpoint, BlockPool(capacity), engine.for_pod(agent), gpu_uuid, memory
-        )
+        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, BlockPool(capacity), engines, gpu_uuid, memory)
+        await endpoint.start()  # asks for the serving version first: a pod started after a switch serves it
         log.info(
             "SIMULATED pod serving",
             extra={"pod": pod.name, "node": pod.node, "kv_blocks": capacity, "simulated": True},
@@ -338,8 +370,14 @@ class SimWorkload:
                 if self.end_session(sid):
                     self.stats.ended += 1
                 return
+            if sid in self.retired:
+                self.stats.refused_retired += 1
+                log.info("request refused: its session was ended", extra={"session": sid, "why": self.retired[sid]})
+                return
             self.last_request[sid] = self.clock()
             runtime = self._runtime_for(request)
+            if runtime is None:
+                return
             model = self.deployments[(runtime.info.namespace, runtime.info.deployment)].model
             async with runtime.lock:
                 if runtime.gone:
@@ -348,7 +386,13 @@ class SimWorkload:
                     await self._bring_session(runtime, sid)
                     if sid not in runtime.agent.sessions():
                         return
-                tokens = runtime.engine.tokens_after(sid, request.prompt_tokens, request.max_new_tokens)
+                engine = runtime.engine_of(sid)
+                version = runtime.agent.session_layout(sid).model_version
+                pinned = self.versions.setdefault(sid, version)
+                if pinned != version:  # never: the guarantee this counter watches
+                    self.stats.mixed_versions += 1
+                    log.error("session on two model versions", extra={"session": sid, "was": pinned, "now": version})
+                tokens = engine.tokens_after(sid, request.prompt_tokens, request.max_new_tokens)
                 if tokens > model.max_model_len:
                     log.info(
                         "session ended: its context is full",
@@ -359,17 +403,21 @@ class SimWorkload:
                     return
                 blocks = math.ceil(tokens / runtime.agent.layout.block_tokens)
                 self._preempt(runtime, runtime.pool.reserve(sid, blocks))
-                await runtime.engine.serve(sid, request.prompt_tokens, request.max_new_tokens)
+                await engine.serve(sid, request.prompt_tokens, request.max_new_tokens)
             runtime.served += 1
             self.stats.served += 1
+            self.stats.served_by_version[version] = self.stats.served_by_version.get(version, 0) + 1
+            if self.served_log is not None:
+                self.served_log.append((sid, version))
             runtime.endpoint.sessions_changed()
 
     def _preempt(self, runtime: PodRuntime, victims: list[str]) -> None:
         """The pool took these sessions' blocks (recompute preemption): the engine drops their KV and keeps their
         tokens, to recompute them when they are next scheduled."""
         for sid in victims:
-            self.preempted[sid] = Preempted(runtime.agent.tokens(sid), runtime.info.name)
-            runtime.engine.release(sid)
+            version = runtime.agent.session_layout(sid).model_version
+            self.preempted[sid] = Preempted(runtime.agent.tokens(sid), runtime.info.name, version)
+            runtime.release(sid)
             runtime.agent.forget_session(sid)
             self.stats.preemptions += 1
             log.info(
@@ -386,7 +434,7 @@ class SimWorkload:
         for runtime in self.runtimes.values():
             if session_id in runtime.pool or session_id in runtime.agent.sessions():
                 runtime.endpoint.end_session(session_id)  # announced as ended: its checkpoints are retired
-                runtime.engine.release(session_id)
+                runtime.release(session_id)
                 runtime.pool.release(session_id)
                 held = True
         owner = self.runtimes.get(preempted.pod) if preempted is not None else None
@@ -395,8 +443,53 @@ class SimWorkload:
         for engine in self.engines.values():
             engine.end(session_id)
         self.home.pop(session_id, None)
+        self.versions.pop(session_id, None)
         self.last_request.pop(session_id, None)
         return held
+
+    def retire(self, session_id: str, reason: str) -> None:
+        """End the session for good with ``reason``: its later requests are refused, not served on another model
+        version."""
+        log.info("session ended", extra={"session": session_id, "reason": reason})
+        self.end_session(session_id)
+        self.stats.ended_by_rollout += 1
+        self.retired[session_id] = reason
+        while len(self.retired) > RETIRED_KEPT:
+            self.retired.popitem(last=False)
+
+    async def end_pinned(self, runtime: PodRuntime, version: str, reason: str) -> None:
+        """A rollout with ``pinned_sessions: end``: the pod's sessions of ``version`` end, each between its
+        requests."""
+        held = runtime.agent.sessions_on(version)
+        held += [s for s, p in self.preempted.items() if p.pod == runtime.info.name and p.version == version]
+        for sid in held:
+            async with self._session_lock(sid):
+                if self.versions.get(sid, version) == version and sid not in self.retired:
+                    self.retire(sid, reason)
+
+    def release_versions(self) -> None:
+        """Each pod lets go of model versions it no longer serves once no session (held or preempted) is on them."""
+        for runtime in self.runtimes.values():
+            for version in list(runtime.engines):
+                waiting = any(p.pod == runtime.info.name and p.version == version for p in self.preempted.values())
+                if not waiting and runtime.agent.release(version):
+                    del runtime.engines[version]
+                    log.info("model version released", extra={"pod": runtime.info.name, "version": version})
+
+    async def prepare_version(self, agent: KvAgent, engines: dict[str, PodEngine], version: str) -> KvLayout:
+        """Load ``version`` on the pod (the simulation's weights come from the model's seed, a new one per
+        version, as if read from shared storage): its engine joins the pod's engines."""
+        fault = self.prepare_faults.get(agent.pod) or self.prepare_faults.get("*")
+        if fault:
+            raise RuntimeError(fault)
+        key = (agent.namespace, agent.deployment, version)
+        engine = self.engines.get(key)
+        if engine is None:
+            deployment = self.deployments[(agent.namespace, agent.deployment)]
+            engine = await asyncio.to_thread(engine_for, deployment, version)
+            engine = self.engines.setdefault(key, engine)
+        engines.setdefault(version, engine.for_pod(agent))
+        return engine.layout
 
     def expire_idle(self) -> int:
         """End the sessions that had no request for ``session_idle_s`` (a client that went away without closing
@@ -408,7 +501,10 @@ class SimWorkload:
                 self.stats.expired += 1
         return len(idle)
 
-    def _runtime_for(self, request: InferenceRequest) -> PodRuntime:
+    def _runtime_for(self, request: InferenceRequest) -> PodRuntime | None:
+        """The session's pod: its home, else the least loaded pod that holds the model version the session is
+        pinned to (any pod for a new session). None when no pod holds that version any more: the session is
+        ended, never moved to another version."""
         home = self.home.get(request.session_id)
         runtime = self.runtimes.get(home) if home else None
         if runtime is not None and not runtime.stopping:
@@ -420,6 +516,12 @@ class SimWorkload:
         ]
         if not candidates:
             raise TemporaryError(f"no running pod of {request.namespace}/{request.deployment}", delay=0.5)
+        pinned = self.versions.get(request.session_id)
+        if pinned is not None:
+            candidates = [r for r in candidates if pinned in r.agent.layouts]
+            if not candidates:
+                self.retire(request.session_id, f"no pod serves its model version {pinned!r} any more")
+                return None
         chosen = min(candidates, key=lambda r: (len(r.agent.sessions()), r.info.name))
         self.home[request.session_id] = chosen.info.name
         return chosen
@@ -430,8 +532,8 @@ class SimWorkload:
         knows them, else empty). Its blocks are then reserved in the pool, preempting others."""
         preempted = self.preempted.pop(session_id, None)
         if preempted is not None:
-            try:
-                await runtime.endpoint.start_session(session_id)  # this pod takes it: a new generation
+            try:  # this pod takes it: a new generation, on the version that built it
+                await runtime.endpoint.start_session(session_id, layout=runtime.agent.layouts[preempted.version])
             except TimeoutError as exc:
                 self.preempted[session_id] = preempted
                 raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
@@ -445,6 +547,12 @@ class SimWorkload:
         except ChunkCorrupt as exc:
             log.error("no good checkpoint of the session", extra={"session": session_id, "error": str(exc)})
             await self._start(runtime, session_id, context_lost=True)
+            return
+        except IncompatibleCheckpoint as exc:  # built by a model version this pod does not hold: never restored
+            self.stats.restore_refused_version += 1
+            runtime.agent.forget_session(session_id)
+            runtime.endpoint.end_session(session_id)
+            self.retire(session_id, f"its checkpoint cannot be restored here: {exc}")
             return
         except TimeoutError as exc:
             raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
@@ -462,7 +570,7 @@ class SimWorkload:
         """The engine takes the restored session and checks it against the reference run; a session that cannot
         go on (a wrong cache and no tokens to recompute it from) starts again, its context lost."""
         try:
-            check = await runtime.engine.adopt(session_id, restored)
+            check = await runtime.engine_of(session_id).adopt(session_id, restored)
         except ValueError as exc:
             log.error("restored session cannot go on", extra={"session": session_id, "error": str(exc)})
             await self._start(runtime, session_id, context_lost=True)
@@ -485,8 +593,13 @@ class SimWorkload:
     async def _start(self, runtime: PodRuntime, session_id: str, *, context_lost: bool) -> None:
         """The agent holds the session, empty (``restore`` registered it): the engine starts it, recomputing its
         context from its tokens when it knows them. Without them a session that had a context has lost it."""
-        runtime.engine.release(session_id)
-        if await runtime.engine.start(session_id):
+        pinned = self.versions.get(session_id)
+        if pinned is not None and runtime.agent.session_layout(session_id).model_version != pinned:
+            generation = runtime.agent.generation(session_id)  # registered on the serving version: re-pin it
+            runtime.agent.forget_session(session_id)
+            runtime.agent.register_session(session_id, generation=generation, layout=runtime.agent.layouts[pinned])
+        runtime.release(session_id)
+        if await runtime.engine_of(session_id).start(session_id):
             self.stats.recomputed += 1
         elif context_lost:
             self.stats.lost += 1
@@ -500,7 +613,7 @@ class SimWorkload:
         need = math.ceil(tokens / runtime.agent.layout.block_tokens)
         self._preempt(runtime, runtime.pool.reserve(session_id, need))
         try:
-            await runtime.engine.recompute(session_id, tokens)
+            await runtime.engine_of(session_id).recompute(session_id, tokens)
         except ValueError as exc:
             log.error("preempted session cannot be recomputed", extra={"session": session_id, "error": str(exc)})
             runtime.pool.release(session_id)
@@ -518,7 +631,7 @@ class SimWorkload:
             async with runtime.lock:
                 if runtime.gone:
                     return SessionCheck(None, f"pod {runtime.info.name} is gone")
-                return await runtime.engine.check(session_id)
+                return await runtime.engine_of(session_id).check(session_id)
 
     # -- for tests and status -------------------------------------------------------------------------------------
     def session_blocks(self, session_id: str) -> list[Any] | None:
@@ -558,7 +671,14 @@ class SimWorkload:
                 "failed": stats.restore_check_failed,
                 "unchecked": stats.restore_unchecked,
             },
-            "engines": {f"{ns}/{name}": e.layout.model_id for (ns, name), e in self.engines.items()},
+            "engines": {f"{ns}/{name}@{v}": e.layout.model_id for (ns, name, v), e in self.engines.items()},
+            "rollouts": {
+                "ended_by_rollout": stats.ended_by_rollout,
+                "refused_retired": stats.refused_retired,
+                "restore_refused_version": stats.restore_refused_version,
+                "mixed_versions": stats.mixed_versions,
+                "served_by_version": dict(stats.served_by_version),
+            },
             "tracked": self.tracked(),
         }
 
@@ -567,6 +687,7 @@ class SimWorkload:
         return {
             "runtimes": len(self.runtimes),
             "home": len(self.home),
+            "versions": len(self.versions),
             "preempted": len(self.preempted),
             "last_request": len(self.last_request),
             "locks": len(self._locks),
@@ -574,6 +695,26 @@ class SimWorkload:
             "lost_sessions": len(self.stats.lost_sessions),
             "conversations": sum(e.tracked() for e in self.engines.values()),
         }
+
+
+class PodModels:
+    """One pod's side of a model rollout (``shared.kv.endpoint.ModelHost``): prepare loads a version's engine
+    beside the serving one; at the switch new sessions go to the new one, while the old version's sessions
+    finish on it (or end, as the rollout says)."""
+
+    def __init__(self, workload: SimWorkload, agent: KvAgent, engines: dict[str, PodEngine]) -> None:
+        self.workload = workload
+        self.agent = agent
+        self.engines = engines
+
+    async def prepare(self, version: str) -> KvLayout:
+        return await self.workload.prepare_version(self.agent, self.engines, version)
+
+    def switched(self, state: RolloutState, previous: str) -> None:
+        runtime = self.workload.runtimes.get(self.agent.pod)
+        if state.pinned_sessions == "end" and runtime is not None:
+            reason = state.end_reason or "the deployment moved to a new model version"
+            self.workload._spawn(self.workload.end_pinned(runtime, previous, reason), f"end-pinned-{self.agent.pod}")
 
 
 @dataclass

@@ -242,9 +242,9 @@ class ChatPod:
 
     def _reset(self, session_id: str) -> None:
         """The agent forgets the session's blocks (not the session): a recompute replaces all of them."""
-        generation = self.agent.generation(session_id)
+        generation, layout = self.agent.generation(session_id), self.agent.session_layout(session_id)
         self.agent.forget_session(session_id)
-        self.agent.register_session(session_id, generation=generation)
+        self.agent.register_session(session_id, generation=generation, layout=layout)
 
     def tokens_after(self, session_id: str, prompt_tokens: int, new_tokens: int) -> int:
         talk = self.chat.conversations.get(session_id) or Conversation()

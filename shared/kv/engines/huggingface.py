@@ -148,8 +148,8 @@ class TransformersEngine:
         """Append the blocks that filled since the last call, hand over the tail again if it grew. Full blocks the
         agent already holds are never copied again. A cache that shrank (cropped) is refused: its checkpointed
         positions would no longer be the session's."""
-        if agent.layout != self._layout:
-            raise ValueError(f"the agent of pod {agent.pod} serves another layout than this engine's")
+        if agent.session_layout(session_id) != self._layout:
+            raise ValueError(f"pod {agent.pod} holds session {session_id!r} on another layout than this engine's")
         layers = self.layers_of(cache)
         length = layers[0][0].shape[-2] if layers else 0
         held = agent.tokens(session_id)
