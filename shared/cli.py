@@ -26,8 +26,8 @@ from typing import Any
 
 import msgspec
 
-from shared.console.rollout import add_rollout_parser
 from shared.console.process import DEFAULT_HOME, NODE_SCOPED, SERVICES, home, state_file
+from shared.console.rollout import add_rollout_parser
 from shared.console.state import CommandError, read_state
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
