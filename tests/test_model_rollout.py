@@ -252,3 +252,12 @@ async def test_the_cli_begins_a_rollout_waits_for_the_switch_and_refuses_a_secon
         await eventually(lambda: all(r.agent.layout.model_version == "2" for r in m.workload.runtimes.values()))
         code, _, err = await cli("llm/llama", "2")
         assert code == 2 and "already serves '2'" in err
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shared.cli", "status", "--json", env=env, stdout=-1, stderr=-1
+        )
+        out_b, err_b = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err_b.decode()
+        (deployment,) = json.loads(out_b)["deployments"]
+        assert deployment["serving_version"] == "2"
+        assert deployment["rollout"]["phase"] == "switched" and deployment["rollout"]["to_version"] == "2"
+        assert deployment["rollout"]["from_version"] == "1" and deployment["rollout"]["failed"] == []

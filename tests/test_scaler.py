@@ -31,6 +31,7 @@ from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
 from services.scaler.handlers import ScalerService
 from shared.contract.metrics import DeploymentUtilisation
+from shared.contract.models import RolloutState
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
@@ -276,6 +277,22 @@ async def test_draining_node_adds_its_pods_until_the_verdict(scaler: Harness, bu
     await bus.publish(DrainCompleted(node="node-1", drain_id="d1"))
     await wait_value(scaler, so, 1.0)
     assert scaler.running.ctx.status["drains_in_flight"] == {}
+
+
+async def test_a_preparing_rollout_holds_the_replicas_until_it_is_switched(scaler: Harness, bus: Bus) -> None:
+    scaler.placement.pods[(NS, DEP)] = {"node-1": 2, "node-2": 1}
+    await serving_consumer(bus)
+    so = ref(queueDepthPerReplica="4", stabilisationWindow="0")
+    await fill(bus, 4)
+    await wait_value(scaler, so, 1.0)
+    preparing = RolloutState(namespace=NS, deployment=DEP, rollout_id="r1", phase="preparing", to_version="2")
+    await bus.publish(preparing)
+    await wait_value(scaler, so, 3.0)  # the three pods prepare the new version: none is taken away meanwhile
+    assert scaler.running.ctx.health()["rollouts_preparing"] == {f"{NS}/{DEP}": "r1"}
+    await bus.publish(RolloutState(namespace=NS, deployment=DEP, rollout_id="r0", phase="aborted"))
+    await bus.publish(RolloutState(namespace=NS, deployment=DEP, rollout_id="r1", phase="switched"))
+    await wait_value(scaler, so, 1.0)  # an older rollout's outcome changed nothing; this one's released it
+    assert scaler.running.ctx.health()["rollouts_preparing"] == {}
 
 
 async def test_stale_inputs_fall_back_as_documented(scaler: Harness, bus: Bus) -> None:

@@ -59,6 +59,22 @@ def test_drain_surge_adds_the_pods_of_draining_nodes_within_limits() -> None:
     assert recommend(off, fresh(8, draining=3), NOW).desired == 2
 
 
+def test_a_preparing_rollout_keeps_the_current_replicas() -> None:
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=4, gpu_util_target=60, max_replicas=5)
+    idle = Inputs(**{**_fields(fresh(0, util=5, current=4)), "rollout": "r-7"})
+    d = recommend(t, idle, NOW)
+    assert d.desired == 4 and d.active and "rollout r-7 preparing" in d.reason
+    assert recommend(t, fresh(0, util=5, current=4), NOW).desired == 1  # without it: scaled down
+    busy = Inputs(**{**_fields(fresh(40, util=5, current=4)), "rollout": "r-7"})
+    assert recommend(t, busy, NOW).desired == 5  # never a ceiling: scaling up goes on
+    many = Inputs(**{**_fields(fresh(0, current=9)), "rollout": "r-7"})
+    assert recommend(t, many, NOW).desired == 5  # within maxReplicas
+
+
+def _fields(inputs: Inputs) -> dict[str, object]:
+    return {name: getattr(inputs, name) for name in Inputs.__slots__}
+
+
 def test_stale_inputs_never_scale_down_and_nothing_fresh_holds_or_is_unavailable() -> None:
     t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=1, gpu_util_target=50)
     before = recommend(t, fresh(5, util=50, current=5), NOW)

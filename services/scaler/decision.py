@@ -14,6 +14,9 @@ The rule, for one trigger (see ``trigger.py`` for the keys):
 4. Drain-aware surge: the pods of this deployment on nodes that are draining now are added, so their replacements
    warm up elsewhere before those pods are evicted (``drainSurge: false`` turns it off).
 5. Clamped to ``[minReplicas, maxReplicas]``.
+5b. Model rollout: while one of the deployment's rollouts prepares (its pods load the new version beside the one
+   they serve, busy though their GPUs may look idle), the count may not fall below the current replicas, so the
+   switch happens with the capacity it started with.
 6. Stabilisation: scale-up at once; scale-down only to the highest count recommended within the last
    ``stabilisationWindow`` (the HPA's scale-down rule), so a dip does not remove a replica that is needed again.
 7. Stale inputs. An input that is stale drops out of the rule, and the count may not fall below the last decision
@@ -49,6 +52,7 @@ class Inputs:
     util_sampled_at: float | None = None
     current_replicas: int | None = None
     draining_pods: int = 0  # pods of this deployment on nodes that drain now
+    rollout: str = ""  # the id of a rollout of this deployment preparing now
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +141,11 @@ def recommend(trigger: Trigger, inputs: Inputs, now: float, previous: Decision |
     held = False
     if stale and previous is not None and previous.available and desired < previous.desired:
         desired, held = previous.desired, True
+    rollout_floor = min(inputs.current_replicas or 0, trigger.max_replicas) if inputs.rollout else 0
+    rollout_held = desired < rollout_floor
+    if rollout_held:
+        desired = rollout_floor
+        active = True
 
     parts = []
     if q_term is not None:
@@ -152,6 +161,8 @@ def recommend(trigger: Trigger, inputs: Inputs, now: float, previous: Decision |
         reason += f"; stale: {', '.join(stale)}"
     if held:
         reason += f"; held at {desired}: no scale-down on stale input"
+    if rollout_held:
+        reason += f"; held at {desired}: rollout {inputs.rollout} preparing (preparing pods count as busy)"
     return Decision(
         desired=desired,
         active=active,

@@ -31,6 +31,7 @@ from typing import Any
 from prometheus_client import Gauge
 
 from shared.contract.metrics import DeploymentUtilisation
+from shared.contract.models import RolloutState
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.scaler import ScaleDecision
 from shared.plumbing.bus import ConsumerSpec
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 Deployment = tuple[str, str]  # (namespace, deployment)
 
+ROLLOUT_HOLD_MAX_S = 900.0  # a preparing rollout holds the count at most this long should its outcome never come
 ARRIVAL_HOLD_S = 1.0  # a request just heard counts as depth >= 1 for this long, until a JetStream read confirms
 FIRST_READ_TIMEOUT_S = 2.0
 PLACEMENT_EVERY = 2.0  # placement is read every this many queue refresh periods
@@ -111,6 +113,7 @@ class ScalerCore:
         self.utilisation: dict[Deployment, UtilView] = {}
         self.drains_in_flight: dict[str, str] = {}  # drain id -> node
         self._drain_expiry: dict[str, float] = {}
+        self.rollouts: dict[Deployment, tuple[str, float]] = {}  # preparing: rollout id, when the hold expires
         self.pods: dict[Deployment, tuple[Mapping[str, int], float]] = {}
         self.decisions_published = 0
         self.refreshes = 0  # refresh loop iterations so far: "within two refreshes" is counted, not timed
@@ -244,6 +247,27 @@ class ScalerCore:
                 self._drain_expiry.pop(event.drain_id, None)
         self._evaluate_all()
 
+    async def on_rollout(self, event: RolloutState) -> None:
+        """Idempotent: a rollout holds its deployment's count from ``preparing`` until it is switched or aborted
+        (or ``ROLLOUT_HOLD_MAX_S`` has passed, should that never be heard)."""
+        key = (event.namespace, event.deployment)
+        if event.phase == "preparing":
+            expires = event.occurred_at.timestamp() + ROLLOUT_HOLD_MAX_S
+            if expires > self.clock():
+                self.rollouts[key] = (event.rollout_id, expires)
+        elif key in self.rollouts and self.rollouts[key][0] in (event.rollout_id, ""):
+            del self.rollouts[key]
+        self._evaluate_deployment(key)
+
+    def _rollout(self, deployment: Deployment, now: float) -> str:
+        held = self.rollouts.get(deployment)
+        if held is None:
+            return ""
+        if held[1] <= now:
+            del self.rollouts[deployment]
+            return ""
+        return held[0] or "(unnamed)"
+
     async def on_utilisation(self, event: DeploymentUtilisation) -> None:
         """Idempotent: keeps the newest sample per deployment (an older one arriving late is ignored)."""
         sampled = (event.sampled_at or event.occurred_at).timestamp()
@@ -283,6 +307,7 @@ class ScalerCore:
             util_sampled_at=util.sampled_at if util else None,
             current_replicas=current,
             draining_pods=draining,
+            rollout=self._rollout(deployment, now),
         )
 
     def _evaluate_all(self) -> None:
@@ -438,6 +463,15 @@ class ScalerService:
             ),
             core.on_drain,
         )
+        await ctx.consume(
+            ConsumerSpec(
+                durable=s.durable("scaler", "rollouts"),
+                filter_subjects=(s.pattern("kv.rollout.state"),),
+                accepts=(RolloutState,),
+                stream=s.events_stream,
+            ),
+            core.on_rollout,
+        )
         await ctx.bus.subscribe(
             s.pattern("metrics.deployment.utilisation"), core.on_utilisation, accepts=(DeploymentUtilisation,)
         )
@@ -459,6 +493,7 @@ class ScalerService:
         if placement is not None:
             ctx.spawn(core.placement_loop, "scaler-placement")
         ctx.status["drains_in_flight"] = core.drains_in_flight
+        ctx.status["rollouts_preparing"] = lambda: {"/".join(k): v[0] for k, v in core.rollouts.items()}
         ctx.status["grpc"] = f"{self.settings.host}:{self.port}"
         ctx.status["scaled_objects"] = core.status
         ctx.status["following"] = core.following

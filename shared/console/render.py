@@ -56,11 +56,16 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
             "\n".join(gpus) or "-",
         )
     deployments = Table(title="deployments", title_justify="left")
-    for column in ("deployment", "replicas", "desired", "why"):
+    for column in ("deployment", "replicas", "desired", "model", "why"):
         deployments.add_column(column)
     for dep in status.deployments:
         desired = str(dep.desired) + (f" (scaler {dep.scaler_desired})" if dep.scaler_desired is not None else "")
-        deployments.add_row(f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, dep.why)
+        model = dep.serving_version or "-"
+        if (r := dep.rollout) is not None and r.phase == "preparing":
+            model += f" -> {r.to_version} preparing ({len(r.ready)} ready, {len(r.failed)} failed)"
+        elif r is not None:
+            model += f" (rollout {r.from_version} -> {r.to_version} {r.phase})"
+        deployments.add_row(f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, model, dep.why)
     sessions = Table(title=f"sessions ({len(status.sessions)})", title_justify="left")
     for column in ("session", "pod", "node", "gen", "bytes", "tokens", "last checkpoint", "restored+verified"):
         sessions.add_column(column)

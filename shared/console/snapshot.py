@@ -24,9 +24,12 @@ import msgspec
 
 from shared.console.client import MeshClient
 from shared.contract.checkpoint import SessionRestored
+from shared.contract.configdocs import ModelVersions
 from shared.contract.device import DeviceInventory
 from shared.contract.metrics import GpuSample
 from shared.contract.scaler import ScaleDecision
+from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.rollouts import read_models
 from shared.ports.cluster import NodeInfo, PodInfo
 
 UPGRADE_STATE_LABEL = "nvidia.com/gpu-driver-upgrade-state"
@@ -67,6 +70,19 @@ class NodeView(msgspec.Struct, kw_only=True):
     sessions: int = 0
 
 
+class RolloutView(msgspec.Struct, kw_only=True):
+    """The deployment's newest model rollout (the ``models`` document)."""
+
+    id: str
+    phase: str
+    """``preparing``, ``switched`` or ``aborted``."""
+    from_version: str
+    to_version: str
+    ready: list[str] = msgspec.field(default_factory=list)
+    failed: list[str] = msgspec.field(default_factory=list)
+    reason: str = ""
+
+
 class DeploymentView(msgspec.Struct, kw_only=True):
     namespace: str
     name: str
@@ -78,6 +94,9 @@ class DeploymentView(msgspec.Struct, kw_only=True):
     why: str = ""
     """The newest scale decision's reason, or what else explains the count."""
     pods: list[str] = msgspec.field(default_factory=list)
+    serving_version: str = ""
+    """The model version new sessions start on ('' until a first rollout records one)."""
+    rollout: RolloutView | None = None
 
 
 class CheckpointView(msgspec.Struct, kw_only=True):
@@ -228,6 +247,7 @@ async def take(mesh: MeshClient, samples: SampleListener | None = None, sample_w
         _node_view(info, inventories.get(info.name), pods, samples, by_node.get(info.name, 0))
         for info in sorted(infos, key=lambda n: n.name)
     ]
+    models = await read_model_versions(mesh)
     views = []
     for dep in sorted(deployments, key=lambda d: (d.namespace, d.name)):
         mine = [p for p in pods if p.namespace == dep.namespace and p.deployment == dep.name]
@@ -240,6 +260,19 @@ async def take(mesh: MeshClient, samples: SampleListener | None = None, sample_w
             desired=dep.replicas,
             pods=[f"{p.name}@{p.node or '-'}:{p.phase}" for p in mine],
         )
+        model = models.deployments.get(f"{dep.namespace}/{dep.name}")
+        if model is not None:
+            view.serving_version = model.serving_version
+            if (r := model.rollout) is not None:
+                view.rollout = RolloutView(
+                    id=r.rollout_id,
+                    phase=r.phase,
+                    from_version=r.from_version,
+                    to_version=r.to_version,
+                    ready=list(r.ready),
+                    failed=list(r.failed),
+                    reason=r.reason,
+                )
         if isinstance(decision, ScaleDecision):
             view.scaler_desired = decision.desired_replicas
             view.why = decision.reason
@@ -310,6 +343,15 @@ def _node_view(
         pods=[p.name for p in pods if p.node == info.name],
         sessions=sessions,
     )
+
+
+async def read_model_versions(mesh: MeshClient) -> ModelVersions:
+    """The ``models`` document (serving versions and rollouts); empty when none was written or it is unreadable."""
+    try:
+        _, models = await read_models(ConfigStore(mesh.redis, mesh.subjects))
+    except Exception:
+        return ModelVersions()
+    return models
 
 
 async def _scan(redis: Any, pattern: str) -> list[str]:
