@@ -30,7 +30,7 @@ DOCUMENTED: dict[str, str] = {
         "scaler: seconds between background refreshes of queue depth and utilisation (default 1)"
     ),
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ DOCUMENTED: dict[str, str] = {
         "sim: the node spec file, YAML or JSON (default: nodes node-1..3 with 2 GPUs each; see `shared/sim/spec.py`)"
     ),
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 class SpecError(ValueError):
