@@ -37,19 +37,18 @@ faults: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/faults $(PYTEST_ARGS)
 
 check: install format lint types layers
-	$(BIN)/python -m shared.contract.schemas --check
-	$(BIN)/python -m services.scaler.protogen --check
-	$(BIN)/python -m services.device.protogen --check
-	$(BIN)/python -m shared.plumbing.envdoc --check
+	$(BIN)/python -m tools.schemas --check
+	$(BIN)/python -m tools.protogen --check
+	$(BIN)/python -m tools.envdoc --check
 
 format: install
-	$(BIN)/ruff format --check shared services tests bench
+	$(BIN)/ruff format --check shared services tools tests bench
 
 lint: install
-	$(BIN)/ruff check shared services tests bench
+	$(BIN)/ruff check shared services tools tests bench
 
 types: install
-	$(BIN)/mypy shared services bench
+	$(BIN)/mypy shared services tools bench
 
 layers: install
 	$(BIN)/lint-imports
@@ -66,15 +65,14 @@ soak: install
 	$(BIN)/python -m bench.soak $(BENCH_ARGS)
 
 schemas: install
-	$(BIN)/python -m shared.contract.schemas
+	$(BIN)/python -m tools.schemas
 
 # docs/configuration.md's table of environment variables, from the DOCUMENTED tables next to the code that reads them
 envdoc: install
-	$(BIN)/python -m shared.plumbing.envdoc
+	$(BIN)/python -m tools.envdoc
 
 proto: install
-	$(BIN)/python -m services.scaler.protogen
-	$(BIN)/python -m services.device.protogen
+	$(BIN)/python -m tools.protogen
 
 # Wheels for bench/gpu_session.sh on a lent GPU machine (no network there): its Python is GPU_PYTHON.
 GPU_PYTHON ?= 3.12
@@ -92,7 +90,7 @@ gpu-kit: install
 
 # The NVML adapter on this machine's GPUs: prints what it finds; "skipped" (exit 0) where there is no GPU/NVML.
 gpu-check: install
-	$(BIN)/python -m shared.ports.nvml_check $(GPU_CHECK_ARGS)
+	$(BIN)/python -m tools.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) bench/results .gpu-kit .mypy_cache .ruff_cache .pytest_cache

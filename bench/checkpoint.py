@@ -40,19 +40,10 @@ import numpy as np
 from bench.common import BenchOptions, Target, finish, machine_info, nats_server
 from shared.kv.agent import KvAgent
 from shared.kv.filestore import FileStore
-from shared.kv.manifest import KvLayout
+from shared.kv.presets import LLAMA_3_8B
 from shared.sim.engines import expected_block
 
-LAYOUT = KvLayout(
-    model_id="meta-llama/Meta-Llama-3-8B",
-    model_version="1",
-    tokenizer_id="llama3",
-    dtype="float16",
-    block_tokens=16,
-    layers=32,
-    kv_heads=8,
-    head_dim=128,
-)  # 128 KiB per token, 2 MiB per block
+LAYOUT = LLAMA_3_8B  # 128 KiB per token, 2 MiB per block
 
 
 def drop_cache(directory: Path) -> None:

@@ -37,7 +37,7 @@ step "install (offline, from .gpu-kit)" install.log bash -c \
 [ ${#failed[@]} -eq 0 ] && rm -f "$OUT/install.log"  # at most 8 files come back from $OUT
 PYBIN=$VENV/bin/python
 step "nvidia-smi" nvidia-smi.txt nvidia-smi
-step "gpu-check (NVML adapter on the real GPU)" gpu-check.json "$PYBIN" -m shared.ports.nvml_check --json
+step "gpu-check (NVML adapter on the real GPU)" gpu-check.json "$PYBIN" -m tools.gpu_check --json
 step "KV agent tests with CUDA tensors" pytest.log "$PYBIN" -m pytest -q -p no:cacheprovider -rs \
     tests/test_kv_torch.py tests/test_kv_agent.py
 step "bench.checkpoint --device cuda --quick" checkpoint.log "$PYBIN" -m bench.checkpoint --device cuda \

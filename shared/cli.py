@@ -647,8 +647,13 @@ def cmd_nats_auth(args: argparse.Namespace) -> int:
 
 # -- schemas --------------------------------------------------------------------------------------------------
 def cmd_schemas(args: argparse.Namespace) -> int:
-    from shared.contract import schemas
-
+    """The development tool ``python -m tools.schemas``, for a source checkout (it writes into its proto/events)."""
+    try:
+        from tools import schemas
+    except ModuleNotFoundError as exc:
+        if exc.name != "tools":
+            raise
+        raise UsageError("gpuwarden schemas needs a source checkout (its tools/ package): run it there") from None
     return schemas.main(["--check"] if args.check else [])
 
 

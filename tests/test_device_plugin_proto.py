@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from services.device import protogen
 from services.device.gen import deviceplugin_pb2 as pb
+from tools import protogen
 
 F = FieldDescriptor
 S, B, M = F.TYPE_STRING, F.TYPE_BOOL, F.TYPE_MESSAGE
@@ -98,4 +98,4 @@ def test_services_and_rpcs_are_exactly_the_kubelets() -> None:
 
 
 def test_committed_stubs_do_not_drift_from_the_proto() -> None:
-    assert protogen.drift() == [], "run: python -m services.device.protogen"
+    assert protogen.DEVICE_PLUGIN.drift() == [], "run: python -m tools.protogen"

@@ -3,7 +3,7 @@ stale, and the committed table is the generated one."""
 
 from __future__ import annotations
 
-from shared.plumbing import envdoc
+from tools import envdoc
 
 
 def test_every_variable_the_code_reads_is_documented_and_the_table_is_current() -> None:

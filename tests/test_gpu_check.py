@@ -1,4 +1,4 @@
-"""``make gpu-check`` (``python -m shared.ports.nvml_check``): skipped where there is no GPU, a full report against
+"""``make gpu-check`` (``python -m tools.gpu_check``): skipped where there is no GPU, a full report against
 the hand-written fake NVML, and a failing step reported with exit 1."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.ports.nvml_check import SKIPPED, main
 from tests.test_nvml_adapter import EventData, FakeNvml, NVMLError
+from tools.gpu_check import SKIPPED, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def test_no_gpu_is_skipped_as_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_this_machine() -> None:
     """The real pynvml, as ``make gpu-check`` runs it: skipped here without a GPU, a report where there is one."""
     run = subprocess.run(
-        [sys.executable, "-m", "shared.ports.nvml_check", "--json", "--xid-wait", "0.2"],
+        [sys.executable, "-m", "tools.gpu_check", "--json", "--xid-wait", "0.2"],
         cwd=ROOT,
         capture_output=True,
         text=True,

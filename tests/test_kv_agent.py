@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -20,18 +21,11 @@ from shared.kv.agent import KvAgent
 from shared.kv.crypto import ChunkCipher, cipher_from_env
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
+from shared.kv.presets import LLAMA_3_8B
 from shared.kv.store import ChunkCorrupt
 
-LAYOUT = KvLayout(
-    model_id="meta-llama/Meta-Llama-3-8B",
-    model_version="1",
-    tokenizer_id="llama3",
-    dtype="float16",
-    block_tokens=16,
-    layers=2,
-    kv_heads=2,
-    head_dim=64,
-)  # 16 tokens x 2 x 2 x 64 x 2 x 2 B = 16 KiB per block
+LAYOUT = msgspec.structs.replace(LLAMA_3_8B, layers=2, kv_heads=2, head_dim=64)
+# 16 tokens x 2 x 2 x 64 x 2 x 2 B = 16 KiB per block
 
 
 def block_content(session_id: str, index: int, nbytes: int) -> np.ndarray:

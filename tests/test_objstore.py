@@ -270,7 +270,7 @@ async def test_listing_deleting_batches_and_sweeping_orphans(store: NatsObjectSt
     # a writer that never committed nor aborted (its pod died): swept once old enough, live objects untouched
     orphan = store.open_pack()
     await orphan.append([memoryview(b"x" * 1000)])
-    await orphan._finish_chunks()
+    await orphan.finish_chunks()
     assert await store.sweep_orphans(grace_s=3600) == 0
     assert await store.sweep_orphans(grace_s=0) == 1
     assert await stream_subjects(nc, store.bucket, "C") == live

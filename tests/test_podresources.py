@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.handlers import CheckpointService
-from services.device import protogen
 from services.device.config import DeviceSettings, load
 from services.device.gen import podresources_pb2 as pb
 from services.device.gen import podresources_pb2_grpc as pb_grpc
@@ -41,6 +40,7 @@ from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec, default_
 from shared.sim.workload import SimWorkload
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
+from tools import protogen
 
 MIG_A = [MigInstance(uuid="MIG-a0", profile="1g.10gb"), MigInstance(uuid="MIG-a1", profile="1g.10gb")]
 GPU_A = GpuDevice(index=0, uuid="GPU-aaaa", model="NVIDIA A100", mig_enabled=True, mig_instances=MIG_A)
@@ -57,7 +57,7 @@ def test_device_ids_that_are_the_gpu() -> None:
 
 
 def test_committed_stubs_do_not_drift_from_either_proto() -> None:
-    assert protogen.POD_RESOURCES.drift() == [], "run: python -m services.device.protogen"
+    assert protogen.POD_RESOURCES.drift() == [], "run: python -m tools.protogen"
     assert protogen.drift() == []
 
 

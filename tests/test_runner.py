@@ -22,7 +22,7 @@ from services.device.handlers import DeviceService
 from services.driver.handlers import DriverService
 from services.metrics.handlers import MetricsService
 from services.scaler.config import ScalerSettings
-from services.scaler.handlers import ScalerService
+from services.scaler.service import ScalerService
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.subjects import Subjects

@@ -29,7 +29,7 @@ from nats.js import api as js_api
 from services.scaler.config import ScalerSettings, ScalerTls
 from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
-from services.scaler.handlers import ScalerService
+from services.scaler.service import ScalerService
 from shared.contract.metrics import DeploymentUtilisation
 from shared.contract.models import RolloutState
 from shared.contract.node import DrainCompleted, DrainRequested

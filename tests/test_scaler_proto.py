@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from services.scaler import protogen
 from services.scaler.gen import externalscaler_pb2 as pb
+from tools import protogen
 
 F = FieldDescriptor
 MESSAGES = {
@@ -61,4 +61,4 @@ def test_service_and_rpcs_are_exactly_kedas() -> None:
 
 
 def test_committed_stubs_do_not_drift_from_the_proto() -> None:
-    assert protogen.drift() == [], "run: python -m services.scaler.protogen"
+    assert protogen.EXTERNAL_SCALER.drift() == [], "run: python -m tools.protogen"

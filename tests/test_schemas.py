@@ -13,12 +13,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from shared.contract import schemas
 from shared.contract.node import DrainRequested
 from shared.contract.registry import BY_KIND, FAMILIES, codec
 from shared.contract.subjects import ROUTES, Subjects
+from tools import schemas
 
-REGENERATE = "run `make schemas` (python -m shared.contract.schemas) and commit proto/events/"
+REGENERATE = "run `make schemas` (python -m tools.schemas) and commit proto/events/"
 
 try:
     import jsonschema

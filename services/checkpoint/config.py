@@ -17,7 +17,7 @@ DOCUMENTED: dict[str, str] = {
         "checkpoint: how long a drain's runner holds it unrenewed (default 10; renewed every third of it)"
     ),
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ DOCUMENTED: dict[str, str] = {
     ),
     "GPUWARDEN_KUBELET_POLL_S": "device: seconds between checks of `kubelet.sock` for a restarted kubelet (default 1)",
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 class ConfigError(SettingsError):

@@ -17,7 +17,7 @@ DOCUMENTED: dict[str, str] = {
         "`install_timeout_s`"
     ),
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,13 @@ variable and what it expects."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from shared.plumbing.errors import SettingsError
+from shared.plumbing.settings import env_choice, env_seconds
 
 SOURCES = ("nvml", "dcgm", "prometheus")
 AGGREGATE_MODES = ("local", "bus", "off")
@@ -48,30 +48,10 @@ class MetricsSettings:
         return self.url.replace("{node}", node)
 
 
-def _number(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
-    raw = env.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r}: expected a number of seconds") from None
-    if not math.isfinite(value) or value < minimum:
-        raise SettingsError(f"{name}={raw!r}: expected at least {minimum:g} seconds")
-    return value
-
-
-def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
-    value = env.get(name, "") or default
-    if value not in choices:
-        raise SettingsError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value
-
-
 def load(env: Mapping[str, str] | None = None) -> MetricsSettings:
     """Read and check every metrics setting; raises ``SettingsError`` naming the variable that is wrong."""
     env = os.environ if env is None else env
-    source = _choice(env, "GPUWARDEN_METRICS_SOURCE", SOURCES, "nvml")
+    source = env_choice(env, "GPUWARDEN_METRICS_SOURCE", SOURCES, "nvml")
     url = env.get("GPUWARDEN_METRICS_URL", "").strip()
     if url:
         parts = urlsplit(url.replace("{node}", "node"))
@@ -82,15 +62,15 @@ def load(env: Mapping[str, str] | None = None) -> MetricsSettings:
             "GPUWARDEN_METRICS_SOURCE=prometheus needs GPUWARDEN_METRICS_URL, the Prometheus base URL "
             "(e.g. http://prometheus.monitoring:9090)"
         )
-    interval = _number(env, "GPUWARDEN_METRICS_INTERVAL_S", 5.0, 0.05)
-    window = _number(env, "GPUWARDEN_METRICS_WINDOW_S", 60.0, 0.05)
+    interval = env_seconds(env, "GPUWARDEN_METRICS_INTERVAL_S", 5.0, minimum=0.05)
+    window = env_seconds(env, "GPUWARDEN_METRICS_WINDOW_S", 60.0, minimum=0.05)
     if window < interval:
         raise SettingsError(
             f"GPUWARDEN_METRICS_WINDOW_S={window:g} is shorter than GPUWARDEN_METRICS_INTERVAL_S={interval:g}: "
             "a window must hold at least one sample"
         )
-    stale = _number(env, "GPUWARDEN_METRICS_STALE_S", 3.0 * interval, 0.05)
-    timeout = _number(env, "GPUWARDEN_METRICS_TIMEOUT_S", min(interval, 10.0), 0.05)
+    stale = env_seconds(env, "GPUWARDEN_METRICS_STALE_S", 3.0 * interval, minimum=0.05)
+    timeout = env_seconds(env, "GPUWARDEN_METRICS_TIMEOUT_S", min(interval, 10.0), minimum=0.05)
     return MetricsSettings(
         source=source,
         url=url,
@@ -98,7 +78,7 @@ def load(env: Mapping[str, str] | None = None) -> MetricsSettings:
         window_s=window,
         stale_after_s=stale,
         timeout_s=timeout,
-        aggregate=_choice(env, "GPUWARDEN_METRICS_AGGREGATE", AGGREGATE_MODES, "local"),
+        aggregate=env_choice(env, "GPUWARDEN_METRICS_AGGREGATE", AGGREGATE_MODES, "local"),
         selector=env.get("GPUWARDEN_METRICS_SELECTOR", "").strip(),
-        parser=_choice(env, "GPUWARDEN_METRICS_PARSER", PARSERS, "cached"),
+        parser=env_choice(env, "GPUWARDEN_METRICS_PARSER", PARSERS, "cached"),
     )

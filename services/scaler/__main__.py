@@ -6,7 +6,7 @@ from shared.plumbing.errors import SettingsError
 from shared.plumbing.runner import run
 
 from .config import load
-from .handlers import ScalerService
+from .service import ScalerService
 
 if __name__ == "__main__":
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.settings import parse_host_port
+from shared.plumbing.settings import env_seconds, parse_host_port
 
 DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_SCALER_ADDR": (
@@ -30,7 +30,7 @@ DOCUMENTED: dict[str, str] = {
         "scaler: seconds between background refreshes of queue depth and utilisation (default 1)"
     ),
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,5 @@ def load(env: Mapping[str, str] | None = None) -> ScalerSettings:
         raise SettingsError("GPUWARDEN_SCALER_TLS_CERT and GPUWARDEN_SCALER_TLS_KEY go together: set both or neither")
     if tls.client_ca is not None and tls.cert is None:
         raise SettingsError("GPUWARDEN_SCALER_TLS_CA (mTLS) needs GPUWARDEN_SCALER_TLS_CERT and _KEY as well")
-    raw = env.get("GPUWARDEN_SCALER_REFRESH_S", "1")
-    try:
-        refresh_s = float(raw)
-    except ValueError:
-        refresh_s = -1.0
-    if not 0.05 <= refresh_s <= 60:
-        raise SettingsError(f"GPUWARDEN_SCALER_REFRESH_S={raw!r}: expected seconds between 0.05 and 60")
+    refresh_s = env_seconds(env, "GPUWARDEN_SCALER_REFRESH_S", 1.0, minimum=0.05, maximum=60)
     return ScalerSettings(host=host, port=port, tls=tls, refresh_s=refresh_s)

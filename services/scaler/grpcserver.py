@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,10 +21,8 @@ from .config import ScalerSettings
 from .decision import METRIC_TARGET, Decision
 from .gen import externalscaler_pb2 as pb
 from .gen import externalscaler_pb2_grpc as pb_grpc
+from .handlers import ScalerCore, Watch
 from .trigger import TriggerError, check_metric_name
-
-if TYPE_CHECKING:
-    from .handlers import ScalerCore, Watch
 
 log = logging.getLogger(__name__)
 

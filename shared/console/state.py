@@ -14,7 +14,7 @@ DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_POD_NAME": "inference pods: the pod name `gpuwarden agent final-save` addresses",
     "GPUWARDEN_DEBUG": "gpuwarden: set to show the traceback of an unexpected error instead of its one line",
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 class CommandError(Exception):

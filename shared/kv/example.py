@@ -12,22 +12,15 @@ import asyncio
 import sys
 import tempfile
 
+import msgspec
 import numpy as np
 
 from shared.kv.agent import KvAgent
 from shared.kv.filestore import FileStore
-from shared.kv.manifest import KvLayout
+from shared.kv.presets import LLAMA_3_8B
 
-LAYOUT = KvLayout(
-    model_id="meta-llama/Meta-Llama-3-8B",
-    model_version="1",
-    tokenizer_id="llama3",
-    dtype="float16",
-    block_tokens=16,
-    layers=4,  # a small slice of the model keeps the example quick: 16 x 4 x 8 x 128 x 2 x 2 B = 256 KiB/block
-    kv_heads=8,
-    head_dim=128,
-)
+# a small slice of the model keeps the example quick: 16 x 4 x 8 x 128 x 2 x 2 B = 256 KiB/block
+LAYOUT = msgspec.structs.replace(LLAMA_3_8B, layers=4)
 
 
 async def main(directory: str) -> int:

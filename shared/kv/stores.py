@@ -36,7 +36,7 @@ DOCUMENTED: dict[str, str] = {
         "checkpoint, agents: an id for the key, written into each manifest (default: derived from the key)"
     ),
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 def parse_store_url(url: str) -> tuple[str, str, dict[str, Any]]:

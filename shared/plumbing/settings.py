@@ -6,6 +6,7 @@ reads is listed in ``DOCUMENTED`` and, from there, in the README.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import ssl
@@ -162,17 +163,38 @@ def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0
     return value
 
 
-def env_seconds(env: Mapping[str, str], name: str, default: float, *, allow_zero: bool = False) -> float:
-    """A duration setting: a number of seconds, positive (or zero, where zero means "off")."""
+def env_seconds(
+    env: Mapping[str, str],
+    name: str,
+    default: float,
+    *,
+    allow_zero: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> float:
+    """A duration setting: a number of seconds, positive (or zero, where zero means "off"), and within
+    ``minimum``..``maximum`` where they are given. Every service's ``config.load`` reads its durations here."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise SettingsError(f"{name}={raw!r}: expected seconds") from None
-    if value < 0 or (value == 0 and not allow_zero):
+        raise SettingsError(f"{name}={raw!r}: expected a number of seconds") from None
+    if minimum is not None and maximum is not None and not minimum <= value <= maximum:
+        raise SettingsError(f"{name}={raw!r}: expected seconds between {minimum:g} and {maximum:g}")
+    if minimum is not None and not (math.isfinite(value) and value >= minimum):
+        raise SettingsError(f"{name}={raw!r}: expected at least {minimum:g} seconds")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise SettingsError(f"{name}={raw!r}: must be {'zero or more' if allow_zero else 'positive'}")
+    return value
+
+
+def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    """A setting that is one of ``choices``; empty or unset is ``default``."""
+    value = env.get(name, "") or default
+    if value not in choices:
+        raise SettingsError(f"{name}={value!r}: expected one of {', '.join(choices)}")
     return value
 
 

@@ -64,7 +64,7 @@ DOCUMENTED: dict[str, str] = {
         "substituted), e.g. restarting the node's driver container"
     ),
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 def cuda_version_text(raw: int) -> str:

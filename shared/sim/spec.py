@@ -33,6 +33,7 @@ import msgspec
 import yaml
 
 from shared.contract.base import TOKEN_PATTERN
+from shared.kv.presets import LLAMA_3_8B, LLAMA_3_8B_MAX_MODEL_LEN, LLAMA_3_8B_WEIGHTS_MIB
 
 Name = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -44,7 +45,7 @@ DOCUMENTED: dict[str, str] = {
         "sim: the node spec file, YAML or JSON (default: nodes node-1..3 with 2 GPUs each; see `shared/sim/spec.py`)"
     ),
 }
-"""Every variable this module's settings read, as docs/configuration.md lists it (shared.plumbing.envdoc)."""
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 class SpecError(ValueError):
@@ -81,17 +82,17 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     engine: Literal["synthetic", "transformers"] = "synthetic"
 
-    model_id: str = "meta-llama/Meta-Llama-3-8B"
-    model_version: str = "1"
-    tokenizer_id: str = "llama3"
-    dtype: str = "float16"
-    layers: Positive = 32
-    kv_heads: Positive = 8
-    head_dim: Positive = 128
+    model_id: str = LLAMA_3_8B.model_id
+    model_version: str = LLAMA_3_8B.model_version
+    tokenizer_id: str = LLAMA_3_8B.tokenizer_id
+    dtype: str = LLAMA_3_8B.dtype
+    layers: Positive = LLAMA_3_8B.layers
+    kv_heads: Positive = LLAMA_3_8B.kv_heads
+    head_dim: Positive = LLAMA_3_8B.head_dim
     dtype_bytes: Positive = 2
-    block_tokens: Positive = 16
-    weights_mib: Annotated[int, msgspec.Meta(ge=0)] = 15316  # 8.03 B parameters x 2 bytes
-    max_model_len: Positive = 8192  # the longest session, prompt and output, in tokens
+    block_tokens: Positive = LLAMA_3_8B.block_tokens
+    weights_mib: Annotated[int, msgspec.Meta(ge=0)] = LLAMA_3_8B_WEIGHTS_MIB
+    max_model_len: Positive = LLAMA_3_8B_MAX_MODEL_LEN  # the longest session, prompt and output, in tokens
     attention_heads: Annotated[int, msgspec.Meta(ge=0)] = 0
     vocab_size: Annotated[int, msgspec.Meta(ge=3)] = 256
     seed: int = 0

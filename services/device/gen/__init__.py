@@ -1,2 +1,2 @@
 """Stubs generated from ``proto/deviceplugin.proto`` and ``proto/podresources.proto`` by
-``python -m services.device.protogen``; do not edit."""
+``python -m tools.protogen``; do not edit."""

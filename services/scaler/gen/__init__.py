@@ -1,1 +1,1 @@
-"""Stubs generated from ``proto/externalscaler.proto`` by ``python -m services.scaler.protogen``; do not edit."""
+"""Stubs generated from ``proto/externalscaler.proto`` by ``python -m tools.protogen``; do not edit."""

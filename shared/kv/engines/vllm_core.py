@@ -74,7 +74,7 @@ DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NAMESPACE": "vLLM connector: the pod's namespace unless its extra config names one (default default)",
     "GPUWARDEN_DEPLOYMENT": "vLLM connector: the pod's deployment unless its extra config names one (default vllm)",
 }
-"""Variables only the vLLM connector reads (shared.plumbing.envdoc); the others it shares with the agents."""
+"""Variables only the vLLM connector reads (tools.envdoc); the others it shares with the agents."""
 
 
 class ConfigError(ValueError):

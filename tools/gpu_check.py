@@ -1,4 +1,4 @@
-"""``python -m shared.ports.nvml_check [--json] [--xid-wait SECONDS]`` (``make gpu-check``): what the NVML adapter
+"""``python -m tools.gpu_check [--json] [--xid-wait SECONDS]`` (``make gpu-check``): what the NVML adapter
 of the GPU port finds on this machine's GPUs.
 
 It runs every call the services make (devices with memory, NUMA and NVLink topology and MIG mode, driver and CUDA
@@ -172,7 +172,7 @@ def render(result: GpuCheck) -> str:
 
 def main(argv: list[str] | None = None, nvml: Any = None) -> int:
     """``nvml``: the NVML module to use (tests hand in a fake); pynvml otherwise."""
-    parser = argparse.ArgumentParser(prog="python -m shared.ports.nvml_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     parser.add_argument(
         "--xid-wait", type=float, default=1.0, metavar="SECONDS", help="how long to listen for XID events (default 1)"

@@ -1,12 +1,12 @@
 """JSON Schema and AsyncAPI documents generated from the event Structs, so other systems need not read Python.
 
-The Structs in this package are the single source of truth; the files under ``proto/events/`` are derived
+The Structs in ``shared.contract`` are the single source of truth; the files under ``proto/events/`` are derived
 from them and committed so that consumers in other languages, and reviewers, see every change to the wire.
 Output is byte-for-byte deterministic, which lets ``--check`` (and the drift test) catch a Struct edited
 without regenerating the files.
 
-    python -m shared.contract.schemas            # write proto/events/
-    python -m shared.contract.schemas --check    # exit 1, naming the files that differ
+    python -m tools.schemas            # write proto/events/
+    python -m tools.schemas --check    # exit 1, naming the files that differ
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from shared.contract.base import SCHEMA_VERSION, Event
 from shared.contract.registry import BY_KIND, EVENT_TYPES, FAMILIES
 from shared.contract.subjects import ROUTES, Delivery, Subjects
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = REPO_ROOT / "proto" / "events"
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -241,7 +241,7 @@ def check(directory: Path = DEFAULT_DIR) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m shared.contract.schemas",
+        prog="python -m tools.schemas",
         description="Generate the JSON Schema and AsyncAPI files of the event contract.",
     )
     parser.add_argument(

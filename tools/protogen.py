@@ -1,5 +1,7 @@
-"""Generate and check the committed Python stubs of a gRPC contract in ``proto/`` (KEDA's external scaler, the
-kubelet device plugin). Generated code is never edited by hand: ``generate`` runs protoc (grpcio-tools) and makes
+"""``python -m tools.protogen [--check]``: generate (or check) the committed Python stubs of the gRPC contracts in
+``proto/``: KEDA's external scaler (``services/scaler/gen/``), and the kubelet's device plugin API (v1beta1, which
+the device service serves) and PodResources API (v1, which it asks which pods hold which GPUs), both in
+``services/device/gen/``. Generated code is never edited by hand: ``generate`` runs protoc (grpcio-tools) and makes
 one deterministic change, rewriting grpc's top-level ``import X_pb2`` into a package-relative import so the stubs
 live inside the service's ``gen`` package; ``drift`` regenerates into a temporary folder and names what differs.
 """
@@ -7,12 +9,15 @@ live inside the service's ``gen`` package; ``drift`` regenerates into a temporar
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parents[2] / "proto"
+ROOT = Path(__file__).resolve().parents[1]
+PROTO_DIR = ROOT / "proto"
+COMMAND = "python -m tools.protogen"
 
 
 class ProtocFailed(RuntimeError):
@@ -70,17 +75,36 @@ class ProtoStubs:
                 or (self.gen_dir / path.name).read_bytes() != path.read_bytes()
             ]
 
-    def main(self, argv: list[str] | None = None) -> int:
-        parser = argparse.ArgumentParser(prog=self.command, description=f"stubs of proto/{self.name}.proto")
-        parser.add_argument("--check", action="store_true", help="exit 1 when the committed stubs are out of date")
-        args = parser.parse_args(argv)
+
+EXTERNAL_SCALER = ProtoStubs("externalscaler", ROOT / "services" / "scaler" / "gen", COMMAND)
+DEVICE_PLUGIN = ProtoStubs("deviceplugin", ROOT / "services" / "device" / "gen", COMMAND)
+POD_RESOURCES = ProtoStubs("podresources", ROOT / "services" / "device" / "gen", COMMAND)
+STUBS = (EXTERNAL_SCALER, DEVICE_PLUGIN, POD_RESOURCES)
+
+
+def drift() -> list[str]:
+    """Every generated file, of every contract, that differs from (or is missing in) its committed folder."""
+    return [name for stubs in STUBS for name in stubs.drift()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description="stubs of the gRPC contracts in proto/")
+    parser.add_argument("--check", action="store_true", help="exit 1 when the committed stubs are out of date")
+    args = parser.parse_args(argv)
+    status = 0
+    for stubs in STUBS:
         if args.check:
-            stale = self.drift()
+            stale = stubs.drift()
             if stale:
-                print(f"stale generated stubs in {self.gen_dir}: {', '.join(stale)}; run: {self.command}")
-                return 1
-            print(f"{self.gen_dir}: up to date with proto/{self.name}.proto")
-            return 0
-        for path in self.generate(self.gen_dir):
+                print(f"stale generated stubs in {stubs.gen_dir}: {', '.join(stale)}; run: {COMMAND}")
+                status = 1
+            else:
+                print(f"{stubs.gen_dir}: up to date with proto/{stubs.name}.proto")
+            continue
+        for path in stubs.generate(stubs.gen_dir):
             print(f"wrote {path}")
-        return 0
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The scaler's wiring: the service the runner starts. It builds ``ScalerCore`` (``handlers.py``) over its
+adapters (``adapters.py``), feeds it drain and utilisation events, serves it over gRPC (``grpcserver.py``) and
+spawns its loops."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import Gauge
+
+from shared.contract.metrics import DeploymentUtilisation
+from shared.contract.models import RolloutState
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.plumbing.bus import ConsumerSpec
+from shared.plumbing.runner import ServiceContext
+
+from .adapters import JetStreamQueue, cluster_placement
+from .config import ScalerSettings, load
+from .grpcserver import ScalerServer
+from .handlers import Clock, ScalerCore
+from .ports import Placement
+
+log = logging.getLogger(__name__)
+
+
+def _held(core: ScalerCore, key: str) -> float:
+    return float(core.following()[key])
+
+
+class ScalerService:
+    name = "scaler"
+    config_names: tuple[str, ...] = ()
+
+    def __init__(
+        self, settings: ScalerSettings | None = None, placement: Placement | None = None, clock: Clock = time.time
+    ) -> None:
+        self.settings = settings or load()
+        self._placement = placement
+        self.clock = clock
+        self.core: ScalerCore | None = None
+        self.port = 0
+
+    async def start(self, ctx: ServiceContext) -> None:
+        s = ctx.subjects
+        placement: Placement | None = self._placement
+        close_placement: Callable[[], Awaitable[None]] | None = None
+        if placement is None:
+            try:
+                placement, close_placement = await cluster_placement(ctx.settings, s)
+            except Exception as exc:  # no cluster to read: the surge falls back as documented, the rest works
+                log.warning("pod placement unavailable; drains surge without it", extra={"error": str(exc)})
+                ctx.status["placement"] = f"unavailable: {exc}"
+        core = self.core = ScalerCore(
+            JetStreamQueue(ctx.bus), placement, ctx.publish, clock=self.clock, refresh_s=self.settings.refresh_s
+        )
+        await ctx.consume(
+            ConsumerSpec(
+                durable=s.durable("scaler", "drains"),
+                filter_subjects=(
+                    s.pattern("node.drain.requested"),
+                    s.pattern("node.drain.completed"),
+                    s.pattern("node.drain.failed"),
+                ),
+                accepts=(DrainRequested, DrainCompleted, DrainFailed),
+                stream=s.events_stream,
+            ),
+            core.on_drain,
+        )
+        await ctx.consume(
+            ConsumerSpec(
+                durable=s.durable("scaler", "rollouts"),
+                filter_subjects=(s.pattern("kv.rollout.state"),),
+                accepts=(RolloutState,),
+                stream=s.events_stream,
+            ),
+            core.on_rollout,
+        )
+        await ctx.bus.subscribe(
+            s.pattern("metrics.deployment.utilisation"), core.on_utilisation, accepts=(DeploymentUtilisation,)
+        )
+        server = ScalerServer(core, self.settings, serving=lambda: ctx.bus.connected)
+        self.port = await server.start()
+
+        async def serve() -> None:
+            try:
+                await server.wait()
+            finally:
+                await server.stop(grace=1.0)
+                await core.close()
+                if close_placement is not None:
+                    await close_placement()
+
+        ctx.spawn(serve, "scaler-grpc")
+        ctx.spawn(core.refresh_loop, "scaler-refresh")
+        ctx.spawn(core.publish_loop, "scaler-publish")
+        if placement is not None:
+            ctx.spawn(core.placement_loop, "scaler-placement")
+        ctx.status["drains_in_flight"] = core.drains_in_flight
+        ctx.status["rollouts_preparing"] = lambda: {"/".join(k): v[0] for k, v in core.rollouts.items()}
+        ctx.status["grpc"] = f"{self.settings.host}:{self.port}"
+        ctx.status["scaled_objects"] = core.status
+        ctx.status["following"] = core.following
+        for key, what in (
+            ("scaled_objects", "ScaledObjects the scaler watches"),
+            ("queues", "Request queues the scaler polls"),
+            ("streams", "StreamIsActive streams open"),
+        ):
+            gauge = Gauge(f"gpuwarden_scaler_{key}", what, registry=ctx.telemetry.registry)
+            gauge.set_function(functools.partial(_held, core, key))
