@@ -261,3 +261,31 @@ async def test_the_cli_begins_a_rollout_waits_for_the_switch_and_refuses_a_secon
         assert deployment["serving_version"] == "2"
         assert deployment["rollout"]["phase"] == "switched" and deployment["rollout"]["to_version"] == "2"
         assert deployment["rollout"]["from_version"] == "1" and deployment["rollout"]["failed"] == []
+
+
+async def test_with_pinned_sessions_end_the_old_sessions_end_with_the_reason_and_new_ones_run_on_the_new_version(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    spec = spec_of(2, kv_blocks=32, model=SMALL_MODEL)
+    async with mesh(settings, subjects, bus, tmp_path, spec) as m:
+        w = m.workload
+        w.served_log = []
+        store = ConfigStore(m.service.registry.client, subjects)
+        old = [f"old-{i}" for i in range(4)]
+        for sid in old:
+            await bus.publish(turn(sid, 16, 4))
+        await eventually(lambda: w.stats.served >= len(old), timeout=30)
+        rollout = await begin_rollout(
+            store, "llm", "llama", "2", from_version="1", pinned_sessions="end", end_reason="moved to v2", by="test"
+        )
+        await eventually(lambda: _is(phase(store, rollout.rollout_id), "switched"), timeout=30)
+        await eventually(lambda: w.stats.ended_by_rollout == len(old), timeout=30)
+        assert all(w.retired.get(sid) == "moved to v2" for sid in old)
+        await eventually(lambda: all(list(r.agent.layouts) == ["2"] for r in w.runtimes.values()), timeout=30)
+        served = w.stats.served
+        for sid in [*old, "new-1"]:
+            await bus.publish(turn(sid, 8, 2))
+        await eventually(lambda: w.stats.served == served + 1 and w.stats.refused_retired == len(old), timeout=30)
+        assert [v for s, v in w.served_log if s == "new-1"] == ["2"]
+        assert {v for s, v in w.served_log if s in old} == {"1"}  # never served on the new version
+        assert w.stats.mixed_versions == 0
