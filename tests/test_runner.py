@@ -30,6 +30,7 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.runner import ServiceContext, start_service
 from shared.plumbing.settings import Settings, load_settings
+from shared.wiring import Wiring
 from tests.helpers import eventually, with_redis
 from tests.servers import RedisServer, free_port
 
@@ -61,7 +62,7 @@ async def test_all_five_services_start_report_health_and_follow_their_events(
         ScalerService(ScalerSettings(host="127.0.0.1", port=0)),
         checkpoints,
     ]
-    running = [await start_service(s, settings) for s in services]
+    running = [await start_service(s, settings, Wiring) for s in services]
     try:
         for r in running:
             status, body = await fetch(r.http_port, "/readyz")
@@ -87,7 +88,7 @@ async def test_all_five_services_start_report_health_and_follow_their_events(
 
 
 async def test_config_change_reaches_service_and_is_announced(settings: Settings, bus: Bus) -> None:
-    running = await start_service(DriverService(), settings)
+    running = await start_service(DriverService(), settings, Wiring)
     client = redis_client(settings.redis)
     try:
         await ConfigStore(client, bus.subjects).write("driver", DriverPolicy(desired_version="560.35.03"), 0, "t")
@@ -108,7 +109,7 @@ async def test_redis_down_is_degraded_health_not_a_crash(settings: Settings, own
         "driver", DriverPolicy(desired_version="550.54.15"), 0, "t"
     )
     await client.aclose()
-    running = await start_service(DriverService(), settings)
+    running = await start_service(DriverService(), settings, Wiring)
     try:
         assert await eventually(lambda: health_status(running.http_port)) == "ok"
         own_redis.stop()
@@ -200,7 +201,7 @@ class _Pages:
 
 
 async def test_a_service_adds_routes_to_the_one_http_endpoint(settings: Settings) -> None:
-    running = await start_service(_Pages(), settings)
+    running = await start_service(_Pages(), settings, Wiring)
     try:
         assert await fetch(running.http_port, "/pages/a?x=1") == (200, b"GET /pages/a")
         status, body = await fetch(running.http_port, "/pages/boom")

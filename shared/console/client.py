@@ -51,7 +51,7 @@ class MeshClient:
             cluster = SimCluster(redis, Subjects(settings.root))
         else:
             with contextlib.suppress(ClusterError):
-                from shared.ports.kube import KubeCluster
+                from shared.adapters.kube import KubeCluster
 
                 cluster = await KubeCluster.connect()
         services = state.get("services") if isinstance(state.get("services"), dict) else {}
