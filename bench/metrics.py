@@ -30,9 +30,11 @@ from typing import Any
 from bench.common import Target, exit_code, finish, machine_info, parse_args
 from services.metrics.aggregate import Aggregator
 from services.metrics.handlers import observation
+from shared.adapters.exposition import ExpositionParser
+from shared.adapters.metrics import DcgmScrape
 from shared.plumbing.http import SmallHttpServer
 from shared.ports.gpu import GpuUtilisation
-from shared.ports.metrics import DcgmScrape, ExpositionParser, MetricsSourceError
+from shared.ports.metrics import MetricsSourceError
 from shared.sim.exporter import ExporterEntity, PodRef, device_values, gpu_labels, render_page
 
 GPUS_PER_NODE = 8

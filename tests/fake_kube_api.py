@@ -5,7 +5,7 @@ history of changes, so a watch from ``resourceVersion=N`` gets every change afte
 ``{"type": ..., "object": ...}`` events in a chunked response. A watch from a version older than the compacted one
 gets the API server's answer: an ``ERROR`` event with a ``Status`` of code 410 ("too old resource version").
 
-Served (enough for ``shared.ports.kube``): nodes (get, list, watch, patch), pods (list, watch, and the eviction
+Served (enough for ``shared.adapters.kube``): nodes (get, list, watch, patch), pods (list, watch, and the eviction
 subresource, which honours PodDisruptionBudgets as the API server does), deployments (list, watch, and the scale
 subresource), poddisruptionbudgets (list) and leases (get, list, create, update, with resourceVersion
 preconditions). Every request is recorded as an ``Access`` (verb, API group, resource, namespace), which is what

@@ -33,6 +33,7 @@ from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import parse_spec
+from shared.wiring import Wiring
 from tests.helpers import eventually
 
 VERSION = "550.54.15"
@@ -541,7 +542,7 @@ async def test_the_device_service_writes_the_full_spec_from_the_configured_root(
         driver_root=Path("/run/nvidia/driver"),
         driver_root_mount=root,
     )
-    runner = await start_service(DeviceService(device_settings, gpus=gpus), settings)
+    runner = await start_service(DeviceService(device_settings, gpus=gpus), settings, Wiring)
     try:
         spec_path = plugin_dir / "cdi" / SPEC_FILE
         await eventually(spec_path.is_file)

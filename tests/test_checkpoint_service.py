@@ -27,6 +27,7 @@ from shared.plumbing.bus import Bus, ConsumerSpec
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
+from shared.wiring import Wiring
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
 
@@ -43,7 +44,7 @@ class Pod:
 async def mesh(settings: Settings, subjects: Subjects, tmp_path: Path) -> AsyncIterator[dict[str, object]]:
     store = FileStore(tmp_path / "store")
     service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     pods: list[Pod] = []
 
     async def add_pod(name: str, node: str, sessions: int, blocks: int = 4, serve: bool = True) -> Pod:
@@ -190,7 +191,7 @@ async def test_agent_killed_mid_save_leaves_no_partial_checkpoint_and_the_drain_
     store_dir = tmp_path / "store"
     store = FileStore(store_dir)
     service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     seen = await verdicts(bus, subjects)
     worker = subprocess.Popen(
         [

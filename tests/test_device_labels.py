@@ -28,16 +28,17 @@ from services.device.labels import (
     node_labels,
     owned,
 )
+from shared.adapters.kube import KubeCluster
 from shared.contract.device import DeviceInventory, GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
-from shared.ports.kube import KubeCluster
 from shared.sim.cluster import SimCluster
 from shared.sim.faults import XidFault, apply_fault
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import default_spec
+from shared.wiring import Wiring
 from tests.fake_kube_api import Access, FakeKubeApi, node
 from tests.helpers import eventually
 from tests.test_kube_adapter import allowed, shipped_rules
@@ -172,7 +173,7 @@ async def test_the_service_labels_its_node_and_follows_the_inventory(
     await cluster.set_node_labels("node-1", stale)
     gpus = SimGpus(redis_client, subjects, default_spec(), "node-1")
     service = DeviceService(DeviceSettings(inventory_s=0.05, plugin="off"), gpus=gpus, cluster=cluster)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
 
     async def labels() -> dict[str, str]:
         found = await cluster.node("node-1")
@@ -223,7 +224,7 @@ async def test_a_refusing_api_is_retried_under_the_shipped_rbac(
         kube = KubeCluster.from_host(api.url, watch_kinds=("node",))
         gpus = SimGpus(redis_client, subjects, default_spec(), "node-1")
         service = DeviceService(DeviceSettings(inventory_s=0.05, plugin="off"), gpus=gpus, cluster=kube)
-        running = await start_service(service, settings)
+        running = await start_service(service, settings, Wiring)
         try:
 
             def node_labels_now() -> dict[str, str]:

@@ -28,6 +28,7 @@ from shared.plumbing.settings import Settings
 from shared.sim.faults import XidFault, apply_fault
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import parse_spec
+from shared.wiring import Wiring
 from tests.helpers import eventually
 
 TIMEOUT = 10.0
@@ -382,7 +383,7 @@ async def test_the_device_service_feeds_xid_health_to_the_kubelet(
         inventory_s=0.05, plugin_dir=plugin_dir, plugin="on", kubelet_poll_s=0.05, cdi_dir=plugin_dir / "cdi"
     )
     service = DeviceService(device_settings, gpus=gpus)
-    runner = await start_service(service, settings)
+    runner = await start_service(service, settings, Wiring)
     stopped = False
     try:
         reg = await kubelet.registration()

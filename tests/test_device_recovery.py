@@ -25,6 +25,7 @@ from shared.ports.gpu import GpuHealthEvent
 from shared.sim.faults import XidFault, apply_fault
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import default_spec
+from shared.wiring import Wiring
 from tests.helpers import eventually
 
 
@@ -55,7 +56,7 @@ async def test_critical_xid_then_quiet_period_then_healthy_again(
     await bus.subscribe(subjects.pattern("device.health.changed"), keep, accepts=(DeviceHealthChanged,))
     gpus = SimGpus(redis_client, subjects, default_spec(), "node-1")
     service = DeviceService(DeviceSettings(inventory_s=0.05, recovery_s=0.5, plugin="off"), gpus=gpus)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         await eventually(lambda: service.health == {} and running.ctx.status.get("gpus"))
         await apply_fault(redis_client, subjects, XidFault(node="node-1", gpu=0, code=79))
@@ -121,7 +122,7 @@ async def test_the_configured_list_decides(
     gpus = SimGpus(redis_client, subjects, default_spec(), "node-1")
     configured = DeviceSettings(inventory_s=0.05, recovery_s=0, plugin="off", application_xids=frozenset({79}))
     service = DeviceService(configured, gpus=gpus)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         await eventually(lambda: running.ctx.status.get("gpus"))
         await apply_fault(redis_client, subjects, XidFault(node="node-1", gpu=0, code=79))

@@ -22,6 +22,7 @@ from shared.ports.cluster import EvictionOutcome
 from shared.sim.cluster import SimCluster
 from shared.sim.spec import TINY_LLAMA, DeploymentSpec, ModelShape, NodeSpec, SimSpec
 from shared.sim.workload import SimWorkload
+from shared.wiring import Wiring
 from tests.faults.checker import check_invariants
 from tests.helpers import eventually
 
@@ -43,7 +44,7 @@ async def run_drain_scenario(
     client = redis_client(settings.redis)
     cluster = await SimCluster.create(client, subjects, spec)
     service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
     workload = SimWorkload(workload_bus, cluster, store, spec, announce_s=1.0, tick_s=0.1)
     verdicts: list[DrainCompleted | DrainFailed] = []

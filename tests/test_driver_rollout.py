@@ -32,6 +32,7 @@ from shared.sim.cluster import SimCluster
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
 from shared.sim.workload import SimWorkload, verify_blocks
+from shared.wiring import Wiring
 from tests.helpers import eventually
 
 SMALL_MODEL = ModelShape(layers=2, kv_heads=2, head_dim=64, block_tokens=16)
@@ -67,7 +68,7 @@ async def test_three_nodes_upgrade_one_at_a_time_and_lose_no_session(
     cluster = await SimCluster.create(client, subjects, SPEC)
     store = FileStore(tmp_path / "checkpoints")
     checkpoint = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(checkpoint, settings)
+    running = await start_service(checkpoint, settings, Wiring)
     workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
     workload = SimWorkload(workload_bus, cluster, store, SPEC, announce_s=1.0, tick_s=0.1)
     changes: list[DriverUpgradeStateChanged] = []
@@ -109,7 +110,7 @@ async def test_three_nodes_upgrade_one_at_a_time_and_lose_no_session(
         await ConfigStore(client, subjects).write("driver", policy, 0, "test")
         for node in SPEC.nodes:
             driver = DriverService(DRIVER_SETTINGS, cluster=seen, gpu=gpus(node.name))
-            drivers.append(await start_service(driver, replace(settings, node=node.name)))
+            drivers.append(await start_service(driver, replace(settings, node=node.name), Wiring))
 
         async def all_done() -> bool:
             nodes = await cluster.nodes()
@@ -163,7 +164,7 @@ async def test_a_node_cordoned_by_someone_else_gets_its_sessions_saved(
     cluster = await SimCluster.create(redis_client, subjects, SPEC)
     store = FileStore(tmp_path / "checkpoints")
     checkpoint = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(checkpoint, settings)
+    running = await start_service(checkpoint, settings, Wiring)
     workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
     workload = SimWorkload(workload_bus, cluster, store, SPEC, announce_s=1.0, tick_s=0.1)
     driver_client = open_redis(settings.redis)
@@ -196,7 +197,7 @@ async def test_a_node_cordoned_by_someone_else_gets_its_sessions_saved(
             cluster=SimCluster(driver_client, subjects),
             gpu=SimGpus(driver_client, subjects, SPEC, "node-1"),
         )
-        driver_running = await start_service(driver, settings)
+        driver_running = await start_service(driver, settings, Wiring)
         await cluster.cordon("node-1")
         await eventually(lambda: any(c.node == "node-1" for c in completed), timeout=20)
         assert [r.node for r in requested] == ["node-1"]

@@ -1,5 +1,5 @@
-"""How a scrape is read: the scrapers' HTTP/1.1 client (``shared.ports.metrics.HttpClient``) and the small server's
-keep-alive, over real sockets (one connection reused scrape after scrape, a connection the server closed while
+"""How a scrape is read: the scrapers' HTTP/1.1 client (``shared.adapters.httpclient.HttpClient``) and the small
+server's keep-alive, over real sockets (one connection reused scrape after scrape, a connection the server closed while
 idle replaced without an error, every body framing an exporter may use, clear errors for the rest), and the
 parser's per-source page plan, which must never read a page differently from a full parse."""
 
@@ -13,8 +13,10 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from shared.adapters.exposition import ExpositionParser
+from shared.adapters.httpclient import HttpClient
 from shared.plumbing.http import SmallHttpServer
-from shared.ports.metrics import ExpositionParser, HttpClient, MetricsSourceError
+from shared.ports.metrics import MetricsSourceError
 from tests.helpers import eventually
 
 Raw = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

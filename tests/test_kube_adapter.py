@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from shared.adapters.kube import ClusterWatch, KubeApiError, KubeCluster
 from shared.ports.cluster import (
     ClusterChange,
     ClusterConflict,
@@ -18,7 +19,6 @@ from shared.ports.cluster import (
     EvictionOutcome,
     NodeInfo,
 )
-from shared.ports.kube import ClusterWatch, KubeApiError, KubeCluster
 from tests.fake_kube_api import PDB_VIOLATION, Access, FakeKubeApi, deployment, node, pdb, pod
 
 NS = "inference"

@@ -24,23 +24,19 @@ from services.metrics.handlers import MetricsService, gpu_sample
 from services.metrics.scrape_cli import derive
 from services.metrics.scrape_cli import main as scrape_main
 from services.metrics.store import RedisUtilisationStore
+from shared.adapters.exposition import ExpositionParser
+from shared.adapters.metrics import DcgmScrape, NvmlSource, PrometheusQuery
 from shared.contract.metrics import DeploymentUtilisation, GpuSample
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
-from shared.ports.metrics import (
-    DcgmScrape,
-    ExpositionParser,
-    MetricsSourceError,
-    NvmlSource,
-    PrometheusQuery,
-    SourceRead,
-)
+from shared.ports.metrics import MetricsSourceError, SourceRead
 from shared.sim.exporter import PodRef, SimExporter, find_exporter
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import GpuSpec, NodeSpec, SimSpec
+from shared.wiring import Wiring
 from tests.helpers import eventually
 
 # -- a realistic dcgm-exporter page ------------------------------------------------------------------------------
@@ -506,7 +502,7 @@ async def test_service_publishes_samples_and_deployment_utilisation_and_keeps_th
         }
     )
     service = MetricsService(metrics_settings)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     store = RedisUtilisationStore(redis_client, subjects)
     try:
         await eventually(lambda: {e.gpu_uuid for e in samples} >= {U0, U1, U3, U2})
@@ -552,7 +548,7 @@ async def test_service_on_simulated_gpus_publishes_nvml_samples(
 
     await bus.subscribe(subjects.pattern("metrics.gpu.sample", node="node-1"), on_sample, accepts=(GpuSample,))
     service = MetricsService(metrics_config.load({"GPUWARDEN_METRICS_INTERVAL_S": "0.05"}))
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         await eventually(lambda: len({e.gpu_uuid for e in got}) >= 2)
         assert all(e.node == "node-1" and e.gpu_util == 0.0 and e.missing == [] for e in got)
@@ -561,7 +557,7 @@ async def test_service_on_simulated_gpus_publishes_nvml_samples(
 
 
 async def _get(port: int, path: str) -> tuple[int, str]:
-    from shared.ports.metrics import http_get
+    from shared.adapters.httpclient import http_get
 
     status, body = await http_get(f"http://127.0.0.1:{port}{path}", 5)
     return status, body.decode()

@@ -56,6 +56,7 @@ from shared.sim.cluster import SimCluster
 from shared.sim.faults import FaultError, MigChangeFault, apply_fault, fault_cli, parse_fault
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import parse_spec
+from shared.wiring import Wiring
 from tests.helpers import eventually
 from tests.test_device_plugin import FakeKubelet, listed, plugin_stub, read
 from tests.test_kv_agent import LAYOUT, block_content
@@ -556,7 +557,7 @@ async def heard(bus: Bus, subjects: Subjects, kind: type[Event], node: str = "no
 
 @contextlib.asynccontextmanager
 async def device_service(settings: Settings, service: DeviceService) -> AsyncIterator[Any]:
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         yield running
     finally:
@@ -709,7 +710,7 @@ class Checkpointing:
 async def checkpointing(settings: Settings, subjects: Subjects, tmp_path: Path) -> AsyncIterator[Checkpointing]:
     store = FileStore(tmp_path / "store")
     service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     mesh = Checkpointing(service, store, settings, subjects)
     yield mesh
     for endpoint, bus in mesh.agents:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from shared.adapters.metrics import NvmlSource
+from shared.adapters.nvml import INSTALL_COMMAND_ENV, NvmlGpus, cuda_version_text, mig_profile_name, normalise_bus_id
 from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort, MigProfile
-from shared.ports.metrics import NvmlSource
-from shared.ports.nvml import INSTALL_COMMAND_ENV, NvmlGpus, cuda_version_text, mig_profile_name, normalise_bus_id
 
 GIB = 1024**3
 

@@ -21,7 +21,7 @@ from services.device.config import DeviceSettings, load
 from services.device.gen import podresources_pb2 as pb
 from services.device.gen import podresources_pb2_grpc as pb_grpc
 from services.device.handlers import DeviceService
-from services.device.podresources import PodResourcesClient, SimGpuPods, gpu_pods, holds
+from services.device.podresources import PodResourcesClient, holds
 from services.device.ports import GpuPods, PodLookupError
 from shared.contract.checkpoint import CheckpointSaved
 from shared.contract.device import DeviceHealthChanged, GpuDevice, MigInstance
@@ -36,8 +36,10 @@ from shared.sim.cluster import SimCluster
 from shared.sim.clusterstate import ClusterState, from_spec
 from shared.sim.faults import XidFault, apply_fault
 from shared.sim.gpus import SimGpus
+from shared.sim.lookups import SimGpuPods
 from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec, default_spec
 from shared.sim.workload import SimWorkload
+from shared.wiring import Wiring
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
 from tools import protogen
@@ -173,9 +175,9 @@ def test_socket_setting() -> None:
 
 
 def test_adapter_by_backend(settings: Settings, subjects: Subjects) -> None:
-    real = gpu_pods(Settings(backend="real"), subjects, Path("/x/k.sock"))
+    real = Wiring(Settings(backend="real"), subjects).gpu_pods(lambda: PodResourcesClient(Path("/x/k.sock")))
     assert isinstance(real, PodResourcesClient) and real.socket == Path("/x/k.sock")
-    assert isinstance(gpu_pods(settings, subjects, Path("/x/k.sock")), SimGpuPods)
+    assert isinstance(Wiring(settings, subjects).gpu_pods(lambda: PodResourcesClient(Path("/x/k.sock"))), SimGpuPods)
 
 
 # -- the simulation's assignment -----------------------------------------------------------------------------------
@@ -277,7 +279,7 @@ async def test_an_unhealthy_gpu_names_its_pods_in_simulation(
     holders = await cluster.gpu_holders("node-1")
     gpus = SimGpus(redis_client, subjects, default_spec(), "node-1")
     service = DeviceService(DeviceSettings(inventory_s=0.05, plugin="off"), gpus=gpus, cluster=cluster)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         await eventually(lambda: running.ctx.status.get("gpus"))
         await apply_fault(redis_client, subjects, XidFault(node="node-1", gpu=0, code=79))
@@ -301,7 +303,7 @@ async def test_an_unhealthy_gpu_names_the_pods_the_kubelet_reports(
     kubelet.pods = [pod("llm", "on-it", [("nvidia.com/gpu", [f"{uuid}::2"])]), pod("llm", "elsewhere", [])]
     settings_ = DeviceSettings(inventory_s=0.05, plugin="off", pod_resources_socket=kubelet.socket)
     service = DeviceService(settings_, gpus=gpus, pods=PodResourcesClient(kubelet.socket))
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         await eventually(lambda: running.ctx.status.get("gpus"))
         await apply_fault(redis_client, subjects, XidFault(node="node-1", gpu=0, code=79))
@@ -319,7 +321,7 @@ async def test_pods_unknown_still_announces_the_gpu(
     service = DeviceService(
         DeviceSettings(inventory_s=0.05, plugin="off"), gpus=gpus, pods=PodResourcesClient(folder / "gone.sock")
     )
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         await eventually(lambda: running.ctx.status.get("gpus"))
         await apply_fault(redis_client, subjects, XidFault(node="node-1", gpu=0, code=79))
@@ -338,7 +340,9 @@ async def test_a_failing_gpu_has_its_pods_sessions_saved(
     settings: Settings, subjects: Subjects, bus: Bus, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
     store = FileStore(tmp_path / "store")
-    checkpoint = await start_service(CheckpointService(CheckpointSettings(gc_interval_s=0), store=store), settings)
+    checkpoint = await start_service(
+        CheckpointService(CheckpointSettings(gc_interval_s=0), store=store), settings, Wiring
+    )
     cluster = await SimCluster.create(redis_client, subjects, default_spec())
     holders = await cluster.gpu_holders("node-1")
     namespace, name = holders[0][0].split("/")
@@ -358,7 +362,7 @@ async def test_a_failing_gpu_has_its_pods_sessions_saved(
     await bus.subscribe(subjects.pattern("checkpoint.saved"), on_saved, (CheckpointSaved,))
     gpus = SimGpus(redis_client, subjects, default_spec(), "node-1")
     device = await start_service(
-        DeviceService(DeviceSettings(inventory_s=0.05, plugin="off"), gpus=gpus, cluster=cluster), settings
+        DeviceService(DeviceSettings(inventory_s=0.05, plugin="off"), gpus=gpus, cluster=cluster), settings, Wiring
     )
     try:
         await eventually(lambda: device.ctx.status.get("gpus"))

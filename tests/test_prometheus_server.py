@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from shared.adapters.httpclient import http_get
+from shared.adapters.metrics import PrometheusQuery
 from shared.contract.subjects import Subjects
-from shared.ports.metrics import MetricsSourceError, PrometheusQuery, http_get
+from shared.ports.metrics import MetricsSourceError
 from shared.sim.exporter import PodRef, SimExporter
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import GpuSpec, NodeSpec, SimSpec

@@ -13,6 +13,7 @@ from services.checkpoint.retention import CheckpointRecord, RetentionPolicy, exp
 from shared.kv.filestore import FileStore
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
+from shared.wiring import Wiring
 from tests.test_kv_agent import fill, make_agent
 
 records = st.lists(
@@ -68,7 +69,7 @@ async def test_service_applies_retention_and_collects_unreferenced_packs(setting
     assert len(await store.checkpoints("s1")) == 4
     assert len(await store.packs()) == 4
     service = CheckpointService(CheckpointSettings(gc_interval_s=0, gc_grace_s=0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         deleted, packs = await service.collect_garbage(now=None)
         assert deleted == 2  # keep_per_session defaults to 2

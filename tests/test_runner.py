@@ -30,6 +30,7 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.runner import ServiceContext, start_service
 from shared.plumbing.settings import Settings, load_settings
+from shared.wiring import Wiring
 from tests.helpers import eventually, with_redis
 from tests.servers import RedisServer, free_port
 
@@ -61,7 +62,7 @@ async def test_all_five_services_start_report_health_and_follow_their_events(
         ScalerService(ScalerSettings(host="127.0.0.1", port=0)),
         checkpoints,
     ]
-    running = [await start_service(s, settings) for s in services]
+    running = [await start_service(s, settings, Wiring) for s in services]
     try:
         for r in running:
             status, body = await fetch(r.http_port, "/readyz")
@@ -87,7 +88,7 @@ async def test_all_five_services_start_report_health_and_follow_their_events(
 
 
 async def test_config_change_reaches_service_and_is_announced(settings: Settings, bus: Bus) -> None:
-    running = await start_service(DriverService(), settings)
+    running = await start_service(DriverService(), settings, Wiring)
     client = redis_client(settings.redis)
     try:
         await ConfigStore(client, bus.subjects).write("driver", DriverPolicy(desired_version="560.35.03"), 0, "t")
@@ -108,7 +109,7 @@ async def test_redis_down_is_degraded_health_not_a_crash(settings: Settings, own
         "driver", DriverPolicy(desired_version="550.54.15"), 0, "t"
     )
     await client.aclose()
-    running = await start_service(DriverService(), settings)
+    running = await start_service(DriverService(), settings, Wiring)
     try:
         assert await eventually(lambda: health_status(running.http_port)) == "ok"
         own_redis.stop()
@@ -200,7 +201,7 @@ class _Pages:
 
 
 async def test_a_service_adds_routes_to_the_one_http_endpoint(settings: Settings) -> None:
-    running = await start_service(_Pages(), settings)
+    running = await start_service(_Pages(), settings, Wiring)
     try:
         assert await fetch(running.http_port, "/pages/a?x=1") == (200, b"GET /pages/a")
         status, body = await fetch(running.http_port, "/pages/boom")
@@ -210,3 +211,103 @@ async def test_a_service_adds_routes_to_the_one_http_endpoint(settings: Settings
         assert status == 404 and b"/pages/..." in body
     finally:
         await running.stop(grace=1)
+
+
+class _Port:
+    """A port that counts its closes and refuses use once closed (what a restarted loop must never meet)."""
+
+    def __init__(self, name: str, closed: list[str]) -> None:
+        self.name = name
+        self.closed = closed
+        self.uses = 0
+
+    def use(self) -> None:
+        if self.name in self.closed:
+            raise RuntimeError(f"{self.name} used after it was closed")
+        self.uses += 1
+
+    async def close(self) -> None:
+        self.closed.append(self.name)
+
+
+class _Crashy:
+    """Opens two ports at start, hands them to ``on_stop``; its loop uses one and crashes on its first run."""
+
+    name = "crashy"
+    config_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+        self.order: list[str] = []
+        self.runs = 0
+        self.first = _Port("first", self.closed)
+        self.second = _Port("second", self.closed)
+
+    async def start(self, ctx: ServiceContext) -> None:
+        ctx.on_stop(self.first.close)
+        ctx.on_stop(lambda: self.order.append("sync hook"))
+        ctx.on_stop(self._fails)
+        ctx.on_stop(self.second.close)
+        ctx.spawn(self.loop, "crashy-loop")
+
+    async def _fails(self) -> None:
+        self.order.append("failing hook")
+        raise OSError("cannot close")
+
+    async def loop(self) -> None:
+        self.runs += 1
+        self.second.use()
+        if self.runs == 1:
+            raise ValueError("one bad iteration")
+        while True:
+            self.second.use()
+            await asyncio.sleep(0.01)
+
+
+async def test_stop_hooks_run_once_newest_first_and_a_restarted_loop_keeps_its_open_port(settings: Settings) -> None:
+    service = _Crashy()
+    running = await start_service(service, settings)
+    await eventually(lambda: service.runs >= 2 and service.second.uses >= 3, timeout=10)
+    assert service.closed == []  # the crash closed nothing: the restarted run uses the same, open port
+    await running.stop(grace=1)
+    assert service.closed == ["second", "first"]  # newest first, each once; the failing hook did not stop the rest
+    assert service.order == ["failing hook", "sync hook"]
+    await running.ctx.run_stop_hooks()  # nothing left to run
+    assert service.closed == ["second", "first"]
+
+
+class _NeedsPorts:
+    name = "needs-ports"
+    config_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+
+    async def start(self, ctx: ServiceContext) -> None:
+        ctx.on_stop(_Port("opened-before", self.closed).close)
+        ctx.backends.gpus()
+
+
+async def test_a_service_without_backends_fails_to_start_clearly_and_closes_what_it_opened(
+    settings: Settings,
+) -> None:
+    service = _NeedsPorts()
+    with pytest.raises(RuntimeError, match=r"needs-ports: started without backends; start it with run\(service"):
+        await start_service(service, settings)
+    assert service.closed == ["opened-before"]
+
+
+async def test_the_wiring_hands_simulated_ports_for_backend_sim(settings: Settings, subjects: Subjects) -> None:
+    wiring = Wiring(settings, subjects)
+    gpus = wiring.gpus()
+    owners = wiring.pod_owners()
+    try:
+        assert wiring.simulated and gpus.simulated
+        assert owners is not None
+    finally:
+        await gpus.close()
+        if owners is not None:
+            await owners.close()
+    real = Wiring(replace(settings, backend="real"), subjects)
+    assert not real.simulated and real.pod_owners() is None and await real.exporter_url() is None
+    assert real.gpus().simulated is False

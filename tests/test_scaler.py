@@ -38,6 +38,7 @@ from shared.contract.scaler import ScaleDecision
 from shared.plumbing.bus import Bus
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
+from shared.wiring import Wiring
 from tests.fake_kube_api import FakeKubeApi
 from tests.fake_kube_api import pod as kube_pod
 from tests.helpers import eventually
@@ -84,7 +85,7 @@ async def start_scaler(
         placement=placement,
         clock=clock,
     )
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     return service, running, placement, clock
 
 
@@ -476,7 +477,7 @@ async def test_real_backend_reads_placement_from_the_kubernetes_api(
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
         service = ScalerService(ScalerSettings(host="127.0.0.1", port=0, refresh_s=0.1))
-        running = await start_service(service, replace(settings, backend="real"))
+        running = await start_service(service, replace(settings, backend="real"), Wiring)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
         try:
             stub = pb_grpc.ExternalScalerStub(channel)

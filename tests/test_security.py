@@ -46,6 +46,7 @@ from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.devservers import NatsServer
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import NatsSettings, RedisSettings, Secret, Settings
+from shared.wiring import Wiring
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
 
@@ -290,7 +291,7 @@ async def test_checkpoint_service_runs_under_its_own_user(
     caplog.set_level(logging.DEBUG)
     # a configuration to apply, so the service also announces config.applied under its own user
     await ConfigStore(redis_client, subjects).write("checkpoint", CheckpointPolicy(), 0, "admin")
-    running = await start_service(CheckpointService(), replace(settings, nats=as_user("checkpoint")))
+    running = await start_service(CheckpointService(), replace(settings, nats=as_user("checkpoint")), Wiring)
     driver = await Bus.connect(as_user("driver"), subjects, "driver/node-1", connect_timeout=2.0)
     try:
         await driver.publish(DrainRequested(node="node-1", drain_id="drain-7"))
@@ -386,7 +387,7 @@ async def test_a_kv_agent_saves_and_restores_under_its_own_user(
         as_user(AGENT), subjects, f"agent/{AGENT_POD}", connect_timeout=2.0, on_error=agent_errors.append
     )
     service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=NatsObjectStore(service_bus.nc, bucket))
-    running = await start_service(service, replace(settings, nats=as_user("checkpoint")))
+    running = await start_service(service, replace(settings, nats=as_user("checkpoint")), Wiring)
     agent_store = NatsObjectStore(agent_bus.nc, bucket)
     agent = KvAgent(agent_store, pod=AGENT_POD, node="node-1", namespace="llm", deployment="llama", layout=LAYOUT)
     blocks = {f"s{i}": [block_content(f"s{i}", b, LAYOUT.block_bytes) for b in range(3)] for i in range(3)}

@@ -39,6 +39,7 @@ from shared.sim.spec import (
     parse_spec,
 )
 from shared.sim.workload import Conversations, SimWorkload, is_close, verify_blocks
+from shared.wiring import Wiring
 from tests.helpers import eventually
 
 SMALL_MODEL = ModelShape(layers=2, kv_heads=2, head_dim=64, block_tokens=16, max_model_len=256)  # 16 KiB blocks
@@ -182,7 +183,7 @@ async def mesh(
     cluster = await SimCluster.create(client, subjects, spec)
     store = FileStore(tmp_path / "checkpoints")
     service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
     workload = CheckedWorkload(workload_bus, cluster, store, spec, announce_s=1.0, tick_s=0.1, **options)
     try:

@@ -30,7 +30,6 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort
-from shared.ports.select import gpu_port
 from shared.sim.faults import (
     DriverInstallFault,
     FaultError,
@@ -44,6 +43,7 @@ from shared.sim.faults import (
 )
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import SimSpec, SpecError, default_spec, parse_spec
+from shared.wiring import Wiring
 from tests.helpers import eventually
 from tests.servers import free_port
 
@@ -117,7 +117,7 @@ def test_a_bad_spec_is_refused_naming_the_field(subjects: Subjects, spec: SimSpe
 async def test_default_spec_runs_standalone_and_every_process_sees_one_state(
     settings: Settings, subjects: Subjects, redis_client: aioredis.Redis, no_spec_file: None
 ) -> None:
-    ports = [gpu_port(replace(settings, node=node), subjects) for node in ("node-1", "node-2", "node-3")]
+    ports = [Wiring(replace(settings, node=node), subjects).gpus() for node in ("node-1", "node-2", "node-3")]
     try:
         assert all(isinstance(p, SimGpus) and p.simulated for p in ports)
         inventories = [await p.devices() for p in ports]
@@ -137,8 +137,8 @@ async def test_default_spec_runs_standalone_and_every_process_sees_one_state(
         for p in ports:
             await p.close()
     with pytest.raises(SpecError, match="GPUWARDEN_NODE=node-9: node 'node-9' is not in the spec"):
-        gpu_port(replace(settings, node="node-9"), subjects)
-    real = gpu_port(replace(settings, backend="real"), subjects)  # NVML, which this machine does not have
+        Wiring(replace(settings, node="node-9"), subjects).gpus()
+    real = Wiring(replace(settings, backend="real"), subjects).gpus()  # NVML, which this machine does not have
     assert real.simulated is False
     with pytest.raises(GpuError, match="NVML is not available on this node"):
         await real.devices()
@@ -368,7 +368,7 @@ async def test_faults_over_nats_reach_the_device_service_as_gpu_events(
     await bus.subscribe(subjects.pattern("device.inventory"), keep, accepts=(DeviceInventory,))
     gpus = SimGpus(redis_client, subjects, spec, "node-1")
     service = DeviceService(DeviceSettings(inventory_s=0.05), gpus=gpus)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     try:
         first = await eventually(lambda: inventories and inventories[0])
         assert first.simulated and len(first.gpus) == 2 and first.driver_version == "550.54.15"

@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from shared.adapters.nvml import NvmlGpus
 from shared.contract.device import GpuDevice
 from shared.ports.gpu import GpuError, GpuHealthEvent, GpuUtilisation
-from shared.ports.nvml import NvmlGpus
 
 SKIPPED = "no NVIDIA GPU/NVML here: skipped"
 

@@ -67,7 +67,6 @@ from shared.plumbing.errors import PermanentError, TemporaryError
 from shared.plumbing.http import Response
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
-from shared.ports.select import cluster_port
 
 from .config import CheckpointSettings, load
 from .registry import SessionRegistry
@@ -111,7 +110,8 @@ class CheckpointService:
             self.store = open_store(self.settings.store, ctx.bus.nc)
         self.registry = SessionRegistry(redis_client(ctx.settings.redis), ctx.subjects)
         if self.cluster is None:
-            self.cluster = await cluster_port(ctx.settings, ctx.subjects)
+            self.cluster = await ctx.backends.cluster()
+            ctx.on_stop(self.cluster.close)
         r = ctx.telemetry.registry
         self.m_bytes = Counter(
             "gpuwarden_checkpoint_bytes_total", "Bytes committed to checkpoints", ["kind"], registry=r

@@ -4,6 +4,7 @@ import sys
 
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.runner import run
+from shared.wiring import Wiring
 
 from .config import load
 from .handlers import DeviceService
@@ -14,4 +15,4 @@ if __name__ == "__main__":
     except SettingsError as exc:
         print(f"device: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    raise SystemExit(run(DeviceService(settings)))
+    raise SystemExit(run(DeviceService(settings), Wiring))

@@ -32,13 +32,12 @@ from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
-from shared.ports.select import cluster_port, gpu_port, serve_sim_faults
 
 from .config import DEFAULT_APPLICATION_XIDS, DeviceSettings, load
 from .labels import NodeLabeller, node_labels
 from .mig import CONFIG_DOCUMENT, MigController, start_mig_controller
 from .plugin import KubeletDevicePlugin
-from .podresources import gpu_pods
+from .podresources import PodResourcesClient
 from .ports import GpuPods, PodLookupError
 from .resources import ResourceError
 
@@ -103,10 +102,8 @@ class DeviceService:
     ) -> None:
         self.settings = settings or load()
         self.gpus = gpus
-        self._owns_gpus = gpus is None
         self.cluster = cluster
         self.pods = pods
-        self._owns_pods = pods is None
         self._opened_cluster: ClusterPort | None = None
         self._cluster_lock = asyncio.Lock()
         self.labeller: NodeLabeller | None = None
@@ -125,11 +122,14 @@ class DeviceService:
         """Reads the GPUs before subscribing to anything: a node whose GPUs cannot be read does not start."""
         self.ctx = ctx
         if self.gpus is None:
-            self.gpus = gpu_port(ctx.settings, ctx.subjects)
+            self.gpus = ctx.backends.gpus()
+            ctx.on_stop(self.gpus.close)
         gpus = self.gpus
         first = await self._read_inventory(gpus, ctx.node)
         if self.pods is None:
-            self.pods = gpu_pods(ctx.settings, ctx.subjects, self.settings.pod_resources_socket)
+            socket = self.settings.pod_resources_socket
+            self.pods = ctx.backends.gpu_pods(lambda: PodResourcesClient(socket))
+            ctx.on_stop(self.pods.close)
         self.labeller = NodeLabeller(ctx.node, self._cluster_port)
         ctx.status["node_labels"] = self.labeller.describe
         s = ctx.subjects
@@ -148,7 +148,7 @@ class DeviceService:
         if self.settings.plugin_enabled:
             self.plugin = KubeletDevicePlugin(self.settings)
             ctx.status["device_plugin"] = self.plugin.describe
-        faults = await serve_sim_faults(gpus, ctx.bus)
+        faults = await ctx.backends.serve_faults(gpus)
         ctx.status.update(node_cordoned=False, simulated=gpus.simulated, sim_faults=faults, unhealthy={})
         if gpus.simulated:
             log.info("GPUs are SIMULATED", extra={"gpus": len(first.gpus), "fault_injection": faults})
@@ -227,40 +227,28 @@ class DeviceService:
         return found, ""
 
     async def keep_labels(self) -> None:
-        """Runs for the service's lifetime; the cluster port the service opened itself is closed when it stops."""
+        """Runs for the service's lifetime."""
         assert self.labeller is not None
-        try:
-            await self.labeller.run()
-        finally:
-            if self._opened_cluster is not None:
-                opened, self._opened_cluster = self._opened_cluster, None
-                await asyncio.shield(opened.close())
+        await self.labeller.run()
 
     async def _cluster_port(self) -> ClusterPort:
         """The service's one cluster port, for its labels and its MIG controller alike: the one it was given, or
-        one opened on first use (following its own node only); a failed open is tried again by the next caller."""
+        one opened on first use (following its own node only) and closed when the service stops; a failed open is
+        tried again by the next caller."""
         if self.cluster is not None:
             return self.cluster
         assert self.ctx is not None
         async with self._cluster_lock:
             if self._opened_cluster is None:
-                self._opened_cluster = await cluster_port(
-                    self.ctx.settings, self.ctx.subjects, watch_kinds=("node",), watch_node=self.ctx.node
-                )
+                self._opened_cluster = await self.ctx.backends.cluster(watch_kinds=("node",), watch_node=self.ctx.node)
+                self.ctx.on_stop(self._opened_cluster.close)
             return self._opened_cluster
 
     async def watch_health(self) -> None:
-        """Runs for the service's lifetime; the port it opened itself is closed when the service stops."""
+        """Runs for the service's lifetime."""
         assert self.gpus is not None
-        try:
-            async for event in self.gpus.health_events():
-                await self.on_health(event)
-        except asyncio.CancelledError:
-            if self._owns_gpus:
-                await self.gpus.close()
-            if self._owns_pods and self.pods is not None:
-                await self.pods.close()
-            raise
+        async for event in self.gpus.health_events():
+            await self.on_health(event)
 
     async def watch_inventory(self) -> None:
         """Level-triggered: reads the GPUs every ``inventory_s`` and re-publishes when anything changed."""

@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,10 +50,11 @@ from typing import Any, Literal
 from shared.contract.base import Event
 from shared.contract.configdocs import MigConfig, MigDeviceGroup
 from shared.contract.device import GpuDevice, MigConfigChanged, MigConfigState
-from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.configsync import VersionedConfig
+from shared.plumbing.drains import Drain, DrainClient
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError, GpuPort, MigProfile
@@ -213,7 +213,7 @@ def plan(
 def drain_id_for(node: str, name: str, version: int) -> str:
     """A new drain id for one attempt at layout ``name`` of document ``version`` on ``node``: readable, a subject
     token, and never the id of an earlier attempt (the checkpoint service answers an id only once)."""
-    return f"{DRAIN_PREFIX}{node}-{name}-v{version}"[:240] + f"-{uuid.uuid4().hex[:8]}"
+    return DrainClient.new_id(f"{DRAIN_PREFIX}{node}-{name}-v{version}")
 
 
 def drain_failure(verdict: DrainFailed) -> str:
@@ -241,17 +241,6 @@ def drain_verdicts(subjects: Subjects, node: str) -> ConsumerSpec:
 
 # -- applying it --------------------------------------------------------------------------------------------------
 Hook = Callable[[], Awaitable[None]]
-
-
-@dataclass(slots=True)
-class NodeDrain:
-    """The drain this controller asked for its node and has not acted on yet. ``published``: sent by this process
-    (one adopted from the node's annotation after a restart is sent again)."""
-
-    drain_id: str
-    asked_at: float
-    published: bool = False
-    verdict: DrainCompleted | DrainFailed | None = None
 
 
 class MigController:
@@ -297,7 +286,9 @@ class MigController:
         self._refresh = refresh
         self.drain_timeout_s = drain_timeout_s
         self.drain_deadline_s = drain_deadline_s
-        self._drain: NodeDrain | None = None
+        self.drains = DrainClient(lambda event: self.publish(event), REQUESTED_BY, lambda: self.clock())
+        self._drain: Drain | None = None
+        """The drain this controller asked for its node and has not acted on yet (one at a time)."""
         self.clock = clock
         self.status: dict[str, Any] = {"state": "idle"}
         self._failed: tuple[tuple[str, int], float, str] | None = None
@@ -353,7 +344,7 @@ class MigController:
     def _until_drain_timeout(self) -> float:
         if self._drain is None or self.drain_timeout_s is None:
             return self.reconcile_s
-        left = self._drain.asked_at + self.drain_timeout_s - self.clock()
+        left = self.drain_timeout_s - self.drains.waited_s(self._drain)
         return max(0.0, min(self.reconcile_s, left))
 
     async def _report_stopped(self, reason: str) -> None:
@@ -372,9 +363,7 @@ class MigController:
         info = await cluster.node(self.node)
         if info is not None and info.annotations.get(DRAIN_ANNOTATION) == event.drain_id:
             await cluster.update_node(self.node, annotations={DRAIN_ANNOTATION: None}, expect=info.revision)
-        drain = self._drain
-        if drain is not None and drain.drain_id == event.drain_id and drain.verdict is None:
-            drain.verdict = event
+        if self.drains.settle(event) is not None:
             self.wake()
 
     async def watch_cluster(self) -> None:
@@ -443,7 +432,7 @@ class MigController:
             drain_id = adopted or drain_id_for(self.node, name, key[1])
             if not adopted:
                 await (await self._cluster()).set_node_annotations(self.node, {DRAIN_ANNOTATION: drain_id})
-            drain = self._drain = NodeDrain(drain_id, self.clock())
+            drain = self._drain = self.drains.follow(drain_id, self.node)
         match drain.verdict:
             case DrainCompleted(sessions_committed=committed):
                 await self._forget_drain(info)
@@ -456,7 +445,7 @@ class MigController:
                 await self._drain_failed(info, name, key, planned, drain_failure(verdict))
                 return False
         assert self.drain_timeout_s is not None
-        if self.clock() - drain.asked_at >= self.drain_timeout_s:
+        if self.drains.waited_s(drain) >= self.drain_timeout_s:
             await self._forget_drain(info)
             reason = (
                 f"drain {drain.drain_id}: no verdict from the checkpoint service within {self.drain_timeout_s:g}s "
@@ -470,22 +459,13 @@ class MigController:
             await self._ask(drain, name, key[1])
         return False
 
-    async def _ask(self, drain: NodeDrain, name: str, version: int) -> None:
+    async def _ask(self, drain: Drain, name: str, version: int) -> None:
         """Publishes the drain request; one that cannot be sent is sent at the next pass (its timeout runs on)."""
-        request = DrainRequested(
-            node=self.node,
-            drain_id=drain.drain_id,
-            reason=f"MIG layout {name!r} (mig document version {version}) is applied to the GPUs",
-            requested_by=REQUESTED_BY,
-            deadline_s=self.drain_deadline_s,
-        )
+        reason = f"MIG layout {name!r} (mig document version {version}) is applied to the GPUs"
         try:
-            await self.publish(request)
+            await self.drains.ask(drain.drain_id, self.node, reason, self.drain_deadline_s)
         except Exception as exc:
             log.warning("cannot ask for the drain", extra={"error": f"{type(exc).__name__}: {exc}"})
-            return
-        drain.published = True
-        log.info("drain requested before the MIG change", extra={"drain_id": drain.drain_id, "config": name})
 
     async def _drain_failed(
         self, info: NodeInfo, name: str, key: tuple[str, int], planned: list[str], reason: str
@@ -497,6 +477,8 @@ class MigController:
     async def _forget_drain(self, info: NodeInfo) -> None:
         """No drain is waited for any more (its change is no longer wanted, or its time is up): its verdict, when
         it comes, is never used for a later change, and a restart does not ask it again."""
+        if self._drain is not None:
+            self.drains.forget(self._drain.drain_id)
         self._drain = None
         if DRAIN_ANNOTATION in info.annotations:
             await (await self._cluster()).set_node_annotations(self.node, {DRAIN_ANNOTATION: None})

@@ -4,7 +4,7 @@ On a real node the kubelet knows, because its device manager handed the GPUs out
 on ``/var/lib/kubelet/pod-resources/kubelet.sock``) lists every pod's containers with the device IDs each got. A
 container holds a GPU when one of its IDs is the GPU's UUID, a time-slice of it (``<uuid>::<k>``) or one of its
 MIG instances' UUIDs, whoever advertised the resource. In simulation the simulated cluster records which GPU
-indices each pod was bound to.
+indices each pod was bound to (``shared.sim.lookups.SimGpuPods``); ``shared.wiring`` picks one.
 """
 
 from __future__ import annotations
@@ -15,15 +15,10 @@ from pathlib import Path
 import grpc
 
 from shared.contract.device import GpuDevice
-from shared.contract.subjects import Subjects
-from shared.plumbing.configsync import redis_client
-from shared.plumbing.settings import Settings
-from shared.ports.cluster import ClusterError
-from shared.sim.cluster import SimCluster
 
 from .gen import podresources_pb2 as pb
 from .gen import podresources_pb2_grpc as pb_grpc
-from .ports import GpuPods, PodLookupError
+from .ports import PodLookupError
 from .resources import REPLICA_SEPARATOR
 
 LIST_TIMEOUT_S = 3.0
@@ -84,34 +79,3 @@ class PodResourcesClient:
 
     async def close(self) -> None:
         return None
-
-
-class SimGpuPods:
-    """``GpuPods`` over the simulated cluster's record of which GPU indices each pod was bound to. SIMULATED."""
-
-    simulated = True
-
-    def __init__(self, cluster: SimCluster, node: str, *, owns_cluster: bool = False) -> None:
-        self.cluster = cluster
-        self.node = node
-        self._owns_cluster = owns_cluster
-
-    async def pods_using(self, gpu: GpuDevice) -> list[str]:
-        try:
-            holders = await self.cluster.gpu_holders(self.node)
-        except ClusterError as exc:
-            raise PodLookupError(f"simulated cluster: {exc}") from None
-        return sorted(set(holders.get(gpu.index, [])))
-
-    async def close(self) -> None:
-        if self._owns_cluster:
-            await self.cluster.close()
-
-
-def gpu_pods(settings: Settings, subjects: Subjects, socket: Path) -> GpuPods:
-    """The kubelet's PodResources API for backend ``real``; the simulated cluster (attached, not created: the
-    simulation makes it) for ``sim``. Opens nothing until asked."""
-    if settings.backend != "sim":
-        return PodResourcesClient(socket)
-    cluster = SimCluster(redis_client(settings.redis), subjects, owns_client=True)
-    return SimGpuPods(cluster, settings.node, owns_cluster=True)

@@ -35,7 +35,7 @@ from typing import Any, cast, get_args
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged, UpgradeState
-from shared.contract.node import DrainRequested
+from shared.plumbing.drains import DrainClient
 from shared.ports.cluster import ClusterConflict, ClusterError, ClusterPort, EvictionOutcome, NodeInfo
 from shared.ports.gpu import GpuError
 
@@ -114,7 +114,7 @@ class UpgradeCoordinator:
         self.states: dict[str, dict[str, str]] = {}
         self._silent: dict[str, str] = {}
         self._backoff: dict[str, tuple[float, float]] = {}
-        self._published: set[str] = set()
+        self.drains = DrainClient(lambda event: self.publish(event), "driver", lambda: self.clock())
 
     # -- the loop -------------------------------------------------------------------------------------------------
     async def run(self, interval_s: float, wake: asyncio.Event | None = None) -> None:
@@ -285,11 +285,11 @@ class UpgradeCoordinator:
             case "set_state" | "fail":
                 await self._transition(view, action)
             case "request_drain":
-                drain_id = f"upgrade-{node}-{self.token}-{int(self.clock() * 1000)}"
+                drain_id = self.drains.new_id(f"upgrade-{node}-{self.token}", str(int(self.clock() * 1000)))
                 await self._write(view, annotations={DRAIN_ANNOTATION: drain_id})
                 await self._request_drain(node, drain_id, policy, "driver-upgrade")
             case "external_drain":
-                drain_id = f"cordon-{node}-{self.token}-{int(self.clock() * 1000)}"
+                drain_id = self.drains.new_id(f"cordon-{node}-{self.token}", str(int(self.clock() * 1000)))
                 await self._write(view, annotations={EXTERNAL_DRAIN_ANNOTATION: drain_id})
                 await self._request_drain(node, drain_id, policy, EXTERNAL_DRAIN_REASON)
             case "forget_external_drain":
@@ -333,19 +333,14 @@ class UpgradeCoordinator:
             self.on_transition(view.name, view.state, action.state)
 
     async def _request_drain(self, node: str, drain_id: str, policy: DriverPolicy, reason: str) -> None:
-        deadline = min(_DRAIN_DEADLINE_S, policy.drain_timeout_s * 0.8)
-        await self.publish(
-            DrainRequested(node=node, drain_id=drain_id, reason=reason, requested_by="driver", deadline_s=deadline)
-        )
-        self._published.add(drain_id)
-        log.info("drain requested", extra={"node": node, "drain_id": drain_id, "reason": reason})
+        await self.drains.ask(drain_id, node, reason, deadline_s=min(_DRAIN_DEADLINE_S, policy.drain_timeout_s * 0.8))
 
     async def _republish_drain(self, view: NodeView) -> None:
         """A drain named on the node but neither decided nor published by this process (its publisher died between
         naming it and publishing it) is requested again; the checkpoint service runs a drain id once."""
         drain_id = view.annotations.get(DRAIN_ANNOTATION, "")
         if view.state == "checkpoint-required" and drain_id and not view.drain_verdict:
-            if drain_id not in self._published:
+            if not self.drains.asked(drain_id):
                 await self._guard(view)
                 await self._request_drain(view.name, drain_id, self.policy(), "driver-upgrade")
 

@@ -6,7 +6,6 @@ through that node's agent."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import uuid
@@ -18,7 +17,6 @@ from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuPort
-from shared.ports.select import cluster_port, gpu_port
 
 from .agent import DriverAgent, bus_node_drivers
 from .config import DriverSettings, load
@@ -32,9 +30,9 @@ CLOSE_TIMEOUT_S = 2.0  # a client closing on shutdown never holds the service up
 
 
 class DriverService:
-    """``gpu`` is this node's GPU port (default: from the settings, NVML or simulated); ``cluster`` and ``drivers``
+    """``gpu`` is this node's GPU port (default: ``ctx.backends``, NVML or simulated); ``cluster`` and ``drivers``
     (how the coordinator reaches each node; default: each node's agent over the bus) replace the defaults in
-    tests."""
+    tests. Ports it opens itself are closed when it stops, not before."""
 
     name = "driver"
     config_names: tuple[str, ...] = ("driver",)
@@ -60,11 +58,12 @@ class DriverService:
     async def start(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         s = ctx.subjects
-        agent = self.agent = DriverAgent(ctx.node, self.gpu or gpu_port(ctx.settings, s), owns_port=self.gpu is None)
+        agent = self.agent = DriverAgent(ctx.node, self.gpu or ctx.backends.gpus(), owns_port=self.gpu is None)
+        ctx.on_stop(agent.close)  # stops what the agent runs, and closes its port if it opened it
         await agent.serve(ctx.bus)
         ctx.status["install"] = agent.status
-        ctx.spawn(self._keep_agent, "driver-agent")
         client = open_redis(ctx.settings.redis)
+        ctx.on_stop(client.aclose)
         self.book = RedisDrainVerdicts(client, s)
         await ctx.consume(
             ConsumerSpec(
@@ -78,7 +77,10 @@ class DriverService:
         ctx.config.on_change(self.on_policy)
         ctx.status["drain_verdicts"] = self.verdicts
         if self.settings.coordinate:
-            cluster = self.cluster or await cluster_port(ctx.settings, s)
+            cluster = self.cluster
+            if cluster is None:
+                opened = cluster = await ctx.backends.cluster()
+                ctx.on_stop(lambda: asyncio.wait_for(opened.close(), CLOSE_TIMEOUT_S))
             holder = f"{ctx.node or 'driver'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.coordinator = UpgradeCoordinator(
                 cluster,
@@ -90,26 +92,7 @@ class DriverService:
             )
             coordinator = self.coordinator
             ctx.status["upgrade"] = coordinator.status
-            opened = cluster if self.cluster is None else None
-
-            async def coordinate() -> None:
-                """Runs for the service's lifetime; the cluster port opened here is closed when it stops."""
-                try:
-                    await coordinator.run(self.settings.reconcile_s, self._wake)
-                finally:
-                    if opened is not None:
-                        with contextlib.suppress(Exception):
-                            await asyncio.shield(asyncio.wait_for(opened.close(), CLOSE_TIMEOUT_S))
-
-            ctx.spawn(coordinate, "driver-upgrade")
-
-    async def _keep_agent(self) -> None:
-        """Runs for the service's lifetime: when it stops, the agent stops what it runs and closes its port."""
-        assert self.agent is not None
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await self.agent.close()
+            ctx.spawn(lambda: coordinator.run(self.settings.reconcile_s, self._wake), "driver-upgrade")
 
     def policy(self) -> DriverPolicy:
         current = self.ctx.config.current("driver")

@@ -1,8 +1,9 @@
 """`python -m services.metrics`: run the metrics service until SIGTERM."""
 
 from shared.plumbing.runner import run
+from shared.wiring import Wiring
 
 from .handlers import MetricsService
 
 if __name__ == "__main__":
-    raise SystemExit(run(MetricsService()))
+    raise SystemExit(run(MetricsService(), Wiring))

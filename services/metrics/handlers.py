@@ -207,7 +207,7 @@ class MetricsService:
         return self.owners.get((namespace, pod)) or deployment_from_pod_name(pod)
 
     async def start(self, ctx: ServiceContext) -> None:
-        from .sources import open_owners, open_store
+        from .sources import open_store
 
         self.ctx = ctx
         self.telemetry = MetricsTelemetry(ctx.telemetry.registry)
@@ -223,7 +223,10 @@ class MetricsService:
         )
         if self.settings.aggregate != "off":
             self.store = self.store or open_store(ctx.settings, ctx.subjects)
-            self.pod_owners = self.pod_owners or open_owners(ctx.settings, ctx.subjects)
+            self.pod_owners = self.pod_owners or ctx.backends.pod_owners()
+        for port in (self.source, self.store, self.pod_owners):
+            if port is not None:
+                ctx.on_stop(port.close)
         if self.settings.aggregate == "bus":
             await ctx.bus.subscribe(s.pattern("metrics.gpu.sample"), self.on_sample, accepts=(GpuSample,))
         ctx.status["gpus"] = self.gpus
@@ -250,23 +253,21 @@ class MetricsService:
     async def loop(self) -> None:
         from .sources import SourceUnavailable, open_source
 
+        """Runs for the service's lifetime; a source it opens stays open (for the loop's next run too) until the
+        service stops."""
         assert self.ctx is not None
-        try:
-            while True:
-                started = time.monotonic()
-                if self.source is None:
-                    try:
-                        self.source = await open_source(self.ctx.settings, self.settings, self.ctx.subjects)
-                    except SourceUnavailable as exc:
-                        self._failed(str(exc))
-                if self.source is not None:
-                    await self.tick(self.clock())
-                await asyncio.sleep(max(self.settings.interval_s - (time.monotonic() - started), 0.0))
-        finally:
-            for closable in (self.source, self.store, self.pod_owners):
-                if closable is not None:
-                    with contextlib.suppress(Exception):
-                        await closable.close()
+        while True:
+            started = time.monotonic()
+            if self.source is None:
+                try:
+                    self.source = await open_source(self.ctx.settings, self.settings, self.ctx.backends)
+                except SourceUnavailable as exc:
+                    self._failed(str(exc))
+                else:
+                    self.ctx.on_stop(self.source.close)
+            if self.source is not None:
+                await self.tick(self.clock())
+            await asyncio.sleep(max(self.settings.interval_s - (time.monotonic() - started), 0.0))
 
     def _failed(self, error: str) -> None:
         if error != self.last_error:

@@ -13,7 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from shared.ports.metrics import DcgmScrape, ExpositionParser, MetricsSourceError, SourceRead
+from shared.adapters.exposition import ExpositionParser
+from shared.adapters.metrics import DcgmScrape
+from shared.ports.metrics import MetricsSourceError, SourceRead
 
 from .aggregate import Aggregator, deployment_from_pod_name
 from .handlers import observation

@@ -1,17 +1,15 @@
-"""Adapters of the metrics service: the aggregates in Redis, and pod owners from the simulated cluster."""
+"""The metrics service's own adapter: the aggregates in Redis, where the scaler reads them."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import redis.asyncio as aioredis
 
 from shared.contract.metrics import UtilisationRecord
 from shared.contract.subjects import Subjects
-from shared.ports.cluster import ClusterError
-from shared.sim.cluster import SimCluster
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(UtilisationRecord).decode
@@ -46,21 +44,3 @@ class RedisUtilisationStore:
         if self.owns_client:
             with contextlib.suppress(Exception):
                 await self.client.aclose()
-
-
-class SimPodOwners:
-    """Pod -> deployment from the SIMULATED cluster in Redis."""
-
-    def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
-        self.client = client
-        self.cluster = SimCluster(client, subjects)
-
-    async def owners(self) -> Mapping[tuple[str, str], str]:
-        try:
-            return {(p.namespace, p.name): p.deployment for p in await self.cluster.pods()}
-        except ClusterError:
-            return {}
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.client.aclose()

@@ -8,11 +8,9 @@ from collections.abc import Awaitable, Callable, Mapping
 import nats.js.errors
 from nats.aio.msg import Msg
 
-from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
-from shared.plumbing.settings import Settings
+from shared.ports.backends import Backends
 from shared.ports.cluster import ClusterPort
-from shared.ports.select import cluster_port
 
 
 class JetStreamQueue:
@@ -69,11 +67,9 @@ class ClusterPlacement:
         return counts
 
 
-async def cluster_placement(
-    settings: Settings, subjects: Subjects
-) -> tuple[ClusterPlacement, Callable[[], Awaitable[None]]]:
-    """Placement from the cluster port of the backend: the simulated cluster in Redis (``sim``), or the Kubernetes
+async def cluster_placement(backends: Backends) -> tuple[ClusterPlacement, Callable[[], Awaitable[None]]]:
+    """Placement from the cluster port of the backends: the simulated cluster in Redis (``sim``), or the Kubernetes
     API (``real``: pods listed per namespace; deploy/rbac/scaler.yaml grants exactly ``list pods``). Returns it
     and how to close it; raises ``ClusterError`` when the cluster cannot be reached."""
-    cluster = await cluster_port(settings, subjects)
+    cluster = await backends.cluster()
     return ClusterPlacement(cluster), cluster.close

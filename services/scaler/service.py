@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 from prometheus_client import Gauge
 
@@ -46,10 +45,10 @@ class ScalerService:
     async def start(self, ctx: ServiceContext) -> None:
         s = ctx.subjects
         placement: Placement | None = self._placement
-        close_placement: Callable[[], Awaitable[None]] | None = None
         if placement is None:
             try:
-                placement, close_placement = await cluster_placement(ctx.settings, s)
+                placement, close_placement = await cluster_placement(ctx.backends)
+                ctx.on_stop(close_placement)
             except Exception as exc:  # no cluster to read: the surge falls back as documented, the rest works
                 log.warning("pod placement unavailable; drains surge without it", extra={"error": str(exc)})
                 ctx.status["placement"] = f"unavailable: {exc}"
@@ -82,18 +81,9 @@ class ScalerService:
             s.pattern("metrics.deployment.utilisation"), core.on_utilisation, accepts=(DeploymentUtilisation,)
         )
         server = ScalerServer(core, self.settings, serving=lambda: ctx.bus.connected)
+        ctx.on_stop(core.close)
         self.port = await server.start()
-
-        async def serve() -> None:
-            try:
-                await server.wait()
-            finally:
-                await server.stop(grace=1.0)
-                await core.close()
-                if close_placement is not None:
-                    await close_placement()
-
-        ctx.spawn(serve, "scaler-grpc")
+        ctx.on_stop(lambda: server.stop(grace=1.0))
         ctx.spawn(core.refresh_loop, "scaler-refresh")
         ctx.spawn(core.publish_loop, "scaler-publish")
         if placement is not None:

@@ -15,6 +15,7 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterError, ClusterPort
+from shared.wiring import Wiring
 
 __all__ = ["CommandError", "MeshClient", "read_state"]
 
@@ -44,16 +45,11 @@ class MeshClient:
             await bus.close(1)
             raise
         redis = redis_client(settings.redis)
-        cluster: ClusterPort | None = None
-        if settings.backend == "sim":
-            from shared.sim.cluster import SimCluster
-
-            cluster = SimCluster(redis, Subjects(settings.root))
-        else:
+        wiring = Wiring(settings, Subjects(settings.root), bus)
+        cluster: ClusterPort | None = wiring.attached_cluster()  # the simulation's, never created by a command
+        if cluster is None:
             with contextlib.suppress(ClusterError):
-                from shared.ports.kube import KubeCluster
-
-                cluster = await KubeCluster.connect()
+                cluster = await wiring.cluster()
         services = state.get("services") if isinstance(state.get("services"), dict) else {}
         return cls(settings, bus, redis, cluster, dict(services or {}), settings.backend == "sim")
 
@@ -74,7 +70,7 @@ class MeshClient:
             return None
 
     async def close(self) -> None:
-        if self.cluster is not None and self.settings.backend != "sim":
+        if self.cluster is not None:
             with contextlib.suppress(Exception):
                 await self.cluster.close()
         with contextlib.suppress(Exception):

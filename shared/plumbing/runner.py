@@ -1,8 +1,11 @@
 """The one way a service starts: settings, JSON logs, the bus, the config watcher, an HTTP endpoint, signals.
 
 A service is a small object with a ``name``, the configuration documents it reads, and ``start(ctx)`` that
-subscribes its handlers and spawns its loops. The runner does the rest and shuts everything down in order:
-stop taking messages, let in-flight handlers finish (or nak them), stop loops, close connections.
+subscribes its handlers and spawns its loops. It reaches hardware and the cluster through ``ctx.backends``, the
+ports the composition root (``shared.wiring``, handed to ``run`` by the service's ``__main__``) builds from the
+settings. What it opens it hands to ``ctx.on_stop``. The runner does the rest and shuts everything down in order:
+stop taking messages, let in-flight handlers finish (or nak them), stop loops, run the stop hooks (newest first),
+close connections.
 
 HTTP: ``/healthz`` answers 200 while the process runs, with ``"status": "ok"`` or ``"degraded"`` and each
 component's state (Redis down is degraded: the service keeps going on its last good configuration);
@@ -14,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -34,8 +38,20 @@ from shared.plumbing.errors import SettingsError
 from shared.plumbing.http import Response, Route, SmallHttpServer
 from shared.plumbing.settings import Settings, load_settings
 from shared.plumbing.telemetry import Telemetry
+from shared.ports.backends import Backends
 
 log = logging.getLogger(__name__)
+
+STOP_HOOK_TIMEOUT_S = 5.0
+"""How long one stop hook may take; past it, shutdown goes on without it (logged)."""
+
+BackendsFactory = Callable[[Settings, Subjects, Bus], Backends]
+"""How the runner gets a service's ports: ``shared.wiring.Wiring`` in every ``__main__``; tests may hand their own."""
+
+StopHook = Callable[[], Any]
+"""A callable run once at stop: plain, or returning an awaitable (``port.close``)."""
+
+_Hook = TypeVar("_Hook", bound=StopHook)
 
 
 class Service(Protocol):
@@ -56,6 +72,8 @@ class ServiceContext:
     config: ConfigWatcher
     telemetry: Telemetry
     status: dict[str, Any] = field(default_factory=dict)  # shown in /healthz; callables are called each time
+    _backends: Backends | None = None
+    _stop_hooks: list[StopHook] = field(default_factory=list)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _consumers: list[Consumer] = field(default_factory=list)
     _routes: dict[str, Route] = field(default_factory=dict)
@@ -64,9 +82,44 @@ class ServiceContext:
     def node(self) -> str:
         return self.settings.node
 
+    @property
+    def backends(self) -> Backends:
+        """The ports of this process, real or simulated, as the composition root built them."""
+        if self._backends is None:
+            raise RuntimeError(
+                f"{self.service}: started without backends; start it with run(service, Wiring) or "
+                "start_service(service, settings, Wiring) (shared.wiring), or hand it its ports"
+            )
+        return self._backends
+
+    def on_stop(self, hook: _Hook) -> _Hook:
+        """Run ``hook`` once when the service stops, after its consumers and loops have stopped: ports a service
+        opens at start are closed here, never by a loop (a loop the runner restarts keeps using them). Hooks run
+        newest first; one that fails or hangs (past ``STOP_HOOK_TIMEOUT_S``) is logged and the rest still run."""
+        self._stop_hooks.append(hook)
+        return hook
+
+    async def run_stop_hooks(self) -> None:
+        """Runs (and forgets) every stop hook, newest first; never raises."""
+        while self._stop_hooks:
+            hook = self._stop_hooks.pop()
+            name = getattr(hook, "__qualname__", repr(hook))
+            try:
+                result = hook()
+                if inspect.isawaitable(result):
+                    await asyncio.wait_for(asyncio.ensure_future(result), STOP_HOOK_TIMEOUT_S)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                log.warning("stop hook cancelled", extra={"hook": name})
+            except Exception as exc:
+                log.warning("stop hook failed", extra={"hook": name, "error": f"{type(exc).__name__}: {exc}"})
+
     def spawn(self, factory: Callable[[], Awaitable[Any]], name: str) -> asyncio.Task[Any]:
         """Run a background loop for the service's lifetime. A loop that crashes is logged and started again
-        from ``factory`` with a growing delay: a service never dies of one bad iteration."""
+        from ``factory`` with a growing delay: a service never dies of one bad iteration. So a loop closes
+        nothing it did not open itself in that run: what outlives one run is closed by ``on_stop``."""
 
         async def guarded() -> None:
             delay = 0.5
@@ -181,13 +234,17 @@ class RunningService:
             task.cancel()
         if self.ctx._tasks:
             await asyncio.wait(list(self.ctx._tasks), timeout=5.0)
+        await self.ctx.run_stop_hooks()
         await self.ctx.config.stop()
         await self.ctx.bus.close(grace)
         await self.http.stop()
 
 
-async def start_service(service: Service, settings: Settings) -> RunningService:
-    """Connect, load configuration, start the service's handlers and the HTTP endpoint."""
+async def start_service(
+    service: Service, settings: Settings, backends: BackendsFactory | None = None
+) -> RunningService:
+    """Connect, load configuration, build the service's ports (``backends``), start its handlers and the HTTP
+    endpoint. A service that fails to start has its stop hooks run before the error goes up."""
     subjects = Subjects(settings.root)
     telemetry = Telemetry(service.name)
     source = f"{service.name}/{settings.node}" if settings.node else service.name
@@ -195,6 +252,8 @@ async def start_service(service: Service, settings: Settings) -> RunningService:
     await bus.ensure_streams()
     config = ConfigWatcher(settings.redis, subjects, service.config_names, telemetry, reread_s=settings.config_reread_s)
     ctx = ServiceContext(service.name, settings, subjects, bus, config, telemetry)
+    if backends is not None:
+        ctx._backends = backends(settings, subjects, bus)
 
     async def announce(applied: VersionedConfig) -> None:
         with contextlib.suppress(Exception):
@@ -207,7 +266,13 @@ async def start_service(service: Service, settings: Settings) -> RunningService:
     ready = asyncio.Event()
     http = HealthServer(ctx, ready)
     await http.start(settings.http_host, settings.http_port)
-    await service.start(ctx)
+    try:
+        await service.start(ctx)
+    except BaseException:
+        for task in list(ctx._tasks):
+            task.cancel()
+        await ctx.run_stop_hooks()
+        raise
     ready.set()
     log.info(
         "started",
@@ -222,8 +287,9 @@ async def start_service(service: Service, settings: Settings) -> RunningService:
     return RunningService(ctx, http)
 
 
-def run(service: Service, settings: Settings | None = None) -> int:
-    """Run ``service`` until SIGTERM or SIGINT; returns the process exit code."""
+def run(service: Service, backends: BackendsFactory | None = None, settings: Settings | None = None) -> int:
+    """Run ``service`` with the ports ``backends`` builds until SIGTERM or SIGINT; returns the process exit
+    code."""
     try:
         settings = settings or load_settings()
     except SettingsError as exc:
@@ -241,7 +307,7 @@ def run(service: Service, settings: Settings | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            running = await start_service(service, settings)
+            running = await start_service(service, settings, backends)
         except Exception as exc:
             log.error("could not start", extra={"error": f"{type(exc).__name__}: {exc}"})
             return 1

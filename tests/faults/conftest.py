@@ -24,6 +24,7 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
+from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
@@ -108,7 +109,7 @@ class Mesh:
 async def mesh(settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus) -> AsyncIterator[Mesh]:
     store = FileStore(tmp_path / "store")
     service = CheckpointService(CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     client = aioredis.Redis.from_url(settings.redis.url)
     # periodic checkpoints off unless a scenario asks for them: scenarios take their turns explicitly
     await ConfigStore(client, subjects).write("checkpoint", CheckpointPolicy(periodic_interval_s=0), 0, "faults")

@@ -25,6 +25,7 @@ from services.driver.coordinator import UpgradeCoordinator
 from services.driver.lease import RedisDrainVerdicts, RedisLeaderLease
 from services.driver.ports import StaleLeader
 from services.driver.upgrade import EXTERNAL_DRAIN_ANNOTATION, FENCE_ANNOTATION
+from shared.adapters.kube import KubeCluster
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainRequested
@@ -34,7 +35,6 @@ from shared.plumbing.configsync import ConfigStore, ConfigWatcher, redis_client
 from shared.plumbing.devservers import RedisServer, free_port
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterError
-from shared.ports.kube import KubeCluster
 from shared.sim.cluster import SimCluster
 from shared.sim.exporter import find_exporter
 from shared.sim.spec import NodeSpec, SimSpec

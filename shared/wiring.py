@@ -1,0 +1,104 @@
+"""The composition root: the one place that chooses real or SIMULATED adapters for the ports, from the settings.
+
+``GPUWARDEN_BACKEND=real`` gets NVML (``shared.adapters.nvml``), the Kubernetes API (``shared.adapters.kube``) and
+the kubelet; ``sim`` gets the simulation's GPUs, cluster and lookups (``shared.sim``). Each service's ``__main__``
+hands ``Wiring`` to the runner (``run(service, Wiring)``), which builds it once the bus is up and gives it to the
+service as ``ctx.backends`` (the ``shared.ports.backends.Backends`` Protocol). Services never import this module or
+``shared.sim`` (an import-linter contract holds them to it); tests hand it, or ports of their own, the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+from shared.contract.subjects import Subjects
+from shared.plumbing.bus import Bus
+from shared.plumbing.configsync import redis_client
+from shared.plumbing.settings import Settings
+from shared.ports.backends import PortUnavailable
+from shared.ports.cluster import ClusterPort
+from shared.ports.gpu import GpuPort
+from shared.ports.pods import GpuPods, PodOwners
+from shared.sim.cluster import SimCluster
+from shared.sim.exporter import find_exporter
+from shared.sim.faults import serve_faults
+from shared.sim.gpus import SimGpus
+from shared.sim.lookups import SimGpuPods, SimPodOwners
+from shared.sim.spec import SpecError, load_spec
+
+
+class Wiring:
+    """``Backends`` from the settings: every port a service asks for, real or simulated. Each call builds a new
+    port, owned by the caller."""
+
+    def __init__(self, settings: Settings, subjects: Subjects, bus: Bus | None = None) -> None:
+        self.settings = settings
+        self.subjects = subjects
+        self.bus = bus
+        self.simulated = settings.backend == "sim"
+
+    def gpus(self) -> GpuPort:
+        settings = self.settings
+        if not self.simulated:
+            from shared.adapters.nvml import NvmlGpus
+
+            return NvmlGpus()
+        spec = load_spec()
+        try:
+            spec.node(settings.node)
+        except SpecError as exc:
+            raise SpecError(
+                f"GPUWARDEN_NODE={settings.node}: {exc}; set GPUWARDEN_NODE to one of them, or GPUWARDEN_SIM_SPEC to "
+                "a spec with this node"
+            ) from None
+        return SimGpus(redis_client(settings.redis), self.subjects, spec, settings.node, owns_client=True)
+
+    async def cluster(
+        self, *, watch_kinds: Iterable[Literal["node", "pod"]] | None = None, watch_node: str | None = None
+    ) -> ClusterPort:
+        if self.simulated:
+            return await SimCluster.create(self.settings.redis, self.subjects)
+        from shared.adapters.kube import KubeCluster
+
+        if watch_kinds is None:
+            return await KubeCluster.connect(watch_node=watch_node)
+        return await KubeCluster.connect(watch_kinds=tuple(watch_kinds), watch_node=watch_node)
+
+    def attached_cluster(self) -> SimCluster | None:
+        """The simulated cluster, attached (not created: the simulation makes it); None with backend ``real``."""
+        if not self.simulated:
+            return None
+        return SimCluster(redis_client(self.settings.redis), self.subjects, owns_client=True)
+
+    async def serve_faults(self, gpus: GpuPort) -> bool:
+        if not isinstance(gpus, SimGpus) or self.bus is None:
+            return False
+        await serve_faults(self.bus, gpus.client, gpus.subjects, gpus.spec)
+        return True
+
+    def gpu_pods(self, kubelet: Callable[[], GpuPods]) -> GpuPods:
+        cluster = self.attached_cluster()
+        if cluster is None:
+            return kubelet()
+        return SimGpuPods(cluster, self.settings.node, owns_cluster=True)
+
+    def pod_owners(self) -> PodOwners | None:
+        if not self.simulated:
+            return None
+        return SimPodOwners(redis_client(self.settings.redis), self.subjects)
+
+    async def exporter_url(self) -> str | None:
+        if not self.simulated:
+            return None
+        client = redis_client(self.settings.redis)
+        try:
+            url = await find_exporter(client, self.subjects, self.settings.node)
+        finally:
+            await client.aclose()
+        if not url:
+            raise PortUnavailable(
+                f"no SIMULATED dcgm-exporter is announced for node {self.settings.node} yet (start the simulation, "
+                "or set GPUWARDEN_METRICS_URL)"
+            )
+        return url

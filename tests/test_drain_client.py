@@ -1,0 +1,83 @@
+"""The one drain client (``shared.plumbing.drains``): a drain is named, asked over the real bus, followed until its
+verdict, asked again by a restarted process, and cleared so that a late verdict is never used."""
+
+from __future__ import annotations
+
+from shared.contract.base import Event
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.subjects import Subjects
+from shared.plumbing.bus import Bus
+from shared.plumbing.drains import MAX_ID_CHARS, DrainClient
+from tests.helpers import eventually
+
+
+async def _requests(bus: Bus, subjects: Subjects) -> list[DrainRequested]:
+    await bus.ensure_streams()
+    seen: list[DrainRequested] = []
+
+    async def on(event: DrainRequested) -> None:
+        seen.append(event)
+
+    await bus.subscribe(subjects.pattern("node.drain.requested"), on, (DrainRequested,))
+    return seen
+
+
+def test_new_ids_are_readable_bounded_and_never_repeat() -> None:
+    first, second = DrainClient.new_id("mig-node-1-all-1g-v3"), DrainClient.new_id("mig-node-1-all-1g-v3")
+    assert first.startswith("mig-node-1-all-1g-v3-") and first != second
+    assert DrainClient.new_id("upgrade-node-1-7", "1700000000000") == "upgrade-node-1-7-1700000000000"
+    long = DrainClient.new_id("x" * 400)
+    assert len(long) == MAX_ID_CHARS + 9 and long.startswith("x" * MAX_ID_CHARS + "-")
+
+
+async def test_ask_publishes_and_a_verdict_settles_the_drain_once(bus: Bus, subjects: Subjects) -> None:
+    seen = await _requests(bus, subjects)
+    now = [100.0]
+    client = DrainClient(bus.publish, "device/mig", clock=lambda: now[0])
+    drain = client.follow("mig-node-1-a", "node-1")
+    assert not client.asked("mig-node-1-a") and not drain.published
+    await client.ask("mig-node-1-a", "node-1", "MIG layout 'a'", deadline_s=12.0)
+    await eventually(lambda: len(seen) == 1)
+    assert seen[0].node == "node-1" and seen[0].drain_id == "mig-node-1-a"
+    assert seen[0].requested_by == "device/mig" and seen[0].deadline_s == 12.0 and seen[0].reason == "MIG layout 'a'"
+    assert client.asked("mig-node-1-a")
+    now[0] = 107.5
+    assert client.waited_s(drain) == 7.5
+    assert client.settle(DrainCompleted(node="node-2", drain_id="mig-node-1-a", sessions_committed=1)) is None
+    verdict = DrainCompleted(node="node-1", drain_id="mig-node-1-a", sessions_committed=3)
+    assert client.settle(verdict) is drain and drain.verdict == verdict
+    assert client.settle(verdict) is None  # seen again: nothing more
+    assert client.settle(DrainFailed(node="node-1", drain_id="unknown", reason="x")) is None
+
+
+async def test_a_restarted_process_asks_a_named_drain_again_and_a_cleared_one_ignores_its_verdict(
+    bus: Bus, subjects: Subjects
+) -> None:
+    seen = await _requests(bus, subjects)
+    before = DrainClient(bus.publish, "driver")
+    await before.ask("upgrade-node-1-1-5", "node-1", "driver-upgrade", deadline_s=20.0)
+    after = DrainClient(bus.publish, "driver")  # the same drain, named on the node, found by a new process
+    assert not after.asked("upgrade-node-1-1-5")
+    await after.ask("upgrade-node-1-1-5", "node-1", "driver-upgrade", deadline_s=20.0)
+    await eventually(lambda: [e.drain_id for e in seen] == ["upgrade-node-1-1-5"] * 2)
+    after.forget("upgrade-node-1-1-5")
+    late = DrainFailed(node="node-1", drain_id="upgrade-node-1-1-5", reason="deadline passed")
+    assert after.settle(late) is None and not after.asked("upgrade-node-1-1-5")
+
+
+async def test_a_request_that_cannot_be_sent_stays_unasked(bus: Bus, subjects: Subjects) -> None:
+    async def refuse(event: Event) -> None:
+        raise ConnectionError("NATS is away")
+
+    await bus.ensure_streams()
+    client = DrainClient(refuse, "device/mig")
+    try:
+        await client.ask("mig-node-1-b", "node-1", "layout", deadline_s=5.0)
+    except ConnectionError:
+        pass
+    else:
+        raise AssertionError("ask must raise what publishing raised")
+    assert not client.asked("mig-node-1-b")
+    client.publish = bus.publish
+    await client.ask("mig-node-1-b", "node-1", "layout", deadline_s=5.0)
+    assert client.asked("mig-node-1-b")
