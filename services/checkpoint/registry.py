@@ -51,7 +51,7 @@ from shared.plumbing.errors import TemporaryError
 # session's next sequence is taken (strictly above the last, and at least the registry's clock in microseconds,
 # so it keeps growing across a registry that lost its data) and the change remembered in ``kv:last:<sid>``.
 # ``cid``: the checkpoint the change is about; '' for the newest recorded, '-' for none (an ended session's
-# checkpoints are being retired).
+# checkpoints are being retired; a query of an ended session names none either, even while they still exist).
 _LOCATED = """
 local function located(prefix, sid, reason, cid)
   local skey = prefix .. ':kv:session:' .. sid
@@ -63,8 +63,8 @@ local function located(prefix, sid, reason, cid)
   local dep = cur[4] or last[5] or ''
   local prev = last[3] or ''
   local seq = last[1] or '0'
-  if cid == '-' then
-    cid = ''
+  if cid == '-' or (not reason and last[2] == 'ended') then
+    cid = ''  -- an ended session's checkpoints are being retired: none is offered, even before they are gone
   elseif cid == '' then
     cid = redis.call('ZREVRANGE', prefix .. ':kv:checkpoints:' .. sid, 0, 0)[1] or ''
   end
