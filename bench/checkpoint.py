@@ -236,7 +236,7 @@ async def objstore_figures(url: str, sessions: dict[str, list[Any]], total: int)
 async def drain_figure(url: str, directory: Path, sessions: dict[str, list[Any]], pods: int) -> float:
     """A drain of one simulated node holding every session on ``pods`` pods: DrainRequested to DrainCompleted."""
     from services.checkpoint.config import CheckpointSettings
-    from services.checkpoint.handlers import CheckpointService
+    from services.checkpoint.service import CheckpointService
     from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
     from shared.contract.subjects import Subjects
     from shared.kv.endpoint import AgentEndpoint

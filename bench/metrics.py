@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.common import Target, exit_code, finish, machine_info, parse_args
 from services.metrics.aggregate import Aggregator
-from services.metrics.handlers import observation
+from services.metrics.samples import observation
 from shared.adapters.exposition import ExpositionParser
 from shared.adapters.metrics import DcgmScrape
 from shared.plumbing.http import SmallHttpServer

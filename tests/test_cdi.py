@@ -24,8 +24,8 @@ from services.device.cdi import (
     write_cdi_spec,
 )
 from services.device.config import DeviceSettings, parse_plugin_config
-from services.device.handlers import DeviceService
 from services.device.plugin import KubeletDevicePlugin
+from services.device.service import DeviceService
 from shared.contract.device import GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
 from shared.plumbing.errors import SettingsError

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.service import CheckpointService
 from shared.contract.checkpoint import CheckpointSaved, SaveProgress
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter

@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.device.config import DeviceSettings
-from services.device.handlers import DeviceService
 from services.device.labels import (
     COUNT,
     DRIVER_MAJOR,
@@ -28,6 +27,7 @@ from services.device.labels import (
     node_labels,
     owned,
 )
+from services.device.service import DeviceService
 from shared.adapters.kube import KubeCluster
 from shared.contract.device import DeviceInventory, GpuDevice, MigInstance
 from shared.contract.subjects import Subjects

@@ -18,9 +18,9 @@ from services.device.cdi import SPEC_FILE, spec_problems
 from services.device.config import DeviceSettings, parse_plugin_config
 from services.device.gen import deviceplugin_pb2 as pb
 from services.device.gen import deviceplugin_pb2_grpc as pb_grpc
-from services.device.handlers import DeviceService
 from services.device.plugin import KUBELET_SOCKET, KubeletDevicePlugin, socket_name
 from services.device.resources import ResourceError
+from services.device.service import DeviceService
 from shared.contract.device import GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
 from shared.plumbing.runner import start_service

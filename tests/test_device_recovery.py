@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.device.config import DEFAULT_APPLICATION_XIDS, DeviceSettings, load
-from services.device.handlers import DeviceService, judge, may_recover
+from services.device.health import judge, may_recover
+from services.device.service import DeviceService
 from shared.contract.device import DeviceHealthChanged, GpuXid
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus

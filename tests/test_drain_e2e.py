@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.service import CheckpointService
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects

@@ -13,9 +13,9 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.service import CheckpointService
 from services.driver.config import DriverSettings
-from services.driver.handlers import DriverService
+from services.driver.service import DriverService
 from services.driver.upgrade import ORDER, STATE_LABEL
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverUpgradeStateChanged

@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 from services.metrics import config as metrics_config
 from services.metrics.aggregate import Aggregator, CounterWatch, Observation, deployment_from_pod_name
-from services.metrics.handlers import MetricsService, gpu_sample
+from services.metrics.samples import gpu_sample
 from services.metrics.scrape_cli import derive
 from services.metrics.scrape_cli import main as scrape_main
+from services.metrics.service import MetricsService
 from services.metrics.store import RedisUtilisationStore
 from shared.adapters.exposition import ExpositionParser
 from shared.adapters.metrics import DcgmScrape, NvmlSource, PrometheusQuery
@@ -218,7 +219,7 @@ async def test_every_aggregate_of_the_page() -> None:
     read = ExpositionParser().parse(page(), read_at=1000.0)
     aggregator = Aggregator(window_s=60, stale_after_s=15)
     for r in read.readings:
-        from services.metrics.handlers import observation
+        from services.metrics.samples import observation
 
         aggregator.observe(observation(r, read.read_at))
     figures = {(a.scope, a.namespace, a.name): a for a in aggregator.aggregates(now=1001.0)}
@@ -250,7 +251,7 @@ async def test_nan_and_missing_series_are_unknown_never_zero() -> None:
     only = by_key(bare)[U0]
     assert only.util is None and gpu_sample(only, "node-a", 5.0) is None  # nothing to publish but a guess
     agg = Aggregator(window_s=60, stale_after_s=15)
-    from services.metrics.handlers import observation
+    from services.metrics.samples import observation
 
     agg.observe(observation(only, 5.0))
     (pod, _deployment) = agg.aggregates(now=6.0)

@@ -21,10 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.service import CheckpointService
 from services.device.config import DeviceSettings, load, parse_plugin_config
 from services.device.gen import deviceplugin_pb2 as pb
-from services.device.handlers import DeviceService
 from services.device.mig import (
     CONFIG_LABEL,
     DRAIN_ANNOTATION,
@@ -37,6 +36,7 @@ from services.device.mig import (
     layout,
     plan,
 )
+from services.device.service import DeviceService
 from shared.contract.base import Event
 from shared.contract.checkpoint import CheckpointSaved
 from shared.contract.configdocs import MigConfig, MigDeviceGroup

@@ -16,13 +16,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.service import CheckpointService
 from services.device.config import DeviceSettings, load
 from services.device.gen import podresources_pb2 as pb
 from services.device.gen import podresources_pb2_grpc as pb_grpc
-from services.device.handlers import DeviceService
 from services.device.podresources import PodResourcesClient, holds
 from services.device.ports import GpuPods, PodLookupError
+from services.device.service import DeviceService
 from shared.contract.checkpoint import CheckpointSaved
 from shared.contract.device import DeviceHealthChanged, GpuDevice, MigInstance
 from shared.contract.subjects import Subjects

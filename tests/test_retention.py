@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
 from services.checkpoint.retention import CheckpointRecord, RetentionPolicy, expired, unreferenced_packs
+from services.checkpoint.service import CheckpointService
 from shared.kv.filestore import FileStore
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
-from services.device.handlers import DeviceService
-from services.driver.handlers import DriverService
-from services.metrics.handlers import MetricsService
+from services.checkpoint.service import CheckpointService
+from services.device.service import DeviceService
+from services.driver.service import DriverService
+from services.metrics.service import MetricsService
 from services.scaler.config import ScalerSettings
 from services.scaler.service import ScalerService
 from shared.contract.configdocs import DriverPolicy

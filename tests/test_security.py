@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from nats.js.api import RawStreamMsg
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.service import CheckpointService
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.driver import DriverUpgradeStateChanged
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.service import CheckpointService
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
 from shared.kv.filestore import FileStore

@@ -23,7 +23,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.device.config import DEFAULT_APPLICATION_XIDS, DeviceSettings
-from services.device.handlers import DeviceService, GpuHealth, judge
+from services.device.health import GpuHealth, judge
+from services.device.service import DeviceService
 from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuXid
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus

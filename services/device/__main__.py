@@ -7,7 +7,7 @@ from shared.plumbing.runner import run
 from shared.wiring import Wiring
 
 from .config import load
-from .handlers import DeviceService
+from .service import DeviceService
 
 if __name__ == "__main__":
     try:

@@ -3,7 +3,7 @@
 from shared.plumbing.runner import run
 from shared.wiring import Wiring
 
-from .handlers import DriverService
+from .service import DriverService
 
 if __name__ == "__main__":
     raise SystemExit(run(DriverService(), Wiring))

@@ -18,7 +18,7 @@ from shared.adapters.metrics import DcgmScrape
 from shared.ports.metrics import MetricsSourceError, SourceRead
 
 from .aggregate import Aggregator, deployment_from_pod_name
-from .handlers import observation
+from .samples import observation
 
 FIELDS = (
     "gpu_util",

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.checkpoint.config import CheckpointSettings
-from services.checkpoint.handlers import CheckpointService
+from services.checkpoint.service import CheckpointService
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.subjects import Subjects
