@@ -171,6 +171,29 @@ def test_bad_settings_exit_with_a_clear_message(settings: Settings) -> None:
     assert "GPUWARDEN_BACKEND='quantum': expected 'sim' or 'real'" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("service", "variable"),
+    [
+        ("driver", "GPUWARDEN_DRIVER_RECONCILE_S"),
+        ("device", "GPUWARDEN_DEVICE_INVENTORY_S"),
+        ("metrics", "GPUWARDEN_METRICS_INTERVAL_S"),
+        ("scaler", "GPUWARDEN_SCALER_REFRESH_S"),
+        ("checkpoint", "GPUWARDEN_CHECKPOINT_GC_S"),
+    ],
+)
+def test_every_service_says_which_of_its_own_settings_is_bad_in_one_line(
+    settings: Settings, service: str, variable: str
+) -> None:
+    env = dict(os.environ, **{variable: "soon"}, GPUWARDEN_NATS_URL=settings.nats.servers[0])
+    result = subprocess.run(
+        [sys.executable, "-m", f"services.{service}"], env=env, capture_output=True, timeout=30, text=True
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    shown = [line for line in result.stderr.splitlines() if not line.startswith("{")]  # JSON log lines aside
+    assert len(shown) == 1 and shown[0].startswith(f"{service}: ") and variable in shown[0], result.stderr
+
+
 def test_settings_defaults_and_errors() -> None:
     s = load_settings({})
     assert s.nats.servers == ("nats://127.0.0.1:4222",)

@@ -1,9 +1,9 @@
-"""`python -m services.checkpoint`: run the checkpoint service until SIGTERM."""
+"""`python -m services.checkpoint`: run the checkpoint service until SIGTERM (bad settings: one line, exit 2)."""
 
-from shared.plumbing.runner import run
+from shared.plumbing.runner import main
 from shared.wiring import Wiring
 
 from .service import CheckpointService
 
 if __name__ == "__main__":
-    raise SystemExit(run(CheckpointService(), Wiring))
+    raise SystemExit(main("checkpoint", CheckpointService, Wiring))

@@ -1,18 +1,9 @@
-"""`python -m services.device`: run the device service until SIGTERM."""
+"""`python -m services.device`: run the device service until SIGTERM (bad settings: one line, exit 2)."""
 
-import sys
-
-from shared.plumbing.errors import SettingsError
-from shared.plumbing.runner import run
+from shared.plumbing.runner import main
 from shared.wiring import Wiring
 
-from .config import load
 from .service import DeviceService
 
 if __name__ == "__main__":
-    try:
-        settings = load()
-    except SettingsError as exc:
-        print(f"device: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    raise SystemExit(run(DeviceService(settings), Wiring))
+    raise SystemExit(main("device", DeviceService, Wiring))

@@ -287,6 +287,19 @@ async def start_service(
     return RunningService(ctx, http)
 
 
+def main(name: str, make: Callable[[], Service], backends: BackendsFactory | None = None) -> int:
+    """A service's ``__main__``: build the service (its own settings are read there) and ``run`` it. Bad settings,
+    shared or the service's own, are one line on stderr and exit status 2, never a traceback."""
+    try:
+        service = make()
+    except SettingsError as exc:
+        logs.configure(name)
+        log.error("bad settings", extra={"error": str(exc)})
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    return run(service, backends)
+
+
 def run(service: Service, backends: BackendsFactory | None = None, settings: Settings | None = None) -> int:
     """Run ``service`` with the ports ``backends`` builds until SIGTERM or SIGINT; returns the process exit
     code."""
