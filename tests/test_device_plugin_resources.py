@@ -157,7 +157,7 @@ def test_settings_read_the_plugin_config_file(tmp_path: Path) -> None:
         device_config.load({"GPUWARDEN_DEVICE_PLUGIN_CONFIG": str(tmp_path / "missing.yaml")})
     with pytest.raises(SettingsError, match=r"GPUWARDEN_DEVICE_PLUGIN=on but .* is not a folder"):
         device_config.load({"GPUWARDEN_DEVICE_PLUGIN": "on", "GPUWARDEN_DEVICE_PLUGIN_DIR": str(tmp_path / "x")})
-    with pytest.raises(SettingsError, match="expected auto, on or off"):
+    with pytest.raises(SettingsError, match="expected one of auto, on, off"):
         device_config.load({"GPUWARDEN_DEVICE_PLUGIN": "maybe"})
 
 

@@ -295,7 +295,7 @@ def test_mig_settings() -> None:
     assert load({"GPUWARDEN_MIG_DRAIN_TIMEOUT_S": "45"}).mig_drain_timeout_s == 45.0
     with pytest.raises(SettingsError, match="GPUWARDEN_MIG_STEP_TIMEOUT_S='0': must be positive"):
         load({"GPUWARDEN_MIG_STEP_TIMEOUT_S": "0"})
-    with pytest.raises(SettingsError, match="GPUWARDEN_MIG_CHECKPOINT='no': expected on or off"):
+    with pytest.raises(SettingsError, match="GPUWARDEN_MIG_CHECKPOINT='no': expected one of on, off"):
         load({"GPUWARDEN_MIG_CHECKPOINT": "no"})
     with pytest.raises(SettingsError, match="GPUWARDEN_MIG_DRAIN_TIMEOUT_S='-1'"):
         load({"GPUWARDEN_MIG_DRAIN_TIMEOUT_S": "-1"})

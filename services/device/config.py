@@ -16,7 +16,7 @@ import msgspec
 import yaml
 
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.settings import env_seconds
+from shared.plumbing.settings import env_absolute_path, env_choice, env_on_off, env_seconds
 
 MigStrategy = Literal["none", "single", "mixed"]
 DeviceListStrategy = Literal["envvar", "cdi"]
@@ -213,10 +213,7 @@ class DeviceSettings:
 
 
 def _plugin_mode(env: Mapping[str, str]) -> PluginMode:
-    raw = env.get("GPUWARDEN_DEVICE_PLUGIN", "auto").strip().lower()
-    if raw not in ("auto", "on", "off"):
-        raise SettingsError(f"GPUWARDEN_DEVICE_PLUGIN={raw!r}: expected auto, on or off")
-    return raw  # type: ignore[return-value]
+    return env_choice(env, "GPUWARDEN_DEVICE_PLUGIN", ("auto", "on", "off"), "auto")  # type: ignore[return-value]
 
 
 def _plugin_config(env: Mapping[str, str]) -> DevicePluginConfig:
@@ -248,22 +245,6 @@ def parse_xids(raw: str, name: str = APPLICATION_XIDS_ENV) -> frozenset[int]:
     return frozenset(xids)
 
 
-def _on_off(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw not in ("on", "off"):
-        raise SettingsError(f"{name}={raw!r}: expected on or off")
-    return raw == "on"
-
-
-def _absolute_path(env: Mapping[str, str], name: str, default: str) -> Path:
-    raw = env.get(name, "").strip() or default
-    if not raw.startswith("/"):
-        raise SettingsError(f"{name}={raw!r}: expected an absolute path (e.g. / or /run/nvidia/driver)")
-    return Path(raw)
-
-
 def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
     env = os.environ if env is None else env
     plugin_dir = env.get("GPUWARDEN_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins/")
@@ -287,11 +268,11 @@ def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
         mig_step_timeout_s=env_seconds(env, "GPUWARDEN_MIG_STEP_TIMEOUT_S", 120.0),
         mig_reconcile_s=env_seconds(env, "GPUWARDEN_MIG_RECONCILE_S", 60.0),
         mig_retry_s=env_seconds(env, "GPUWARDEN_MIG_RETRY_S", 300.0),
-        mig_checkpoint=_on_off(env, "GPUWARDEN_MIG_CHECKPOINT", True),
+        mig_checkpoint=env_on_off(env, "GPUWARDEN_MIG_CHECKPOINT", True),
         mig_drain_timeout_s=env_seconds(env, "GPUWARDEN_MIG_DRAIN_TIMEOUT_S", 300.0),
-        driver_root=_absolute_path(env, "GPUWARDEN_DRIVER_ROOT", "/"),
+        driver_root=env_absolute_path(env, "GPUWARDEN_DRIVER_ROOT", "/"),
         driver_root_mount=(
-            _absolute_path(env, "GPUWARDEN_DRIVER_ROOT_MOUNT", "/")
+            env_absolute_path(env, "GPUWARDEN_DRIVER_ROOT_MOUNT", "/")
             if env.get("GPUWARDEN_DRIVER_ROOT_MOUNT", "").strip()
             else None
         ),

@@ -293,8 +293,6 @@ def main(name: str, make: Callable[[], Service], backends: BackendsFactory | Non
     try:
         service = make()
     except SettingsError as exc:
-        logs.configure(name)
-        log.error("bad settings", extra={"error": str(exc)})
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
     return run(service, backends)

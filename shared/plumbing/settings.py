@@ -191,11 +191,24 @@ def env_seconds(
 
 
 def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
-    """A setting that is one of ``choices``; empty or unset is ``default``."""
-    value = env.get(name, "") or default
+    """A setting that is one of ``choices`` (case and surrounding blanks ignored); empty or unset is ``default``."""
+    value = env.get(name, "").strip().lower() or default
     if value not in choices:
         raise SettingsError(f"{name}={value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def env_on_off(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A switch: ``on`` or ``off``; empty or unset is ``default``."""
+    return env_choice(env, name, ("on", "off"), "on" if default else "off") == "on"
+
+
+def env_absolute_path(env: Mapping[str, str], name: str, default: str) -> Path:
+    """A path that must be absolute; empty or unset is ``default``."""
+    raw = env.get(name, "").strip() or default
+    if not raw.startswith("/"):
+        raise SettingsError(f"{name}={raw!r}: expected an absolute path (e.g. / or /run/nvidia/driver)")
+    return Path(raw)
 
 
 def parse_host_port(name: str, raw: str) -> tuple[str, int]:
