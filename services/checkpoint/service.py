@@ -107,8 +107,10 @@ class CheckpointService:
         if self.store is None:
             from shared.kv.stores import open_store
 
-            self.store = open_store(self.settings.store, ctx.bus.nc)
+            self.store = store = open_store(self.settings.store, ctx.bus.nc)
+            ctx.on_stop(store.close)  # only what the service opened itself is closed
         self.registry = SessionRegistry(redis_client(ctx.settings.redis), ctx.subjects)
+        ctx.on_stop(self.registry.client.aclose)
         if self.cluster is None:
             self.cluster = await ctx.backends.cluster()
             ctx.on_stop(self.cluster.close)
