@@ -618,8 +618,9 @@ def where_line(at: SessionLocation) -> str:
 
 
 def cmd_nats_auth(args: argparse.Namespace) -> int:
-    """Print a nats-server authorization block: one least-privilege user per service, the KV agents, an admin."""
-    from shared.contract.permissions import USERS, nats_auth_config
+    """Print a nats-server authorization block: one least-privilege user per service, the KV agents, an admin, and
+    a gateway (a KV-aware router) when DIR has a ``gateway`` password file."""
+    from shared.contract.permissions import OPTIONAL_USERS, USERS, nats_auth_config
 
     settings = _settings()
     directory = Path(args.password_dir)
@@ -630,6 +631,13 @@ def cmd_nats_auth(args: argparse.Namespace) -> int:
             passwords[user] = path.read_text().strip()
         except OSError as exc:
             raise UsageError(f"{path}: {exc.strerror} (one file per user holding its password)") from None
+    for user in OPTIONAL_USERS:  # a user of its own only when its password file is there
+        path = directory / user
+        if path.exists():
+            try:
+                passwords[user] = path.read_text().strip()
+            except OSError as exc:
+                raise UsageError(f"{path}: {exc.strerror}") from None
     try:
         print(
             nats_auth_config(

@@ -14,6 +14,7 @@ from pathlib import Path
 import nats.js.errors
 import pytest
 import redis.asyncio as aioredis
+from nats.js import api as js_api
 from nats.js.api import RawStreamMsg
 
 from services.checkpoint.config import CheckpointSettings
@@ -25,18 +26,21 @@ from shared.contract.permissions import (
     ADMIN,
     AGENT,
     ANY_NODE,
+    GATEWAY,
     NODE_SCOPED,
     PUBLISHES,
     SERVICES,
     USERS,
     admin_permissions,
     agent_permissions,
+    gateway_permissions,
     may_publish,
     nats_auth_config,
     service_permissions,
     subject_matches,
     user_name,
 )
+from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import ROUTES, Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
@@ -215,6 +219,35 @@ def test_auth_config_errors_name_the_user_never_the_password(subjects: Subjects)
                 assert value.strip() not in str(err.value)
 
 
+def test_a_gateway_may_only_follow_locations_and_ask_where(subjects: Subjects) -> None:
+    perms = gateway_permissions(subjects)
+    assert may_publish(perms, subjects.command("checkpoint", "where"))
+    for kind in ROUTES:  # no event, no command but the question itself: it only listens and asks
+        assert may_publish(perms, concrete(subjects, kind)) == (kind == "kv.session.where"), kind
+    for verb in ("locate", "record", "restored", "serving"):
+        assert not may_publish(perms, subjects.command("checkpoint", verb)), verb
+    assert perms["subscribe"]["allow"] == [
+        subjects.pattern("kv.session.location"),
+        subjects.pattern("kv.rollout.state"),
+        "_INBOX.>",
+    ]
+
+
+def test_the_gateway_user_is_written_only_when_it_has_a_password(subjects: Subjects) -> None:
+    base = {name: f"pw-{name}" for name in USERS}
+    without = [u["user"] for u in json.loads(_users_json(nats_auth_config(subjects, base)))]
+    assert user_name(subjects, GATEWAY) not in without
+    text = nats_auth_config(subjects, {**base, GATEWAY: "pw-gw"})
+    by_user = {u["user"]: u for u in json.loads(_users_json(text))}
+    assert by_user[user_name(subjects, GATEWAY)]["permissions"] == gateway_permissions(subjects)
+    with pytest.raises(ValueError, match="no password for: gateway"):
+        nats_auth_config(subjects, {**base, GATEWAY: ""})
+
+
+def _users_json(text: str) -> str:
+    return text[text.index("[") : text.rindex("]") + 1]
+
+
 def test_secrets_never_show_in_settings_reprs() -> None:
     nats_pw, redis_pw, token = (secrets.token_urlsafe(16) for _ in range(3))
     nats_settings = NatsSettings(user="gw-driver", password=Secret(nats_pw), token=Secret(token))
@@ -230,7 +263,7 @@ def test_secrets_never_show_in_settings_reprs() -> None:
 
 @pytest.fixture
 def passwords() -> dict[str, str]:
-    pw = {name: secrets.token_urlsafe(18) for name in USERS}
+    pw = {name: secrets.token_urlsafe(18) for name in (*USERS, GATEWAY)}
     # quotes, backslashes, '$', '#', '}' and spaces must survive the server's configuration parser
     pw["checkpoint"] = 'ck "q" \\ $HOME #x } // ' + secrets.token_hex(6)
     return pw
@@ -437,3 +470,41 @@ async def test_a_kv_agent_saves_and_restores_under_its_own_user(
 
 async def _sessions_on(service: CheckpointService, node: str, count: int) -> bool:
     return len(await service.registry.sessions_on_node(node)) == count
+
+
+async def test_a_gateway_follows_locations_and_asks_where_under_its_own_user(
+    admin: Bus, as_user: AsUser, subjects: Subjects, settings: Settings, passwords: dict[str, str]
+) -> None:
+    running = await start_service(CheckpointService(), replace(settings, nats=as_user("checkpoint")), Wiring)
+    errors: list[Exception] = []
+    gateway = await Bus.connect(as_user(GATEWAY), subjects, "gateway", connect_timeout=2.0, on_error=errors.append)
+    heard: list[SessionLocation] = []
+
+    async def on_location(event: SessionLocation) -> None:
+        heard.append(event)
+
+    try:
+        await gateway.subscribe(subjects.pattern("kv.session.location"), on_location, (SessionLocation,))
+        moved = SessionLocation(session_id="s1", sequence=7, reason="placed", held=True, pod="llama-1", node="n1")
+        await admin.publish(moved)  # (the checkpoint service publishes these; the admin may publish anything)
+        await eventually(lambda: heard)
+        assert heard[0].pod == "llama-1" and heard[0].sequence == 7
+        # a router starting late reads the newest location per session back from the stream, with its own consumer
+        catch_up = await gateway.js.pull_subscribe(
+            subjects.pattern("kv.session.location"),
+            stream=subjects.events_stream.name,  # named: looking streams up is not the gateway's to do
+            config=js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.LAST_PER_SUBJECT),
+        )
+        (msg,) = await catch_up.fetch(1, timeout=5)
+        assert b'"pod":"llama-1"' in msg.data
+        await msg.ack()
+        answer = await gateway.request(subjects.command("checkpoint", "where"), WhereIsSession(session_id="s9"), 5)
+        assert isinstance(answer, SessionLocation) and (answer.held, answer.reason) == (False, "unknown")
+        forged = subjects.pattern("node.drain.requested", node="n1")
+        await gateway.nc.publish(forged, b"{}")
+        await gateway.nc.flush()
+        await eventually(lambda: any(forged.lower() in str(e).lower() for e in errors), timeout=5)
+    finally:
+        await gateway.close(grace=1.0)
+        await running.stop(grace=1)
+    _no_secrets_in("".join(map(str, errors)), passwords)

@@ -23,6 +23,7 @@ JS_ACK = "$JS.ACK"
 INBOX = "_INBOX.>"
 ADMIN = "admin"
 AGENT = "agent"  # the KV agents in inference pods
+GATEWAY = "gateway"  # a KV-aware router (an inference gateway's endpoint picker): optional
 
 # The event kinds each service publishes (its own events; config.applied and dead letters come on top).
 PUBLISHES: dict[str, tuple[str, ...]] = {
@@ -71,8 +72,9 @@ AGENT_PUBLISHES: tuple[str, ...] = (
 )
 AGENT_REQUESTS: tuple[str, ...] = ("locate", "record", "restored", "serving")
 
-# Everyone ``nats_auth_config`` writes a user for.
+# Everyone ``nats_auth_config`` writes a user for; the optional ones only when given a password.
 USERS: tuple[str, ...] = (*SERVICES, AGENT, ADMIN)
+OPTIONAL_USERS: tuple[str, ...] = (GATEWAY,)
 
 # Services that run one instance per node; their node-scoped subjects can be narrowed to one node.
 NODE_SCOPED: frozenset[str] = frozenset({"driver", "device", "metrics"})
@@ -196,6 +198,27 @@ def agent_permissions(subjects: Subjects, pod: str | None = None, bucket: str | 
     }
 
 
+def gateway_permissions(subjects: Subjects) -> dict[str, Any]:
+    """A KV-aware router's user: it hears where sessions move (``kv.session.location``, live or read back from the
+    events stream with its own ephemeral consumer, e.g. the last one per session) and rollouts switching, and asks
+    the checkpoint service where a session is (``where``). It publishes nothing else: no event, no command."""
+    events = subjects.events_stream.name
+    locations = subjects.pattern("kv.session.location")
+    rollouts = subjects.pattern("kv.rollout.state")
+    publish = [
+        subjects.command("checkpoint", "where"),
+        INBOX,
+        f"{JS_API}.STREAM.INFO.{events}",
+        f"{JS_API}.CONSUMER.CREATE.{events}",
+        f"{JS_API}.CONSUMER.CREATE.{events}.>",
+        f"{JS_API}.CONSUMER.DELETE.{events}.>",
+        f"{JS_API}.CONSUMER.INFO.{events}.>",
+        f"{JS_API}.CONSUMER.MSG.NEXT.{events}.>",
+        f"{JS_ACK}.{events}.>",
+    ]
+    return {"publish": {"allow": publish}, "subscribe": {"allow": [locations, rollouts, INBOX]}}
+
+
 def admin_permissions(subjects: Subjects) -> dict[str, Any]:
     """The operator's user: everything under the root, the whole JetStream API (streams are created here), acks
     and replies. Note ``$JS.API.>`` is account-wide: isolate installations that share a server by account."""
@@ -232,22 +255,30 @@ def nats_auth_config(
     bucket: str | None = None,
 ) -> str:
     """A nats-server configuration fragment ``authorization { users = [ ... ] }`` with one user per service, the
-    KV agents' user (scoped by ``pod`` and ``bucket``, see ``agent_permissions``) and the admin. ``passwords`` maps
-    each name of ``USERS`` to its password; a missing, empty or unknown entry is an error naming the entry (never
-    the value). The text holds the passwords: write it to a file only the server can read."""
-    unknown = sorted(set(passwords) - set(USERS))
+    KV agents' user (scoped by ``pod`` and ``bucket``, see ``agent_permissions``) and the admin, and each of
+    ``OPTIONAL_USERS`` given a password (the gateway: ``gateway_permissions``). ``passwords`` maps each name of
+    ``USERS`` to its password; a missing, empty or unknown entry is an error naming the entry (never the value).
+    The text holds the passwords: write it to a file only the server can read."""
+    known = (*USERS, *OPTIONAL_USERS)
+    unknown = sorted(set(passwords) - set(known))
     if unknown:
-        raise ValueError(f"passwords given for unknown users: {', '.join(unknown)}; known: {', '.join(USERS)}")
+        raise ValueError(f"passwords given for unknown users: {', '.join(unknown)}; known: {', '.join(known)}")
     missing = [name for name in USERS if not passwords.get(name)]
     if missing:
         raise ValueError(f"no password for: {', '.join(missing)}")
-    bad = [name for name in USERS if _CONTROL_RE.search(passwords[name])]
+    names = [*USERS, *(name for name in OPTIONAL_USERS if name in passwords)]
+    empty = [name for name in names if not passwords[name]]
+    if empty:
+        raise ValueError(f"no password for: {', '.join(empty)}")
+    bad = [name for name in names if _CONTROL_RE.search(passwords[name])]
     if bad:
         raise ValueError(f"password of {', '.join(bad)} has control characters")
     users: list[dict[str, Any]] = []
-    for name in USERS:
+    for name in names:
         if name == ADMIN:
             permissions = admin_permissions(subjects)
+        elif name == GATEWAY:
+            permissions = gateway_permissions(subjects)
         elif name == AGENT:
             permissions = agent_permissions(subjects, pod, bucket)
         else:
