@@ -305,7 +305,10 @@ def cmd_events(args: argparse.Namespace) -> int:
             raise UsageError(f"--kind {args.kind}: no such event kind (kinds: {', '.join(sorted(BY_KIND))})")
     out = render.console()
 
+    printed = False
+
     def show(found: list[Any]) -> None:
+        nonlocal printed
         if args.json:
             for event in found:
                 sys.stdout.write(codec.encode(event).decode() + "\n")
@@ -314,19 +317,14 @@ def cmd_events(args: argparse.Namespace) -> int:
         width = out.width
         if not printed:
             out.print(events.line(("time", "kind", "source", "what"), width), style="bold")
+            printed = True
         for event in found:
             out.print(events.line(events.row(event), width))
 
-    printed = False
-
     async def main() -> int:
-        nonlocal printed
         mesh = await _open_mesh()
         try:
-            show(await events.stored(mesh, kinds, args.limit))
-            printed = True
-            if args.follow:
-                await events.follow(mesh, kinds, lambda event: show([event]))
+            await events.page_then_follow(mesh, kinds, args.limit, show, args.follow)
             return 0
         finally:
             await mesh.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -104,7 +105,32 @@ def test_up_drain_upgrade_status_down(home_env: dict[str, str]) -> None:
             assert session["verified_after_restore"] is True and session["restored_from"], session
     assert [d for d in after["drains"] if d["id"] == result["drain_id"] and d["pods_left"] == 0]
 
+    # a live table and a live event feed, as a user leaves them open in a terminal, until Ctrl-C
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "events", "--follow", "--kind", "node.uncordoned", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "status", "--watch", "--interval", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(4)  # both connected and printing (the feed subscribes before it returns its first page)
     assert gpuwarden(env, "uncordon", "node-2").stdout.strip() == "node-2 uncordoned"
+    time.sleep(2)
+    for proc in (follower, watcher):
+        proc.send_signal(signal.SIGINT)
+    followed, follow_err = follower.communicate(timeout=30)
+    watched, watch_err = watcher.communicate(timeout=30)
+    assert follower.returncode == 0 and "Traceback" not in follow_err, follow_err
+    assert [json.loads(line)["node"] for line in followed.splitlines()] == ["node-2"]
+    assert watcher.returncode == 0 and "Traceback" not in watch_err, watch_err
+    assert "nodes (SIMULATED)" in watched and "node-2" in watched
 
     upgrade = gpuwarden(
         env, "upgrade-driver", NEW_DRIVER, "--max-parallel", "1", "--wait", "--timeout", "180", "--json", timeout=240

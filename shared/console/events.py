@@ -75,8 +75,9 @@ async def stored(mesh: MeshClient, kinds: list[str] | None, limit: int) -> list[
     return list(reversed(out))
 
 
-async def follow(mesh: MeshClient, kinds: list[str] | None, on_event: Callable[[Event], None]) -> None:
-    """Every lifecycle event (and, when ``kinds`` names telemetry, that too) as it is published, until cancelled."""
+async def listen(mesh: MeshClient, kinds: list[str] | None, on_event: Callable[[Event], None]) -> None:
+    """Call ``on_event`` with every lifecycle event (and, when ``kinds`` names telemetry, that too) published from
+    now on; returns once subscribed."""
     s = mesh.subjects
     subjects = set(s.events_stream.subjects)
     if kinds is not None:
@@ -89,4 +90,30 @@ async def follow(mesh: MeshClient, kinds: list[str] | None, on_event: Callable[[
 
     for subject in sorted(subjects):
         await mesh.bus.subscribe(subject, handler, accepted, name="cli-events")
+
+
+async def page_then_follow(
+    mesh: MeshClient, kinds: list[str] | None, limit: int, show: Callable[[list[Event]], None], follow: bool
+) -> None:
+    """The newest ``limit`` stored events, then (``follow``) each new one until cancelled, none lost between the
+    two: the subscription starts first and what it hears meanwhile is shown after the page, less what the page
+    already showed."""
+    heard: list[Event] = []
+    live = False
+
+    def on_event(event: Event) -> None:
+        if live:
+            show([event])
+        else:
+            heard.append(event)
+
+    if follow:
+        await listen(mesh, kinds, on_event)
+    page = await stored(mesh, kinds, limit)
+    show(page)
+    if not follow:
+        return
+    shown = {e.event_id for e in page}
+    show([e for e in heard if e.event_id not in shown])
+    live = True
     await asyncio.Event().wait()
