@@ -28,7 +28,7 @@ from shared.sim.engines import engine_for
 from shared.sim.spec import TINY_LLAMA
 from shared.sim.workload import Conversations
 from tests.helpers import eventually
-from tests.test_sim_capacity import SMALL_MODEL, mesh, spec_of, turn
+from tests.test_sim_capacity import SMALL_MODEL, mesh, send_rounds, spec_of, turn
 
 
 async def phase(store: ConfigStore, rollout_id: str) -> str:
@@ -196,21 +196,14 @@ async def test_a_failed_prepare_aborts_before_the_switch_and_everything_stays_on
         w.prepare_faults[broken] = "weights unreadable: shared storage answered EIO"
         talks = Conversations(spec, sessions=4, prompt_tokens=16, new_tokens=4, max_turns=5, seed=1, tag="ab")
         rollout = await begin_rollout(store, "llm", "llama", "2", from_version="1", by="test")
-        sent = 0
-        for _ in range(8):
-            for request in talks.next_requests():
-                await bus.publish(request)
-                sent += 1
+        sent = await send_rounds(bus, talks, 8)
         await eventually(lambda: _is(phase(store, rollout.rollout_id), "aborted"), timeout=30)
         _, doc = await read_models(store)
         entry = doc.deployments["llm/llama"]
         assert entry.serving_version == "1" and entry.rollout is not None
         assert f"{broken}: RuntimeError: weights unreadable" in entry.rollout.reason
         assert entry.rollout.failed == [f"{broken}: RuntimeError: weights unreadable: shared storage answered EIO"]
-        for _ in range(4):
-            for request in talks.next_requests():
-                await bus.publish(request)
-                sent += 1
+        sent += await send_rounds(bus, talks, 4)
         await eventually(lambda: w.stats.requests >= sent and w.tracked()["locks"] == 0, timeout=30)
         assert {v for _, v in w.served_log} == {"1"}
         assert all(r.agent.layout.model_version == "1" for r in w.runtimes.values())

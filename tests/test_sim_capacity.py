@@ -198,6 +198,16 @@ async def mesh(
         await client.aclose()
 
 
+async def send_rounds(bus: Bus, talks: Conversations, rounds: int) -> int:
+    """Publish ``rounds`` rounds of the conversations' next requests; how many were sent."""
+    sent = 0
+    for _ in range(rounds):
+        for request in talks.next_requests():
+            await bus.publish(request)
+            sent += 1
+    return sent
+
+
 def turn(sid: str, prompt: int, new: int = 0) -> InferenceRequest:
     return InferenceRequest(
         namespace="llm", deployment="llama", session_id=sid, prompt_tokens=prompt, max_new_tokens=new
@@ -223,11 +233,7 @@ async def test_heavy_traffic_fills_the_pools_but_never_past_their_capacity(
     spec = spec_of(2, kv_blocks=24)  # 24 blocks of 16 tokens per pod; a session ends past 256 tokens
     async with mesh(settings, subjects, bus, tmp_path, spec) as m:
         talks = Conversations(spec, sessions=12, prompt_tokens=32, new_tokens=16, max_turns=7, seed=11, tag="hv")
-        sent = 0
-        for _ in range(160):
-            for request in talks.next_requests():
-                await bus.publish(request)
-                sent += 1
+        sent = await send_rounds(bus, talks, 160)
         for request in talks.closing():
             await bus.publish(request)
             sent += 1
@@ -305,11 +311,7 @@ async def test_a_real_model_under_pressure_recomputes_and_restores_to_the_refere
     async with mesh(settings, subjects, bus, tmp_path, spec) as m:
         w = m.workload
         talks = Conversations(spec, sessions=8, prompt_tokens=24, new_tokens=8, max_turns=6, seed=2, tag="real")
-        sent = 0
-        for _ in range(48):
-            for request in talks.next_requests():
-                await bus.publish(request)
-                sent += 1
+        sent = await send_rounds(bus, talks, 48)
         await eventually(lambda: w.stats.requests >= sent and w.tracked()["locks"] == 0, timeout=60)
         assert w.stats.preemptions > 0 and w.stats.recomputed > 0 and w.violations == []
         gone = min(w.runtimes.values(), key=lambda r: len(r.agent.sessions()) * -1)
@@ -317,10 +319,7 @@ async def test_a_real_model_under_pressure_recomputes_and_restores_to_the_refere
         assert moving
         assert await m.cluster.evict("llm", gone.info.name) is EvictionOutcome.EVICTED
         await eventually(lambda: gone.info.name not in w.runtimes and len(w.runtimes) == 2, timeout=30)
-        for _ in range(12):
-            for request in talks.next_requests():
-                await bus.publish(request)
-                sent += 1
+        sent += await send_rounds(bus, talks, 12)
         await eventually(lambda: w.stats.requests >= sent and w.tracked()["locks"] == 0, timeout=60)
         assert w.stats.restored > 0 and w.stats.lost == 0
         assert w.stats.restore_verified == w.stats.restored and w.stats.restore_check_failed == 0
@@ -356,11 +355,7 @@ async def test_structures_stay_bounded_after_many_sessions_and_a_pod_deletion(
     async with mesh(settings, subjects, bus, tmp_path, spec) as m:
         w = m.workload
         talks = Conversations(spec, sessions=4, prompt_tokens=20, new_tokens=12, max_turns=3, seed=5, tag="many")
-        sent = 0
-        for _ in range(600):
-            for request in talks.next_requests():
-                await bus.publish(request)
-                sent += 1
+        sent = await send_rounds(bus, talks, 600)
         await eventually(lambda: w.stats.requests >= sent, timeout=60)
         old = min(w.runtimes.values(), key=lambda r: r.info.name)
         assert old.agent.sessions()  # the pod holds sessions when it goes
