@@ -5,6 +5,8 @@ session back with the right bytes, and workload structures that stay bounded how
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -380,3 +382,30 @@ async def test_structures_stay_bounded_after_many_sessions_and_a_pod_deletion(
             "conversations": 0,
         }
         assert w.stats.lost == 0 and w.stats.prestop_saves == 1
+
+
+def test_the_synthetic_spec_compose_runs_is_the_default_world_without_torch() -> None:
+    shipped = Path(__file__).resolve().parents[1] / "deploy" / "sim" / "synthetic.yaml"
+    spec = parse_spec(shipped.read_bytes(), str(shipped))
+    default = default_spec()
+    assert [n.name for n in spec.nodes] == [n.name for n in default.nodes]
+    assert spec.nodes[2].gpus == default.nodes[2].gpus
+    (deployment,) = spec.deployments
+    assert deployment.model.engine == "synthetic" and deployment.model.block_bytes == 2 * 2**20
+    assert (deployment.kv_blocks, deployment.model.max_model_len) == (128, 1024)
+
+
+def test_a_real_model_without_torch_is_one_clear_error() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # as in an image without torch
+        "from shared.sim.engines import engine_for\n"
+        "from shared.sim.spec import default_spec\n"
+        "engine_for(default_spec().deployments[0])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("shared.sim.spec.SpecError: deployment llm/llama: model.engine transformers needs torch")
+    assert "model.engine: synthetic (deploy/sim/synthetic.yaml)" in last

@@ -26,7 +26,7 @@ import numpy as np
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.engines import SessionCheck
 from shared.kv.manifest import KvLayout
-from shared.sim.spec import DeploymentSpec, ModelShape
+from shared.sim.spec import DeploymentSpec, ModelShape, SpecError
 
 
 class PodEngine(Protocol):
@@ -185,7 +185,14 @@ def engine_for(deployment: DeploymentSpec, version: str = "") -> DeploymentEngin
     """The engine the spec names for ``deployment``'s pods, at model ``version`` (default: the spec's)."""
     model = model_at(deployment.model, version or deployment.model.model_version)
     if model.engine == "transformers":
-        from shared.kv.engines.chat import ChatModel  # torch and transformers only when a real model is asked for
+        try:
+            from shared.kv.engines.chat import ChatModel  # torch and transformers only when a real model is asked for
+        except ImportError as exc:
+            raise SpecError(
+                f"deployment {deployment.namespace}/{deployment.name}: model.engine transformers needs torch and "
+                f"transformers ({exc}); install them (make install does) or use model.engine: synthetic "
+                "(deploy/sim/synthetic.yaml)"
+            ) from None
 
         return ChatModel.tiny(
             model_id=model.model_id,
