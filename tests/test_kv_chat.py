@@ -15,6 +15,7 @@ import torch
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.engines.chat import ChatModel, ChatPod, Conversation, prompt_ids
 from shared.kv.filestore import FileStore
+from shared.kv.manifest import tokens_digest_of
 
 SHAPE = {
     "layers": 2,
@@ -182,3 +183,25 @@ async def test_a_conversation_never_seen_begin_is_served_on_unchecked(tmp_path: 
     assert stranger.agent.tokens("s") == 14 + 4 + 1
     with pytest.raises(ValueError, match="cannot recompute"):
         await stranger.recompute("s", stranger.agent.tokens("s"))
+
+
+async def test_checkpoints_say_whose_tokens_they_hold_and_another_conversation_is_refused_by_that(
+    tmp_path: Path,
+) -> None:
+    model = chat()
+    store = FileStore(tmp_path / "store")
+    a, b = pod(model, store, "pod-a"), pod(model, store, "pod-b")
+    await serve(a, "s", [(12, 4), (3, 3)])
+    await a.agent.save()
+    talk = model.conversations["s"]
+    (cid,) = await store.checkpoints("s")
+    manifest = await store.manifest("s", cid)
+    assert manifest.tokens_digest == tokens_digest_of(talk.token_ids()) and manifest.token_count == talk.tokens
+
+    talk.chunks[0][0] = (talk.chunks[0][0] + 1) % 128 or 2  # the client's conversation is not the one saved
+    b.agent.register_session("s")
+    check = await b.adopt("s", await restore(b, "s"))
+    assert check.verified is False
+    assert check.detail == f"the checkpoint holds the KV of other tokens than the conversation's first {talk.tokens}"
+    assert b.agent.tokens("s") == talk.tokens  # recomputed from the conversation as the client has it
+    assert b.agent.session_tokens_digest("s") == tokens_digest_of(talk.token_ids())

@@ -26,9 +26,11 @@ from shared.kv.filestore import FileStore
 from shared.kv.manifest import (
     IncompatibleCheckpoint,
     KvLayout,
+    ManifestInvalid,
     check_compatible,
     decode_manifest,
     encode_manifest,
+    manifest_digest,
     verify_manifest,
 )
 from tests.kv_transformers_worker import BLOCK_TOKENS, greedy, tiny_llama
@@ -226,6 +228,12 @@ def test_an_older_manifest_still_decodes_verifies_and_means_one_unsharded_rank()
     manifest = decode_manifest(OLD_MANIFEST)
     verify_manifest(manifest, "s", manifest.checkpoint_id)  # its digest still covers what it re-encodes to
     assert encode_manifest(manifest) == OLD_MANIFEST
+    assert manifest.tokens_digest == "" and b"tokens_digest" not in encode_manifest(manifest)
+    said = msgspec.structs.replace(manifest, tokens_digest="ab" * 32)
+    said = msgspec.structs.replace(said, manifest_digest=manifest_digest(said))
+    verify_manifest(decode_manifest(encode_manifest(said)), "s", said.checkpoint_id)  # carried, and covered
+    with pytest.raises(ManifestInvalid, match="does not match its content"):
+        verify_manifest(msgspec.structs.replace(said, tokens_digest="cd" * 32), "s", said.checkpoint_id)
     assert (manifest.layout.weights_digest, manifest.layout.tp_rank, manifest.layout.tp_size) == ("", 0, 1)
     sharded = msgspec.structs.replace(manifest.layout, tp_rank=1, tp_size=2)
     with pytest.raises(IncompatibleCheckpoint, match="tp_rank: checkpoint has 0, this pod has 1; tp_size"):

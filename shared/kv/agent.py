@@ -75,6 +75,8 @@ class Session:
     sequence: int = 0
     layout: KvLayout | None = None
     """The model (version, weights) that built this session's KV: its checkpoints carry it, and it never changes."""
+    tokens_digest: str = ""
+    """The engine's ``tokens_digest_of`` the ``token_count`` tokens, when it says (``set_tokens``); '' otherwise."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ class KvAgent:
         session.token_count = (
             tokens if tokens is not None else session.token_count + self._layout_of(session).block_tokens
         )
+        session.tokens_digest = ""  # of other tokens now; the engine says again with set_tokens
 
     def update_block(self, session_id: str, index: int, buffer: Any = None) -> None:
         """Block ``index`` changed in place (or is now ``buffer``): the next save reads and hashes it again.
@@ -208,8 +211,13 @@ class KvAgent:
             else Block(blocks[index].obj, blocks[index].nbytes, blocks[index].host, blocks[index].device)
         )
 
-    def set_tokens(self, session_id: str, token_count: int) -> None:
-        self._session(session_id).token_count = token_count
+    def set_tokens(self, session_id: str, token_count: int, tokens_digest: str = "") -> None:
+        """The session's KV holds ``token_count`` positions; ``tokens_digest``: ``tokens_digest_of`` their token ids,
+        when the engine knows them (its checkpoints then carry it, and a restore into another conversation can be
+        refused without reading a block)."""
+        session = self._session(session_id)
+        session.token_count = token_count
+        session.tokens_digest = tokens_digest
 
     def truncate(self, session_id: str, block_count: int) -> None:
         """Keep only the session's first ``block_count`` blocks (the conversation was rewritten from there on): the
@@ -217,6 +225,7 @@ class KvAgent:
         session = self._session(session_id)
         del session.blocks[max(0, block_count) :]
         session.token_count = min(session.token_count, max(0, block_count) * self._layout_of(session).block_tokens)
+        session.tokens_digest = ""
 
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -226,6 +235,10 @@ class KvAgent:
 
     def tokens(self, session_id: str) -> int:
         return self._session(session_id).token_count
+
+    def session_tokens_digest(self, session_id: str) -> str:
+        """The digest of the session's tokens the engine gave with ``set_tokens`` ('' when it gave none)."""
+        return self._session(session_id).tokens_digest
 
     def blocks(self, session_id: str) -> list[Any]:
         """The engine's own block objects, in order."""
@@ -314,7 +327,7 @@ class KvAgent:
         report: SaveReport,
     ) -> None:
         writer = self.store.open_pack()
-        pending: list[tuple[Session, list[ChunkRef | None], int, int]] = []
+        pending: list[tuple[Session, list[ChunkRef | None], int, int, str]] = []
         digested: list[tuple[Block, str]] = []  # full blocks hashed in this round: remembered once committed
         batch: list[memoryview] = []
         batch_slots: list[tuple[list[ChunkRef | None], int, str, int, bytes]] = []
@@ -337,7 +350,7 @@ class KvAgent:
                     raise DeadlineExceeded("deadline passed before the session was written")
                 known = self._reusable(session)
                 blocks = list(session.blocks)
-                token_count = session.token_count
+                token_count, digest_of_tokens = session.token_count, session.tokens_digest
                 slots: list[ChunkRef | None] = [None] * len(blocks)
                 written = 0
                 block_tokens = self._layout_of(session).block_tokens
@@ -374,7 +387,7 @@ class KvAgent:
                         await flush()
                         if deadline is not None and time.monotonic() > deadline:
                             raise DeadlineExceeded("deadline passed while writing")
-                pending.append((session, slots, written, token_count))
+                pending.append((session, slots, written, token_count, digest_of_tokens))
             await flush()
             await writer.commit()
         except (StoreError, DeadlineExceeded, OSError) as exc:
@@ -406,9 +419,10 @@ class KvAgent:
                     reason=reason,
                     generation=session.generation,
                     sequence=session.sequence,
+                    tokens_digest=digest_of_tokens,
                 )
             )
-            for session, slots, written, token_count in pending
+            for session, slots, written, token_count, digest_of_tokens in pending
         ]
         try:
             await self.store.commit_manifests(manifests)
@@ -484,7 +498,13 @@ class KvAgent:
             for block, ref in zip(restored_blocks, manifest.blocks, strict=True):
                 block.digest = ref.digest  # verified just now
             self._sessions[session_id] = Session(
-                session_id, restored_blocks, manifest.token_count, manifest, generation=generation, layout=held
+                session_id,
+                restored_blocks,
+                manifest.token_count,
+                manifest,
+                generation=generation,
+                layout=held,
+                tokens_digest=manifest.tokens_digest,
             )
             return RestoredSession(manifest, blocks, failures)
         summary = f"no usable checkpoint of session {session_id!r}: " + " | ".join(failures)

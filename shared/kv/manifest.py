@@ -20,9 +20,11 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 
 import msgspec
+import numpy as np
 import xxhash
 
 DIGEST_ALGORITHM = "xxh3-128"
@@ -96,6 +98,10 @@ class CheckpointManifest(msgspec.Struct, frozen=True, kw_only=True):
     generation: int = 0
     sequence: int = 0
     manifest_digest: str = ""
+    tokens_digest: str = ""
+    """``tokens_digest_of`` the token ids whose KV the checkpoint holds (its first ``token_count``), when the engine
+    said; '' when it did not. Last of the fields, and left out of the encoding when empty, so manifests written
+    before it existed encode, and verify, as they did."""
 
     @property
     def bytes_total(self) -> int:
@@ -153,9 +159,26 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(CheckpointManifest)
 
 
+_NO_TOKENS_DIGEST = b',"tokens_digest":""}'
+
+
+def _canonical(manifest: CheckpointManifest) -> bytes:
+    """The encoding: JSON in field order, an empty ``tokens_digest`` (the last field) left out."""
+    data = _encoder.encode(manifest)
+    if data.endswith(_NO_TOKENS_DIGEST):
+        data = data[: -len(_NO_TOKENS_DIGEST)] + b"}"
+    return data
+
+
+def tokens_digest_of(token_ids: Sequence[int]) -> str:
+    """SHA-256 over the token ids as little-endian 32-bit integers: the same conversation prefix, the same digest,
+    in every engine and process."""
+    return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
+
+
 def manifest_digest(manifest: CheckpointManifest) -> str:
-    """SHA-256 of the manifest's canonical encoding with ``manifest_digest`` empty."""
-    return hashlib.sha256(_encoder.encode(msgspec.structs.replace(manifest, manifest_digest=""))).hexdigest()
+    """SHA-256 of the manifest's canonical encoding with ``manifest_digest`` empty (``tokens_digest`` included)."""
+    return hashlib.sha256(_canonical(msgspec.structs.replace(manifest, manifest_digest=""))).hexdigest()
 
 
 def seal_manifest(manifest: CheckpointManifest) -> CheckpointManifest:
@@ -183,7 +206,7 @@ def verify_manifest(manifest: CheckpointManifest, session_id: str, checkpoint_id
 
 
 def encode_manifest(manifest: CheckpointManifest) -> bytes:
-    return _encoder.encode(manifest)
+    return _canonical(manifest)
 
 
 def decode_manifest(data: bytes) -> CheckpointManifest:

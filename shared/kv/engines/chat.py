@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.engines import SessionCheck as Check
 from shared.kv.engines.huggingface import TransformersEngine
-from shared.kv.manifest import KvLayout
+from shared.kv.manifest import KvLayout, tokens_digest_of
 
 BOS = 1
 """The first input of a conversation that starts with neither a prompt nor a pending reply token."""
@@ -61,6 +61,10 @@ class Conversation:
     def tokens(self) -> int:
         """Positions the session's cache holds once every pass so far has run."""
         return self.base + sum(len(c) for c in self.chunks)
+
+    def token_ids(self, passes: int | None = None) -> list[int]:
+        """The input ids of the first ``passes`` passes (all by default), in order: the tokens the cache holds."""
+        return [t for chunk in self.chunks[:passes] for t in chunk]
 
     def boundary(self, tokens: int) -> int | None:
         """How many of the passes make up exactly ``tokens`` positions (None: no pass ends there)."""
@@ -237,8 +241,13 @@ class ChatPod:
         return await asyncio.to_thread(work)
 
     def _track(self, session_id: str, cache: Cache) -> None:
+        """The agent's blocks follow the cache, and its token count carries the digest of the conversation's tokens
+        (so its checkpoints say whose KV they hold)."""
         self.caches[session_id] = cache
         self.chat.engine.track(self.agent, session_id, cache)
+        talk = self.chat.conversations.get(session_id)
+        if talk is not None and not talk.base and talk.tokens == self.agent.tokens(session_id):
+            self.agent.set_tokens(session_id, talk.tokens, tokens_digest_of(talk.token_ids()))
 
     def _reset(self, session_id: str) -> None:
         """The agent forgets the session's blocks (not the session): a recompute replaces all of them."""
@@ -290,8 +299,11 @@ class ChatPod:
             talk = self.chat.conversations[session_id] = Conversation(base=count)
         cache = await self._compute(lambda: self.chat.engine.rebuild(restored.blocks, count))
         passes = talk.boundary(count)
+        said = restored.manifest.tokens_digest
         if passes is None:
             check = Check(False, f"the checkpoint holds {count} positions, where no pass of the conversation ends")
+        elif said and not talk.base and said != tokens_digest_of(talk.token_ids(passes)):
+            check = Check(False, f"the checkpoint holds the KV of other tokens than the conversation's first {count}")
         else:
             check = await self._compute(lambda: self.chat.compare(cache, talk, passes, session_id))
         if check.verified is False:  # never serve on from a wrong cache: recompute the whole conversation
