@@ -26,9 +26,18 @@ from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
 from shared.sim.engines import engine_for
 from shared.sim.spec import TINY_LLAMA
-from shared.sim.workload import Conversations
+from shared.sim.workload import Conversations, SimWorkload
 from tests.helpers import eventually
 from tests.test_sim_capacity import SMALL_MODEL, mesh, send_rounds, spec_of, turn
+
+
+async def begin_sessions(bus: Bus, workload: SimWorkload, count: int, prompt: int) -> list[str]:
+    """``old-0`` .. ``old-<count-1>``, one turn each, served before anything else happens."""
+    old = [f"old-{i}" for i in range(count)]
+    for sid in old:
+        await bus.publish(turn(sid, prompt, 4))
+    await eventually(lambda: workload.stats.served >= len(old), timeout=30)
+    return old
 
 
 async def phase(store: ConfigStore, rollout_id: str) -> str:
@@ -107,10 +116,7 @@ async def test_a_rollout_under_live_traffic_never_mixes_versions_in_a_session(
         w = m.workload
         w.served_log = []
         store = ConfigStore(m.service.registry.client, subjects)
-        old = [f"old-{i}" for i in range(6)]
-        for sid in old:
-            await bus.publish(turn(sid, 20, 4))
-        await eventually(lambda: w.stats.served >= len(old), timeout=30)
+        old = await begin_sessions(bus, w, 6, prompt=20)
         assert set(w.stats.served_by_version) == {"1"}
 
         deaf, heard = sorted(w.runtimes.values(), key=lambda r: r.info.name)
@@ -264,10 +270,7 @@ async def test_with_pinned_sessions_end_the_old_sessions_end_with_the_reason_and
         w = m.workload
         w.served_log = []
         store = ConfigStore(m.service.registry.client, subjects)
-        old = [f"old-{i}" for i in range(4)]
-        for sid in old:
-            await bus.publish(turn(sid, 16, 4))
-        await eventually(lambda: w.stats.served >= len(old), timeout=30)
+        old = await begin_sessions(bus, w, 4, prompt=16)
         rollout = await begin_rollout(
             store, "llm", "llama", "2", from_version="1", pinned_sessions="end", end_reason="moved to v2", by="test"
         )

@@ -15,12 +15,13 @@ import redis.asyncio as aioredis
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from shared.contract.configdocs import CheckpointPolicy
+from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
-from shared.plumbing.bus import Bus
+from shared.plumbing.bus import Bus, ConsumerSpec
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
@@ -98,6 +99,24 @@ class Mesh:
         if turns:
             await self.client.delete(*turns)
         return await self.service.periodic_saves(3600)
+
+    async def dead_letters(self, durable: str) -> list[DeadLetter]:
+        """The dead letters stored from now on, as they arrive (a durable consumer of this test's own)."""
+        letters: list[DeadLetter] = []
+
+        async def on_letter(event: DeadLetter) -> None:
+            letters.append(event)
+
+        await self.bus.consume(
+            ConsumerSpec(
+                durable=durable,
+                filter_subjects=(f"{self.subjects.root}.deadletter.>",),
+                accepts=(DeadLetter,),
+                stream=self.subjects.deadletter_stream,
+            ),
+            on_letter,
+        )
+        return letters
 
     async def check(self, **kwargs: Any) -> Findings:
         found = await check_invariants(self.store, self.client, self.subjects, **kwargs)

@@ -7,9 +7,7 @@ import os
 import time
 
 from shared.contract.checkpoint import AgentSessions, CheckpointLocation, LocateCheckpoint
-from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainRequested
-from shared.plumbing.bus import ConsumerSpec
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
 
@@ -17,20 +15,7 @@ GARBAGE = [b"", b"{", b"null", b'{"kind":"checkpoint.locate"}', b'{"kind":"nope"
 
 
 async def test_garbage_on_every_checkpoint_subject_is_refused_and_the_service_goes_on(mesh: Mesh) -> None:
-    letters: list[DeadLetter] = []
-
-    async def on_letter(event: DeadLetter) -> None:
-        letters.append(event)
-
-    await mesh.bus.consume(
-        ConsumerSpec(
-            durable="t-faults-dl",
-            filter_subjects=(f"{mesh.subjects.root}.deadletter.>",),
-            accepts=(DeadLetter,),
-            stream=mesh.subjects.deadletter_stream,
-        ),
-        on_letter,
-    )
+    letters = await mesh.dead_letters("t-faults-dl")
     s = mesh.subjects
     commands = [s.command("checkpoint", c) for c in ("locate", "restored", "record")]
     for subject in commands:

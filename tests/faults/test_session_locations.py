@@ -17,7 +17,6 @@ from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.registry import codec
 from shared.contract.sessions import SessionLocation, WhereIsSession
-from shared.plumbing.bus import ConsumerSpec
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
 from tests.test_runner import fetch
@@ -179,20 +178,7 @@ async def test_a_session_its_engine_dropped_is_held_by_nothing(mesh: Mesh) -> No
 
 
 async def test_bad_where_requests_get_a_clear_answer_and_a_dead_letter(mesh: Mesh) -> None:
-    letters: list[DeadLetter] = []
-
-    async def on_letter(event: DeadLetter) -> None:
-        letters.append(event)
-
-    await mesh.bus.consume(
-        ConsumerSpec(
-            durable="t-where-dl",
-            filter_subjects=(f"{mesh.subjects.root}.deadletter.>",),
-            accepts=(DeadLetter,),
-            stream=mesh.subjects.deadletter_stream,
-        ),
-        on_letter,
-    )
+    letters = await mesh.dead_letters("t-where-dl")
     subject = mesh.subjects.command("checkpoint", "where")
     bad = [b"{", b'{"kind":"kv.session.where"}', b'{"kind":"kv.session.where","session_id":"a b"}']
     for data in bad:
