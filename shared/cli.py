@@ -20,7 +20,7 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -582,10 +582,6 @@ def cmd_agent_final_save(args: argparse.Namespace) -> int:
 
 def cmd_where(args: argparse.Namespace) -> int:
     """One line: which pod holds the session's KV cache now (exit 0), or why none does (exit 1)."""
-    from shared.contract.base import is_token
-
-    if not is_token(args.session):
-        raise UsageError(f"{args.session!r} is not a session id (letters, digits, '-', '_' and '.')")
     settings = _settings()
 
     async def main() -> int:
@@ -663,6 +659,20 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     return schemas.main(["--check"] if args.check else [])
 
 
+def _id_arg(kind: str, optional: bool = False) -> Callable[[str], str]:
+    """An argparse type: a ``kind`` id by the contract's one rule (``shared.contract.base.ID_RULES``)."""
+    from shared.contract.base import id_problem
+
+    def parse(value: str) -> str:
+        problem = "" if optional and value == "" else id_problem(kind, value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse.__name__ = f"{kind} id"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared.sim.faults import add_fault_arguments
 
@@ -701,19 +711,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_events)
 
     p = sub.add_parser("drain", help="cordon NODE, save every session there, evict its pods (--wait: until restored)")
-    p.add_argument("node")
+    p.add_argument("node", type=_id_arg("node"))
     p.add_argument("--wait", action="store_true", help="follow every session until restored and verified elsewhere")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole drain (default 300)")
     p.add_argument("--deadline", type=float, default=25.0, help="seconds the savers have (default 25)")
-    p.add_argument("--drain-id", default="")
+    p.add_argument("--drain-id", default="", type=_id_arg("drain", optional=True))
     p.add_argument("--reason", default="maintenance")
     p.add_argument("--requested-by", default="cli")
     p.add_argument("--json", action="store_true", help="print the outcome as one JSON document")
     p.set_defaults(func=cmd_drain_node)
 
     p = sub.add_parser("checkpoint", help="save every session on NODE (a drain request): no cordon, no eviction")
-    p.add_argument("node")
-    p.add_argument("--drain-id", default="")
+    p.add_argument("node", type=_id_arg("node"))
+    p.add_argument("--drain-id", default="", type=_id_arg("drain", optional=True))
     p.add_argument("--reason", default="maintenance")
     p.add_argument("--requested-by", default="cli")
     p.add_argument("--deadline", type=float, default=25.0, help="seconds the savers have (default 25)")
@@ -721,7 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("uncordon", help="make NODE schedulable again")
-    p.add_argument("node")
+    p.add_argument("node", type=_id_arg("node"))
     p.set_defaults(func=cmd_uncordon)
 
     p = sub.add_parser("upgrade-driver", help="roll driver VERSION over every node, sessions saved before evictions")
@@ -772,7 +782,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fault_arguments(f)
     f.set_defaults(func=cmd_sim_fault)
     lab = simsub.add_parser("label", help="label a simulated node: KEY=VALUE sets, KEY- removes (as kubectl label)")
-    lab.add_argument("node")
+    lab.add_argument("node", type=_id_arg("node"))
     lab.add_argument("labels", nargs="+", metavar="KEY=VALUE|KEY-")
     lab.set_defaults(func=cmd_sim_label)
 
@@ -783,18 +793,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="talk to a pod's KV agent")
     asub = p.add_subparsers(dest="action", required=True)
     f = asub.add_parser("final-save", help="preStop hook: save every session of the pod before it stops")
-    f.add_argument("--pod", default=os.environ.get("GPUWARDEN_POD_NAME", ""), help="default $GPUWARDEN_POD_NAME")
+    f.add_argument(
+        "--pod",
+        default=os.environ.get("GPUWARDEN_POD_NAME", ""),
+        type=_id_arg("pod", optional=True),
+        help="default $GPUWARDEN_POD_NAME",
+    )
     f.add_argument("--deadline", type=float, default=25.0)
     f.set_defaults(func=cmd_agent_final_save)
 
     p = sub.add_parser("where", help="which pod holds SESSION's KV cache now (exit 1 when none does)")
-    p.add_argument("session")
+    p.add_argument("session", type=_id_arg("session"))
     p.set_defaults(func=cmd_where)
 
     p = sub.add_parser("nats-auth", help="print a nats-server authorization block, one user per service")
     p.add_argument("--password-dir", required=True, help="folder with one file per user holding its password")
-    p.add_argument("--node", default="", help="scope the node-scoped services to this node")
-    p.add_argument("--pod", default="", help="scope the KV agents' user to this pod (default: any pod)")
+    p.add_argument("--node", default="", type=_id_arg("node", True), help="scope the node-scoped services to this node")
+    p.add_argument(
+        "--pod", default="", type=_id_arg("pod", True), help="scope the KV agents' user to this pod (default: any pod)"
+    )
     p.add_argument("--bucket", default="", help="let the KV agents use this Object Store bucket (nats://<bucket>)")
     p.set_defaults(func=cmd_nats_auth)
 

@@ -160,7 +160,8 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
         assert may_publish(perms, concrete(subjects, kind, pod="llama-1"))
         assert not may_publish(perms, concrete(subjects, kind, pod="llama-2"))
     for verb in ("locate", "record", "restored", "serving"):
-        assert may_publish(perms, subjects.command("checkpoint", verb))
+        assert may_publish(perms, subjects.agent_command(verb, "llama-1"))
+        assert not may_publish(perms, subjects.agent_command(verb, "llama-2")), verb
     assert may_publish(perms, concrete(subjects, "checkpoint.save.command", pod="llama-1"))  # its preStop hook
     assert not may_publish(perms, concrete(subjects, "checkpoint.save.command", pod="llama-2"))
     for kind in ROUTES:  # no lifecycle event at all: the checkpoint service records what agents report
@@ -225,7 +226,7 @@ def test_a_gateway_may_only_follow_locations_and_ask_where(subjects: Subjects) -
     for kind in ROUTES:  # no event, no command but the question itself: it only listens and asks
         assert may_publish(perms, concrete(subjects, kind)) == (kind == "kv.session.where"), kind
     for verb in ("locate", "record", "restored", "serving"):
-        assert not may_publish(perms, subjects.command("checkpoint", verb)), verb
+        assert not may_publish(perms, subjects.agent_command(verb, "llama-1")), verb
     assert perms["subscribe"]["allow"] == [
         subjects.pattern("kv.session.location"),
         subjects.pattern("kv.rollout.state"),

@@ -532,6 +532,12 @@ class SessionRegistry:
         return raw.encode() if isinstance(raw, str) else raw or None
 
     @_redis_may_be_down
+    async def drain_node(self, drain_id: str) -> str | None:
+        """The node a drain was recorded for (running or decided), or None when no drain of that id is known."""
+        raw = await self.client.hget(self._key("drain", drain_id), "node")
+        return None if raw is None else _text(raw)
+
+    @_redis_may_be_down
     async def take_drain(self, drain_id: str, node: str, owner: str, lease_s: float) -> bool:
         """Take the lease on running a drain; False while another runner holds it."""
         taken = await self.client.set(self._key("drain", drain_id, "lease"), owner, nx=True, px=int(lease_s * 1000))

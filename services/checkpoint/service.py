@@ -41,7 +41,7 @@ from urllib.parse import unquote
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.contract.base import is_token
+from shared.contract.base import DrainId, id_problem, is_token
 from shared.contract.checkpoint import (
     AgentSessions,
     CheckpointFailed,
@@ -156,6 +156,7 @@ class CheckpointService:
                 concurrency=4,
                 max_deliver=20,
                 backoff=(1.0, 2.0, 4.0),
+                on_refused=self.on_drain_refused,
             ),
             self.on_drain_requested,
         )
@@ -174,19 +175,23 @@ class CheckpointService:
         await ctx.bus.subscribe(
             s.pattern("checkpoint.agent.sessions"), self.on_announcement, (AgentSessions,), queue="checkpoint"
         )
-        await ctx.bus.serve(s.command("checkpoint", "locate"), self.on_locate, (LocateCheckpoint,), queue="checkpoint")
-        await ctx.bus.serve(
-            s.command("checkpoint", "restored"), self.on_restored, (SessionRestored,), queue="checkpoint"
-        )
-        await ctx.bus.serve(
-            s.command("checkpoint", "record"), self.on_record, (SaveSessionsReport,), queue="checkpoint"
-        )
+        # What a pod's KV agent asks, on subjects naming the pod: the body must name the same pod.
+        for verb, responder, accepts in (
+            ("locate", self.on_locate, (LocateCheckpoint,)),
+            ("restored", self.on_restored, (SessionRestored,)),
+            ("record", self.on_record, (SaveSessionsReport,)),
+        ):
+            await ctx.bus.serve(s.agent_commands(verb), responder, accepts, queue="checkpoint", scope_field="pod")
         await ctx.bus.serve(s.command("checkpoint", "where"), self.on_where, (WhereIsSession,), queue="checkpoint")
         self.rollouts = RolloutCoordinator(
             ctx, ConfigStore(self.registry.client, ctx.subjects), self.registry, self.cluster, self.owner
         )
         await ctx.bus.serve(
-            s.command("checkpoint", "serving"), self.rollouts.on_serving_query, (ServingQuery,), queue="checkpoint"
+            s.agent_commands("serving"),
+            self.rollouts.on_serving_query,
+            (ServingQuery,),
+            queue="checkpoint",
+            scope_field="pod",
         )
         ctx.config.on_change(self.rollouts.wake)
         ctx.spawn(self.rollouts.loop, "checkpoint-rollouts")
@@ -379,6 +384,29 @@ class CheckpointService:
         self.drains[event.drain_id] = state
         while len(self.drains) > 1000:
             self.drains.pop(next(iter(self.drains)))
+
+    async def on_drain_refused(self, subject: str, data: bytes, reason: str) -> None:
+        """A drain request that cannot be run (bad fields, a body naming another node than its subject, or out
+        of deliveries) still gets its one verdict when it names a drain: ``drain.failed`` with the reason, on the
+        node its subject names (the one its sender was allowed to publish on). A drain id already recorded for
+        another node is left alone: a forged copy never decides someone else's drain."""
+        node = self.ctx.subjects.node_of(subject, "node.drain.requested")
+        drain_id = _lax_drain_id(data)
+        if not node or not drain_id:
+            return
+        verdict = DrainFailed(node=node, drain_id=drain_id, reason=f"drain request refused: {reason}"[:REASON_CHARS])
+        try:
+            recorded = await self.registry.drain_node(drain_id)
+            if recorded not in (None, node):
+                log.warning("refused drain request names another node's drain", extra={"drain_id": drain_id})
+                return
+            if not await self.registry.finish_drain(drain_id, "failed", codec.encode(verdict), 0.0):
+                await self._answer_again(drain_id)
+                return
+        except TemporaryError as exc:  # Redis away: the verdict is still sent, not recorded
+            log.warning("refused drain's verdict not recorded", extra={"drain_id": drain_id, "error": str(exc)})
+        self.drains[drain_id] = "failed"
+        await self.ctx.publish(verdict)
 
     async def _answer_again(self, drain_id: str) -> bool:
         recorded = await self.registry.drain_verdict(drain_id)
@@ -687,12 +715,10 @@ class CheckpointService:
         404 when none does (ended, dropped, its pod gone, or never seen: the body says which), 400 for a bad
         id, 503 while Redis is unreachable."""
         sid = unquote(path.removeprefix("/sessions/"))
-        if not sid or "/" in sid or not is_token(sid):
+        problem = id_problem("session", sid)
+        if problem:
             return _json_error(
-                "400 Bad Request",
-                f"session id {sid!r} is not valid: GET /sessions/<id>, the id 1-253 letters, digits, '-', '_' or '.'"
-                if sid
-                else "no session id: GET /sessions/<id>",
+                "400 Bad Request", f"{problem} (GET /sessions/<id>)" if sid else "no session id: GET /sessions/<id>"
             )
         try:
             location = await self.registry.where(sid)
@@ -751,6 +777,18 @@ class CheckpointService:
                 extra={"checkpoints_deleted": len(doomed), "packs_deleted": len(garbage), "orphans_deleted": orphans},
             )
         return len(doomed), len(garbage)
+
+
+class _DrainHeader(msgspec.Struct):
+    drain_id: DrainId
+
+
+def _lax_drain_id(data: bytes) -> str:
+    """The drain id of a request that is otherwise invalid, when it has a valid one ('' when not)."""
+    try:
+        return msgspec.json.decode(data, type=_DrainHeader).drain_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
 
 
 def _json_error(status: str, message: str) -> Response:

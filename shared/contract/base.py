@@ -19,12 +19,76 @@ SCHEMA_VERSION = 1
 # A name that becomes one NATS subject token (node names, session ids, deployments): letters, digits, '-', '_'
 # and '.', nothing else (no spaces or wildcards). Kubernetes node names are DNS subdomains and have dots; in a
 # subject each '.' is written as '_', which DNS names never contain, so the mapping is one-to-one for them.
-TOKEN_PATTERN = r"^[A-Za-z0-9_\-][A-Za-z0-9_\-.]{0,252}$"
-_TOKEN_RE = re.compile(TOKEN_PATTERN)
+_TOKEN = r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]{0,252}"
+TOKEN_PATTERN = rf"^{_TOKEN}$(?!\n)"
+_TOKEN_RE = re.compile(_TOKEN)
 
 Token = Annotated[
     str, msgspec.Meta(pattern=TOKEN_PATTERN, description="a name used as a subject token ('.' becomes '_')")
 ]
+
+# Identifiers: one rule per kind, used wherever an id enters (events, requests, the CLI, HTTP paths, store paths).
+# Kubernetes objects follow Kubernetes' own name rules (RFC 1123): nodes, pods and deployments are DNS subdomains,
+# namespaces DNS labels. Session, checkpoint and drain ids are chosen by other systems: letters, digits, '-' and
+# '_', starting with a letter or digit, at most 128 characters. No id holds '.', '/', a wildcard, a space or a
+# control character, so none can climb out of a store folder, widen a subscription or break a subject.
+_LABEL = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
+_SUBDOMAIN = rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*"
+_OPAQUE = r"[A-Za-z0-9][A-Za-z0-9_\-]{0,127}"
+
+ID_RULES: dict[str, tuple[str, str]] = {
+    "node": (_SUBDOMAIN, "a Kubernetes node name: lowercase letters, digits, '-' and '.', at most 253"),
+    "pod": (_SUBDOMAIN, "a Kubernetes pod name: lowercase letters, digits, '-' and '.', at most 253"),
+    "deployment": (_SUBDOMAIN, "a Kubernetes deployment name: lowercase letters, digits, '-' and '.', at most 253"),
+    "namespace": (_LABEL, "a Kubernetes namespace: lowercase letters, digits and '-', at most 63"),
+    "session": (_OPAQUE, "a session id: letters, digits, '-' and '_', starting with a letter or digit, at most 128"),
+    "checkpoint": (_OPAQUE, "a checkpoint id: letters, digits, '-' and '_', at most 128"),
+    "drain": (_OPAQUE, "a drain id: letters, digits, '-' and '_', starting with a letter or digit, at most 128"),
+}
+"""Each kind of identifier: its pattern (without anchors) and the rule in words, for error messages."""
+
+_ID_RES = {kind: re.compile(pattern) for kind, (pattern, _) in ID_RULES.items()}
+
+
+def id_problem(kind: str, value: object) -> str:
+    """Why ``value`` is not a valid ``kind`` id ('' when it is): the one check every edge makes."""
+    if not isinstance(value, str):
+        return f"{kind} id must be a string, not {type(value).__name__}"
+    if _ID_RES[kind].fullmatch(value) is None:
+        shown = value if len(value) <= 80 else value[:80] + "..."
+        return f"{kind} id {shown!r} is not valid: {ID_RULES[kind][1]}"
+    return ""
+
+
+def check_id(kind: str, value: str) -> str:
+    """``value`` when it is a valid ``kind`` id; else ``ValueError`` naming the rule."""
+    problem = id_problem(kind, value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _anchored(pattern: str, optional: bool = False) -> str:
+    """The whole value, nothing more: ``$`` alone would also accept a trailing newline."""
+    return rf"^(?:{pattern}){'?' if optional else ''}$(?!\n)"
+
+
+NodeName = Annotated[str, msgspec.Meta(pattern=_anchored(_SUBDOMAIN), description=ID_RULES["node"][1])]
+PodName = Annotated[str, msgspec.Meta(pattern=_anchored(_SUBDOMAIN), description=ID_RULES["pod"][1])]
+DeploymentName = Annotated[str, msgspec.Meta(pattern=_anchored(_SUBDOMAIN), description=ID_RULES["deployment"][1])]
+Namespace = Annotated[str, msgspec.Meta(pattern=_anchored(_LABEL), description=ID_RULES["namespace"][1])]
+SessionId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE), description=ID_RULES["session"][1])]
+CheckpointId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE), description=ID_RULES["checkpoint"][1])]
+DrainId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE), description=ID_RULES["drain"][1])]
+# The same, or empty where the field is optional (an event that may not know it).
+OptNodeName = Annotated[str, msgspec.Meta(pattern=_anchored(_SUBDOMAIN, True), description=ID_RULES["node"][1])]
+OptPodName = Annotated[str, msgspec.Meta(pattern=_anchored(_SUBDOMAIN, True), description=ID_RULES["pod"][1])]
+OptDeploymentName = Annotated[
+    str, msgspec.Meta(pattern=_anchored(_SUBDOMAIN, True), description=ID_RULES["deployment"][1])
+]
+OptNamespace = Annotated[str, msgspec.Meta(pattern=_anchored(_LABEL, True), description=ID_RULES["namespace"][1])]
+OptCheckpointId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE, True), description=ID_RULES["checkpoint"][1])]
+OptDrainId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE, True), description=ID_RULES["drain"][1])]
 
 
 def new_event_id() -> str:
@@ -37,7 +101,7 @@ def utcnow() -> datetime:
 
 
 def is_token(value: str) -> bool:
-    return bool(_TOKEN_RE.match(value))
+    return isinstance(value, str) and _TOKEN_RE.fullmatch(value) is not None
 
 
 def subject_token(value: str) -> str:

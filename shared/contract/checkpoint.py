@@ -6,7 +6,19 @@ from typing import ClassVar
 
 import msgspec
 
-from shared.contract.base import Event, Token
+from shared.contract.base import (
+    CheckpointId,
+    Event,
+    NodeName,
+    OptCheckpointId,
+    OptDeploymentName,
+    OptDrainId,
+    OptNamespace,
+    OptNodeName,
+    OptPodName,
+    PodName,
+    SessionId,
+)
 from shared.contract.node import SessionFailure
 
 
@@ -15,26 +27,26 @@ class CheckpointSaved(Event, frozen=True, kw_only=True, tag="checkpoint.saved"):
 
     family: ClassVar[str] = "checkpoint"
 
-    session_id: Token
-    checkpoint_id: str
-    node: str = ""
-    pod: str = ""
-    deployment: str = ""
+    session_id: SessionId
+    checkpoint_id: CheckpointId
+    node: OptNodeName = ""
+    pod: OptPodName = ""
+    deployment: OptDeploymentName = ""
     bytes_total: int = 0
     bytes_written: int = 0
     chunks: int = 0
     duration_s: float = 0.0
-    drain_id: str = ""
+    drain_id: OptDrainId = ""
 
 
 class CheckpointFailed(Event, frozen=True, kw_only=True, tag="checkpoint.failed"):
     family: ClassVar[str] = "checkpoint"
 
-    session_id: Token
+    session_id: SessionId
     reason: str
-    node: str = ""
-    pod: str = ""
-    drain_id: str = ""
+    node: OptNodeName = ""
+    pod: OptPodName = ""
+    drain_id: OptDrainId = ""
 
 
 class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored"):
@@ -43,10 +55,10 @@ class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored
 
     family: ClassVar[str] = "checkpoint"
 
-    session_id: Token
-    checkpoint_id: str
-    node: str = ""
-    pod: str = ""
+    session_id: SessionId
+    checkpoint_id: CheckpointId
+    node: OptNodeName = ""
+    pod: OptPodName = ""
     bytes_total: int = 0
     duration_s: float = 0.0
     generation: int = 0
@@ -54,8 +66,8 @@ class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored
 
 
 class CommittedCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
-    session_id: str
-    checkpoint_id: str
+    session_id: SessionId
+    checkpoint_id: CheckpointId
     bytes_total: int = 0
     bytes_written: int = 0
     chunks: int = 0
@@ -74,23 +86,23 @@ class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.comman
 
     family: ClassVar[str] = "checkpoint"
 
-    pod: Token
-    session_ids: list[str] = msgspec.field(default_factory=list)
-    drain_id: str = ""
+    pod: PodName
+    session_ids: list[SessionId] = msgspec.field(default_factory=list)
+    drain_id: OptDrainId = ""
     deadline_s: float = 20.0
     reason: str = "drain"
-    generations: dict[str, int] = msgspec.field(default_factory=dict)
+    generations: dict[SessionId, int] = msgspec.field(default_factory=dict)
 
 
 class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.report"):
     family: ClassVar[str] = "checkpoint"
 
-    pod: Token
-    node: str = ""
+    pod: PodName
+    node: OptNodeName = ""
     store: str = ""
     committed: list[CommittedCheckpoint] = msgspec.field(default_factory=list)
     failed: list[SessionFailure] = msgspec.field(default_factory=list)
-    not_held: list[str] = msgspec.field(default_factory=list)
+    not_held: list[SessionId] = msgspec.field(default_factory=list)
     """Sessions asked for that the pod does not hold (ended or preempted since): no KV of them on the pod."""
 
 
@@ -99,8 +111,8 @@ class SaveProgress(Event, frozen=True, kw_only=True, tag="checkpoint.save.progre
 
     family: ClassVar[str] = "checkpoint"
 
-    pod: Token
-    drain_id: str = ""
+    pod: PodName
+    drain_id: OptDrainId = ""
     sessions_done: int = 0
     sessions_failed: int = 0
     sessions_total: int = 0
@@ -113,17 +125,17 @@ class AgentSessions(Event, frozen=True, kw_only=True, tag="checkpoint.agent.sess
 
     family: ClassVar[str] = "checkpoint"
 
-    pod: Token
-    node: Token
-    namespace: str = ""
-    deployment: str = ""
-    sessions: list[str] = msgspec.field(default_factory=list)
+    pod: PodName
+    node: NodeName
+    namespace: OptNamespace = ""
+    deployment: OptDeploymentName = ""
+    sessions: list[SessionId] = msgspec.field(default_factory=list)
     bytes_held: int = 0
     generations: list[int] = msgspec.field(default_factory=list)
     """The generation the pod holds for each of ``sessions``, in the same order (empty: all 0)."""
     ttl_s: float = 0.0
     """How long the announcement stands: a pod silent for longer, and gone from the cluster, is forgotten."""
-    ended: list[str] = msgspec.field(default_factory=list)
+    ended: list[SessionId] = msgspec.field(default_factory=list)
     """Sessions the pod finished (the conversation is over) since its last announcement: their checkpoints are
     retired, if the pod still owned them."""
 
@@ -136,23 +148,23 @@ class LocateCheckpoint(Event, frozen=True, kw_only=True, tag="checkpoint.locate"
 
     family: ClassVar[str] = "checkpoint"
 
-    session_id: Token
-    pod: str = ""
-    node: str = ""
+    session_id: SessionId
+    pod: OptPodName = ""
+    node: OptNodeName = ""
     claim: bool = False
-    namespace: str = ""
-    deployment: str = ""
+    namespace: OptNamespace = ""
+    deployment: OptDeploymentName = ""
 
 
 class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.location"):
     family: ClassVar[str] = "checkpoint"
 
-    session_id: Token
+    session_id: SessionId
     found: bool
-    checkpoint_id: str = ""
+    checkpoint_id: OptCheckpointId = ""
     store: str = ""
     bytes_total: int = 0
     generation: int = 0
     """The generation the asking pod now holds (a claim), else 0."""
-    candidates: list[str] = msgspec.field(default_factory=list)
+    candidates: list[CheckpointId] = msgspec.field(default_factory=list)
     """Committed checkpoints to restore from, newest first: the first good one is used."""

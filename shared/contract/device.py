@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from shared.contract.base import Event, Token
+from shared.contract.base import Event, NodeName
 
 
 class MigInstance(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,7 +40,7 @@ class DeviceInventory(Event, frozen=True, kw_only=True, tag="device.inventory"):
 
     family: ClassVar[str] = "device"
 
-    node: Token
+    node: NodeName
     driver_version: str = ""
     cuda_version: str = ""
     gpus: list[GpuDevice] = msgspec.field(default_factory=list)
@@ -52,7 +52,7 @@ class DeviceHealthChanged(Event, frozen=True, kw_only=True, tag="device.health.c
 
     family: ClassVar[str] = "device"
 
-    node: Token
+    node: NodeName
     gpu_uuid: str
     healthy: bool
     reason: str = ""
@@ -65,7 +65,7 @@ class GpuXid(Event, frozen=True, kw_only=True, tag="device.xid"):
 
     family: ClassVar[str] = "device"
 
-    node: Token
+    node: NodeName
     gpu_uuid: str
     xid: int
     critical: bool = True
@@ -82,7 +82,7 @@ class MigConfigChanged(Event, frozen=True, kw_only=True, tag="device.mig.config"
 
     family: ClassVar[str] = "device"
 
-    node: Token
+    node: NodeName
     config: str
     state: MigConfigState
     reason: str = ""

@@ -11,7 +11,7 @@ from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
-from shared.contract.base import Event, Token
+from shared.contract.base import Event, NodeName
 from shared.contract.configdocs import DRIVER_VERSION_PATTERN
 
 UpgradeState = Literal[
@@ -33,7 +33,7 @@ UpgradeState = Literal[
 class DriverUpgradeStateChanged(Event, frozen=True, kw_only=True, tag="driver.upgrade.state"):
     family: ClassVar[str] = "driver"
 
-    node: Token
+    node: NodeName
     state: UpgradeState
     previous_state: UpgradeState = ""
     reason: str = ""
@@ -44,7 +44,7 @@ class DriverUpgradeStateChanged(Event, frozen=True, kw_only=True, tag="driver.up
 class DriverInstalled(Event, frozen=True, kw_only=True, tag="driver.installed"):
     family: ClassVar[str] = "driver"
 
-    node: Token
+    node: NodeName
     version: str
     validated: bool = False
 
@@ -52,7 +52,7 @@ class DriverInstalled(Event, frozen=True, kw_only=True, tag="driver.installed"):
 class DriverInstallFailed(Event, frozen=True, kw_only=True, tag="driver.install.failed"):
     family: ClassVar[str] = "driver"
 
-    node: Token
+    node: NodeName
     version: str
     reason: str
 
@@ -72,7 +72,7 @@ class InstallDriver(Event, frozen=True, kw_only=True, tag="driver.install.comman
 
     family: ClassVar[str] = "driver"
 
-    node: Token
+    node: NodeName
     version: DriverVersion
     attempt: str = ""
     timeout_s: CommandSeconds = 600.0
@@ -86,7 +86,7 @@ class ValidateDriver(Event, frozen=True, kw_only=True, tag="driver.validate.comm
 
     family: ClassVar[str] = "driver"
 
-    node: Token
+    node: NodeName
     expected_version: DriverVersion
     timeout_s: CommandSeconds = 10.0
 
@@ -97,7 +97,7 @@ class ReadDriverVersions(Event, frozen=True, kw_only=True, tag="driver.versions.
 
     family: ClassVar[str] = "driver"
 
-    node: Token
+    node: NodeName
     timeout_s: CommandSeconds = 10.0
 
 
@@ -108,7 +108,7 @@ class DriverAgentAnswer(Event, frozen=True, kw_only=True, tag="driver.agent.answ
 
     family: ClassVar[str] = "driver"
 
-    node: Token
+    node: NodeName
     command: DriverCommandName
     outcome: Literal["ok", "failed", "running"]
     reason: str = ""

@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from shared.contract.base import Event, Token
+from shared.contract.base import DeploymentName, Event, Namespace, OptDeploymentName, OptNamespace, OptPodName, PodName
 
 RolloutPhase = Literal["none", "preparing", "switched", "aborted"]
 
@@ -26,9 +26,9 @@ class PrepareModel(Event, frozen=True, kw_only=True, tag="model.prepare.command"
 
     family: ClassVar[str] = "model"
 
-    pod: Token
-    namespace: str = ""
-    deployment: str = ""
+    pod: PodName
+    namespace: OptNamespace = ""
+    deployment: OptDeploymentName = ""
     rollout_id: str = ""
     version: str
     deadline_s: float = 60.0
@@ -39,7 +39,7 @@ class ModelPrepared(Event, frozen=True, kw_only=True, tag="model.prepare.report"
 
     family: ClassVar[str] = "model"
 
-    pod: Token
+    pod: PodName
     rollout_id: str = ""
     version: str = ""
     ready: bool = False
@@ -52,9 +52,9 @@ class ServingQuery(Event, frozen=True, kw_only=True, tag="model.serving.query"):
 
     family: ClassVar[str] = "model"
 
-    namespace: str = ""
-    deployment: str = ""
-    pod: str = ""
+    namespace: OptNamespace = ""
+    deployment: OptDeploymentName = ""
+    pod: OptPodName = ""
 
 
 class RolloutState(Event, frozen=True, kw_only=True, tag="kv.rollout.state"):
@@ -67,8 +67,8 @@ class RolloutState(Event, frozen=True, kw_only=True, tag="kv.rollout.state"):
 
     family: ClassVar[str] = "kv"
 
-    namespace: Token
-    deployment: Token
+    namespace: Namespace
+    deployment: DeploymentName
     rollout_id: str = ""
     phase: RolloutPhase = "none"
     from_version: str = ""

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import msgspec
 
-from shared.contract.base import Event, Token
+from shared.contract.base import DrainId, Event, NodeName, OptPodName, SessionId
 
 
 class DrainRequested(Event, frozen=True, kw_only=True, tag="node.drain.requested"):
@@ -19,8 +19,8 @@ class DrainRequested(Event, frozen=True, kw_only=True, tag="node.drain.requested
 
     family: ClassVar[str] = "node"
 
-    node: Token
-    drain_id: Token
+    node: NodeName
+    drain_id: DrainId
     reason: str = "maintenance"
     requested_by: str = ""
     deadline_s: float = msgspec.field(default=25.0)
@@ -28,8 +28,8 @@ class DrainRequested(Event, frozen=True, kw_only=True, tag="node.drain.requested
 
 
 class SessionFailure(msgspec.Struct, frozen=True, kw_only=True):
-    session_id: str
-    pod: str = ""
+    session_id: SessionId
+    pod: OptPodName = ""
     reason: str
 
 
@@ -38,8 +38,8 @@ class DrainCompleted(Event, frozen=True, kw_only=True, tag="node.drain.completed
 
     family: ClassVar[str] = "node"
 
-    node: Token
-    drain_id: Token
+    node: NodeName
+    drain_id: DrainId
     sessions_committed: int = 0
     bytes_saved: int = 0
     duration_s: float = 0.0
@@ -52,8 +52,8 @@ class DrainFailed(Event, frozen=True, kw_only=True, tag="node.drain.failed"):
 
     family: ClassVar[str] = "node"
 
-    node: Token
-    drain_id: Token
+    node: NodeName
+    drain_id: DrainId
     reason: str
     failed_sessions: list[SessionFailure] = msgspec.field(default_factory=list)
     sessions_committed: int = 0
@@ -64,7 +64,7 @@ class DrainFailed(Event, frozen=True, kw_only=True, tag="node.drain.failed"):
 class NodeCordoned(Event, frozen=True, kw_only=True, tag="node.cordoned"):
     family: ClassVar[str] = "node"
 
-    node: Token
+    node: NodeName
     by: str = ""
     reason: str = ""
 
@@ -72,6 +72,6 @@ class NodeCordoned(Event, frozen=True, kw_only=True, tag="node.cordoned"):
 class NodeUncordoned(Event, frozen=True, kw_only=True, tag="node.uncordoned"):
     family: ClassVar[str] = "node"
 
-    node: Token
+    node: NodeName
     by: str = ""
     reason: str = ""

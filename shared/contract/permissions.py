@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shared.contract.subjects import ROUTES, Subjects
+from shared.contract.subjects import AGENT_VERBS, ROUTES, Subjects, subject_matches
 
 JS_API = "$JS.API"
 JS_ACK = "$JS.ACK"
@@ -70,7 +70,7 @@ AGENT_PUBLISHES: tuple[str, ...] = (
     "checkpoint.save.progress",
     "model.prepare.report",
 )
-AGENT_REQUESTS: tuple[str, ...] = ("locate", "record", "restored", "serving")
+AGENT_REQUESTS: tuple[str, ...] = AGENT_VERBS
 
 # Everyone ``nats_auth_config`` writes a user for; the optional ones only when given a password.
 USERS: tuple[str, ...] = (*SERVICES, AGENT, ADMIN)
@@ -187,7 +187,11 @@ def agent_permissions(subjects: Subjects, pod: str | None = None, bucket: str | 
     save_command = subjects.pattern("checkpoint.save.command", **fields)  # the preStop hook asks its own agent
     prepare_command = subjects.pattern("model.prepare.command", **fields)
     rollouts = subjects.pattern("kv.rollout.state")  # a rollout's switch, heard by every agent
-    requests = [subjects.command("checkpoint", verb) for verb in AGENT_REQUESTS]
+    requests = (
+        [subjects.agent_command(verb, pod) for verb in AGENT_REQUESTS]
+        if pod is not None
+        else [subjects.agent_commands(verb) for verb in AGENT_REQUESTS]
+    )
     deadletters = subjects.deadletter_stream
     publish = [*own, save_command, *requests, INBOX, *deadletters.subjects, f"{JS_API}.STREAM.INFO.{deadletters.name}"]
     if bucket is not None:
@@ -226,18 +230,6 @@ def admin_permissions(subjects: Subjects) -> dict[str, Any]:
         "publish": {"allow": [f"{subjects.root}.>", f"{JS_API}.>", f"{JS_ACK}.>", INBOX]},
         "subscribe": {"allow": subscribe_allow(subjects)},
     }
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS wildcard matching: ``*`` is one token, a final ``>`` one or more."""
-    want = pattern.split(".")
-    have = subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return i == len(want) - 1 and len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
 
 
 def may_publish(permissions: Mapping[str, Any], subject: str) -> bool:

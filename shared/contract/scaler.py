@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from shared.contract.base import Event, Token
+from shared.contract.base import DeploymentName, Event, Namespace
 
 
 class ScaleDecision(Event, frozen=True, kw_only=True, tag="scaler.decision"):
     family: ClassVar[str] = "scaler"
 
-    namespace: Token
-    deployment: Token
+    namespace: Namespace
+    deployment: DeploymentName
     desired_replicas: int
     current_replicas: int = 0
     queue_depth: int = 0

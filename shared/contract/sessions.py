@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from shared.contract.base import Event, Token
+from shared.contract.base import (
+    Event,
+    OptCheckpointId,
+    OptDeploymentName,
+    OptNamespace,
+    OptNodeName,
+    OptPodName,
+    SessionId,
+)
 
 LOCATION_REASONS: dict[str, str] = {
     "placed": "a pod took the session (started it, or claimed it to restore it), or announced it unplaced",
@@ -41,23 +49,23 @@ class SessionLocation(Event, frozen=True, kw_only=True, tag="kv.session.location
 
     family: ClassVar[str] = "kv"
 
-    session_id: Token
+    session_id: SessionId
     sequence: int
     """Strictly increasing per session over every change (microseconds of the registry's clock where that is
     larger, so it keeps increasing across a registry that lost its data); 0 for a session never seen."""
     reason: str
     held: bool
-    pod: str = ""
-    node: str = ""
-    namespace: str = ""
-    deployment: str = ""
+    pod: OptPodName = ""
+    node: OptNodeName = ""
+    namespace: OptNamespace = ""
+    deployment: OptDeploymentName = ""
     generation: int = 0
     """The session's newest generation handed out: the holder's ownership fence."""
     token_count: int = 0
     """Tokens in ``checkpoint_id``."""
-    checkpoint_id: str = ""
+    checkpoint_id: OptCheckpointId = ""
     """The checkpoint this change is about (saved, restored from), else the session's newest committed one."""
-    previous_pod: str = ""
+    previous_pod: OptPodName = ""
 
     def supersedes(self, other: SessionLocation) -> bool:
         """Whether this location is newer than ``other`` (of the same session): the one rule a router needs."""
@@ -70,4 +78,4 @@ class WhereIsSession(Event, frozen=True, kw_only=True, tag="kv.session.where"):
 
     family: ClassVar[str] = "kv"
 
-    session_id: Token
+    session_id: SessionId

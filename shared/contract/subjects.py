@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from shared.contract.base import Event, is_token, subject_token
+from shared.contract.base import Event, id_problem, is_token, subject_token
 
 
 class Delivery(Enum):
@@ -99,7 +99,9 @@ ROUTES: dict[str, Route] = {
         "kvagent.{pod}.sessions", Delivery.CORE, "A KV agent announces the sessions its pod holds."
     ),
     "checkpoint.locate": Route(
-        "cmd.checkpoint.locate", Delivery.CORE, "Request/reply: where is a session's newest committed checkpoint?"
+        "cmd.checkpoint.{pod}.locate",
+        Delivery.CORE,
+        "Request/reply: a pod asks where a session's newest committed checkpoint is (and takes the session).",
     ),
     "checkpoint.location": Route("kvagent.location.{session_id}", Delivery.CORE, "The answer to a locate request."),
     "kv.session.location": Route(
@@ -119,7 +121,9 @@ ROUTES: dict[str, Route] = {
         "kvagent.{pod}.prepared", Delivery.CORE, "A KV agent's answer to a prepare command (ready or failed)."
     ),
     "model.serving.query": Route(
-        "cmd.checkpoint.serving", Delivery.CORE, "Request/reply: which model version does a deployment serve now?"
+        "cmd.checkpoint.{pod}.serving",
+        Delivery.CORE,
+        "Request/reply: a pod asks which model version its deployment serves now.",
     ),
     "kv.rollout.state": Route(
         "kv.rollout.{namespace}.{deployment}.state",
@@ -174,6 +178,24 @@ class SubjectError(ValueError):
     """A subject cannot be built: a field is not a valid subject token."""
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard matching: ``*`` is one token, a final ``>`` one or more."""
+    want = pattern.split(".")
+    have = subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return i == len(want) - 1 and len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
+AGENT_VERBS: tuple[str, ...] = ("locate", "record", "restored", "serving")
+"""What a pod's KV agent asks the checkpoint service, each on a subject that names the pod
+(``<root>.cmd.checkpoint.<pod>.<verb>``): only that pod's credentials may publish there, and the service
+refuses a body that names another pod."""
+
+
 @dataclass(frozen=True, slots=True)
 class StreamSpec:
     name: str
@@ -193,6 +215,7 @@ class Subjects:
         self.root = root
         self._stream_prefix = root.upper().replace("-", "_")
         self._built: dict[tuple[Any, ...], str] = {}
+        self._patterns: dict[str, str] = {}
 
     # -- events -------------------------------------------------------------------------------------------------
     def route(self, kind: str) -> Route:
@@ -241,6 +264,37 @@ class Subjects:
             return subject_token(value)
 
         return f"{self.root}.{_FIELD_RE.sub(fill, template)}"
+
+    def subject_problem(self, event: Event, subject: str) -> str:
+        """Why ``event`` may not arrive on ``subject`` ('' when it may): an event that came on its kind's own
+        subject family must name, in its body, exactly what the subject names (the node, pod, session or
+        deployment). The subject is what the sender's credentials allowed; the body is what it wrote."""
+        fields = _route_fields(type(event))
+        if not fields:
+            return ""
+        try:
+            expected = self.for_event(event)
+        except SubjectError as exc:
+            return str(exc)
+        if subject == expected:
+            return ""
+        pattern = self._patterns.get(event.kind)
+        if pattern is None:
+            pattern = self._patterns[event.kind] = self.pattern(event.kind)
+        if not subject_matches(pattern, subject):
+            return ""  # carried on another subject (a command): its own scope check applies there
+        named = ", ".join(f"{name}={getattr(event, name)!r}" for name in fields)
+        return f"subject {subject} does not name what the body does ({named}: {expected})"
+
+    def node_of(self, subject: str, kind: str) -> str:
+        """The node a subject of ``kind`` (a route with a ``{node}`` field) names, as the node's name ('' when
+        the subject is not one of ``kind``'s, or names no valid node)."""
+        pattern = self.pattern(kind).split(".")
+        tokens = subject.split(".")
+        if not subject_matches(".".join(pattern), subject) or "*" not in pattern:
+            return ""
+        node = tokens[pattern.index("*")].replace("_", ".")  # the inverse of subject_token for DNS names
+        return node if not id_problem("node", node) else ""
 
     def is_jetstream(self, event: Event) -> bool:
         jetstream = _JETSTREAM.get(type(event))
@@ -298,6 +352,18 @@ class Subjects:
         return "-".join(subject_token(p) for p in parts)
 
     # -- core request/reply commands ----------------------------------------------------------------------------
+    def agent_command(self, verb: str, pod: str) -> str:
+        """Where pod ``pod``'s KV agent sends ``verb`` (one of ``AGENT_VERBS``) to the checkpoint service."""
+        if verb not in AGENT_VERBS:
+            raise SubjectError(f"agent verb {verb!r} is not one of {', '.join(AGENT_VERBS)}")
+        return self.command("checkpoint", verb, scope=pod)
+
+    def agent_commands(self, verb: str) -> str:
+        """The checkpoint service's subscription for ``verb`` from every pod (the pod is the wildcard token)."""
+        if verb not in AGENT_VERBS:
+            raise SubjectError(f"agent verb {verb!r} is not one of {', '.join(AGENT_VERBS)}")
+        return f"{self.root}.cmd.checkpoint.*.{verb}"
+
     def command(self, service: str, verb: str, scope: str = "") -> str:
         parts = [p for p in ("cmd", service, scope, verb) if p]
         for p in parts:

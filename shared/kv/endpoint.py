@@ -225,7 +225,7 @@ class AgentEndpoint:
         has not (it missed the announcement). Quiet when nobody answers: the next announcement asks again."""
         try:
             answer = await self.bus.request(
-                self.bus.subjects.command("checkpoint", "serving"),
+                self.bus.subjects.agent_command("serving", self.agent.pod),
                 ServingQuery(namespace=self.agent.namespace, deployment=self.agent.deployment, pod=self.agent.pod),
                 timeout,
             )
@@ -268,7 +268,7 @@ class AgentEndpoint:
 
     async def _record(self, event: SaveSessionsReport) -> SaveSessionsReport | None:
         with contextlib.suppress(Exception):
-            answer = await self.bus.request(self.bus.subjects.command("checkpoint", "record"), event, 5.0)
+            answer = await self.bus.request(self.bus.subjects.agent_command("record", self.agent.pod), event, 5.0)
             return answer if isinstance(answer, SaveSessionsReport) else None
         return None
 
@@ -315,7 +315,7 @@ class AgentEndpoint:
 
     async def _locate(self, session_id: str, timeout: float) -> CheckpointLocation:
         answer = await self.bus.request(
-            self.bus.subjects.command("checkpoint", "locate"),
+            self.bus.subjects.agent_command("locate", self.agent.pod),
             LocateCheckpoint(
                 session_id=session_id,
                 pod=self.agent.pod,
@@ -364,7 +364,7 @@ class AgentEndpoint:
         self.sessions_changed()
         with contextlib.suppress(Exception):
             await self.bus.request(
-                self.bus.subjects.command("checkpoint", "restored"),
+                self.bus.subjects.agent_command("restored", self.agent.pod),
                 SessionRestored(
                     session_id=session_id,
                     checkpoint_id=restored.manifest.checkpoint_id,

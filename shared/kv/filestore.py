@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from shared.kv.manifest import CheckpointManifest, ChunkRef, encode_manifest, newest_first
-from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, load_manifest
+from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, checked_ids, checked_pack, load_manifest
 
 _IOV_MAX = 512
 T = TypeVar("T")
@@ -158,6 +158,7 @@ class FileStore:
         return FilePackWriter(self)
 
     def _write_temp(self, manifest: CheckpointManifest) -> Path:
+        checked_ids(manifest.session_id, manifest.checkpoint_id)
         directory = self.sessions_dir / manifest.session_id
         directory.mkdir(exist_ok=True)
         temp = directory / f".tmp-{manifest.checkpoint_id}.json"
@@ -195,6 +196,7 @@ class FileStore:
         await self.commit_manifests([manifest])
 
     async def manifest(self, session_id: str, checkpoint_id: str) -> CheckpointManifest:
+        checked_ids(session_id, checkpoint_id)
         path = self.sessions_dir / session_id / f"{checkpoint_id}.json"
         try:
             data = await asyncio.to_thread(path.read_bytes)
@@ -205,6 +207,7 @@ class FileStore:
         return load_manifest(data, session_id, checkpoint_id)
 
     async def checkpoints(self, session_id: str) -> list[str]:
+        checked_ids(session_id)
         directory = self.sessions_dir / session_id
         try:
             names = await asyncio.to_thread(os.listdir, directory)
@@ -221,7 +224,7 @@ class FileStore:
             for ref in refs:
                 if ref.pack not in fds:
                     try:
-                        fds[ref.pack] = os.open(self.packs_dir / f"{ref.pack}.pack", os.O_RDONLY)
+                        fds[ref.pack] = os.open(self.packs_dir / f"{checked_pack(ref.pack)}.pack", os.O_RDONLY)
                     except FileNotFoundError:
                         raise StoreError(f"pack {ref.pack} is missing") from None
                     os.posix_fadvise(fds[ref.pack], 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -241,6 +244,7 @@ class FileStore:
             raise _io_error("reading chunks", exc) from exc
 
     async def delete_checkpoint(self, session_id: str, checkpoint_id: str) -> None:
+        checked_ids(session_id, checkpoint_id)
         path = self.sessions_dir / session_id / f"{checkpoint_id}.json"
         path.unlink(missing_ok=True)
         await asyncio.to_thread(_fsync_dir, path.parent) if path.parent.exists() else None
@@ -257,7 +261,7 @@ class FileStore:
         return await asyncio.to_thread(scan)
 
     async def delete_pack(self, pack_id: str) -> None:
-        (self.packs_dir / f"{pack_id}.pack").unlink(missing_ok=True)
+        (self.packs_dir / f"{checked_pack(pack_id)}.pack").unlink(missing_ok=True)
 
     def _sweep(self, grace_s: float) -> int:
         """Temporary files (``.tmp-*``) of packs and manifests whose writer died or hit a full disk: nothing

@@ -27,6 +27,8 @@ import msgspec
 import numpy as np
 import xxhash
 
+from shared.contract.base import CheckpointId, SessionId
+
 DIGEST_ALGORITHM = "xxh3-128"
 
 
@@ -73,15 +75,15 @@ class ChunkRef(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
     digest: str
     size: int
-    pack: str
+    pack: CheckpointId
     offset: int
     length: int
     nonce: bytes = b""
 
 
 class CheckpointManifest(msgspec.Struct, frozen=True, kw_only=True):
-    checkpoint_id: str
-    session_id: str
+    checkpoint_id: CheckpointId
+    session_id: SessionId
     namespace: str
     deployment: str
     pod: str

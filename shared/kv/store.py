@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from shared.contract.base import id_problem
 from shared.kv.manifest import CheckpointManifest, ChunkRef, ManifestInvalid, decode_manifest, verify_manifest
 
 
@@ -20,6 +21,28 @@ class StoreError(RuntimeError):
 
 class CheckpointNotFound(StoreError):
     pass
+
+
+class InvalidId(CheckpointNotFound):
+    """An id that no store path or object name is ever built from (``shared.contract.base.ID_RULES``): nothing
+    by that name can be in the store."""
+
+
+def checked_ids(session_id: str, checkpoint_id: str | None = None) -> None:
+    """Raise ``InvalidId`` unless the session id (and checkpoint id) follow the contract's rules: every store
+    checks here before it builds a path or an object name from them."""
+    problem = id_problem("session", session_id)
+    if not problem and checkpoint_id is not None:
+        problem = id_problem("checkpoint", checkpoint_id)
+    if problem:
+        raise InvalidId(problem)
+
+
+def checked_pack(pack_id: str) -> str:
+    problem = id_problem("checkpoint", pack_id)
+    if problem:
+        raise InvalidId(problem.replace("checkpoint id", "pack id", 1))
+    return pack_id
 
 
 class ManifestCorrupt(StoreError):

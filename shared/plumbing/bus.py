@@ -34,7 +34,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import api as js_api
 
-from shared.contract.base import Event
+from shared.contract.base import Event, subject_token
 from shared.contract.deadletter import DEAD_LETTER_PAYLOAD_LIMIT, DeadLetter
 from shared.contract.registry import codec
 from shared.contract.subjects import StreamSpec, Subjects
@@ -63,6 +63,7 @@ def nats_unreachable(exc: BaseException | None) -> bool:
 
 Handler = Callable[[Any], Awaitable[None]]
 Responder = Callable[[Any], Awaitable[Event | None]]
+Refused = Callable[[str, bytes, str], Awaitable[None]]
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 
@@ -81,6 +82,17 @@ def _narrow_decoder(accepts: tuple[type[Event], ...]) -> msgspec.json.Decoder[An
     if decoder is None:
         decoder = _NARROW[accepts] = msgspec.json.Decoder(accepts[0] if len(accepts) == 1 else Union[accepts])  # type: ignore[valid-type]  # noqa: UP007
     return decoder
+
+
+def _scope_problem(subject: str, at: int, field_name: str, event: Event) -> str:
+    """Why a command on ``subject`` may not carry ``event``: the subject's token ``at`` names the sender (what its
+    credentials allow it to publish on), the body's ``field_name`` must name the same."""
+    tokens = subject.split(".")
+    named = tokens[at] if at < len(tokens) else ""
+    written = getattr(event, field_name, None)
+    if not isinstance(written, str) or subject_token(written) != named or not named:
+        return f"subject {subject} is {field_name} {named!r}'s; the body says {field_name}={written!r}"
+    return ""
 
 
 class EventTooLarge(ValueError):
@@ -111,6 +123,10 @@ class ConsumerSpec:
     batch: int = 64
     max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
     deliver_new_only: bool = False
+    on_refused: Refused | None = None
+    """Called with (subject, payload, reason) before a message is dead-lettered as bad input (undecodable,
+    invalid, a subject its body contradicts, or refused by the handler as permanent), so the service can still
+    answer whoever waits on it (a drain request gets its failed verdict). Never raises into the loop."""
 
 
 @dataclass
@@ -415,8 +431,13 @@ class Bus:
                     event = narrow.decode(data)
                 except _DECODE_ERRORS:
                     pass  # the precise path below names what is wrong
+                else:
+                    reason = self.subjects.subject_problem(event, msg.subject)
+                    if reason:
+                        await self._dead_letter(label, msg, reason, None, 0)
+                        return
             if event is None:
-                event, reason = self._decode(data, accepts, DEFAULT_MAX_EVENT_BYTES)
+                event, reason = self._decode(data, accepts, DEFAULT_MAX_EVENT_BYTES, msg.subject)
                 if event is None:
                     await self._dead_letter(label, msg, reason, None, 0)
                     return
@@ -454,13 +475,27 @@ class Bus:
         return codec.decode(reply.data)
 
     async def serve(
-        self, subject: str, responder: Responder, accepts: tuple[type[Event], ...], queue: str = ""
+        self,
+        subject: str,
+        responder: Responder,
+        accepts: tuple[type[Event], ...],
+        queue: str = "",
+        scope_field: str = "",
     ) -> Subscription:
         """Answer commands on ``subject``. A bad command is dead-lettered and answered with a ``DeadLetter``
-        naming the reason, so the caller learns why instead of timing out."""
+        naming the reason, so the caller learns why instead of timing out.
+
+        ``scope_field``: ``subject`` has one ``*`` token naming who may send there (a pod): a command whose body
+        field of that name says otherwise is refused the same way. The subject is what the sender's credentials
+        allowed it to publish on; the body is only what it wrote."""
+        scope_at = subject.split(".").index("*") if scope_field else -1
 
         async def on_msg(msg: Msg) -> None:
-            event, reason = self._decode(msg.data, accepts, DEFAULT_MAX_EVENT_BYTES)
+            event, reason = self._decode(msg.data, accepts, DEFAULT_MAX_EVENT_BYTES, msg.subject)
+            if event is not None and scope_at >= 0:
+                reason = _scope_problem(msg.subject, scope_at, scope_field, event)
+                if reason:
+                    event = None
             answer: Event | None
             if event is None:
                 answer = await self._dead_letter(subject, msg, reason, None, 0)
@@ -512,6 +547,11 @@ class Bus:
                 return
             letter = Msg(self.nc, subject=stored.subject or "", data=stored.data or b"")
             deliveries = int(advisory.get("deliveries", spec.max_deliver))
+            if spec.on_refused is not None:
+                with contextlib.suppress(Exception):
+                    await spec.on_refused(
+                        letter.subject, letter.data, f"exhausted {deliveries} deliveries without an answer"
+                    )
             with contextlib.suppress(Exception):
                 await self._dead_letter(
                     spec.durable,
@@ -643,15 +683,22 @@ class Bus:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    def _decode(self, data: bytes, accepts: tuple[type[Event], ...], max_bytes: int) -> tuple[Event | None, str]:
+    def _decode(
+        self, data: bytes, accepts: tuple[type[Event], ...], max_bytes: int, subject: str = ""
+    ) -> tuple[Event | None, str]:
+        """The event, or why there is none. With ``subject``, an event whose body contradicts the subject it
+        came on (``Subjects.subject_problem``) is refused too."""
         if len(data) > max_bytes:
             return None, f"oversized: {len(data)} bytes is over the {max_bytes} byte limit"
         narrow = _narrow_decoder(accepts)
         if narrow is not None:
             try:  # the common case, at the cost of one Struct; anything else takes the precise path below
-                return narrow.decode(data), ""
+                event = narrow.decode(data)
             except (msgspec.ValidationError, msgspec.DecodeError):
                 pass
+            else:
+                problem = self.subjects.subject_problem(event, subject) if subject else ""
+                return (None, problem) if problem else (event, "")
         try:
             event = codec.decode(data)
         except msgspec.ValidationError as exc:
@@ -661,7 +708,8 @@ class Bus:
         if accepts and not isinstance(event, accepts):
             names = ", ".join(t.__struct_config__.tag for t in accepts)  # type: ignore[misc]
             return None, f"unexpected kind {event.kind!r} here; this consumer takes: {names}"
-        return event, ""
+        problem = self.subjects.subject_problem(event, subject) if subject else ""
+        return (None, problem) if problem else (event, "")
 
     @staticmethod
     def _delivery(msg: Msg) -> tuple[int | None, int]:
@@ -676,7 +724,7 @@ class Bus:
                 self.telemetry.handler_seconds.labels(spec.durable),
                 self.telemetry.messages.get(spec.durable, "ack"),
             )
-        event, reason = self._decode(msg.data, spec.accepts, spec.max_event_bytes)
+        event, reason = self._decode(msg.data, spec.accepts, spec.max_event_bytes, msg.subject)
         if event is None:
             await self._reject(spec, msg, reason, *self._delivery(msg), consumer)
             return
@@ -735,6 +783,11 @@ class Bus:
     async def _reject(
         self, spec: ConsumerSpec, msg: Msg, reason: str, seq: int | None, deliveries: int, consumer: Consumer
     ) -> None:
+        if spec.on_refused is not None:
+            try:
+                await spec.on_refused(msg.subject, msg.data or b"", reason)
+            except Exception as exc:  # the dead letter below still keeps the message and the reason
+                log.warning("refusal not answered", extra={"consumer": spec.durable, "error": str(exc)})
         try:
             await self._dead_letter(spec.durable, msg, reason, seq, deliveries, stream=spec.stream.name)
         except Exception as exc:
@@ -757,10 +810,13 @@ class Bus:
         stream: str = "",
     ) -> DeadLetter:
         data = msg.data or b""
+        # the letter's subject names its consumer, and so does its body; a core subscription's label (a subject
+        # pattern) is no token: its letters go to ``core``, and ``origin_subject`` says where they came from
+        safe_consumer = consumer if all(c.isalnum() or c in "-_" for c in consumer) else "core"
         letter = DeadLetter(
             origin_subject=msg.subject,
             reason=reason,
-            consumer=consumer,
+            consumer=safe_consumer,
             stream=stream,
             stream_seq=seq,
             deliveries=deliveries,
@@ -775,7 +831,6 @@ class Bus:
             extra={"consumer": consumer, "subject": msg.subject, "reason": reason, "stream_seq": seq},
         )
         self.telemetry.dead_letters.labels(consumer).inc()
-        safe_consumer = consumer if all(c.isalnum() or c in "-_" for c in consumer) else "core"
         letter_subject = self.subjects.deadletter(safe_consumer)
         msg_id = f"dl-{stream}-{seq}-{consumer}" if seq is not None else letter.event_id
         await self.ensure_stream(self.subjects.deadletter_stream)

@@ -17,7 +17,7 @@ GARBAGE = [b"", b"{", b"null", b'{"kind":"checkpoint.locate"}', b'{"kind":"nope"
 async def test_garbage_on_every_checkpoint_subject_is_refused_and_the_service_goes_on(mesh: Mesh) -> None:
     letters = await mesh.dead_letters("t-faults-dl")
     s = mesh.subjects
-    commands = [s.command("checkpoint", c) for c in ("locate", "restored", "record")]
+    commands = [s.agent_command(c, "llama-9") for c in ("locate", "restored", "record")]
     for subject in commands:
         for data in GARBAGE:
             reply = await mesh.bus.nc.request(subject, data, timeout=5)
@@ -30,7 +30,9 @@ async def test_garbage_on_every_checkpoint_subject_is_refused_and_the_service_go
         await mesh.bus.nc.publish(drains, data)
     await eventually(lambda: len(letters) >= len(GARBAGE))
     # still answering, still draining
-    answer = await mesh.bus.request(s.command("checkpoint", "locate"), LocateCheckpoint(session_id="s1"), 5)
+    answer = await mesh.bus.request(
+        s.agent_command("locate", "llama-9"), LocateCheckpoint(session_id="s1", pod="llama-9"), 5
+    )
     assert isinstance(answer, CheckpointLocation)
     await mesh.bus.publish(DrainRequested(node="node-1", drain_id="after", deadline_s=5))
     await eventually(lambda: any(v.drain_id == "after" for v in mesh.verdicts))

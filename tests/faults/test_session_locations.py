@@ -230,7 +230,7 @@ async def test_gpuwarden_where_prints_one_line(mesh: Mesh, tmp_path: Path) -> No
     assert await where_cli("s2") == (1, "s2: held by no pod (ended, last on pod llama-1)\n", "")
     assert await where_cli("nope") == (1, "nope: unknown (no pod holds it, no checkpoint)\n", "")
     code, out, err = await where_cli("a b")
-    assert (code, out) == (2, "") and err.count("\n") == 1 and "is not a session id" in err
+    assert (code, out) == (2, "") and "argument session: session id 'a b' is not valid" in err
 
 
 async def _silent(mesh: Mesh, pod: str) -> bool:

@@ -117,7 +117,8 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _lookup(self, session: str) -> int:
         try:
             return self.loop.call(
-                checkpoint_tokens(self.store, self.layout, session, self.bus), timeout=self.config.lookup_timeout_s
+                checkpoint_tokens(self.store, self.layout, session, self.bus, self.config.pod),
+                timeout=self.config.lookup_timeout_s,
             )
         except Exception as exc:  # no answer in time, or the store failed: nothing is offered, vLLM computes
             log.warning("checkpoint lookup failed", extra={"session": session, "error": str(exc)})

@@ -992,15 +992,20 @@ async def _nothing() -> None:
 # -- what a checkpoint holds (scheduler side) ---------------------------------------------------------------------
 
 
-async def checkpoint_tokens(store: CheckpointStore, layout: KvLayout, session: str, bus: Any = None) -> int:
+async def checkpoint_tokens(
+    store: CheckpointStore, layout: KvLayout, session: str, bus: Any = None, pod: str = ""
+) -> int:
     """Tokens the newest checkpoint of ``session`` holds (0 when there is none, or it is of another layout, which
-    is refused and logged). With ``bus``, the checkpoint service says which checkpoints count (newest first)."""
+    is refused and logged). With ``bus``, the checkpoint service says which checkpoints count (newest first),
+    asked as ``pod`` (the credentials' pod)."""
     ids: list[str]
     if bus is not None:
         from shared.contract.checkpoint import CheckpointLocation, LocateCheckpoint
 
         answer = await bus.request(
-            bus.subjects.command("checkpoint", "locate"), LocateCheckpoint(session_id=session, claim=False), 5.0
+            bus.subjects.agent_command("locate", pod),
+            LocateCheckpoint(session_id=session, pod=pod, claim=False),
+            5.0,
         )
         if not isinstance(answer, CheckpointLocation) or not answer.found:
             return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from shared.kv.store import StoreError
+from shared.kv.store import StoreError, checked_ids
 
 BUCKET_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 SEQUENCES_HEADER = "Gpuwarden-Chunk-Sequences"
@@ -170,6 +170,7 @@ def object_label(name: str) -> str:
 
 
 def manifest_name(session_id: str, checkpoint_id: str) -> str:
+    checked_ids(session_id, checkpoint_id)
     return f"{SESSION_PREFIX}{session_id}/{checkpoint_id}.json"
 
 

@@ -26,7 +26,7 @@ from shared.kv.objstore.codec import (
 from shared.kv.objstore.reader import ChunkRun, plan_runs, read_run
 from shared.kv.objstore.stream import NO_MESSAGE, ApiError, ObjectStream
 from shared.kv.objstore.writer import NatsPackWriter, ObjectWriter
-from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, load_manifest
+from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, checked_ids, load_manifest
 
 log = logging.getLogger("shared.kv.objstore")
 
@@ -128,6 +128,7 @@ class NatsObjectStore(ObjectStream):
         return load_manifest(bytes(buffer), session_id, checkpoint_id)
 
     async def checkpoints(self, session_id: str) -> list[str]:
+        checked_ids(session_id)
         prefix = f"{SESSION_PREFIX}{session_id}/"
         names = [n for n in await self._names() if n.startswith(prefix) and n.endswith(".json")]
         candidates = [n[len(prefix) : -5] for n in names if "/" not in n[len(prefix) :]]
