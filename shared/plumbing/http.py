@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Awaitable, Callable
 
 Response = tuple[str, str, bytes]  # status line ("200 OK"), content type, body
@@ -19,8 +20,17 @@ class SmallHttpServer:
         self.server: asyncio.Server | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self._serve, host, port)
+    async def start(self, host: str, port: int, fd: int = -1) -> int:
+        """Listen on ``host:port``, or on the listening socket ``fd`` when one was inherited (``fd`` >= 0): a
+        parent that bound the port keeps it for every restart of this process, so nobody else takes it."""
+        if fd >= 0:
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError as exc:
+                raise OSError(f"GPUWARDEN_HTTP_FD={fd}: not a socket this process inherited: {exc}") from None
+            self.server = await asyncio.start_server(self._serve, sock=sock)
+        else:
+            self.server = await asyncio.start_server(self._serve, host, port)
         self.port = self.server.sockets[0].getsockname()[1]
         return self.port
 

@@ -265,7 +265,7 @@ async def start_service(
     await config.start()
     ready = asyncio.Event()
     http = HealthServer(ctx, ready)
-    await http.start(settings.http_host, settings.http_port)
+    await http.start(settings.http_host, settings.http_port, settings.http_fd)
     try:
         await service.start(ctx)
     except BaseException:

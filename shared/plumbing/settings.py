@@ -23,6 +23,8 @@ DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NODE": "the node a node-scoped service runs on (default: the host name)",
     "GPUWARDEN_BACKEND": "sim (simulated GPUs and cluster) or real (NVML and the Kubernetes API); default sim",
     "GPUWARDEN_HTTP_ADDR": "host:port of /healthz, /readyz and /metrics (default 127.0.0.1:0, a free port)",
+    "GPUWARDEN_HTTP_FD": "a listening socket the process inherits (from `gpuwarden up`, which holds the port "
+    "for every restart) to serve HTTP on instead of binding GPUWARDEN_HTTP_ADDR (default: none)",
     "GPUWARDEN_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR (default INFO)",
     "GPUWARDEN_NATS_REPLICAS": "replicas of the JetStream streams the services create (default 1; 3 in production)",
     "GPUWARDEN_NATS_USER": "NATS user name (with GPUWARDEN_NATS_PASSWORD or _PASSWORD_FILE)",
@@ -105,6 +107,7 @@ class Settings:
     backend: str = "sim"
     http_host: str = "127.0.0.1"
     http_port: int = 0
+    http_fd: int = -1
     log_level: str = "INFO"
     config_reread_s: float = 15.0
 
@@ -235,6 +238,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise SettingsError(f"GPUWARDEN_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING or ERROR")
     host, port = parse_host_port("GPUWARDEN_HTTP_ADDR", env.get("GPUWARDEN_HTTP_ADDR", "127.0.0.1:0"))
+    raw_fd = env.get("GPUWARDEN_HTTP_FD", "").strip()
+    if raw_fd and not raw_fd.isdigit():
+        raise SettingsError(f"GPUWARDEN_HTTP_FD={raw_fd!r}: expected a file descriptor number")
     replicas = int(_float(env, "GPUWARDEN_NATS_REPLICAS", 1, minimum=1))
     root = env.get("GPUWARDEN_ROOT", "gw")
     if not re.match(r"^[A-Za-z][A-Za-z0-9_\-]{0,31}$", root):
@@ -262,6 +268,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         backend=backend,
         http_host=host,
         http_port=port,
+        http_fd=int(raw_fd) if raw_fd else -1,
         log_level=level,
         config_reread_s=_float(env, "GPUWARDEN_CONFIG_REREAD_S", 15.0, minimum=0.1),
     )
