@@ -16,9 +16,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from services.driver.upgrade import (
     CLEAR_ANNOTATION,
     DRAIN_ANNOTATION,
+    EXTERNAL_DRAIN_ANNOTATION,
     FAILURE_ANNOTATION,
     IN_PROGRESS,
     ORDER,
+    RELEASABLE,
     STATE_LABEL,
     WAS_CORDONED_ANNOTATION,
     Action,
@@ -29,7 +31,9 @@ from services.driver.upgrade import (
     after_install,
     after_validation,
     max_unavailable,
+    may_start,
     next_step,
+    upgrade_order,
 )
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.subjects import Subjects
@@ -47,6 +51,8 @@ NEXT: dict[str, set[str]] = {
 }
 NEXT["upgrade-required"] = {"cordon-required", "upgrade-done"}
 NEXT["uncordon-required"] = {"upgrade-done"}
+for _held in RELEASABLE:  # auto_upgrade turned off before any eviction gives the slot back
+    NEXT[_held].add("upgrade-required")
 
 
 @dataclass
@@ -150,12 +156,16 @@ class UpgradeMachine(RuleBasedStateMachine):
         before = node.labels.get(STATE_LABEL, "")
         cluster = self.cluster()
         action = next_step(node.view(), self.policy, cluster, self.now)
-        if action.state == "cordon-required":
+        if action.state == "cordon-required" and node.schedulable:  # one node fewer to run pods on
             budget = max_unavailable(self.policy, cluster.total)
-            if cluster.unavailable + (1 if node.schedulable else 0) > budget:
+            if cluster.unavailable + 1 > budget:
                 self.over_budget_starts += 1
         self.apply(node, action)
         after = node.labels.get(STATE_LABEL, "")
+        if before in RELEASABLE and not self.policy.auto_upgrade:  # the slot is given back, the cordon lifted
+            assert after == "upgrade-required", (before, after)
+            assert node.schedulable or node.cordoned_before or before == "cordon-required"
+            node.cordoned_before = None
         if after != before:
             assert after in NEXT[before] or (before, after) == ("upgrade-failed", "uncordon-required"), (before, after)
         if after == "pod-restart-required":  # an install that hangs is never waited for past its timeout
@@ -176,6 +186,10 @@ class UpgradeMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([1.0, 30.0, 61.0, 700.0]))
     def time_passes(self, dt: float) -> None:
         self.now += dt
+
+    @rule(on=st.booleans())
+    def auto_upgrade(self, on: bool) -> None:
+        self.policy = msgspec.structs.replace(self.policy, auto_upgrade=on)
 
     @rule(name=st.sampled_from(NODES))
     def admin_cordons(self, name: str) -> None:
@@ -251,6 +265,64 @@ def test_an_untouched_cluster_upgrades_in_order() -> None:
         assert node.history == list(ORDER)
         assert node.schedulable and node.installed == NEW
         assert WAS_CORDONED_ANNOTATION not in node.annotations
+
+
+def test_every_node_cordoned_by_someone_else_still_upgrades_one_at_a_time() -> None:
+    """Every node drained (cordoned by someone else) and ``max_unavailable`` 1: the cordons do not hold the slots;
+    each node takes its upgrade (it makes nothing less available), one at a time, and stays cordoned after."""
+    machine = UpgradeMachine()
+    machine.policy = msgspec.structs.replace(machine.policy, max_unavailable="1")
+    for name in NODES:
+        machine.admin_cordons(name)
+    for _ in range(300):
+        for name in NODES:
+            machine.verdict(name, True)
+            machine.pods_gone(name)
+            machine.reconcile(name)
+        machine.time_passes(1.0)
+        assert machine.cluster().in_progress <= 1
+    for node in machine.nodes.values():
+        assert node.labels[STATE_LABEL] == "upgrade-done" and node.installed == NEW, node
+        assert not node.schedulable  # someone else's cordon outlives the upgrade
+    assert machine.over_budget_starts == 0
+
+
+def test_nodes_unavailable_already_go_first_and_the_rest_wait_within_the_budget() -> None:
+    policy = DriverPolicy(desired_version=NEW, auto_upgrade=True, max_parallel_upgrades=2, max_unavailable="1")
+    waiting = {"labels": {STATE_LABEL: "upgrade-required"}, "installed_version": OLD}
+    drained = {EXTERNAL_DRAIN_ANNOTATION: "drain-n2-1"}  # its sessions saved by the drain that cordoned it
+    cordoned = NodeView(name="n2", schedulable=False, annotations=drained, **waiting)  # type: ignore[arg-type]
+    free = NodeView(name="n1", **waiting)  # type: ignore[arg-type]
+    cluster = ClusterView.of([free, cordoned])
+    assert upgrade_order([free, cordoned]) == [1, 0]
+    assert next_step(cordoned, policy, cluster, 1.0).state == "cordon-required"
+    blocked = next_step(free, policy, cluster, 1.0)
+    assert blocked.kind == "wait" and "max_unavailable=1" in blocked.why
+    assert may_start(policy, free, ClusterView.of([free, NodeView(name="n2", **waiting)])) == ""  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("state", sorted(RELEASABLE))
+def test_turning_auto_upgrade_off_releases_a_slot_before_any_eviction(state: str) -> None:
+    policy = DriverPolicy(desired_version=NEW, auto_upgrade=False)
+    held = {STATE_LABEL: state}
+    by_upgrade = NodeView(
+        name="n1",
+        labels=held,
+        schedulable=state == "cordon-required",
+        annotations={WAS_CORDONED_ANNOTATION: "false", DRAIN_ANNOTATION: "d-1"},
+        installed_version=OLD,
+    )
+    action = next_step(by_upgrade, policy, ClusterView.of([by_upgrade]), 5.0)
+    assert action.state == "upgrade-required" and "released" in action.why
+    assert action.kind == ("set_state" if state == "cordon-required" else "uncordon")
+    assert action.annotations[DRAIN_ANNOTATION] is None and action.annotations[WAS_CORDONED_ANNOTATION] is None
+    by_person = NodeView(
+        name="n1", labels=held, schedulable=False, annotations={WAS_CORDONED_ANNOTATION: "true"}, installed_version=OLD
+    )
+    kept = next_step(by_person, policy, ClusterView.of([by_person]), 5.0)
+    assert kept.kind == "set_state" and kept.state == "upgrade-required"  # a person's cordon stays
+    evicting = NodeView(name="n1", labels={STATE_LABEL: "pod-deletion-required"}, schedulable=False)
+    assert next_step(evicting, policy, ClusterView.of([evicting]), 5.0).state != "upgrade-required"  # finishes
 
 
 def test_pool_overrides_pick_the_version_by_label() -> None:

@@ -1,14 +1,14 @@
 """The cluster-wide upgrade coordinator: one leader at a time moves each node through the upgrade states.
 
 Each pass: take or renew the leader lease (its fencing token), read every node (labels, annotations, pods, the
-installed driver as that node's driver agent answers, the verdict of its drain), and for each node in name order
-apply what ``upgrade.next_step`` says, re-reading the node after each step. Nothing is remembered between passes
-that the cluster (or the node's agent) does not hold, except the eviction backoff and which drains this process
-has published; so a coordinator killed at any point and started again resumes where the labels say, and never
-evicts a pod twice (a Terminating pod is never evicted again; evictions go through the Eviction API only, and
-nothing is deleted). The nodes' GPUs are never touched from here: installs and validations are commands to the
-node's driver agent (``services.driver.agent``), which answer within a bound, so a silent node delays a pass by
-one timeout and the policy's timeouts fail it.
+installed driver as that node's driver agent answers, the verdict of its drain), and for each node (those
+unavailable already first, then in name order: ``upgrade.upgrade_order``) apply what ``upgrade.next_step`` says,
+re-reading the node after each step. Nothing is remembered between passes that the cluster (or the node's agent)
+does not hold, except the eviction backoff and which drains this process has published; so a coordinator killed at
+any point and started again resumes where the labels say, and never evicts a pod twice (a Terminating pod is never
+evicted again; evictions go through the Eviction API only, and nothing is deleted). The nodes' GPUs are never
+touched from here: installs and validations are commands to the node's driver agent (``services.driver.agent``),
+which answer within a bound, so a silent node delays a pass by one timeout and the policy's timeouts fail it.
 
 Writes are fenced twice. Before acting the coordinator renews the lease, checks its token is still the lease's
 and is not older than the token stamped on the node by the last writer. Then every node write is a
@@ -65,6 +65,7 @@ from .upgrade import (
     desired_version,
     install_attempt,
     next_step,
+    upgrade_order,
 )
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class UpgradeCoordinator:
         if stamped > token:
             await self._give_up(f"the lease's token {token} is older than token {stamped} stamped on a node")
         views = list(await asyncio.gather(*(self._view(info) for info in infos)))
-        for index in range(len(views)):
+        for index in upgrade_order(views):
             views[index] = await self._advance(views[index], views, policy)
         self.states = {v.name: self._state_of(v) for v in views}
         return True

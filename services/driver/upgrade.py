@@ -13,6 +13,18 @@ before any pod is evicted, ``drain.requested`` is published and the checkpoint s
 
 Any step may go to ``upgrade-failed``, which is sticky: the node stays cordoned with its reason until a person sets
 the clear annotation, or a later validation of the desired version passes (and is logged as a recovery).
+
+The disruption budget is shared with everyone else who cordons nodes (``may_start``, docs/drivers.md):
+
+- A node that is unavailable already (cordoned by someone else, or not ready) takes its upgrade without a share of
+  ``max_unavailable``: upgrading it makes nothing less available. Such nodes go first. So cordons the upgrade did
+  not make never stall the upgrade of the nodes they are on (drain every node, then upgrade: every node upgrades).
+- Every unavailable node still counts against ``max_unavailable`` for a schedulable node: cordoning one more would
+  take the cluster below what the policy promises. A person lifts their cordon (``gpuwarden uncordon``, allowed in
+  ``upgrade-required``) or raises ``max_unavailable``.
+- ``auto_upgrade: false`` releases every slot whose node has not yet had a pod evicted (``cordon-required``,
+  ``wait-for-jobs-required``, ``checkpoint-required``): back to ``upgrade-required``, uncordoned unless it was
+  cordoned before the upgrade. Nodes past that point finish, so no node is left half-upgraded.
 """
 
 from __future__ import annotations
@@ -70,6 +82,9 @@ ORDER: tuple[UpgradeState, ...] = (
 
 IN_PROGRESS: frozenset[str] = frozenset(ORDER[1:-1]) | {"drain-required"}
 """States holding an upgrade slot."""
+
+RELEASABLE: frozenset[str] = frozenset({"cordon-required", "wait-for-jobs-required", "checkpoint-required"})
+"""States holding a slot before any pod was evicted: ``auto_upgrade: false`` gives their slot back."""
 
 EXTERNAL_DRAIN_REASON = "cordoned"
 
@@ -193,11 +208,23 @@ def may_start(policy: DriverPolicy, node: NodeView, cluster: ClusterView) -> str
         return f"{cluster.failed} node(s) in upgrade-failed, more than max_failed_nodes={policy.max_failed_nodes}"
     if policy.max_parallel_upgrades and cluster.in_progress >= policy.max_parallel_upgrades:
         return f"{cluster.in_progress} upgrade(s) in progress, max_parallel_upgrades={policy.max_parallel_upgrades}"
+    if not available(node):
+        return ""  # unavailable already: upgrading it takes nothing more from the cluster
     budget = max_unavailable(policy, cluster.total)
-    adds = 1 if node.schedulable and node.ready else 0
-    if cluster.unavailable + adds > budget:
+    if cluster.unavailable + 1 > budget:
         return f"{cluster.unavailable} node(s) unavailable, max_unavailable={policy.max_unavailable} ({budget})"
     return ""
+
+
+def available(node: NodeView) -> bool:
+    """Whether pods can run on the node now (schedulable and ready): what ``max_unavailable`` protects."""
+    return node.schedulable and node.ready
+
+
+def upgrade_order(nodes: Sequence[NodeView]) -> list[int]:
+    """The order in which a pass takes the nodes (indexes into ``nodes``): those unavailable already first, as
+    their upgrade costs the cluster nothing, then by name."""
+    return sorted(range(len(nodes)), key=lambda i: (available(nodes[i]), nodes[i].name))
 
 
 def _pods_to_evict(node: NodeView, policy: DriverPolicy) -> list[PodView]:
@@ -236,6 +263,9 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
             return Action("external_drain", node.name, why="cordoned by someone else: saving its sessions")
         if node.schedulable and external:
             return Action("forget_external_drain", node.name, why="schedulable again")
+
+    if state in RELEASABLE and not policy.auto_upgrade:
+        return _release(node, now)
 
     match state:
         case "upgrade-failed":
@@ -342,6 +372,18 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
                 return Action("set_state", node.name, "upgrade-done", "stays cordoned: it was before the upgrade", done)
             return Action("uncordon", node.name, "upgrade-done", "uncordoned", done)
     return Action("wait", node.name, why=f"unknown state {state!r}: left alone")
+
+
+def _release(node: NodeView, now: float) -> Action:
+    """``auto_upgrade`` was turned off before any pod of the node was evicted: the slot is given back and the node
+    waits in ``upgrade-required``, cordoned only if it was before the upgrade (the drain asked for it is
+    forgotten; its verdict, should it come, moves nothing)."""
+    forget = {TARGET_ANNOTATION: None, DRAIN_ANNOTATION: None, WAS_CORDONED_ANNOTATION: None, **_enter(now)}
+    why = "auto_upgrade turned off before any eviction: slot released"
+    cordoned_by_upgrade = node.state != "cordon-required" and node.annotations.get(WAS_CORDONED_ANNOTATION) != "true"
+    if cordoned_by_upgrade and not node.schedulable:
+        return Action("uncordon", node.name, "upgrade-required", why + "; uncordoned", forget)
+    return Action("set_state", node.name, "upgrade-required", why, forget)
 
 
 def after_validation(node: NodeView, policy: DriverPolicy, ok: bool, reason: str, now: float) -> Action:
