@@ -325,6 +325,25 @@ def test_turning_auto_upgrade_off_releases_a_slot_before_any_eviction(state: str
     assert next_step(evicting, policy, ClusterView.of([evicting]), 5.0).state != "upgrade-required"  # finishes
 
 
+def test_a_node_emptied_by_someone_else_needs_no_drain_and_a_failed_drain_there_stops_nothing() -> None:
+    policy = DriverPolicy(desired_version=NEW, auto_upgrade=True)
+    saving = {STATE_LABEL: "checkpoint-required"}
+
+    def node(*phases: str, **fields: object) -> NodeView:
+        pods = tuple(PodView(f"p{i}", "llm", phase) for i, phase in enumerate(phases))
+        return NodeView(name="n1", labels=saving, schedulable=False, pods=pods, **fields)  # type: ignore[arg-type]
+
+    def step(view: NodeView) -> Action:
+        return next_step(view, policy, ClusterView.of([view]), 5.0)
+
+    assert step(node("Running", "Terminating")).kind == "request_drain"
+    for drained in (node(), node("Terminating")):  # its pods gone, or leaving (their preStop saves them)
+        assert step(drained).state == "pod-deletion-required"
+    asked = {"annotations": {DRAIN_ANNOTATION: "d-1"}, "drain_verdict": "failed: 3 session(s) not checkpointed"}
+    assert step(node(**asked)).state == "pod-deletion-required"  # nothing left to evict, nothing to lose
+    assert step(node("Running", **asked)).state == "upgrade-failed"  # pods it would evict: stop
+
+
 def test_pool_overrides_pick_the_version_by_label() -> None:
     from services.driver.upgrade import desired_version
 

@@ -11,6 +11,9 @@ before any pod is evicted, ``drain.requested`` is published and the checkpoint s
     wait-for-jobs-required --> checkpoint-required --(drain.completed)--> pod-deletion-required --(node empty)-->
     pod-restart-required --(install)--> validation-required --(valid)--> uncordon-required --> upgrade-done
 
+A node with no running pod to move (drained by someone else already) needs no drain of its own; a drain that
+failed while someone else emptied the node stops nothing, as the upgrade has nothing left to evict.
+
 Any step may go to ``upgrade-failed``, which is sticky: the node stays cordoned with its reason until a person sets
 the clear annotation, or a later validation of the desired version passes (and is logged as a recovery).
 
@@ -329,7 +332,11 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
             return Action("set_state", node.name, "checkpoint-required", why, _enter(now))
         case "checkpoint-required":
             drain_id = node.annotations.get(DRAIN_ANNOTATION, "")
+            to_move = _pods_to_evict(node, policy)
             if not drain_id:
+                if all(p.phase == "Terminating" for p in to_move):  # none left, or on their way out (saving)
+                    why = "no running pod to save sessions from (drained already)"
+                    return Action("set_state", node.name, "pod-deletion-required", why, _enter(now))
                 return Action("request_drain", node.name, why="save every KV cache before any eviction")
             if node.drain_verdict == "completed":
                 return Action(
@@ -342,6 +349,9 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
                 failure = f"drain {drain_id} had no verdict within drain_timeout_s={policy.drain_timeout_s:g}"
             if not failure:
                 return Action("wait", node.name, why=f"waiting for drain {drain_id}")
+            if not to_move:  # someone else emptied the node meanwhile: the upgrade evicts nothing, loses nothing
+                why = failure + "; no pod is left on the node to evict"
+                return Action("set_state", node.name, "pod-deletion-required", why, _enter(now))
             if policy.on_drain_failure == "continue":
                 return Action(
                     "set_state",
