@@ -113,9 +113,20 @@ def _subject(settings: Settings, event: Any) -> str:
     return Subjects(settings.root).for_event(event)
 
 
+def _check_deadline(deadline_s: float) -> None:
+    """A drain's deadline the checkpoint service would refuse is refused here, before anything is cordoned or
+    published."""
+    from shared.contract.node import deadline_problem
+
+    problem = deadline_problem(deadline_s)
+    if problem:
+        raise UsageError(f"--deadline {deadline_s:g}: {problem}")
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     """Save every session on the node (a drain request, as the checkpoint service takes it): no cordon, no
     eviction. ``--wait`` prints the verdict."""
+    _check_deadline(args.deadline)
     drain_id = args.drain_id or f"drain-{uuid.uuid4().hex[:12]}"
     try:
         event = DrainRequested(
@@ -337,6 +348,9 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 # -- drain / uncordon / upgrade-driver --------------------------------------------------------------------------
 def cmd_drain_node(args: argparse.Namespace) -> int:
+    _check_deadline(args.deadline)
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from shared.console import operations, render
@@ -417,7 +431,7 @@ def cmd_uncordon(args: argparse.Namespace) -> int:
     async def main() -> int:
         mesh = await _open_mesh()
         try:
-            changed = await operations.uncordon(mesh, args.node)
+            changed = await operations.uncordon(mesh, args.node, force=args.force)
         finally:
             await mesh.close()
         print(f"{args.node} uncordoned" if changed else f"{args.node} was schedulable already")
@@ -714,7 +728,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("node", type=_id_arg("node"))
     p.add_argument("--wait", action="store_true", help="follow every session until restored and verified elsewhere")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole drain (default 300)")
-    p.add_argument("--deadline", type=float, default=25.0, help="seconds the savers have (default 25)")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=25.0,
+        help="seconds the savers have: above 0, at most the pods' 30 s grace period (default 25)",
+    )
     p.add_argument("--drain-id", default="", type=_id_arg("drain", optional=True))
     p.add_argument("--reason", default="maintenance")
     p.add_argument("--requested-by", default="cli")
@@ -726,12 +745,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-id", default="", type=_id_arg("drain", optional=True))
     p.add_argument("--reason", default="maintenance")
     p.add_argument("--requested-by", default="cli")
-    p.add_argument("--deadline", type=float, default=25.0, help="seconds the savers have (default 25)")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=25.0,
+        help="seconds the savers have: above 0, at most the pods' 30 s grace period (default 25)",
+    )
     p.add_argument("--wait", action="store_true", help="wait for drain.completed or drain.failed")
     p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("uncordon", help="make NODE schedulable again")
     p.add_argument("node", type=_id_arg("node"))
+    p.add_argument("--force", action="store_true", help="even while a driver upgrade holds the node (docs/drivers.md)")
     p.set_defaults(func=cmd_uncordon)
 
     p = sub.add_parser("upgrade-driver", help="roll driver VERSION over every node, sessions saved before evictions")

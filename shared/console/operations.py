@@ -13,6 +13,7 @@ restore and is counted as ended, not as lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -26,17 +27,25 @@ from shared.console.snapshot import (
     CORDON_DRAIN_ANNOTATION,
     UPGRADE_FAILURE_ANNOTATION,
     UPGRADE_STATE_LABEL,
+    UPGRADE_WAS_CORDONED_ANNOTATION,
     read_sessions,
 )
 from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.device import DeviceInventory
 from shared.contract.driver import UpgradeState
-from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, NodeCordoned, NodeUncordoned
+from shared.contract.node import (
+    DrainCompleted,
+    DrainFailed,
+    DrainRequested,
+    NodeCordoned,
+    NodeUncordoned,
+    deadline_problem,
+)
 from shared.contract.registry import codec
 from shared.contract.requests import InferenceRequest
 from shared.plumbing.configsync import ConfigStore
-from shared.ports.cluster import EvictionOutcome
+from shared.ports.cluster import ClusterConflict, EvictionOutcome
 
 Report = Callable[[str, dict[str, Any]], None]
 """Progress: a phase name and what it has done so far; the command draws it (a bar, or plain lines)."""
@@ -81,26 +90,61 @@ async def _known_node(mesh: MeshClient, node: str) -> None:
         raise CommandError(f"no node {node!r} in the cluster (nodes: {names})")
 
 
+UNCORDON_FREE_STATES = ("", "upgrade-required", "upgrade-done")
+"""Driver upgrade states in which the upgrade holds no cordon of its own (``upgrade-required`` waits for a slot
+and has cordoned nothing): a person may uncordon the node without ``--force``."""
+
+_CAS_TRIES = 5
+
+
 async def cordon(mesh: MeshClient, node: str, drain_id: str = "", by: str = "cli") -> None:
+    """Cordon ``node`` (naming the drain on it). A node a driver upgrade holds is marked as cordoned by a person
+    too, so the upgrade leaves it cordoned when it is done, as it does a node cordoned before it began."""
     await _known_node(mesh, node)
-    annotations = {CORDON_DRAIN_ANNOTATION: drain_id} if drain_id else None
-    await mesh.need_cluster().update_node(node, annotations=annotations, schedulable=False)
+    cluster = mesh.need_cluster()
+    for _ in range(_CAS_TRIES):
+        info = await cluster.node(node)
+        if info is None:
+            break
+        annotations = {CORDON_DRAIN_ANNOTATION: drain_id} if drain_id else {}
+        if info.labels.get(UPGRADE_STATE_LABEL, "") not in UNCORDON_FREE_STATES:
+            annotations[UPGRADE_WAS_CORDONED_ANNOTATION] = "true"
+        try:
+            await cluster.update_node(node, annotations=annotations or None, schedulable=False, expect=info.revision)
+            break
+        except ClusterConflict:
+            continue  # the driver wrote the node meanwhile: read it again
+    else:
+        raise CommandError(f"{node} kept changing under this command; try again")
     await mesh.bus.publish(NodeCordoned(node=node, by=by, reason=f"drain {drain_id}" if drain_id else ""))
 
 
-async def uncordon(mesh: MeshClient, node: str, by: str = "cli") -> bool:
-    """Make the node schedulable again; False when it already was."""
+async def uncordon(mesh: MeshClient, node: str, by: str = "cli", *, force: bool = False) -> bool:
+    """Make the node schedulable again; False when it already was. Refused while a driver upgrade holds the node's
+    cordon (it uncordons the node itself when done), unless ``force``: a person's word over the upgrade's, which
+    goes on with the node schedulable and leaves it so. A compare-and-set on the node as read: a node the upgrade
+    takes meanwhile is read again and judged again."""
     await _known_node(mesh, node)
     cluster = mesh.need_cluster()
-    info = await cluster.node(node)
-    if info is not None and info.schedulable:
-        return False
-    state = info.labels.get(UPGRADE_STATE_LABEL, "") if info else ""
-    if state not in ("", "upgrade-done"):
-        raise CommandError(f"{node} is in driver upgrade state {state!r}: the driver service uncordons it when done")
-    await cluster.update_node(node, schedulable=True)
-    await mesh.bus.publish(NodeUncordoned(node=node, by=by))
-    return True
+    for _ in range(_CAS_TRIES):
+        info = await cluster.node(node)
+        if info is None or info.schedulable:
+            return False
+        state = info.labels.get(UPGRADE_STATE_LABEL, "")
+        if state not in UNCORDON_FREE_STATES and not force:
+            raise CommandError(
+                f"{node} is in driver upgrade state {state!r}: the driver service uncordons it when done "
+                f"(`gpuwarden uncordon --force {node}` to uncordon it now)"
+            )
+        try:
+            await cluster.update_node(
+                node, schedulable=True, annotations={UPGRADE_WAS_CORDONED_ANNOTATION: None}, expect=info.revision
+            )
+        except ClusterConflict:
+            continue
+        await mesh.bus.publish(NodeUncordoned(node=node, by=by))
+        return True
+    raise CommandError(f"{node} kept changing under this command; try again")
 
 
 async def drain(
@@ -116,6 +160,9 @@ async def drain(
     report: Report = lambda phase, done: None,
 ) -> DrainResult:
     drain_id = drain_id or f"drain-{node}-{uuid.uuid4().hex[:8]}"
+    problem = deadline_problem(deadline_s)
+    if problem:
+        raise CommandError(problem)
     try:
         request = DrainRequested(
             node=node, drain_id=drain_id, reason=reason, requested_by=requested_by, deadline_s=deadline_s
@@ -147,12 +194,13 @@ async def drain(
         await mesh.bus.subscribe(s.pattern("requests.inference"), on_request, (InferenceRequest,)),
     ]
     try:
+        since = await _stream_end(mesh)
         await cordon(mesh, node, drain_id)
         report("cordoned", {"sessions": len(before)})
         await mesh.bus.publish(request)
         report("saving", {"sessions": len(before)})
         try:
-            event = await asyncio.wait_for(verdict, timeout=min(timeout, deadline_s + 30))
+            event = await wait_verdict(mesh, node, drain_id, verdict, min(timeout, deadline_s + 30), since)
         except TimeoutError:
             result.reason = f"no drain verdict from the checkpoint service within {min(timeout, deadline_s + 30):g}s"
             return result
@@ -190,6 +238,53 @@ async def drain(
     finally:
         for sub in subs:
             await sub.unsubscribe()
+
+
+async def wait_verdict(
+    mesh: MeshClient, node: str, drain_id: str, heard: asyncio.Future[Any], timeout: float, since_seq: int = 0
+) -> DrainCompleted | DrainFailed:
+    """The drain's verdict: as heard on the bus (``heard``), or as stored in the events stream after sequence
+    ``since_seq``. A verdict published while this client's connection was failing over to another server is not
+    heard (core NATS does not keep it), so the stream is read every second too, from where the last read ended."""
+    s = mesh.subjects
+    cursors = {s.pattern(kind, node=node): since_seq + 1 for kind in ("node.drain.completed", "node.drain.failed")}
+    end = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(asyncio.shield(heard), timeout=max(0.0, min(1.0, end - time.monotonic())))
+        for subject in cursors:
+            found = await _stored_verdict(mesh, subject, drain_id, cursors)
+            if found is not None:
+                return found
+        if time.monotonic() >= end:
+            raise TimeoutError(drain_id)
+
+
+async def _stored_verdict(
+    mesh: MeshClient, subject: str, drain_id: str, cursors: dict[str, int]
+) -> DrainCompleted | DrainFailed | None:
+    """The verdict of ``drain_id`` among the messages stored on ``subject`` (one node's verdicts) from the cursor on;
+    the cursor moves past what was read. None when there is none yet, or the stream cannot be read now."""
+    stream = mesh.subjects.events_stream.name
+    while True:
+        try:
+            raw = await mesh.bus.js.get_msg(stream, seq=cursors[subject], subject=subject, next=True)
+        except Exception:  # none after the cursor, or the stream not answering now: read again next time
+            return None
+        cursors[subject] = (raw.seq or cursors[subject]) + 1
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            event = codec.decode(raw.data or b"")
+            if isinstance(event, DrainCompleted | DrainFailed) and event.drain_id == drain_id:
+                return event
+
+
+async def _stream_end(mesh: MeshClient) -> int:
+    """The events stream's last sequence now (0 when it cannot be read): what is stored later is newer."""
+    try:
+        info = await mesh.bus.js.stream_info(mesh.subjects.events_stream.name)
+    except Exception:
+        return 0
+    return int(info.state.last_seq or 0)
 
 
 async def _evict_all(mesh: MeshClient, node: str, end: float, report: Report) -> list[str] | None:

@@ -37,6 +37,9 @@ UPGRADE_FAILURE_ANNOTATION = "gpuwarden.io/driver-upgrade-failure"
 CORDON_DRAIN_ANNOTATION = "gpuwarden.io/cordon-drain-id"
 """The drain asked for a node cordoned by someone other than the upgrade coordinator. The driver service reads it
 (``services/driver/upgrade.py``): a node cordoned with this annotation already set gets no second drain."""
+UPGRADE_WAS_CORDONED_ANNOTATION = "gpuwarden.io/driver-upgrade-was-cordoned"
+"""``true``: a person wants the node cordoned whatever the driver upgrade does; the upgrade leaves it cordoned
+when done (``services/driver/upgrade.py``, ``WAS_CORDONED_ANNOTATION``)."""
 _DRIVER_LABELS = ("nvidia.com/cuda.driver.major", "nvidia.com/cuda.driver.minor", "nvidia.com/cuda.driver.rev")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import msgspec
@@ -25,6 +26,20 @@ class DrainRequested(Event, frozen=True, kw_only=True, tag="node.drain.requested
     requested_by: str = ""
     deadline_s: float = msgspec.field(default=25.0)
     grace_period_s: float = 30.0
+
+
+def deadline_problem(deadline_s: float, grace_period_s: float = 30.0) -> str:
+    """Why a drain with this deadline cannot run (empty when it can): the savers need some time, and must be done
+    before the pods' grace period runs out. The checkpoint service refuses such a request with its failed
+    verdict; a sender (the CLI) checks first and sends nothing."""
+    if not math.isfinite(deadline_s) or deadline_s <= 0:
+        return f"deadline_s={deadline_s:g}: the savers need a positive number of seconds"
+    if deadline_s > grace_period_s:
+        return (
+            f"deadline_s={deadline_s:g} is beyond the pods' grace period (grace_period_s={grace_period_s:g}): "
+            "saving must be done before they are killed"
+        )
+    return ""
 
 
 class SessionFailure(msgspec.Struct, frozen=True, kw_only=True):
