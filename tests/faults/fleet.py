@@ -1,0 +1,194 @@
+"""A whole small fleet for fault scenarios: the simulated cluster and its workload (synthetic KV blocks), the real
+checkpoint service, one driver service per node (each answering for its own simulated GPUs; whichever leads
+coordinates upgrades), a client of the mesh as the CLI has it, and what the scenario needs to judge the outcome:
+every drain verdict as stored in the events stream, the invariant checker, traffic that brings sessions back.
+
+It runs on whatever NATS the settings name: the one server of the test session, or a cluster
+(``tests.servers.NatsCluster``) with R3 streams."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from services.checkpoint.config import CheckpointSettings
+from services.checkpoint.service import CheckpointService
+from services.driver.config import DriverSettings
+from services.driver.service import DriverService
+from services.driver.upgrade import STATE_LABEL
+from shared.console.client import MeshClient
+from shared.contract.node import DrainCompleted, DrainFailed
+from shared.contract.requests import InferenceRequest
+from shared.contract.subjects import Subjects
+from shared.kv.filestore import FileStore
+from shared.plumbing.bus import Bus, ConsumerSpec
+from shared.plumbing.configsync import redis_client
+from shared.plumbing.runner import RunningService, start_service
+from shared.plumbing.settings import Settings
+from shared.sim.cluster import SimCluster
+from shared.sim.gpus import SimGpus
+from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
+from shared.sim.workload import SimWorkload, verify_blocks
+from shared.wiring import Wiring
+from tests.faults.checker import Findings, check_invariants
+from tests.helpers import eventually
+
+SMALL_MODEL = ModelShape(layers=2, kv_heads=2, head_dim=64, block_tokens=16)  # 16 KiB synthetic blocks
+NODES = ("node-1", "node-2", "node-3")
+SPEC = SimSpec(
+    nodes=[NodeSpec(name=name) for name in NODES],
+    deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=3, max_unavailable=2, model=SMALL_MODEL)],
+)
+DRIVER_SETTINGS = DriverSettings(reconcile_s=0.2, lease_ttl_s=5, agent_timeout_s=2)
+NEW_DRIVER = "560.35.03"
+
+Verdict = DrainCompleted | DrainFailed
+
+
+@dataclass
+class Fleet:
+    settings: Settings
+    subjects: Subjects
+    spec: SimSpec
+    client: aioredis.Redis
+    cluster: SimCluster
+    store: FileStore
+    checkpoint: CheckpointService
+    workload: SimWorkload
+    bus: Bus
+    mesh: MeshClient
+    drivers: list[RunningService] = field(default_factory=list)
+    verdicts: dict[str, list[Verdict]] = field(default_factory=dict)
+    """Every drain verdict stored in the events stream, by drain id (read by a durable consumer: none is missed
+    while a connection fails over)."""
+
+    def gpus(self, node: str) -> SimGpus:
+        return SimGpus(self.client, self.subjects, self.spec, node)
+
+    async def begin(self, count: int, prompt: int = 40) -> list[str]:
+        """``count`` sessions, one turn each, served and registered with the checkpoint service."""
+        sessions = [f"chat-{i}" for i in range(count)]
+        served = self.workload.stats.served
+        for i, sid in enumerate(sessions):
+            await self.bus.publish(self.turn(sid, prompt + 7 * i))
+        await eventually(lambda: self.workload.stats.served >= served + count, timeout=60)
+
+        async def registered() -> bool:
+            on = [await self.checkpoint.registry.sessions_on_node(n.name) for n in self.spec.nodes]
+            return sum(len(s) for s in on) >= count
+
+        await eventually(registered, timeout=30)
+        return sessions
+
+    @staticmethod
+    def turn(sid: str, prompt: int = 5) -> InferenceRequest:
+        return InferenceRequest(namespace="llm", deployment="llama", session_id=sid, prompt_tokens=prompt)
+
+    async def talk(self, sessions: list[str], timeout: float = 90) -> None:
+        """One more turn of every session, all served (a session whose pod is gone is restored on the way)."""
+        served = self.workload.stats.served
+        for sid in sessions:
+            await self.bus.publish(self.turn(sid))
+        await eventually(lambda: self.workload.stats.served >= served + len(sessions), timeout=timeout)
+
+    def sessions_intact(self, sessions: list[str]) -> None:
+        """Nothing lost, and every session's blocks as its conversation built them, wherever it lives now."""
+        stats = self.workload.stats
+        assert stats.lost == 0, stats
+        for sid in sessions:
+            assert verify_blocks(sid, self.workload.session_blocks(sid) or []), sid
+
+    def one_verdict_each(self, drain_ids: list[str]) -> None:
+        """Every drain has a verdict, and only one: copies sent again (a redelivered request is answered with the
+        recorded verdict) all say the same."""
+        for drain_id in drain_ids:
+            seen = self.verdicts.get(drain_id, [])
+            assert seen, f"drain {drain_id}: no verdict"
+            kinds = {(type(v).__name__, v.node, v.sessions_committed) for v in seen}
+            assert len(kinds) == 1, f"drain {drain_id}: verdicts disagree: {kinds}"
+
+    async def upgraded(self, version: str) -> bool:
+        """Every node done with the upgrade and its GPUs on ``version``."""
+        nodes = await self.cluster.nodes()
+        if not all(n.labels.get(STATE_LABEL) == "upgrade-done" for n in nodes):
+            return False
+        return all([(await self.gpus(n.name).versions()).driver == version for n in nodes])
+
+    async def check(self, drains: list[str] = ()) -> Findings:  # type: ignore[assignment]
+        found = await check_invariants(self.store, self.client, self.subjects, drains=drains)
+        assert found, "\n".join(found.problems)
+        return found
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    settings: Settings, tmp_path: Path, spec: SimSpec = SPEC, *, drivers: bool = True
+) -> AsyncIterator[Fleet]:
+    subjects = Subjects(settings.root)
+    client = redis_client(settings.redis)
+    bus = await Bus.connect(settings.nats, subjects, "test")
+    await bus.ensure_streams()
+    cluster = await SimCluster.create(client, subjects, spec)
+    store = FileStore(tmp_path / "checkpoints")
+    checkpoint = CheckpointService(CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
+    started: list[RunningService] = []
+    workload_bus: Bus | None = None
+    workload: SimWorkload | None = None
+    mesh: MeshClient | None = None
+    try:
+        started.append(await start_service(checkpoint, settings, Wiring))
+        workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
+        workload = SimWorkload(workload_bus, cluster, store, spec, announce_s=1.0, tick_s=0.1)
+        await workload.start()
+        await eventually(lambda: len(workload.runtimes) == spec.deployments[0].replicas, timeout=30)
+        mesh = await MeshClient.open(settings, {}, source="cli")
+        f = Fleet(settings, subjects, spec, client, cluster, store, checkpoint, workload, bus, mesh)
+
+        async def on_verdict(event: Verdict) -> None:
+            seen = f.verdicts.setdefault(event.drain_id, [])
+            if all(v.event_id != event.event_id for v in seen):
+                seen.append(event)
+
+        await bus.consume(
+            ConsumerSpec(
+                durable="t-fleet-verdicts",
+                filter_subjects=(subjects.pattern("node.drain.completed"), subjects.pattern("node.drain.failed")),
+                accepts=(DrainCompleted, DrainFailed),
+                stream=subjects.events_stream,
+            ),
+            on_verdict,
+        )
+        if drivers:
+            for node in spec.nodes:
+                gpus = SimGpus(client, subjects, spec, node.name)
+                service = DriverService(DRIVER_SETTINGS, cluster=SimCluster(client, subjects), gpu=gpus)
+                f.drivers.append(await start_service(service, replace(settings, node=node.name), Wiring))
+                started.append(f.drivers[-1])
+        yield f
+    finally:
+        for running in reversed(started[1:]):
+            await running.stop(grace=1)
+        if workload is not None:
+            await workload.stop()
+        if workload_bus is not None:
+            await workload_bus.close(1)
+        if started:
+            await started[0].stop(grace=1)
+        if mesh is not None:
+            await mesh.close()
+        for stream in subjects.streams:
+            with contextlib.suppress(Exception):
+                await bus.js.delete_stream(stream.name)
+        await bus.close(1)
+        await cluster.close()
+        keys = [k async for k in client.scan_iter(match=f"{subjects.root}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+__all__ = ["NEW_DRIVER", "NODES", "SPEC", "Fleet", "fleet"]
