@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import msgspec
 import nats
@@ -67,11 +67,21 @@ Refused = Callable[[str, bytes, str], Awaitable[None]]
 
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 
+_T = TypeVar("_T")
+_DUPLICATE_IN_PROCESS = 10158
+"""JetStream's answer to a publish sent again while its first copy is still being stored (a retry during a leader
+change): temporary; once stored, the next retry is answered as a duplicate with the first copy's ack."""
+
 
 _NARROW: dict[tuple[type[Event], ...], msgspec.json.Decoder[Any]] = {}
 _encode = codec.encode
 _replace = msgspec.structs.replace
 _DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _narrow_decoder(accepts: tuple[type[Event], ...]) -> msgspec.json.Decoder[Any] | None:
@@ -173,8 +183,37 @@ class Subscription:
             await self.sub.unsubscribe()
 
 
+class Relinks:
+    """The reconnections of one NATS connection (to the same server or, in a cluster, to another one), for what
+    waits on a reply that may have been lost with the server it went to: ``next()`` is set on the next one."""
+
+    def __init__(self) -> None:
+        self._next = asyncio.Event()
+        self.count = 0
+
+    def happened(self) -> None:
+        self.count += 1
+        done, self._next = self._next, asyncio.Event()
+        done.set()
+
+    def next(self) -> asyncio.Event:
+        return self._next
+
+
 class Bus:
-    """A connection to NATS under one subject root. Create with ``await Bus.connect(...)``."""
+    """A connection to NATS under one subject root. Create with ``await Bus.connect(...)``.
+
+    Given several servers (a NATS cluster), the connection fails over to another one when its server goes; what
+    was in flight there is sent again: JetStream publishes (same ``Nats-Msg-Id``), requests (``request``), and
+    JetStream API calls (``API_DEADLINE``)."""
+
+    API_DEADLINE = 30.0
+    """Seconds a JetStream API call (stream and consumer lookups and creation) is tried again while the cluster
+    cannot answer it: its server failed over, or a meta or stream leader election is running."""
+
+    NO_RESPONDER_GRACE = 3.0
+    """Seconds a request answered "no responders" is sent again: long enough for responders connected to a server
+    that died to resubscribe on another, short enough that a responder that is really gone is said so soon."""
 
     def __init__(
         self,
@@ -199,6 +238,7 @@ class Bus:
         self._published_core = telemetry.published.get("core")
         self._published_js = telemetry.published.get("jetstream")
         self._refused: dict[str, float] = {}
+        self.relinks = Relinks()
 
     # -- connection ---------------------------------------------------------------------------------------------
     @classmethod
@@ -214,6 +254,7 @@ class Bus:
         telemetry = telemetry or Telemetry(source)
         up = telemetry.connection_up.labels("nats")
         refused: dict[str, float] = {}
+        relinks = Relinks()
         auth_failed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
         async def error_cb(exc: Exception) -> None:
@@ -234,7 +275,9 @@ class Bus:
 
         async def reconnected_cb() -> None:
             up.set(1)
-            log.info("nats reconnected")
+            relinks.happened()
+            url = nc.connected_url.geturl() if nc.connected_url else ""
+            log.info("nats reconnected", extra={"server": public_url(url)})
 
         options: dict[str, Any] = {
             "servers": list(settings.servers),
@@ -274,6 +317,7 @@ class Bus:
         up.set(1)
         bus = cls(nc, subjects, source, telemetry, replicas=settings.replicas)
         bus._refused = refused
+        bus.relinks = relinks
         return bus
 
     @property
@@ -315,16 +359,30 @@ class Bus:
             max_msg_size=DEFAULT_MAX_EVENT_BYTES * 4,
         )
         try:
-            info = await self.js.stream_info(spec.name)
+            info = await self._api(lambda: self.js.stream_info(spec.name))
         except nats.js.errors.NotFoundError:
             try:
-                await self.js.add_stream(config)
+                await self._api(lambda: self.js.add_stream(config))
             except nats.js.errors.BadRequestError:
-                await self.js.stream_info(spec.name)  # created by a peer meanwhile
+                await self._api(lambda: self.js.stream_info(spec.name))  # created by a peer meanwhile
         else:
             if set(info.config.subjects or ()) != set(spec.subjects):
-                await self.js.update_stream(config)
+                await self._api(lambda: self.js.update_stream(config))
         self._streams_ready.add(spec.name)
+
+    async def _api(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        """A JetStream API call, tried again for up to ``API_DEADLINE`` seconds while the cluster cannot answer it
+        (a timeout, no responders, 503): each call here is a lookup or an idempotent create."""
+        deadline = time.monotonic() + self.API_DEADLINE
+        delay = 0.1
+        while True:
+            try:
+                return await call()
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def ensure_streams(self) -> None:
         for spec in self.subjects.streams:
@@ -365,8 +423,10 @@ class Bus:
                 )
                 return
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                if isinstance(exc, nats.js.errors.APIError) and not isinstance(
-                    exc, nats.js.errors.ServiceUnavailableError
+                if (
+                    isinstance(exc, nats.js.errors.APIError)
+                    and not isinstance(exc, nats.js.errors.ServiceUnavailableError)
+                    and exc.err_code != _DUPLICATE_IN_PROCESS
                 ):
                     raise PublishFailed(f"{subject}: JetStream refused the event: {exc}") from exc
                 if self._refused.get(subject.lower(), 0.0) >= started:
@@ -463,16 +523,48 @@ class Bus:
             await self.nc.flush(timeout=2)
 
     async def request(self, subject: str, event: Event, timeout: float = 5.0) -> Event:
-        """Send a command and wait for its typed reply. Raises ``TimeoutError`` when nobody answers in time."""
+        """Send a command and wait for its typed reply. Raises ``TimeoutError`` when nobody answers in time.
+
+        Within ``timeout`` the command is sent again when the connection fails over while it waits (the request,
+        or its reply, may have gone with the old server), and for the first ``NO_RESPONDER_GRACE`` seconds while
+        nobody subscribes (the responders may be failing over too); commands are idempotent, so one answered
+        twice changes nothing."""
         if not event.source:
             event = msgspec.structs.replace(event, source=self.source)
-        try:
-            reply = await self.nc.request(subject, self.encode(event), timeout=timeout)
-        except nats.errors.NoRespondersError:
-            raise TimeoutError(f"{subject}: no responder") from None
-        except nats.errors.TimeoutError:
-            raise TimeoutError(f"{subject}: no reply within {timeout}s") from None
-        return codec.decode(reply.data)
+        data = self.encode(event)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        patience = loop.time() + min(timeout, self.NO_RESPONDER_GRACE)
+        pause = 0.05
+        while True:
+            relinked = asyncio.ensure_future(self.relinks.next().wait())
+            attempt = asyncio.ensure_future(self.nc.request(subject, data, timeout=max(0.01, deadline - loop.time())))
+            attempt.add_done_callback(_retrieved)  # an attempt given up on may still fail: nobody need hear it
+            try:
+                await asyncio.wait((attempt, relinked), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                attempt.cancel()
+                raise
+            finally:
+                relinked.cancel()
+            if not attempt.done():  # failed over meanwhile: ask the new server
+                attempt.cancel()
+                with contextlib.suppress(BaseException):
+                    await attempt
+                if loop.time() < deadline:
+                    continue
+                raise TimeoutError(f"{subject}: no reply within {timeout}s")
+            try:
+                reply = attempt.result()
+            except nats.errors.NoRespondersError:
+                if loop.time() + pause >= patience:
+                    raise TimeoutError(f"{subject}: no responder") from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
+            except nats.errors.TimeoutError:
+                raise TimeoutError(f"{subject}: no reply within {timeout}s") from None
+            return codec.decode(reply.data)
 
     async def serve(
         self,
@@ -577,12 +669,12 @@ class Bus:
             filter_subject=spec.filter_subjects[0] if len(spec.filter_subjects) == 1 else None,
         )
         try:
-            await self.js.consumer_info(spec.stream.name, spec.durable)
+            await self._api(lambda: self.js.consumer_info(spec.stream.name, spec.durable))
         except nats.js.errors.NotFoundError:
             try:
-                await self.js.add_consumer(spec.stream.name, config)
+                await self._api(lambda: self.js.add_consumer(spec.stream.name, config))
             except nats.js.errors.BadRequestError:
-                await self.js.consumer_info(spec.stream.name, spec.durable)
+                await self._api(lambda: self.js.consumer_info(spec.stream.name, spec.durable))
 
     PULL_EXPIRES = 1.0  # seconds a pull request stays open on the server
 

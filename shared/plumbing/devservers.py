@@ -56,19 +56,40 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: flo
 
 @dataclass
 class NatsServer:
-    """A nats-server with JetStream that a test owns: it can stop and restart it on the same port and store."""
+    """A nats-server with JetStream that a test owns: it can stop and restart it on the same port and store.
+
+    As one server of a cluster: ``name`` (unique in the cluster), ``cluster_port`` (its route listener),
+    ``routes`` (the other servers' route URLs), ``cluster_name`` (the same on every server); ``monitor_port``
+    serves the monitoring endpoints (``/jsz``: the JetStream meta leader)."""
 
     port: int = field(default_factory=free_port)
     store: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gw-nats-")))
     config: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    name: str = ""
+    cluster_port: int = 0
+    routes: tuple[str, ...] = ()
+    cluster_name: str = ""
+    monitor_port: int = 0
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def route_url(self) -> str:
+        return f"nats://127.0.0.1:{self.cluster_port}"
+
     def start(self) -> NatsServer:
         args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)]
+        if self.name:
+            args += ["-n", self.name]
+        if self.cluster_port:
+            args += ["--cluster", self.route_url, "--cluster_name", self.cluster_name or "gw"]
+            if self.routes:
+                args += ["--routes", ",".join(self.routes)]
+        if self.monitor_port:
+            args += ["-m", str(self.monitor_port)]
         if self.config:
             args += ["-c", str(self.config)]
         log = open(self.store / "server.log", "ab")
