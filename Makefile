@@ -28,11 +28,13 @@ install: $(STAMP) $(VENV)/.prometheus
 run: install
 	$(BIN)/gpuwarden up
 
+# Everything but the fault scenarios marked `long` (they run in `make faults`), to keep within its time budget.
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not long" $(PYTEST_ARGS)
 
-# The fault suite alone (it is part of `make test` too): real NATS, Redis and processes killed with SIGKILL, each
-# scenario followed by the invariant checker (tests/faults/checker.py).
+# The fault suite alone, the `long` scenarios included (the others are part of `make test` too): real NATS (a
+# 3-server cluster for failover), Redis and processes killed with SIGKILL, each scenario followed by the invariant
+# checker (tests/faults/checker.py).
 faults: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/faults $(PYTEST_ARGS)
 

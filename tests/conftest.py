@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
-from tests.servers import NatsServer, RedisServer, shared_servers
+from tests.servers import NatsCluster, NatsServer, RedisServer, shared_servers
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,26 @@ def own_nats() -> Iterator[NatsServer]:
     server = NatsServer().start()
     yield server
     server.cleanup()
+
+
+@pytest.fixture
+def nats_cluster() -> Iterator[NatsCluster]:
+    """A 3-server NATS cluster with JetStream (the production topology) this test may kill servers of."""
+    cluster = NatsCluster().start()
+    yield cluster
+    cluster.cleanup()
+
+
+@pytest.fixture
+def cluster_settings(nats_cluster: NatsCluster, servers: Servers, root: str) -> Settings:
+    """Settings as in production: every NATS server listed, streams replicated on three (R3)."""
+    return Settings(
+        nats=NatsSettings(servers=nats_cluster.urls, replicas=3),
+        redis=RedisSettings(url=servers.redis_url),
+        root=root,
+        node="node-1",
+        config_reread_s=0.5,
+    )
 
 
 @pytest.fixture

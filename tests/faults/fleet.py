@@ -8,8 +8,9 @@ It runs on whatever NATS the settings name: the one server of the test session, 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,8 +24,10 @@ from services.driver.upgrade import STATE_LABEL
 from shared.console.client import MeshClient
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.requests import InferenceRequest
+from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import Subjects
 from shared.kv.filestore import FileStore
+from shared.kv.manifest import CheckpointManifest
 from shared.plumbing.bus import Bus, ConsumerSpec
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.runner import RunningService, start_service
@@ -49,6 +52,27 @@ NEW_DRIVER = "560.35.03"
 Verdict = DrainCompleted | DrainFailed
 
 
+class GatedStore(FileStore):
+    """The real file store, whose commits wait while the test holds its ``gate`` closed: a drain is then surely
+    in flight (its savers have written their chunks and wait to commit) when the test strikes."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.held = 0
+        """Commits waiting at the closed gate now."""
+
+    async def commit_manifests(self, manifests: Sequence[CheckpointManifest]) -> None:
+        if not self.gate.is_set():
+            self.held += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.held -= 1
+        await super().commit_manifests(manifests)
+
+
 @dataclass
 class Fleet:
     settings: Settings
@@ -56,8 +80,8 @@ class Fleet:
     spec: SimSpec
     client: aioredis.Redis
     cluster: SimCluster
-    store: FileStore
-    checkpoint: CheckpointService
+    store: GatedStore
+    checkpoint: HeldWhere
     workload: SimWorkload
     bus: Bus
     mesh: MeshClient
@@ -102,12 +126,11 @@ class Fleet:
         for sid in sessions:
             assert verify_blocks(sid, self.workload.session_blocks(sid) or []), sid
 
-    def one_verdict_each(self, drain_ids: list[str]) -> None:
-        """Every drain has a verdict, and only one: copies sent again (a redelivered request is answered with the
-        recorded verdict) all say the same."""
+    async def one_verdict_each(self, drain_ids: list[str]) -> None:
+        """Every drain has a verdict in the stream, and only one: copies sent again (a redelivered request is
+        answered with the recorded verdict) all say the same."""
         for drain_id in drain_ids:
-            seen = self.verdicts.get(drain_id, [])
-            assert seen, f"drain {drain_id}: no verdict"
+            seen = await eventually(lambda d=drain_id: self.verdicts.get(d), timeout=30)
             kinds = {(type(v).__name__, v.node, v.sessions_committed) for v in seen}
             assert len(kinds) == 1, f"drain {drain_id}: verdicts disagree: {kinds}"
 
@@ -124,6 +147,22 @@ class Fleet:
         return found
 
 
+class HeldWhere(CheckpointService):
+    """The checkpoint service, whose first answer to ``where`` waits until the test lets it go: the request is
+    then surely in flight (asked, not answered) when the test strikes."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def on_where(self, event: WhereIsSession) -> SessionLocation:
+        if not self.asked.is_set():
+            self.asked.set()
+            await self.release.wait()
+        return await super().on_where(event)
+
+
 @contextlib.asynccontextmanager
 async def fleet(
     settings: Settings, tmp_path: Path, spec: SimSpec = SPEC, *, drivers: bool = True
@@ -133,8 +172,9 @@ async def fleet(
     bus = await Bus.connect(settings.nats, subjects, "test")
     await bus.ensure_streams()
     cluster = await SimCluster.create(client, subjects, spec)
-    store = FileStore(tmp_path / "checkpoints")
-    checkpoint = CheckpointService(CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
+    store = GatedStore(tmp_path / "checkpoints")
+    checkpoint = HeldWhere(CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
+    checkpoint.release.set()  # answers at once unless a scenario holds it
     started: list[RunningService] = []
     workload_bus: Bus | None = None
     workload: SimWorkload | None = None
@@ -145,7 +185,7 @@ async def fleet(
         workload = SimWorkload(workload_bus, cluster, store, spec, announce_s=1.0, tick_s=0.1)
         await workload.start()
         await eventually(lambda: len(workload.runtimes) == spec.deployments[0].replicas, timeout=30)
-        mesh = await MeshClient.open(settings, {}, source="cli")
+        mesh = await MeshClient.open(settings, {}, source="test-cli")
         f = Fleet(settings, subjects, spec, client, cluster, store, checkpoint, workload, bus, mesh)
 
         async def on_verdict(event: Verdict) -> None:
@@ -191,4 +231,4 @@ async def fleet(
         await client.aclose()
 
 
-__all__ = ["NEW_DRIVER", "NODES", "SPEC", "Fleet", "fleet"]
+__all__ = ["NEW_DRIVER", "NODES", "SPEC", "Fleet", "GatedStore", "HeldWhere", "fleet"]

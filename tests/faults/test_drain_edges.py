@@ -119,7 +119,7 @@ async def test_a_request_out_of_range_from_another_system_gets_its_failed_verdic
         for drain_id, deadline in drains.items():
             await f.bus.js.publish(subject, forged("node-1", drain_id, deadline))
         await eventually(lambda: set(drains) <= set(f.verdicts), timeout=30)
-        f.one_verdict_each(list(drains))
+        await f.one_verdict_each(list(drains))
         for drain_id in drains:
             (verdict,) = f.verdicts[drain_id]
             assert isinstance(verdict, DrainFailed) and verdict.node == "node-1", verdict
@@ -189,7 +189,7 @@ async def test_draining_every_node_during_a_rollout_and_a_driver_upgrade_deadloc
         nodes = await f.cluster.nodes()
         assert not any(n.schedulable for n in nodes)  # the drains' cordons outlive the upgrade
         assert all(isinstance(f.verdicts[d][0], DrainCompleted) for d in drain_ids)
-        f.one_verdict_each(sorted(f.verdicts))  # the drains and the upgrade's own
+        await f.one_verdict_each(sorted(f.verdicts))  # the drains and the upgrade's own
 
         for node in NODES:
             assert await operations.uncordon(f.mesh, node)
