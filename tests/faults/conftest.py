@@ -77,6 +77,11 @@ class Mesh:
         await eventually(lambda: self._registered(name))  # the service has heard its first announcement
         return pod
 
+    async def evict(self, pod: Pod) -> None:
+        """The pod goes away as an evicted pod does: its agent stops, and the registry hears it is leaving (its
+        sessions may then be taken by other pods)."""
+        await pod.endpoint.stop()
+
     async def announce(self, pod: Pod) -> None:
         """The pod announces what it holds; returns once the service has applied the announcement."""
         key = self.subjects.redis_key("kv", "alive", pod.name)

@@ -133,7 +133,7 @@ async def test_a_runner_killed_mid_drain_hands_the_drain_on_and_it_gets_one_verd
 async def _registered(settings: Settings, subjects: Subjects, count: int) -> bool:
     client = aioredis.Redis.from_url(settings.redis.url)
     try:
-        return await client.scard(subjects.redis_key("kv", "node", "node-1")) == count
+        return await client.hlen(subjects.redis_key("kv", "onnode", "node-1")) == count
     finally:
         await client.aclose()
 
