@@ -19,7 +19,7 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.settings import Settings
 from tests.faults.checker import check_invariants
-from tests.faults.test_drain_verdicts import Runner, runners  # noqa: F401  (the fixture)
+from tests.faults.conftest import Runner
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
 from tests.test_runner import fetch
@@ -43,7 +43,7 @@ async def test_replicas_share_periodic_saves_and_a_killed_ones_share_moves(
     subjects: Subjects,
     bus: Bus,
     tmp_path: Path,
-    runners: list[Runner],  # noqa: F811
+    runners: list[Runner],
 ) -> None:
     store_dir = tmp_path / "store"
     for _ in range(3):
