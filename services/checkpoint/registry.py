@@ -794,6 +794,14 @@ class SessionRegistry:
         return bool(first)
 
     @_redis_may_be_down
+    async def take_turn_or_wait(self, what: str, pod: str, owner: str, interval_s: float) -> int:
+        """Take the turn (0), or how many milliseconds the turn someone else took still runs."""
+        key = self._key("turn", what, pod)
+        if await self.client.set(key, owner, nx=True, px=max(1, int(interval_s * 1000))):
+            return 0
+        return max(1, int(await self.client.pttl(key)))
+
+    @_redis_may_be_down
     async def take_turn(self, what: str, pod: str, owner: str, interval_s: float) -> bool:
         """True for one caller per ``interval_s`` and pod (periodic saves across replicas and restarts)."""
         taken = await self.client.set(self._key("turn", what, pod), owner, nx=True, px=max(1, int(interval_s * 1000)))

@@ -89,6 +89,10 @@ log = logging.getLogger(__name__)
 GPU_FAILURE_SAVE_S = 20.0
 """The deadline a pod on a failing GPU gets for its save."""
 
+REPLICA_LEASE_S = 5.0
+"""How long a replica counts as alive without renewing (it renews every tick, at most a second apart): a replica
+that dies hands its share of periodic saves to the others within about this long."""
+
 SAVE_BATCH = 1000
 """Sessions named in one save command of a drain: the command and its report stay far below the bus's payload
 limit (about 200 bytes a session in a report)."""
@@ -176,7 +180,7 @@ class CheckpointService:
             "Live pods this replica saves periodically (its share)",
             registry=r,
         ).set_function(lambda: self._periodic_share)
-        self._save_slots = asyncio.Semaphore(max(1, self.policy().drain_parallelism))
+        self._save_slots = asyncio.Semaphore(self.settings.periodic_parallelism)
         self.m_locations = Counter(
             "gpuwarden_kv_session_locations_total",
             "kv.session.location events, by outcome (published, or lost: routers then ask where)",
@@ -380,9 +384,10 @@ class CheckpointService:
             interval = self.policy().periodic_interval_s
             await asyncio.sleep(min(1.0, max(0.05, interval / 20)) if interval > 0 else 1.0)
             interval = self.policy().periodic_interval_s  # the document may have changed meanwhile
-            if interval <= 0:
-                continue
             try:
+                if interval <= 0:  # still a member: shares are settled before periodic saves begin
+                    await self.registry.replicas(self.owner, REPLICA_LEASE_S)
+                    continue
                 await self._periodic_tick(interval)
             except TemporaryError as exc:
                 log.warning("periodic checkpoints skipped this turn", extra={"error": str(exc)})
@@ -400,9 +405,8 @@ class CheckpointService:
         return [pod for pod in live if share_of(pod, replicas) == self.owner]
 
     async def _periodic_tick(self, interval_s: float) -> None:
-        lease = max(5.0, min(interval_s, 30.0))
         now = time.monotonic()
-        mine = await self._my_pods(lease)
+        mine = await self._my_pods(REPLICA_LEASE_S)
         self._periodic_share = len(mine)
         for pod in mine:
             if pod in self._periodic_running or self._periodic_due.get(pod, 0.0) > now:
@@ -418,7 +422,7 @@ class CheckpointService:
     async def periodic_saves(self, interval_s: float) -> int:
         """One pass now over every live pod of this replica's share whose turn can be taken (tests and tools):
         returns how many pods saved something."""
-        mine = await self._my_pods(max(5.0, interval_s))
+        mine = await self._my_pods(REPLICA_LEASE_S)
         saved = await asyncio.gather(*(self._periodic_save(pod, interval_s) for pod in mine))
         return sum(saved)
 
@@ -426,7 +430,9 @@ class CheckpointService:
         """The pod's periodic save, if this replica takes its turn (one per interval and pod across replicas
         and restarts): only sessions with something new are written. Says whether anything was saved."""
         try:
-            if not await self.registry.take_turn("periodic", pod, self.owner, interval_s * 0.95):
+            held_ms = await self.registry.take_turn_or_wait("periodic", pod, self.owner, interval_s * 0.95)
+            if held_ms:  # another replica saved it this interval: due when its turn lapses, not an interval on
+                self._periodic_due[pod] = time.monotonic() + held_ms / 1000
                 return False
             started = time.monotonic()
             async with self._save_slots:

@@ -363,9 +363,8 @@ class AgentEndpoint:
                 except TimeoutError:
                     return  # nothing confirmed: sent again, with what changes meanwhile, next time
                 if not isinstance(answer, AnnouncementAck):
-                    log.warning(
-                        "announcement refused", extra={"pod": self.agent.pod, "why": getattr(answer, "reason", "")}
-                    )
+                    why = getattr(answer, "reason", "") or answer.kind
+                    log.warning(f"announcement not applied: {why}", extra={"pod": self.agent.pod})
                     return
                 if answer.stale:
                     log.warning(

@@ -190,6 +190,20 @@ def env_seconds(
     return value
 
 
+def env_count(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1, maximum: int = 100_000) -> int:
+    """A whole number setting (how many at once, how many at most) within ``minimum``..``maximum``."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected a whole number") from None
+    if not minimum <= value <= maximum:
+        raise SettingsError(f"{name}={raw!r}: expected a whole number from {minimum} to {maximum}")
+    return value
+
+
 def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
     """A setting that is one of ``choices`` (case and surrounding blanks ignored); empty or unset is ``default``."""
     value = env.get(name, "").strip().lower() or default
