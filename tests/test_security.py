@@ -31,10 +31,13 @@ from shared.contract.permissions import (
     PUBLISHES,
     SERVICES,
     USERS,
+    DURABLES,
     admin_permissions,
     agent_permissions,
+    durables_of,
     gateway_permissions,
     may_publish,
+    may_subscribe,
     nats_auth_config,
     service_permissions,
     subject_matches,
@@ -94,32 +97,86 @@ def test_each_service_may_publish_exactly_its_own_kinds(subjects: Subjects, serv
     other = next(s for s in SERVICES if s != service)
     assert not may_publish(perms, subjects.pattern("config.applied", name="models", service=other))
     assert may_publish(perms, subjects.deadletter(f"{service}-drains"))
-    assert may_publish(perms, "_INBOX.abc.def")
-    advisories = [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.name}.>" for spec in subjects.streams]
-    assert perms["subscribe"]["allow"] == [f"{subjects.root}.>", "_INBOX.>", *advisories]
+    # replies go through allow_responses: no publish right on anyone's inbox
+    assert not may_publish(perms, "_INBOX.abc.def") and perms["allow_responses"] is True
+    own = f"_INBOX.{user_name(subjects, service)}"
+    assert may_subscribe(perms, own + ".x.y") and may_subscribe(perms, own + ".>")
+    for elsewhere in ("_INBOX.>", "_INBOX.*.>", f"_INBOX.{user_name(subjects, other)}.>", f"{subjects.root}.>"):
+        assert not may_subscribe(perms, elsewhere), elsewhere
+
+
+def test_services_subscribe_only_to_what_they_hear(subjects: Subjects) -> None:
+    checkpoint = service_permissions(subjects, "checkpoint")
+    for verb in ("locate", "record", "restored", "serving"):
+        assert may_subscribe(checkpoint, subjects.agent_commands(verb))
+        for service in set(SERVICES) - {"checkpoint"}:  # nobody else may take (or answer) a pod's claims
+            assert not may_subscribe(service_permissions(subjects, service), subjects.agent_commands(verb))
+    announcements = subjects.pattern("checkpoint.agent.sessions")
+    assert {s for s in SERVICES if may_subscribe(service_permissions(subjects, s), announcements)} == {"checkpoint"}
+    where = subjects.command("checkpoint", "where")
+    assert {s for s in SERVICES if may_subscribe(service_permissions(subjects, s), where)} == {"checkpoint"}
+    assert may_subscribe(service_permissions(subjects, "scaler"), subjects.pattern("metrics.deployment.utilisation"))
 
 
 @pytest.mark.parametrize("service", SERVICES)
-def test_services_get_only_their_consumers_jetstream_api(subjects: Subjects, service: str) -> None:
-    perms = service_permissions(subjects, service)
-    for spec in subjects.streams:
+def test_services_reach_only_their_own_consumers(subjects: Subjects, service: str) -> None:
+    perms = service_permissions(subjects, service, node="node-1")
+    own = durables_of(subjects, service, "node-1")
+    assert own, service
+    for spec, durable in own:
         assert may_publish(perms, f"$JS.API.STREAM.INFO.{spec.name}")
-        assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}.{service}-x.{subjects.root}.node.*.y")
-        assert may_publish(perms, f"$JS.API.CONSUMER.DURABLE.CREATE.{spec.name}.{service}-x")
-        assert may_publish(perms, f"$JS.API.CONSUMER.INFO.{spec.name}.{service}-x")
-        assert may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.{service}-x")
-        assert may_publish(perms, f"$JS.ACK.{spec.name}.{service}-x.1.2.3.4.0")
+        assert may_publish(perms, f"$JS.API.CONSUMER.DURABLE.CREATE.{spec.name}.{durable}")
+        assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}.{durable}.{subjects.root}.node.*.y")
+        assert may_publish(perms, f"$JS.API.CONSUMER.INFO.{spec.name}.{durable}")
+        assert may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.{durable}")
+        assert may_publish(perms, f"$JS.API.CONSUMER.DELETE.{spec.name}.{durable}")
+        assert may_publish(perms, f"$JS.ACK.{spec.name}.{durable}.1.2.3.4.0")
+        assert may_subscribe(perms, f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.name}.{durable}")
+    mine = {durable for _, durable in own}
+    for other_service in SERVICES:
+        for spec, durable in durables_of(subjects, other_service, "node-1"):
+            if durable in mine:
+                continue
+            for api in ("CONSUMER.MSG.NEXT", "CONSUMER.DURABLE.CREATE", "CONSUMER.INFO", "CONSUMER.DELETE"):
+                assert not may_publish(perms, f"$JS.API.{api}.{spec.name}.{durable}"), (api, durable)
+            assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}.{durable}.x")
+            assert not may_publish(perms, f"$JS.ACK.{spec.name}.{durable}.1.2.3.4.0")
+    for spec in subjects.streams:
+        assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}")  # no ephemeral: any filter
+        assert not may_publish(perms, f"$JS.API.DIRECT.GET.{spec.name}")
         for verb in ("CREATE", "UPDATE", "DELETE", "PURGE"):
             assert not may_publish(perms, f"$JS.API.STREAM.{verb}.{spec.name}")
-        assert not may_publish(perms, f"$JS.API.CONSUMER.DELETE.{spec.name}.{service}-x")
     other = Subjects(subjects.root + "x")
     for spec in other.streams:
         assert not may_publish(perms, f"$JS.API.STREAM.INFO.{spec.name}")
-        assert not may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.{service}-x")
     for kind in PUBLISHES[service]:
         assert not may_publish(perms, concrete(other, kind))
     assert not may_publish(perms, "$JS.API.INFO")
     assert not may_publish(perms, "$JS.API.STREAM.NAMES")
+
+
+def test_a_node_scoped_service_without_its_node_gets_no_per_node_consumer(subjects: Subjects) -> None:
+    perms = service_permissions(subjects, "device")
+    assert durables_of(subjects, "device") == []
+    assert not any("CONSUMER" in subject for subject in perms["publish"]["allow"])
+
+
+def test_every_durable_consumer_a_service_creates_is_in_the_contract() -> None:
+    """``DURABLES`` is the table the permissions come from; every ``durable(...)`` a service's code names must be
+    in it, with its per-node scope (a consumer left out would be refused to its own service on a secured server)."""
+    import ast
+
+    found: set[tuple[str, str, bool]] = set()
+    for path in Path("services").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "durable":
+                args = node.args
+                if len(args) >= 2 and all(isinstance(a, ast.Constant) for a in args[:2]):
+                    service, purpose = (a.value for a in args[:2])  # type: ignore[attr-defined]
+                    if service != "workload":  # the request queues' consumers: the inference servers', not ours
+                        found.add((service, purpose, len(args) > 2))
+    table = {(d.service, d.purpose, d.per_node) for d in DURABLES}
+    assert found == table
 
 
 def test_nobody_but_checkpoint_may_report_a_drain_completed(subjects: Subjects) -> None:
@@ -177,8 +234,12 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
         concrete(subjects, "checkpoint.save.command", pod="llama-1"),
         concrete(subjects, "model.prepare.command", pod="llama-1"),  # its own prepare commands only
         subjects.pattern("kv.rollout.state"),  # every rollout's switch
-        "_INBOX.>",
+        f"_INBOX.{subjects.root}-agent-llama-1.>",  # its own replies only
     ]
+    assert not may_subscribe(perms, "_INBOX.>") and not may_publish(perms, "_INBOX.x.y")
+    assert perms["allow_responses"] is True  # it answers save commands as replies
+    assert not may_subscribe(perms, f"_INBOX.{subjects.root}-agent-llama-2.>")
+    assert not may_subscribe(perms, f"_INBOX.{subjects.root}-agent-llama-1x.>")
     anywhere = agent_permissions(subjects)
     assert may_publish(anywhere, concrete(subjects, "checkpoint.agent.sessions", pod="llama-7"))
     assert not any(p.startswith("$O.") for p in anywhere["publish"]["allow"])
@@ -230,8 +291,20 @@ def test_a_gateway_may_only_follow_locations_and_ask_where(subjects: Subjects) -
     assert perms["subscribe"]["allow"] == [
         subjects.pattern("kv.session.location"),
         subjects.pattern("kv.rollout.state"),
-        "_INBOX.>",
+        f"_INBOX.{subjects.root}-gateway.>",
     ]
+    events = subjects.events_stream.name
+    location = concrete(subjects, "kv.session.location", session_id="s1")
+    rollout = concrete(subjects, "kv.rollout.state", namespace="llm", deployment="llama")
+    assert may_publish(perms, f"$JS.API.DIRECT.GET.{events}.{location}")
+    assert may_publish(perms, f"$JS.API.DIRECT.GET.{events}.{rollout}")
+    for kind in ROUTES:  # read back: locations and rollouts only
+        if kind not in ("kv.session.location", "kv.rollout.state"):
+            assert not may_publish(perms, f"$JS.API.DIRECT.GET.{events}.{concrete(subjects, kind)}"), kind
+    assert not may_publish(perms, f"$JS.API.DIRECT.GET.{events}")  # a body could name any sequence
+    for api in ("CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.MSG.NEXT", "STREAM.MSG.GET", "CONSUMER.INFO"):
+        assert not any(api in subject for subject in perms["publish"]["allow"]), api
+    assert "allow_responses" not in perms
 
 
 def test_the_gateway_user_is_written_only_when_it_has_a_password(subjects: Subjects) -> None:
@@ -490,15 +563,10 @@ async def test_a_gateway_follows_locations_and_asks_where_under_its_own_user(
         await admin.publish(moved)  # (the checkpoint service publishes these; the admin may publish anything)
         await eventually(lambda: heard)
         assert heard[0].pod == "llama-1" and heard[0].sequence == 7
-        # a router starting late reads the newest location per session back from the stream, with its own consumer
-        catch_up = await gateway.js.pull_subscribe(
-            subjects.pattern("kv.session.location"),
-            stream=subjects.events_stream.name,  # named: looking streams up is not the gateway's to do
-            config=js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.LAST_PER_SUBJECT),
-        )
-        (msg,) = await catch_up.fetch(1, timeout=5)
-        assert b'"pod":"llama-1"' in msg.data
-        await msg.ack()
+        # a router starting late reads a session's newest location back from the stream: a direct get of the
+        # session's location subject (the stream named: looking streams up is not the gateway's to do)
+        msg = await gateway.js.get_msg(subjects.events_stream.name, subject=subjects.for_event(moved), direct=True)
+        assert msg.data is not None and b'"pod":"llama-1"' in msg.data
         answer = await gateway.request(subjects.command("checkpoint", "where"), WhereIsSession(session_id="s9"), 5)
         assert isinstance(answer, SessionLocation) and (answer.held, answer.reason) == (False, "unknown")
         forged = subjects.pattern("node.drain.requested", node="n1")

@@ -32,7 +32,7 @@ DOCUMENTED: dict[str, str] = {
         "auth: seconds a user the callout issues lasts at most (default 3600; a token's own expiry comes first); "
         "the client then connects anew"
     ),
-    "GPUWARDEN_AUTH_BUCKET": "auth: the Object Store bucket of the checkpoints the agents and the checkpoint service use",
+    "GPUWARDEN_AUTH_BUCKET": "auth: the Object Store bucket of checkpoints the agents and the checkpoint service use",
 }
 """Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 

@@ -295,11 +295,11 @@ class KubeCluster:
         """A TokenReview (authentication.k8s.io/v1): the API server checks the token's signature, expiry and
         audience, and for a bound token that its pod still exists with the same UID; its answer, as it gave it.
         The token goes in the request body only, never into a log line or an error."""
-        body = {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenReview",
-            "spec": {"token": token, "audiences": list(audiences)},
-        }
+        body = k8s.V1TokenReview(
+            api_version="authentication.k8s.io/v1",
+            kind="TokenReview",
+            spec=k8s.V1TokenReviewSpec(token=token, audiences=list(audiences)),
+        )
         answer = await _read(self._authentication.create_token_review_without_preload_content(body))
         status = answer.get("status") or {}
         user = status.get("user") or {}

@@ -35,22 +35,22 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import RedisSettings
 from shared.ports.cluster import (
+    NODE_NAME_EXTRA,
+    POD_NAME_EXTRA,
+    POD_UID_EXTRA,
     ClusterChange,
     ClusterError,
     DeploymentInfo,
     EvictionOutcome,
     NodeInfo,
-    NODE_NAME_EXTRA,
-    POD_NAME_EXTRA,
-    POD_UID_EXTRA,
     PodInfo,
     TokenReview,
 )
 from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec, object_key
+from shared.sim.spec import SimSpec, load_spec
 from shared.sim.tokens import TokenClaims, TokenInvalid, service_account_uid
 from shared.sim.tokens import sign as sign_token
 from shared.sim.tokens import verify as verify_token
-from shared.sim.spec import SimSpec, load_spec
 
 log = logging.getLogger(__name__)
 
