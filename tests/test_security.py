@@ -3,20 +3,28 @@ themselves and on a real nats-server that enforces them."""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import os
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import nats.js.errors
+import nkeys
 import pytest
 import redis.asyncio as aioredis
+import yaml
 from nats.js import api as js_api
 from nats.js.api import RawStreamMsg
 
+from services.auth import natsjwt
+from services.auth.authority import Authority, Verdict
+from services.auth.config import AuthSettings
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from shared.contract.configdocs import CheckpointPolicy
@@ -26,19 +34,24 @@ from shared.contract.permissions import (
     ADMIN,
     AGENT,
     ANY_NODE,
+    AUTH,
+    DURABLES,
     GATEWAY,
     NODE_SCOPED,
     PUBLISHES,
     SERVICES,
     USERS,
-    DURABLES,
+    Identity,
     admin_permissions,
     agent_permissions,
+    auth_permissions,
     durables_of,
     gateway_permissions,
     may_publish,
     may_subscribe,
     nats_auth_config,
+    nats_callout_config,
+    permissions,
     service_permissions,
     subject_matches,
     user_name,
@@ -48,11 +61,14 @@ from shared.contract.subjects import ROUTES, Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.objstore import NatsObjectStore
-from shared.plumbing.bus import Bus, PublishFailed
+from shared.plumbing.bus import Bus, ConsumerSpec, PublishFailed, consumer_drift
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.devservers import NatsServer
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import NatsSettings, RedisSettings, Secret, Settings
+from shared.ports.cluster import NODE_NAME_EXTRA, POD_NAME_EXTRA, ClusterError, TokenReview
+from shared.sim.cluster import SimCluster
+from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec
 from shared.wiring import Wiring
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
@@ -167,7 +183,7 @@ def test_every_durable_consumer_a_service_creates_is_in_the_contract() -> None:
     import ast
 
     found: set[tuple[str, str, bool]] = set()
-    for path in Path("services").rglob("*.py"):
+    for path in (Path(__file__).parents[1] / "services").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "durable":
                 args = node.args
@@ -577,3 +593,235 @@ async def test_a_gateway_follows_locations_and_asks_where_under_its_own_user(
         await gateway.close(grace=1.0)
         await running.stop(grace=1)
     _no_secrets_in("".join(map(str, errors)), passwords)
+
+
+# -- identity from credentials: NATS JWTs, tokens, the callout's decisions ------------------------------------------
+
+
+def _server_request(issuer: str, *, user: str = "", password: str = "", token: str = "", name: str = "") -> str:
+    """An authorization request as nats-server signs one (with a server key of this test's own)."""
+    server = nkeys.from_seed(bytearray(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_SERVER)))
+    user_key = nkeys.from_seed(bytearray(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)))
+    claims = {
+        "sub": issuer,
+        "aud": natsjwt.REQUEST_AUDIENCE,
+        "exp": int(time.time()) + 5,
+        "nats": {
+            "server_id": {"name": "n1", "host": "127.0.0.1", "id": server.public_key.decode()},
+            "user_nkey": user_key.public_key.decode(),
+            "client_info": {"host": "127.0.0.1", "name": name},
+            "connect_opts": {"user": user, "pass": password, "auth_token": token, "name": name},
+            "type": "authorization_request",
+            "version": 2,
+        },
+    }
+    return natsjwt.encode(claims, server, int(time.time()))
+
+
+def test_nats_jwts_verify_against_their_issuer_only() -> None:
+    issuer = natsjwt.account_key(natsjwt.new_account_seed())
+    public = issuer.public_key.decode()
+    request = natsjwt.read_request(_server_request(public, user="gw-scaler", password="pw"), public, time.time())
+    assert (request.user, request.password) == ("gw-scaler", "pw")
+    assert "pw" not in repr(request)
+    head, body, sig = _server_request(public, user="u").split(".")
+    tampered = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    tampered["nats"]["connect_opts"]["user"] = "gw-admin"
+    forged = base64.urlsafe_b64encode(json.dumps(tampered).encode()).rstrip(b"=").decode()
+    with pytest.raises(natsjwt.JwtError, match="signature"):
+        natsjwt.read_request(f"{head}.{forged}.{sig}", public, time.time())
+    other = natsjwt.account_key(natsjwt.new_account_seed()).public_key.decode()
+    with pytest.raises(natsjwt.JwtError, match="another issuer"):
+        natsjwt.read_request(_server_request(other, user="u"), public, time.time())
+    with pytest.raises(natsjwt.JwtError, match="expired"):
+        natsjwt.read_request(_server_request(public, user="u"), public, time.time() + 60)
+    with pytest.raises(natsjwt.JwtError, match="server"):  # an account may not pose as a server
+        natsjwt.read_request(natsjwt.encode({"sub": public, "nats": {}}, issuer, 0), public, time.time())
+    perms = permissions(Subjects("gw"), Identity(AGENT, pod="llama-1"))
+    user = natsjwt.encode(natsjwt.user_claims(request.user_nkey, "gw-agent-llama-1", perms, 99), issuer, 1)
+    claims = natsjwt.decode(user, "account")
+    assert claims["iss"] == public and claims["aud"] == "$G" and claims["exp"] == 99
+    assert claims["nats"]["pub"]["allow"] == perms["publish"]["allow"]
+    assert claims["nats"]["sub"]["allow"] == perms["subscribe"]["allow"]
+    assert claims["nats"]["resp"] == {"max": 1, "ttl": 0}
+
+
+async def test_the_simulated_cluster_reviews_its_tokens_as_kubernetes_does(redis_client: aioredis.Redis) -> None:
+    subjects = Subjects("t" + secrets.token_hex(5))
+    spec = SimSpec(
+        nodes=[NodeSpec(name="node-1", gpus=[GpuSpec(count=1)])],
+        deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2)],
+    )
+    now = [1_000_000.0]
+    cluster = await SimCluster.create(redis_client, subjects, spec, clock=lambda: now[0])
+    try:
+        running, pending = sorted(await cluster.pods(), key=lambda p: p.phase != "Running")
+        token = await cluster.issue_token("llm", running.name, ttl_s=600)
+        review = await cluster.review_token(token, ("gpuwarden",))
+        assert review.authenticated and review.pod == running.name and review.node == "node-1"
+        assert review.service_account == ("llm", "default") and review.pod_uid
+        assert not (await cluster.review_token(token, ("vault",))).authenticated
+        refused = await cluster.review_token(await cluster.issue_token("llm", pending.name), ("gpuwarden",))
+        assert not refused.authenticated and "Pending" in refused.error
+        now[0] += 600
+        assert "expired" in (await cluster.review_token(token, ("gpuwarden",))).error
+        with pytest.raises(ClusterError):
+            await cluster.issue_token("llm", "no-such-pod")
+        alone = await cluster.review_token(
+            await cluster.issue_token("gpuwarden", service_account="gpuwarden-checkpoint"), ("gpuwarden",)
+        )
+        assert (
+            alone.authenticated and alone.pod == "" and alone.service_account == ("gpuwarden", "gpuwarden-checkpoint")
+        )
+    finally:
+        await cluster.close()
+
+
+async def test_the_kubernetes_adapter_asks_the_tokenreview_api() -> None:
+    from shared.adapters.kube import KubeCluster
+    from tests.fake_kube_api import Access, FakeKubeApi
+
+    async with FakeKubeApi() as api:
+        user = {
+            "username": "system:serviceaccount:llm:llm-inference",
+            "uid": "u-1",
+            "groups": ["system:serviceaccounts"],
+            "extra": {
+                "authentication.kubernetes.io/pod-name": ["llama-7"],
+                "authentication.kubernetes.io/pod-uid": ["p"],
+            },
+        }
+        api.issue_token("projected-token", user, ("gpuwarden",))
+        kube = KubeCluster.from_host(api.url)
+        try:
+            review = await kube.review_token("projected-token", ("gpuwarden",))
+            assert (
+                review.authenticated and review.pod == "llama-7" and review.service_account == ("llm", "llm-inference")
+            )
+            assert not (await kube.review_token("projected-token", ("vault",))).authenticated
+            api.revoke_token("projected-token")  # its pod was deleted
+            gone = await kube.review_token("projected-token", ("gpuwarden",))
+            assert not gone.authenticated and "invalid bearer token" in gone.error
+        finally:
+            await kube.close()
+        assert api.used() == {Access("create", "authentication.k8s.io", "tokenreviews")}
+
+
+def test_the_auth_service_account_may_review_tokens_and_nothing_else() -> None:
+    rbac = yaml.safe_load_all((Path(__file__).parents[1] / "deploy/rbac/auth.yaml").read_text())
+    rules = [rule for doc in rbac if doc and doc.get("kind") == "ClusterRole" for rule in doc["rules"]]
+    assert rules == [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}]
+
+
+class Reviews:
+    """A TokenReviewer that answers from a table (token -> review)."""
+
+    def __init__(self, table: dict[str, TokenReview]) -> None:
+        self.table = table
+
+    async def review_token(self, token: str, audiences: tuple[str, ...]) -> TokenReview:
+        return self.table.get(token, TokenReview(authenticated=False, error="unknown"))
+
+
+def _sa(namespace: str, name: str, **extra: str) -> TokenReview:
+    keys = {"pod": POD_NAME_EXTRA, "node": NODE_NAME_EXTRA}
+    return TokenReview(
+        authenticated=True,
+        username=f"system:serviceaccount:{namespace}:{name}",
+        extra={keys[k]: (v,) for k, v in extra.items()},
+        audiences=("gpuwarden",),
+    )
+
+
+async def test_the_callout_takes_identity_from_credentials_only() -> None:
+    subjects = Subjects("gw")
+    reviews = Reviews(
+        {
+            "pod": _sa("llm", "llm-inference", pod="llama-1", node="node-1"),
+            "svc": _sa("gpuwarden", "gpuwarden-device", pod="device-abc", node="node-4"),
+            "other-ns": _sa("team-b", "x", pod="evil-1"),
+            "lonely": _sa("llm", "default"),
+        }
+    )
+    authority = Authority(
+        AuthSettings(agent_namespaces=("llm",)), subjects, {"device": "dpw", "admin": "apw"}, reviews, lambda: 100.0
+    )
+
+    async def decide(**fields: str) -> Verdict:
+        base = {"server_id": "N", "server_name": "", "user_nkey": "U", "client_host": "", "expires_at": 0}
+        given = {"user": "", "password": "", "token": "", "client_name": "", **fields}
+        return await authority.decide(natsjwt.AuthorizationRequest(**base, **given))  # type: ignore[arg-type]
+
+    agent = await decide(token="pod", client_name="agent/llama-2")  # the name it gives counts for nothing
+    assert agent.identity == Identity(AGENT, pod="llama-1", namespace="llm") and agent.expires_at == 3700
+    assert (await decide(token="svc")).identity == Identity("device", node="node-4")
+    assert (await decide(user="gw-device", password="dpw", client_name="device/node-2")).identity == Identity(
+        "device", node="node-2"
+    )
+    assert (await decide(user="gw-admin", password="apw", client_name="admin/node-2")).identity == Identity(ADMIN)
+    for refused in (
+        {"user": "gw-device", "password": "apw"},
+        {"user": "gw-agent", "password": "x"},
+        {"user": "gw-nobody", "password": ""},
+        {"token": "other-ns"},
+        {"token": "lonely"},
+        {"token": "unknown"},
+        {},
+    ):
+        verdict = await decide(**refused)
+        assert verdict.identity is None and verdict.reason, refused
+        assert "apw" not in verdict.reason and "dpw" not in verdict.reason
+
+
+async def test_a_consumer_whose_deliveries_were_changed_is_made_again_from_where_it_was(
+    bus: Bus, subjects: Subjects
+) -> None:
+    """A change JetStream cannot undo in place (another user made the consumer again, delivering only the last
+    message): the service deletes it and makes it again from the ack floor it found, so nothing after that is
+    skipped (what came before may be delivered again: handlers are idempotent)."""
+    await bus.ensure_streams()
+    spec = ConsumerSpec(
+        durable=subjects.durable("checkpoint", "drains"),
+        filter_subjects=(subjects.pattern("node.drain.requested"),),
+        accepts=(DrainRequested,),
+        stream=subjects.events_stream,
+    )
+    seen: list[str] = []
+
+    async def on_drain(event: DrainRequested) -> None:
+        seen.append(event.drain_id)
+
+    consumer = await bus.consume(spec, on_drain)
+    await bus.publish(DrainRequested(node="node-1", drain_id="before"))
+    await eventually(lambda: seen == ["before"])
+    await eventually(lambda: _acked(bus, spec, 1))
+    await consumer.stop(1)
+    stream = subjects.events_stream.name
+    info = await bus.js.consumer_info(stream, spec.durable)
+    await bus.js.delete_consumer(stream, spec.durable)
+    await bus.js.add_consumer(stream, replace(info.config, deliver_policy=js_api.DeliverPolicy.LAST, max_deliver=1))
+    await bus.publish(DrainRequested(node="node-1", drain_id="while-changed-1"))
+    await bus.publish(DrainRequested(node="node-1", drain_id="while-changed-2"))
+    await bus.consume(spec, on_drain)
+    await eventually(lambda: {"while-changed-1", "while-changed-2"} <= set(seen))
+    repaired = await bus.js.consumer_info(stream, spec.durable)
+    assert consumer_drift(repaired.config, Bus._consumer_config(spec)) == []
+    assert repaired.config.max_deliver == spec.max_deliver
+
+
+async def _acked(bus: Bus, spec: ConsumerSpec, seq: int) -> bool:
+    info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+    return info.ack_floor.stream_seq >= seq
+
+
+def test_the_callout_configuration_names_only_its_own_user(subjects: Subjects) -> None:
+    issuer = natsjwt.account_key(natsjwt.new_account_seed()).public_key.decode()
+    text = nats_callout_config(subjects, "pw-auth", issuer)
+    assert f'"issuer": "{issuer}"' in text and f'"auth_users": ["{user_name(subjects, AUTH)}"]' in text
+    users = json.loads(text[text.index("[") : text.index("\n  timeout")])
+    assert [u["user"] for u in users] == [user_name(subjects, AUTH)]
+    assert users[0]["permissions"] == auth_permissions()
+    with pytest.raises(ValueError, match="account public key"):
+        nats_callout_config(subjects, "pw", "U" + issuer[1:])
+    with pytest.raises(ValueError, match="no password"):
+        nats_callout_config(subjects, "", issuer)

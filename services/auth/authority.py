@@ -5,9 +5,10 @@
   its connection name gives (``device/node-3``, what the runner names it): the node's instances share one
   password, so they are one party, and the node only narrows what the instance can reach.
 - A Kubernetes service-account token: the cluster reviews it (signature, expiry, audience, and that the pod it is
-  bound to still exists). The service account ``<service namespace>/gpuwarden-<service>`` is that service (its
-  node, where the cluster names the pod's node); any other token bound to a pod is that pod's KV agent, in the
-  namespace and of the pod the cluster names, and nothing else. A KV agent never authenticates with a password.
+  bound to still exists). The service account ``<service namespace>/gpuwarden-<service>`` is that service (a
+  node-scoped one's node: the one the cluster names for its pod, else its connection name's, as for a password);
+  any other token bound to a pod is that pod's KV agent, in the namespace and of the pod the cluster names, and
+  nothing else. A KV agent never authenticates with a password.
 
 The verdict says who, until when, or why not; the service turns it into a signed user.
 """
@@ -65,7 +66,7 @@ class Authority:
         if request.user:
             return self._by_password(request)
         if request.token:
-            return await self._by_token(request.token)
+            return await self._by_token(request.token, request.client_name)
         return Verdict(None, reason="no credentials: a password or a service-account token is required")
 
     def _by_password(self, request: AuthorizationRequest) -> Verdict:
@@ -74,13 +75,10 @@ class Authority:
         if stored is None or not matches:
             return Verdict(None, reason=f"user {request.user!r}: unknown, or not this password", via="password")
         role = self._roles[request.user]
-        node = ""
-        if role in NODE_SCOPED:
-            _, _, named = request.client_name.partition("/")
-            node = named if named and not id_problem("node", named) else ""
+        node = _named_node(request.client_name) if role in NODE_SCOPED else ""
         return Verdict(Identity(role, node=node), self._expiry(None), via="password")
 
-    async def _by_token(self, token: str) -> Verdict:
+    async def _by_token(self, token: str, client_name: str) -> Verdict:
         if self.reviewer is None:
             return Verdict(None, reason="service-account tokens are not accepted here (no cluster)", via="token")
         audience = self.settings.audience
@@ -101,7 +99,8 @@ class Authority:
         if namespace == self.settings.service_namespace:
             for service in SERVICES:
                 if account == f"gpuwarden-{service}":
-                    node = review.node if service in NODE_SCOPED and not id_problem("node", review.node) else ""
+                    proven = review.node if not id_problem("node", review.node) else ""
+                    node = (proven or _named_node(client_name)) if service in NODE_SCOPED else ""
                     return Verdict(Identity(service, node=node), expires, via="token")
         pod = review.pod
         if not pod:
@@ -117,6 +116,12 @@ class Authority:
     def _expiry(self, token_expires: int | None) -> int:
         until = int(self.clock() + self.settings.user_ttl_s)
         return min(until, token_expires) if token_expires else until
+
+
+def _named_node(client_name: str) -> str:
+    """The node in a connection name ``<service>/<node>`` (as the runner names a node-scoped service's); ''."""
+    _, _, named = client_name.partition("/")
+    return named if named and not id_problem("node", named) else ""
 
 
 def _token_expiry(token: str) -> int | None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import nats.errors
 import nats.js.errors
 import pytest
-from nats.aio.msg import Msg
 import redis.asyncio as aioredis
+from nats.aio.msg import Msg
 
 from services.auth.config import AuthSettings
 from services.auth.natsjwt import account_key, new_account_seed
