@@ -80,11 +80,14 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 
 # -- publish / drain ------------------------------------------------------------------------------------------
-async def _connect(settings: Settings, source: str) -> Any:
+async def _connect(settings: Settings, source: str, streams: bool = True) -> Any:
+    """A bus for one command; ``streams``: make sure the streams exist first (the admin's commands; a pod's
+    preStop hook, under its KV agent's user, may not look streams up)."""
     from shared.plumbing.bus import Bus
 
     bus = await Bus.connect(settings.nats, Subjects(settings.root), source, connect_timeout=3.0)
-    await bus.ensure_streams()
+    if streams:
+        await bus.ensure_streams()
     return bus
 
 
@@ -569,7 +572,7 @@ def cmd_agent_final_save(args: argparse.Namespace) -> int:
         raise UsageError(f"agent final-save: {exc}") from None
 
     async def main() -> int:
-        bus = await _connect(settings, "prestop")
+        bus = await _connect(settings, "prestop", streams=False)
         try:
             reply = await bus.request(bus.subjects.for_event(command), command, timeout=args.deadline + 2)
         finally:
