@@ -275,7 +275,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             await samples.start()
             if not args.watch:
-                status = await snapshot.take(mesh, samples, args.sample)
+                status = await snapshot.take(mesh, samples, args.sample, node=args.node, max_sessions=args.sessions)
                 if args.json:
                     sys.stdout.write(snapshot.to_json(status).decode() + "\n")
                 else:
@@ -283,11 +283,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 return 0
             from rich.live import Live
 
-            status = await snapshot.take(mesh, samples, args.sample)
+            status = await snapshot.take(mesh, samples, args.sample, node=args.node, max_sessions=args.sessions)
             with Live(render.status_tables(status), console=render.console(), auto_refresh=False) as live:
                 while True:
                     await asyncio.sleep(args.interval)
-                    live.update(render.status_tables(await snapshot.take(mesh, samples)), refresh=True)
+                    again = await snapshot.take(mesh, samples, node=args.node, max_sessions=args.sessions)
+                    live.update(render.status_tables(again), refresh=True)
         finally:
             await samples.stop()
             await mesh.close()
@@ -746,6 +747,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="a live table, refreshed every --interval seconds")
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--sample", type=float, default=2.5, help="seconds to wait for every GPU's utilisation sample")
+    p.add_argument("--node", default="", type=_id_arg("node", optional=True), help="list only this node's sessions")
+    p.add_argument("--sessions", type=int, default=500, help="list at most this many sessions (default 500)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("events", help="the lifecycle events on the bus, as a table")

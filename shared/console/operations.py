@@ -126,7 +126,7 @@ async def drain(
     await _known_node(mesh, node)
     started = time.monotonic()
     result = DrainResult(node=node, drain_id=drain_id)
-    before = [s for s in await read_sessions(mesh) if s.node == node]
+    before = await read_sessions(mesh, node=node)
     result.sessions = [MovedSession(s.id, s.pod, s.generation) for s in before]
     verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 

@@ -576,8 +576,16 @@ class Bus:
                     log.exception("command handler failed", extra={"subject": msg.subject})
                     answer = DeadLetter(origin_subject=msg.subject, reason=f"temporary: {exc}", source=self.source)
             if msg.reply and answer is not None:
-                with contextlib.suppress(Exception):
-                    await msg.respond(codec.encode(answer))
+                data = codec.encode(answer)
+                limit = min(DEFAULT_MAX_EVENT_BYTES, self.nc.max_payload or DEFAULT_MAX_EVENT_BYTES)
+                if len(data) > limit:  # never dropped: the caller hears why
+                    reason = f"the answer ({answer.kind}, {len(data)} bytes) is over the bus's {limit} byte limit"
+                    log.error("answer too large", extra={"subject": msg.subject, "bytes": len(data)})
+                    data = codec.encode(DeadLetter(origin_subject=msg.subject, reason=reason, source=self.source))
+                try:
+                    await msg.respond(data)
+                except Exception as exc:
+                    log.warning("answer not sent", extra={"subject": msg.subject, "error": str(exc)})
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         self._subscriptions.append(sub)

@@ -3,7 +3,11 @@ sessions from the service (each under its own generation), and the invariant che
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +27,14 @@ from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus, ConsumerSpec
 from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.devservers import free_port
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
+from tests.test_runner import get
 
 
 @dataclass
@@ -76,6 +82,11 @@ class Mesh:
         self.pods.append(pod)
         await eventually(lambda: self._registered(name))  # the service has heard its first announcement
         return pod
+
+    async def evict(self, pod: Pod) -> None:
+        """The pod goes away as an evicted pod does: its agent stops, and the registry hears it is leaving (its
+        sessions may then be taken by other pods)."""
+        await pod.endpoint.stop()
 
     async def announce(self, pod: Pod) -> None:
         """The pod announces what it holds; returns once the service has applied the announcement."""
@@ -151,4 +162,41 @@ async def mesh(settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus)
     await client.aclose()
 
 
-__all__ = ["Mesh", "Pod", "expected", "np"]
+class Runner:
+    """The checkpoint service as its own process, to be killed with SIGKILL."""
+
+    def __init__(self, settings: Settings, store: Path) -> None:
+        self.port = free_port()
+        self.env = dict(
+            os.environ,
+            GPUWARDEN_NATS_URL=settings.nats.servers[0],
+            GPUWARDEN_REDIS_URL=settings.redis.url,
+            GPUWARDEN_ROOT=settings.root,
+            GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{self.port}",
+            GPUWARDEN_CHECKPOINT_STORE=f"file://{store}",
+            GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S="2",
+            GPUWARDEN_CHECKPOINT_GC_S="0",
+        )
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.checkpoint"], env=self.env)
+
+    def ready(self) -> bool:
+        try:
+            return get(self.port, "/readyz")[0] == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def runners() -> Iterator[list[Runner]]:
+    started: list[Runner] = []
+    yield started
+    for runner in started:
+        runner.kill()
+
+
+__all__ = ["Mesh", "Pod", "Runner", "expected", "np"]

@@ -7,7 +7,7 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from nats.aio.msg import Msg
 
@@ -26,7 +26,7 @@ from shared.kv.objstore.codec import (
 from shared.kv.objstore.reader import ChunkRun, plan_runs, read_run
 from shared.kv.objstore.stream import NO_MESSAGE, ApiError, ObjectStream
 from shared.kv.objstore.writer import NatsPackWriter, ObjectWriter
-from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, checked_ids, load_manifest
+from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, checked_ids, checked_pack, load_manifest
 
 log = logging.getLogger("shared.kv.objstore")
 
@@ -206,6 +206,12 @@ class NatsObjectStore(ObjectStream):
 
     async def delete_checkpoint(self, session_id: str, checkpoint_id: str) -> None:
         await self._delete_object(manifest_name(session_id, checkpoint_id))
+
+    async def pack_sizes(self, pack_ids: Iterable[str]) -> dict[str, int]:
+        """The size of each named pack that exists: one meta read each, never a scan of the bucket."""
+        ids = sorted(set(pack_ids))
+        metas = await asyncio.gather(*(self._meta(PACK_PREFIX + checked_pack(p)) for p in ids))
+        return {p: m.size for p, m in zip(ids, metas, strict=True) if m is not None}
 
     async def packs(self) -> list[PackInfo]:
         metas = await self._scan_metas()
