@@ -88,7 +88,12 @@ HEARS: dict[str, tuple[str, ...]] = {
     "device": (),
     "metrics": ("metrics.gpu.sample",),  # the bus aggregator hears every node's samples
     "scaler": ("metrics.deployment.utilisation", "requests.inference"),  # utilisation; queue arrivals
-    "checkpoint": ("checkpoint.agent.sessions", "kv.session.where"),  # announcements; the gateway's question
+    "checkpoint": (
+        "checkpoint.agent.sessions",  # announcements (answered)
+        "kv.session.where",  # a gateway's (or the CLI's) question
+        "kv.sessions.query",  # pages of sessions (the CLI's status)
+        "kv.fleet.query",  # session counts (the CLI's status)
+    ),
 }
 
 
