@@ -753,7 +753,7 @@ async def test_the_callout_takes_identity_from_credentials_only() -> None:
         return await authority.decide(natsjwt.AuthorizationRequest(**base, **given))  # type: ignore[arg-type]
 
     agent = await decide(token="pod", client_name="agent/llama-2")  # the name it gives counts for nothing
-    assert agent.identity == Identity(AGENT, pod="llama-1", namespace="llm") and agent.expires_at == 3700
+    assert agent.identity == Identity(AGENT, pod="llama-1", namespace="llm") and agent.expires_at == 0
     assert (await decide(token="svc")).identity == Identity("device", node="node-4")
     assert (await decide(user="gw-device", password="dpw", client_name="device/node-2")).identity == Identity(
         "device", node="node-2"

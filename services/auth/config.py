@@ -29,8 +29,8 @@ DOCUMENTED: dict[str, str] = {
         "auth: namespaces whose pods' tokens make KV agents, comma separated (default: any namespace)"
     ),
     "GPUWARDEN_AUTH_USER_TTL_S": (
-        "auth: seconds a user the callout issues lasts at most (default 3600; a token's own expiry comes first); "
-        "the client then connects anew"
+        "auth: seconds a user the callout issues lasts (default 0: as long as its connection; a token is checked "
+        "at each connect). The server closes an expired user's connection, which nats-py does not reopen"
     ),
     "GPUWARDEN_AUTH_BUCKET": "auth: the Object Store bucket of checkpoints the agents and the checkpoint service use",
 }
@@ -45,7 +45,9 @@ class AuthSettings:
     service_namespace: str = "gpuwarden"
     agent_namespaces: tuple[str, ...] = ()
     """Empty: a pod of any namespace may be a KV agent (of itself only)."""
-    user_ttl_s: float = 3600.0
+    user_ttl_s: float = 0.0
+    """0: a user lasts as long as its connection (a deleted pod's connection ends with its process; every
+    reconnect presents the token afresh and is reviewed again)."""
     bucket: str = ""
 
 
@@ -76,6 +78,6 @@ def load(env: Mapping[str, str] | None = None) -> AuthSettings:
         audience=audience,
         service_namespace=namespace,
         agent_namespaces=agents,
-        user_ttl_s=env_seconds(env, "GPUWARDEN_AUTH_USER_TTL_S", 3600.0, minimum=1.0),
+        user_ttl_s=env_seconds(env, "GPUWARDEN_AUTH_USER_TTL_S", 0.0, allow_zero=True),
         bucket=bucket,
     )

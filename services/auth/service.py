@@ -130,7 +130,8 @@ class AuthService:
             return encode(answer, self._signer, int(now)).encode()
         name = identity_name(self.subjects, verdict.identity)
         perms = permissions(self.subjects, verdict.identity, self.settings.bucket or None)
-        user = encode(user_claims(request.user_nkey, name, perms, verdict.expires_at), self._signer, int(now))
+        expires = verdict.expires_at or None
+        user = encode(user_claims(request.user_nkey, name, perms, expires), self._signer, int(now))
         self.tally.authorized[verdict.identity.role] = self.tally.authorized.get(verdict.identity.role, 0) + 1
         log.info("authorized", extra={**_described(request, verdict), "as": name, "until": verdict.expires_at})
         return encode(

@@ -473,3 +473,31 @@ async def test_nobody_but_its_owner_may_touch_a_services_consumer(mesh: SecuredM
     assert (await mesh.admin.js.consumer_info(stream, durable)).config.durable_name == durable
     await asyncio.sleep(0)
     await mesh.check()
+
+
+async def test_an_agent_reconnects_with_the_token_the_kubelet_wrote_last(mesh: SecuredMesh, tmp_path: Path) -> None:
+    """A reconnect presents the token file as it is then (the kubelet rewrites it before it expires), and the
+    callout reviews it again: the first token has expired by then, the second still works."""
+    await mesh.add_pod("llama-2", ["v1"])
+    token_file = tmp_path / "token"
+    token_file.write_text(await mesh.cluster.issue_token("llm", "llama-1", ttl_s=2))
+    settings = replace(mesh.as_token(token_file.read_text(), "llama-1"), token_file=token_file)
+    bus = await mesh.connect(settings, "agent/llama-1")
+    token_file.write_text(await mesh.cluster.issue_token("llm", "llama-1"))  # the kubelet's next one
+    first = token_file.read_text()
+    await eventually(lambda: _refused_now(mesh, settings.token), timeout=10)  # the first one has expired
+    mesh.server.stop()
+    mesh.server.start()
+    await eventually(lambda: bus.nc.stats["reconnects"] >= 1 and bus.connected, timeout=20)
+    answer = await bus.request(
+        mesh.subjects.agent_command("locate", "llama-1"), LocateCheckpoint(session_id="v9", pod="llama-1"), 5
+    )
+    assert isinstance(answer, CheckpointLocation)  # a working connection, as llama-1, again
+    assert token_file.read_text() == first
+    await mesh.check()
+
+
+async def _refused_now(mesh: SecuredMesh, token: Secret | None) -> bool:
+    assert token is not None
+    review = await mesh.cluster.review_token(token.reveal(), ("gpuwarden",))
+    return not review.authenticated
