@@ -489,11 +489,13 @@ async def test_an_agent_reconnects_with_the_token_the_kubelet_wrote_last(mesh: S
     mesh.server.stop()
     mesh.server.start()
     await eventually(lambda: bus.nc.stats["reconnects"] >= 1 and bus.connected, timeout=20)
-    answer = await bus.request(
-        mesh.subjects.agent_command("locate", "llama-1"), LocateCheckpoint(session_id="v9", pod="llama-1"), 5
-    )
-    assert isinstance(answer, CheckpointLocation)  # a working connection, as llama-1, again
+    # a working connection, as llama-1 again: its own subjects pass, another pod's are refused
+    other = mesh.subjects.for_event(AgentSessions(pod="llama-2", node="node-2"))
+    await bus.nc.publish(other, b"{}")
+    await bus.nc.flush()
+    await mesh.refused("agent/llama-1", "publish", other)
     assert token_file.read_text() == first
+    assert mesh.auth.ctx.health()["callouts"]["authorized"]["agent"] >= 3  # llama-2, llama-1, llama-1 again
     await mesh.check()
 
 
