@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
+from shared.contract.subjects import Subjects
 from shared.plumbing.errors import SettingsError
 
 DOCUMENTED: dict[str, str] = {
@@ -28,6 +30,14 @@ DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NATS_USER": "NATS user name (with GPUWARDEN_NATS_PASSWORD or _PASSWORD_FILE)",
     "GPUWARDEN_NATS_PASSWORD": "NATS password (prefer GPUWARDEN_NATS_PASSWORD_FILE)",
     "GPUWARDEN_NATS_TOKEN": "NATS token (or GPUWARDEN_NATS_TOKEN_FILE)",
+    "GPUWARDEN_NATS_TOKEN_FILE": (
+        "file holding the NATS token, read again at every (re)connect: a pod's projected service-account token, "
+        "which the kubelet refreshes"
+    ),
+    "GPUWARDEN_NATS_INBOX_PREFIX": (
+        "the inbox prefix of this connection's replies, _INBOX.<user> (default: from GPUWARDEN_NATS_USER; for a KV "
+        "agent authenticating with its pod's token, from GPUWARDEN_POD_NAME; else _INBOX)"
+    ),
     "GPUWARDEN_NATS_NKEY_SEED_FILE": "file holding an NKey seed",
     "GPUWARDEN_NATS_CREDS_FILE": "NATS .creds file (JWT + seed)",
     "GPUWARDEN_NATS_TLS_CA": "CA bundle to verify the NATS server",
@@ -86,6 +96,11 @@ class NatsSettings:
     creds_file: Path | None = None
     tls: TlsFiles = field(default_factory=TlsFiles)
     replicas: int = 1
+    token_file: Path | None = None
+    """Read again at every (re)connect (a projected service-account token rotates); ``token`` is its first read."""
+    inbox_prefix: str = ""
+    """Where replies to this connection go (``_INBOX.<user>``, ``shared.contract.permissions.inbox_prefix``);
+    empty: derived from ``user`` when there is one, else nats-py's ``_INBOX``."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +247,23 @@ def parse_host_port(name: str, raw: str) -> tuple[str, int]:
     return match["host"].strip("[]") or "0.0.0.0", int(match["port"])
 
 
+def _inbox_prefix(env: Mapping[str, str], root: str, user: str | None, token: bool) -> str:
+    """``GPUWARDEN_NATS_INBOX_PREFIX``, or the one the auth callout gives a KV agent proving its pod with a token
+    (``_INBOX.<root>-agent-<pod>``, from ``GPUWARDEN_POD_NAME``); empty: ``Bus.connect`` derives it from the user."""
+    raw = env.get("GPUWARDEN_NATS_INBOX_PREFIX", "").strip()
+    if raw:
+        if not re.fullmatch(r"_INBOX\.[A-Za-z0-9_\-]+", raw):
+            raise SettingsError(f"GPUWARDEN_NATS_INBOX_PREFIX={raw!r}: expected _INBOX.<one token>")
+        return raw
+    pod = env.get("GPUWARDEN_POD_NAME", "").strip()
+    if user or not token or not pod:
+        return ""
+    try:
+        return inbox_prefix(identity_name(Subjects(root), Identity(AGENT, pod=pod)))
+    except ValueError as exc:
+        raise SettingsError(f"GPUWARDEN_POD_NAME={pod!r}: {exc}") from None
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read every common setting, or raise ``SettingsError`` naming the variable that is wrong."""
     env = os.environ if env is None else env
@@ -254,16 +286,20 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if not re.match(r"^[A-Za-z][A-Za-z0-9_\-]{0,31}$", root):
         raise SettingsError(f"GPUWARDEN_ROOT={root!r}: a letter, then up to 31 letters, digits, '_' or '-'")
     node = env.get("GPUWARDEN_NODE") or os.uname().nodename.split(".")[0]
+    user = env.get("GPUWARDEN_NATS_USER") or None
+    token = _secret(env, "GPUWARDEN_NATS_TOKEN")
     return Settings(
         nats=NatsSettings(
             servers=servers,
-            user=env.get("GPUWARDEN_NATS_USER") or None,
+            user=user,
             password=_secret(env, "GPUWARDEN_NATS_PASSWORD"),
-            token=_secret(env, "GPUWARDEN_NATS_TOKEN"),
+            token=token,
+            token_file=_file(env, "GPUWARDEN_NATS_TOKEN_FILE") if not env.get("GPUWARDEN_NATS_TOKEN") else None,
             nkey_seed_file=_file(env, "GPUWARDEN_NATS_NKEY_SEED_FILE"),
             creds_file=_file(env, "GPUWARDEN_NATS_CREDS_FILE"),
             tls=_tls(env, "GPUWARDEN_NATS_TLS"),
             replicas=replicas,
+            inbox_prefix=_inbox_prefix(env, root, user, token is not None),
         ),
         redis=RedisSettings(
             url=redis_url,
