@@ -268,12 +268,13 @@ class SimWorkload:
                 runtime.stopping = True
                 self._spawn(self._pre_stop(runtime), f"prestop-{pod.name}")
         for name in [n for n in self.runtimes if n not in present]:
-            runtime = self.runtimes.pop(name)
-            await runtime.endpoint.stop()
+            runtime = self.runtimes[name]
+            killed = not runtime.stopping  # deleted without preStop: what was not checkpointed is gone
+            runtime.stopping = True  # no request is routed here any more
             await runtime.lock.acquire()  # the step under way ends first; those waiting find the pod gone
             runtime.gone = True
             runtime.lock.release()
-            if not runtime.stopping:  # killed without preStop: what was not checkpointed is gone
+            if killed:
                 gone = runtime.agent.sessions() + [s for s, p in self.preempted.items() if p.pod == name]
                 self.stats.lost += len(gone)
                 self.stats.lost_sessions.extend(gone)
@@ -284,6 +285,8 @@ class SimWorkload:
                 runtime.agent.forget_session(sid)
             for sid in [s for s, pod in self.home.items() if pod == name]:
                 del self.home[sid]
+            await runtime.endpoint.stop()  # it leaves: the registry hears its sessions are no longer held
+            del self.runtimes[name]
 
     async def _start_pod(self, pod: PodInfo) -> None:
         deployment = self.deployments[(pod.namespace, pod.deployment)]
