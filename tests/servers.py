@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -124,11 +125,18 @@ class ReplicatedRedis:
     def start(self, timeout: float = 30.0) -> ReplicatedRedis:
         self.primary.start()
         self.replica.start()
+        peers = [(free_port(), secrets.token_hex(20)) for _ in range(3)]
         self.sentinels = [
             RedisSentinel(
-                self.primary.port, self.service, failover_timeout_ms=30_000, known_replicas=(self.replica.port,)
+                self.primary.port,
+                self.service,
+                failover_timeout_ms=30_000,
+                known_replicas=(self.replica.port,),
+                known_sentinels=tuple(p for p in peers if p != (port, myid)),
+                port=port,
+                myid=myid,
             ).start()
-            for _ in range(3)
+            for port, myid in peers
         ]
         _until(self._sentinels_see_everyone, timeout, "the Sentinels know the replica and each other")
         self.wait_synced(timeout)

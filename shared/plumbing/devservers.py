@@ -7,6 +7,7 @@ run`` keeps its Redis under ``GPUWARDEN_HOME``)."""
 from __future__ import annotations
 
 import contextlib
+import secrets
 import shutil
 import socket
 import subprocess
@@ -130,6 +131,7 @@ class RedisServer:
             "--save", "",
             *durability,
             *replication,
+            "--repl-diskless-sync-delay", "0",  # a replica's first sync starts at once, not after 5 s
             "--logfile", str(self.dir / "redis.log"),
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -168,7 +170,7 @@ class RedisSentinel:
 
     ``down_after_ms``: how long the primary must not answer before this Sentinel thinks it down (production: 5-30 s;
     a test: 1 s). ``known_replicas``: ports of replicas it knows from the start, instead of after its first INFO of
-    the primary (up to 10 s)."""
+    the primary (up to 10 s). ``myid``: its Sentinel id (40 hex digits), for the others' ``known_sentinels``."""
 
     primary_port: int
     service: str = "gw-primary"
@@ -176,7 +178,10 @@ class RedisSentinel:
     down_after_ms: int = 1000
     failover_timeout_ms: int = 60_000
     known_replicas: tuple[int, ...] = ()
+    known_sentinels: tuple[tuple[int, str], ...] = ()
+    """(port, id) of the other Sentinels, known from the start instead of from their hello messages (every 2 s)."""
     port: int = field(default_factory=free_port)
+    myid: str = field(default_factory=lambda: secrets.token_hex(20))
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gw-sentinel-")))
     proc: subprocess.Popen[bytes] | None = None
 
@@ -193,10 +198,12 @@ class RedisSentinel:
                 "bind 127.0.0.1",
                 f"dir {self.dir}",
                 f"logfile {self.dir / 'sentinel.log'}",
+                f"sentinel myid {self.myid}",
                 f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port} {self.quorum}",
                 f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
                 f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}",
                 *(f"sentinel known-replica {self.service} 127.0.0.1 {port}" for port in self.known_replicas),
+                *(f"sentinel known-sentinel {self.service} 127.0.0.1 {p} {i}" for p, i in self.known_sentinels),
             ]
             config.write_text("\n".join(lines) + "\n")
         self.proc = subprocess.Popen(

@@ -11,6 +11,7 @@ handed out at or below one a stored checkpoint carries; every drain gets one ver
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -28,6 +29,25 @@ pytestmark = pytest.mark.timeout(240)
 QUIET = 600.0
 """Pods announce when what they hold changes, not on a timer, so that the registry after a failover is exactly
 what the promoted replica had."""
+
+
+class CountingStore:
+    """The service's view of the store, counting what it asks (the agents keep the store itself)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
 
 
 async def _restored_events(mesh: Mesh) -> list[SessionRestored]:
@@ -124,12 +144,33 @@ async def test_redis_failover_between_checkpoints_restores_every_session_from_it
         await pod.endpoint.stop()
     events = await _restored_events(mesh)
     rescuer = await mesh.add_pod("llama-4", "node-3", announce_s=QUIET)
+    mesh.service.store = counting = CountingStore(mesh.store)  # type: ignore[assignment]
     taken = await _restore_all(mesh, rescuer, sessions, newest, dict.fromkeys(sessions, 8))
+    # what the repair cost: one listing per restore, one manifest read per checkpoint only the store knew
+    assert counting.calls == {"checkpoints": 9, "manifest": 9}, counting.calls
     assert {sid: taken[sid] for sid in moved} == {"a0": 3, "b0": 3}
     await eventually(lambda: {e.session_id for e in events} == set(sessions))
     for event in events:
         assert event.checkpoint_id == newest[event.session_id] and newest[event.session_id] in event.from_store
     assert await _newest_recorded(mesh, sessions) == newest  # repaired
+    await mesh.check()
+
+
+async def test_a_restore_asks_the_store_for_one_listing_of_its_session_when_the_registry_is_whole(mesh: Mesh) -> None:
+    """The price of taking the store as the last word, without a failover: one listing of the session's own
+    checkpoints in the store per restore (sessions/<id>/ in the file store, the session's index in the Object
+    Store), no manifest read."""
+    pod = await mesh.add_pod("llama-1", "node-1", ["s1", "s2", "s3"], blocks=2, announce_s=QUIET)
+    for _ in range(2):
+        assert await mesh.periodic_turn() == 1
+        for sid in pod.agent.sessions():
+            pod.grow(sid, 1)
+    assert await mesh.periodic_turn() == 1
+    newest = await _newest_recorded(mesh, pod.agent.sessions())
+    rescuer = await mesh.add_pod("llama-2", "node-2", announce_s=QUIET)
+    mesh.service.store = counting = CountingStore(mesh.store)  # type: ignore[assignment]
+    await _restore_all(mesh, rescuer, pod.agent.sessions(), newest, dict.fromkeys(pod.agent.sessions(), 4))
+    assert counting.calls == {"checkpoints": 3}, counting.calls
     await mesh.check()
 
 
