@@ -5,6 +5,10 @@ Sentinels on loopback, tests/servers.py), including one that loses the writes th
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import redis.exceptions
@@ -15,7 +19,7 @@ from shared.plumbing.configsync import ConfigStore, ConfigWatcher, VersionedConf
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import Settings, load_settings, public_url, sentinel_url
 from tests.helpers import eventually, with_redis
-from tests.servers import ReplicatedRedis
+from tests.servers import ReplicatedRedis, free_port
 
 
 def test_a_sentinel_url_names_the_sentinels_the_master_and_the_database() -> None:
@@ -98,3 +102,24 @@ async def _read(store: ConfigStore) -> VersionedConfig | None:
 def _desired(watcher: ConfigWatcher) -> str:
     found = watcher.current("driver")
     return found.doc.desired_version if found is not None and isinstance(found.doc, DriverPolicy) else ""
+
+
+def test_a_cli_command_says_in_one_line_that_the_sentinels_do_not_answer(tmp_path: Path) -> None:
+    port = free_port()  # no Sentinel listens there
+    env = dict(
+        os.environ,
+        GPUWARDEN_HOME=str(tmp_path),
+        GPUWARDEN_REDIS_URL=f"redis+sentinel://gw:s3cret@127.0.0.1:{port}/gw-primary/0",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "config", "get", "driver"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].endswith(f"Redis at redis+sentinel://gw:***@127.0.0.1:{port}/gw-primary/0 is unreachable")
+    assert "s3cret" not in done.stderr + done.stdout

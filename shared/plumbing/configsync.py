@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 
 from shared.contract.configdocs import CONFIG_DOCUMENTS, ConfigDocument
 from shared.contract.subjects import Subjects
@@ -98,7 +98,14 @@ def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: i
         return aioredis.Redis.from_url(settings.url, **options)
     if address.tls:
         options["ssl"] = True
-    sentinel_options: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **tls}
+    # one try per Sentinel and question: the connection's own retries above ask them all again (redis-py's
+    # default for these clients backs off for seconds, which kept a CLI facing dead Sentinels waiting 15 s)
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+        **tls,
+    }
     if address.tls:
         sentinel_options["ssl"] = True
     if settings.sentinel_password:
