@@ -5,6 +5,7 @@ Sentinels on loopback, tests/servers.py), including one that loses the writes th
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -87,6 +88,19 @@ async def test_the_client_follows_a_failover_that_loses_the_last_writes(
         assert await store.write("driver", DriverPolicy(desired_version="570.86.10"), 1, "test") == 2
         await eventually(lambda: _desired(watcher) == "570.86.10", timeout=10)
         assert (await client.info("replication"))["role"] == "master"
+        # the CLI, given only the Sentinels, reads from the promoted replica too
+        env = dict(os.environ, GPUWARDEN_REDIS_URL=ha.url, GPUWARDEN_ROOT=subjects.root)
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "shared.cli", "config", "get", "driver"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        shown = json.loads(done.stdout)
+        assert shown["version"] == 2 and shown["doc"]["desired_version"] == "570.86.10"
     finally:
         await watcher.stop()
         await client.aclose()
