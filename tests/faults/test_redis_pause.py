@@ -38,7 +38,7 @@ from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
 from shared.sim.workload import SimWorkload
 from shared.wiring import Wiring
 from tests.faults.checker import check_invariants
-from tests.faults.conftest import Mesh, expected, open_mesh
+from tests.faults.conftest import expected, open_mesh
 from tests.helpers import eventually, with_redis
 from tests.servers import RedisServer
 
@@ -232,6 +232,3 @@ async def test_upgrade_driver_wait_follows_the_upgrade_through_a_redis_pause(
         await workload_bus.close(1)
         await cluster.close()
         await client.aclose()
-
-
-__all__ = ["Mesh"]
