@@ -156,7 +156,7 @@ async def test_upgrade_driver_wait_follows_the_upgrade_through_a_redis_pause(
     client = redis_client(settings.redis, timeout=10.0)
     cluster = await SimCluster.create(client, subjects, SPEC)
     store = FileStore(tmp_path / "checkpoints")
-    checkpoint = CheckpointService(CheckpointSettings(gc_interval_s=0.5, gc_grace_s=0), store=store)
+    checkpoint = CheckpointService(CheckpointSettings(gc_interval_s=0.5, gc_grace_s=5), store=store)
     await ConfigStore(client, subjects).write("checkpoint", CheckpointPolicy(keep_per_session=1), 0, "test")
     running: list[RunningService] = [await start_service(checkpoint, settings, Wiring)]
     workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
