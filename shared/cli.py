@@ -448,9 +448,11 @@ def cmd_upgrade_driver(args: argparse.Namespace) -> int:
     )
     tasks: dict[str, Any] = {}
     last: dict[str, str] = {}
+    latest: list[Any] = []
     steps = len(operations.STATE_ORDER)
 
     def report(nodes: list[Any]) -> None:
+        latest[:] = nodes
         for n in nodes:
             state = "done" if operations.node_done(n, args.version) else n.state or "waiting for a slot"
             if live:
@@ -477,8 +479,14 @@ def cmd_upgrade_driver(args: argparse.Namespace) -> int:
             if not args.wait:
                 return 0
             with progress if live else contextlib.nullcontext():
-                ok, why = await operations.follow_upgrade(mesh, args.version, args.timeout, report)
-            nodes = await operations.upgrade_progress(mesh, args.version)
+                ok, why = await operations.follow_upgrade(
+                    mesh,
+                    args.version,
+                    args.timeout,
+                    report,
+                    lambda why: err.print(f"upgrade-driver: {why}", markup=False),
+                )
+            nodes = latest
         finally:
             await mesh.close()
         if args.json:

@@ -47,7 +47,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -57,7 +57,7 @@ import redis.exceptions
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
 from shared.contract.sessions import SessionLocation, SessionRecord
 from shared.contract.subjects import Subjects
-from shared.kv.manifest import checkpoint_order
+from shared.kv.manifest import CheckpointManifest, checkpoint_order
 from shared.plumbing.errors import TemporaryError
 
 # The session's location, as one flat record (see ``_location``). With a ``reason`` it is a change: the
@@ -333,6 +333,26 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 
+# ARGV = prefix, sid, then (cid, score, generation, summary) for each checkpoint: records checkpoints the store
+# holds and the registry lost (a Redis failover), without the fence of ``_RECORD`` (the store is the last word on
+# what was committed), and raises the generation counter to the newest of them. Returns the ids recorded anew.
+_REPAIR = """
+local prefix, sid = ARGV[1], ARGV[2]
+local zkey = prefix .. ':kv:checkpoints:' .. sid
+local genkey = prefix .. ':kv:generation:' .. sid
+local added = {}
+for i = 3, #ARGV, 4 do
+  local cid, gen = ARGV[i], tonumber(ARGV[i + 2])
+  if not redis.call('ZSCORE', zkey, cid) then
+    redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[i + 3])
+    redis.call('ZADD', zkey, ARGV[i + 1], cid)
+    table.insert(added, cid)
+  end
+  if tonumber(redis.call('GET', genkey) or '0') < gen then redis.call('SET', genkey, gen) end
+end
+return added
+"""
+
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -454,6 +474,7 @@ class SessionRegistry:
         self._restored = client.register_script(_RESTORED)
         self._where = client.register_script(_WHERE)
         self._replicas = client.register_script(_REPLICAS)
+        self._repair = client.register_script(_REPAIR)
 
     def _key(self, *parts: str) -> str:
         return self.subjects.redis_key("kv", *parts)
@@ -711,6 +732,34 @@ class SessionRegistry:
             ],
         )
         return _text(refused), (_location(location) if location else None)
+
+    @_redis_may_be_down
+    async def repair_checkpoints(
+        self, session_id: str, manifests: Sequence[CheckpointManifest], store: str
+    ) -> list[str]:
+        """Record again checkpoints the store holds (verified manifests) that the registry lost, as a Redis
+        failover loses its last writes; the session's generation counter rises to the newest of them. Not fenced
+        by ownership: the store is the last word on what was committed. Idempotent; returns the ids recorded
+        anew."""
+        args: list[str | int | float] = [self.subjects.root, session_id]
+        for m in manifests:
+            summary = {
+                "session_id": session_id,
+                "checkpoint_id": m.checkpoint_id,
+                "generation": m.generation,
+                "sequence": m.sequence,
+                "bytes_total": m.bytes_total,
+                "bytes_written": m.bytes_written,
+                "token_count": m.token_count,
+                "store": store,
+                "pod": m.pod,
+                "node": m.node,
+                "recorded_at": time.time(),
+                "repaired_from_store": True,
+            }
+            args += [m.checkpoint_id, checkpoint_score(m.generation, m.sequence), m.generation, json.dumps(summary)]
+        added = await self._repair(keys=[self._key("checkpoints", session_id)], args=args)
+        return [_text(c) for c in added]
 
     @_redis_may_be_down
     async def checkpoints(self, session_id: str, limit: int = 16) -> list[dict[str, Any]]:

@@ -12,7 +12,10 @@ list summarised, the whole of it in Redis). A drain id that already has a verdic
 
 Sessions are owned: a pod takes one by claiming it (``locate`` with ``claim``), which hands out the session's
 next generation. Saves of an older generation are refused, so a pod that lost a session never rolls it back,
-and restores use the recorded checkpoints newest (generation, sequence) first.
+and restores use the checkpoints newest (generation, sequence) first. The store is the last word on what was
+committed: a restore considers every checkpoint of the session the store holds, and records again the newer
+ones a Redis failover made the registry lose; no generation is handed out at or below one a stored checkpoint
+carries.
 
 Periodic checkpoints: every ``periodic_interval_s`` of the ``checkpoint`` document each live pod is asked to
 save what it holds (incremental: only new blocks are written), so a pod that dies without its preStop loses at
@@ -37,6 +40,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from urllib.parse import unquote
 
 import msgspec
@@ -70,8 +74,8 @@ from shared.contract.sessions import (
     SessionsQuery,
     WhereIsSession,
 )
-from shared.kv.manifest import CheckpointManifest, checkpoint_order
-from shared.kv.store import CheckpointStore, StoreError
+from shared.kv.manifest import CheckpointManifest, checkpoint_order, newest_first
+from shared.kv.store import CheckpointNotFound, CheckpointStore, StoreError
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.errors import PermanentError, TemporaryError
@@ -108,6 +112,21 @@ REASON_CHARS = 500
 """A failure's reason as far as a verdict repeats it."""
 
 VERDICT_TTL_S = 7 * 24 * 3600.0
+
+RESTORE_CANDIDATES = 16
+"""Checkpoints a restore is offered, newest first."""
+
+
+@dataclass(frozen=True)
+class RestoreCandidates:
+    """What a restore of one session may use: ``ids`` newest (generation, sequence) first; ``floor`` the newest
+    generation any checkpoint of the session carries (the next one handed out is above it); ``from_store`` the
+    ids the registry had lost and got back from the store; ``bytes_total`` of the first."""
+
+    ids: list[str]
+    floor: int
+    from_store: list[str]
+    bytes_total: int
 
 
 class CheckpointService:
@@ -181,6 +200,11 @@ class CheckpointService:
             registry=r,
         ).set_function(lambda: self._periodic_share)
         self._save_slots = asyncio.Semaphore(self.settings.periodic_parallelism)
+        self.m_repaired = Counter(
+            "gpuwarden_checkpoint_registry_repaired_total",
+            "Checkpoints the registry had lost (a Redis failover) that restores found in the store and recorded again",
+            registry=r,
+        )
         self.m_locations = Counter(
             "gpuwarden_kv_session_locations_total",
             "kv.session.location events, by outcome (published, or lost: routers then ask where)",
@@ -280,16 +304,22 @@ class CheckpointService:
         return AnnouncementAck(pod=event.pod, seq=event.seq, resync=applied.resync, stale=applied.stale[:1000])
 
     async def retire_session(self, session_id: str) -> None:
-        """A finished conversation: its checkpoints go (their packs become garbage for the collector)."""
+        """A finished conversation: its checkpoints go (their packs become garbage for the collector), those only
+        the store still knows (a Redis failover lost their records) included. The registry forgets each one before
+        its file goes, so a Redis that fails meanwhile leaves no recorded checkpoint without its file."""
         assert self.store is not None
-        for record in await self.registry.checkpoints(session_id, limit=10_000):
-            cid = str(record["checkpoint_id"])
+        ids = {str(r["checkpoint_id"]) for r in await self.registry.checkpoints(session_id, limit=10_000)}
+        try:
+            ids |= set(await self.store.checkpoints(session_id))
+        except StoreError as exc:
+            log.warning("ended session's checkpoints not listed", extra={"session": session_id, "error": str(exc)})
+        for cid in sorted(ids, key=checkpoint_order):
+            await self.registry.forget_checkpoint(session_id, cid)
             try:
                 await self.store.delete_checkpoint(session_id, cid)
             except StoreError as exc:
                 log.warning("ended session's checkpoint not deleted", extra={"session": session_id, "error": str(exc)})
                 continue
-            await self.registry.forget_checkpoint(session_id, cid)
             self._manifest_cache.pop(cid, None)
 
     async def _gone_pods(self, node: str | None = None) -> set[str]:
@@ -781,19 +811,16 @@ class CheckpointService:
 
     # -- restores ---------------------------------------------------------------------------------------------------
     async def on_locate(self, event: LocateCheckpoint) -> CheckpointLocation:
-        """The session's recorded checkpoints, newest (generation, sequence) first; the store's own when the
-        registry has none (it lost its data). With ``claim``, the asking pod takes the session under its next
-        generation, above every generation the checkpoints carry. Not idempotent with ``claim`` (each claim is
-        a new generation), which is what makes a stale holder's saves refusable."""
+        """The session's checkpoints, newest (generation, sequence) first: those the store holds and those the
+        registry recorded (``_restore_candidates``). With ``claim``, the asking pod takes the session under its
+        next generation, above every generation the checkpoints carry. Not idempotent with ``claim`` (each claim
+        is a new generation), which is what makes a stale holder's saves refusable."""
         assert self.store is not None
-        recorded = await self.registry.checkpoints(event.session_id)
-        candidates = [str(r["checkpoint_id"]) for r in recorded]
-        if not candidates:
-            candidates = (await self.store.checkpoints(event.session_id))[:16]
+        found = await self._restore_candidates(event.session_id)
+        candidates = found.ids
         generation = 0
         if event.claim:
-            floor = max((checkpoint_order(c)[0] for c in candidates), default=0)
-            claim = await self._claim(event, floor)
+            claim = await self._claim(event, found.floor)
             if claim.refused:
                 return CheckpointLocation(
                     session_id=event.session_id,
@@ -813,9 +840,10 @@ class CheckpointService:
             found=True,
             checkpoint_id=candidates[0],
             store=self.store.url,
-            bytes_total=int(recorded[0].get("bytes_total", 0)) if recorded else 0,
+            bytes_total=found.bytes_total,
             generation=generation,
             candidates=candidates,
+            from_store=found.from_store,
         )
 
     async def _claim(self, event: LocateCheckpoint, floor: int) -> Claim:
@@ -846,6 +874,73 @@ class CheckpointService:
             log.warning("cluster unreadable; the holder is taken to run", extra={"pod": pod, "error": str(exc)})
             return True
         return any(p.name == pod and p.phase == "Running" for p in pods)
+
+    async def _restore_candidates(self, session_id: str) -> RestoreCandidates:
+        """What a restore of the session may use. The store is the last word on what was committed (Redis
+        replicates asynchronously: a failover loses its last writes), so every checkpoint of the session the
+        store holds is a candidate, with those the registry recorded. One the registry lacks that is newer than
+        all it recorded is verified (its manifest) and recorded again; one the registry recorded whose manifest
+        the store no longer has is forgotten (and still offered, so that the restore says it passed over it). The
+        floor for the next generation is the newest generation of any of them. When the store cannot be listed,
+        the registry's stand alone.
+
+        Costs one listing of the session in the store (a per-session index in every store), plus one manifest
+        read per checkpoint the two disagree on (none while they agree)."""
+        assert self.store is not None
+        found = await self.registry.checkpoints(session_id, RESTORE_CANDIDATES)
+        recorded = {str(r["checkpoint_id"]): r for r in found}
+        try:
+            stored = await self.store.checkpoints(session_id)
+        except StoreError as exc:
+            log.warning(
+                "store not listed; restore candidates from the registry alone",
+                extra={"session": session_id, "error": str(exc)},
+            )
+            ids = newest_first(list(recorded))
+            first = recorded.get(ids[0], {}) if ids else {}
+            return RestoreCandidates(
+                ids, max((checkpoint_order(c)[0] for c in ids), default=0), [], int(first.get("bytes_total", 0))
+            )
+        listed = set(stored)
+        gone = set()
+        for cid in [c for c in recorded if c not in listed]:
+            try:
+                await self.store.manifest(session_id, cid)
+            except CheckpointNotFound:
+                await self.registry.forget_checkpoint(session_id, cid)
+                gone.add(cid)
+                log.warning(
+                    "recorded checkpoint gone from the store; forgotten",
+                    extra={"session": session_id, "checkpoint": cid},
+                )
+            except StoreError:
+                pass  # there but unreadable: the restore passes over it and says why
+        newest = max((checkpoint_order(c) for c in recorded if c not in gone), default=None)
+        bytes_total = {cid: int(r.get("bytes_total", 0)) for cid, r in recorded.items()}
+        verified = []
+        for cid in stored[:RESTORE_CANDIDATES]:
+            if cid in recorded or (newest is not None and checkpoint_order(cid) < newest):
+                continue
+            try:
+                manifest = await self.store.manifest(session_id, cid)
+            except StoreError as exc:  # still a candidate: the restore passes over it and says why
+                log.warning("unrecorded checkpoint unreadable", extra={"session": session_id, "error": str(exc)})
+                continue
+            verified.append(manifest)
+            bytes_total[cid] = manifest.bytes_total
+        from_store: list[str] = []
+        if verified:
+            await self.registry.repair_checkpoints(session_id, verified, self.store.url)
+            from_store = [m.checkpoint_id for m in verified]
+            self.m_repaired.inc(len(from_store))
+            log.warning(
+                "the registry lacked the newest checkpoints of a session: taken from the store and recorded again",
+                extra={"session": session_id, "checkpoints": from_store, "newest_recorded": newest and newest[2]},
+            )
+        ids = newest_first(list(listed | set(recorded)))
+        floor = max((checkpoint_order(c)[0] for c in ids), default=0)
+        ids = ids[:RESTORE_CANDIDATES]
+        return RestoreCandidates(ids, floor, from_store, bytes_total.get(ids[0], 0) if ids else 0)
 
     async def on_restored(self, event: SessionRestored) -> SessionRestored:
         """Idempotent: a repeated report publishes ``checkpoint.restored`` again (deduplicated by its event id)
@@ -958,7 +1053,9 @@ class CheckpointService:
                 log.warning("retention skipped this turn", extra={"error": str(exc)})
 
     async def collect_garbage(self, now: float | None = None) -> tuple[int, int]:
-        """Apply the retention policy, then delete packs nothing references. Returns (checkpoints, packs)."""
+        """Apply the retention policy, then delete packs nothing references. Returns (checkpoints, packs). Each
+        doomed checkpoint leaves the registry before its file goes: when Redis fails in between, a checkpoint the
+        registry no longer names stays in the store until the next turn, never the other way round."""
         assert self.store is not None
         now = time.time() if now is None else now
         policy = self.policy()
@@ -981,9 +1078,9 @@ class CheckpointService:
             {p.pack_id: p.size for p in packs},
             now,
         )
-        for record in doomed:
-            await self.store.delete_checkpoint(record.session_id, record.checkpoint_id)
+        for record in doomed:  # the registry forgets first: a Redis failure here deletes nothing
             await self.registry.forget_checkpoint(record.session_id, record.checkpoint_id)
+            await self.store.delete_checkpoint(record.session_id, record.checkpoint_id)
             self._manifest_cache.pop(record.checkpoint_id, None)
         gone = {r.checkpoint_id for r in doomed}
         kept = [r for r in records if r.checkpoint_id not in gone]

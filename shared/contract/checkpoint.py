@@ -51,7 +51,9 @@ class CheckpointFailed(Event, frozen=True, kw_only=True, tag="checkpoint.failed"
 
 class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored"):
     """A pod restored a session from ``checkpoint_id`` and holds it under ``generation``; ``fell_back_from``
-    names each newer checkpoint it passed over and why (missing, unreadable, corrupt)."""
+    names each newer checkpoint it passed over and why (missing, unreadable, corrupt); ``from_store`` each
+    checkpoint the registry had lost (a Redis failover) that the checkpoint service found in the store and
+    recorded again: when ``checkpoint_id`` is one of them, only the store still knew the newest checkpoint."""
 
     family: ClassVar[str] = "checkpoint"
 
@@ -63,6 +65,7 @@ class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored
     duration_s: float = 0.0
     generation: int = 0
     fell_back_from: list[str] = msgspec.field(default_factory=list)
+    from_store: list[CheckpointId] = msgspec.field(default_factory=list)
 
 
 class CommittedCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,3 +217,6 @@ class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.locat
     """Why the claim was refused (nothing was handed out): another pod that is alive holds the session
     (``holder``; route the session's requests there), or the session belongs to another deployment."""
     holder: OptPodName = ""
+    from_store: list[CheckpointId] = msgspec.field(default_factory=list)
+    """Those of ``candidates`` newer than every checkpoint the registry recorded: the registry had lost them (a
+    Redis failover), the store holds them; verified and recorded again. The pod says so when it restores."""

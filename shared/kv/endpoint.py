@@ -525,6 +525,7 @@ class AgentEndpoint:
                     duration_s=time.monotonic() - started,
                     generation=answer.generation,
                     fell_back_from=restored.fell_back_from[:16],
+                    from_store=answer.from_store[:16],
                 ),
                 5.0,
             )

@@ -13,6 +13,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
 from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
 from shared.contract.subjects import Subjects
@@ -20,7 +21,10 @@ from shared.plumbing.errors import SettingsError
 
 DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NATS_URL": "NATS server URL(s), comma separated (default nats://127.0.0.1:4222)",
-    "GPUWARDEN_REDIS_URL": "Redis URL (default redis://127.0.0.1:6379/0; rediss:// for TLS)",
+    "GPUWARDEN_REDIS_URL": (
+        "Redis URL (default redis://127.0.0.1:6379/0; rediss:// for TLS); behind Sentinel: "
+        "redis+sentinel://host:port,host:port/<master name>/<db> (rediss+sentinel:// for TLS)"
+    ),
     "GPUWARDEN_ROOT": "subject root, stream prefix and Redis key prefix (default gw)",
     "GPUWARDEN_NODE": "the node a node-scoped service runs on (default: the host name)",
     "GPUWARDEN_BACKEND": "sim (simulated GPUs and cluster) or real (NVML and the Kubernetes API); default sim",
@@ -45,6 +49,7 @@ DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NATS_TLS_KEY": "client key for NATS mTLS",
     "GPUWARDEN_REDIS_USERNAME": "Redis ACL user",
     "GPUWARDEN_REDIS_PASSWORD": "Redis password (prefer GPUWARDEN_REDIS_PASSWORD_FILE)",
+    "GPUWARDEN_REDIS_SENTINEL_PASSWORD": "password of the Sentinels themselves, when they require one (or _FILE)",
     "GPUWARDEN_REDIS_TLS_CA": "CA bundle to verify the Redis server",
     "GPUWARDEN_REDIS_TLS_CERT": "client certificate for Redis mTLS (with GPUWARDEN_REDIS_TLS_KEY)",
     "GPUWARDEN_REDIS_TLS_KEY": "client key for Redis mTLS",
@@ -109,6 +114,56 @@ class RedisSettings:
     username: str | None = None
     password: Secret | None = None
     tls: TlsFiles = field(default_factory=TlsFiles)
+    sentinel_password: Secret | None = None
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """A Redis reached through its Sentinels: ``redis+sentinel://[user[:password]@]host:port[,host:port...]
+    /<master name>[/<db>]`` (``rediss+sentinel://``: TLS to the Sentinels and to Redis). Clients ask the
+    Sentinels which server is the primary now, and ask again when it fails over."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: Secret | None = None
+    tls: bool = False
+
+
+_SENTINEL_URL = re.compile(
+    r"^(?P<scheme>rediss?)\+sentinel://(?:(?P<user>[^:@/]*)(?::(?P<password>[^@/]*))?@)?(?P<hosts>[^/@]+)"
+    r"/(?P<service>[^/]+)(?:/(?P<db>[^/]*))?/?$"
+)
+
+
+def sentinel_url(url: str) -> SentinelUrl | None:
+    """The Sentinel address in ``url``; None for a plain ``redis://``, ``rediss://`` or ``unix://`` URL. Raises
+    ``SettingsError`` saying what is wrong with a malformed ``redis+sentinel://`` one."""
+    if not re.match(r"^rediss?\+sentinel://", url):
+        return None
+    name = "GPUWARDEN_REDIS_URL"
+    shown = public_url(url)
+    match = _SENTINEL_URL.match(url)
+    if match is None:
+        raise SettingsError(
+            f"{name}={shown!r}: expected redis+sentinel://host:port[,host:port...]/<master name>[/<db>]"
+        )
+    sentinels = tuple(
+        parse_host_port(name, hostport.strip(), "127.0.0.1:26379") for hostport in match["hosts"].split(",")
+    )
+    db = match["db"] or "0"
+    if not db.isdigit():
+        raise SettingsError(f"{name}={shown!r}: the database after the master name must be a number, not {db!r}")
+    user, password = match["user"], match["password"]
+    return SentinelUrl(
+        sentinels=sentinels,
+        service=unquote(match["service"]),
+        db=int(db),
+        username=unquote(user) if user else None,
+        password=Secret(unquote(password)) if password else None,
+        tls=match["scheme"] == "rediss",
+    )
 
 
 @dataclass(frozen=True)
@@ -130,7 +185,7 @@ class Settings:
 
 def public_url(url: str) -> str:
     """``url`` as it may be shown: a password in it (``redis://user:secret@host``) becomes ``***``."""
-    return re.sub(r"^([a-z]+://[^/@:]*:)[^/@]*@", r"\1***@", url)
+    return re.sub(r"^([a-z+]+://[^/@:]*:)[^/@]*@", r"\1***@", url)
 
 
 _HOSTPORT = re.compile(r"^(?P<host>[^:]*|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
@@ -240,10 +295,10 @@ def env_absolute_path(env: Mapping[str, str], name: str, default: str) -> Path:
     return Path(raw)
 
 
-def parse_host_port(name: str, raw: str) -> tuple[str, int]:
+def parse_host_port(name: str, raw: str, example: str = "0.0.0.0:8080") -> tuple[str, int]:
     match = _HOSTPORT.match(raw)
     if not match or int(match["port"]) > 65535:
-        raise SettingsError(f"{name}={raw!r}: expected host:port, e.g. 0.0.0.0:8080")
+        raise SettingsError(f"{name}={raw!r}: expected host:port, e.g. {example}")
     return match["host"].strip("[]") or "0.0.0.0", int(match["port"])
 
 
@@ -272,8 +327,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         if not re.match(r"^(nats|tls|ws|wss)://", server):
             raise SettingsError(f"GPUWARDEN_NATS_URL={server!r}: expected nats://host:port or tls://host:port")
     redis_url = env.get("GPUWARDEN_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if not re.match(r"^(redis|rediss|unix)://", redis_url):
-        raise SettingsError(f"GPUWARDEN_REDIS_URL={redis_url!r}: expected redis://, rediss:// or unix://")
+    if not re.match(r"^(redis|rediss|unix|redis\+sentinel|rediss\+sentinel)://", redis_url):
+        raise SettingsError(
+            f"GPUWARDEN_REDIS_URL={public_url(redis_url)!r}: expected redis://, rediss://, unix:// or redis+sentinel://"
+        )
+    sentinel_url(redis_url)  # a malformed Sentinel address is refused here, naming the variable
     backend = env.get("GPUWARDEN_BACKEND", "sim")
     if backend not in ("sim", "real"):
         raise SettingsError(f"GPUWARDEN_BACKEND={backend!r}: expected 'sim' or 'real'")
@@ -306,6 +364,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             username=env.get("GPUWARDEN_REDIS_USERNAME") or None,
             password=_secret(env, "GPUWARDEN_REDIS_PASSWORD"),
             tls=_tls(env, "GPUWARDEN_REDIS_TLS"),
+            sentinel_password=_secret(env, "GPUWARDEN_REDIS_SENTINEL_PASSWORD"),
         ),
         root=root,
         node=node,
