@@ -80,11 +80,14 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 
 # -- publish / drain ------------------------------------------------------------------------------------------
-async def _connect(settings: Settings, source: str) -> Any:
+async def _connect(settings: Settings, source: str, streams: bool = True) -> Any:
+    """A bus for one command; ``streams``: make sure the streams exist first (the admin's commands; a pod's
+    preStop hook, under its KV agent's user, may not look streams up)."""
     from shared.plumbing.bus import Bus
 
     bus = await Bus.connect(settings.nats, Subjects(settings.root), source, connect_timeout=3.0)
-    await bus.ensure_streams()
+    if streams:
+        await bus.ensure_streams()
     return bus
 
 
@@ -283,7 +286,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             await samples.start()
             if not args.watch:
-                status = await snapshot.take(mesh, samples, args.sample)
+                status = await snapshot.take(mesh, samples, args.sample, node=args.node, max_sessions=args.sessions)
                 if args.json:
                     sys.stdout.write(snapshot.to_json(status).decode() + "\n")
                 else:
@@ -291,11 +294,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 return 0
             from rich.live import Live
 
-            status = await snapshot.take(mesh, samples, args.sample)
+            status = await snapshot.take(mesh, samples, args.sample, node=args.node, max_sessions=args.sessions)
             with Live(render.status_tables(status), console=render.console(), auto_refresh=False) as live:
                 while True:
                     await asyncio.sleep(args.interval)
-                    live.update(render.status_tables(await snapshot.take(mesh, samples)), refresh=True)
+                    again = await snapshot.take(mesh, samples, node=args.node, max_sessions=args.sessions)
+                    live.update(render.status_tables(again), refresh=True)
         finally:
             await samples.stop()
             await mesh.close()
@@ -458,9 +462,11 @@ def cmd_upgrade_driver(args: argparse.Namespace) -> int:
     )
     tasks: dict[str, Any] = {}
     last: dict[str, str] = {}
+    latest: list[Any] = []
     steps = len(operations.STATE_ORDER)
 
     def report(nodes: list[Any]) -> None:
+        latest[:] = nodes
         for n in nodes:
             state = "done" if operations.node_done(n, args.version) else n.state or "waiting for a slot"
             if live:
@@ -487,8 +493,14 @@ def cmd_upgrade_driver(args: argparse.Namespace) -> int:
             if not args.wait:
                 return 0
             with progress if live else contextlib.nullcontext():
-                ok, why = await operations.follow_upgrade(mesh, args.version, args.timeout, report)
-            nodes = await operations.upgrade_progress(mesh, args.version)
+                ok, why = await operations.follow_upgrade(
+                    mesh,
+                    args.version,
+                    args.timeout,
+                    report,
+                    lambda why: err.print(f"upgrade-driver: {why}", markup=False),
+                )
+            nodes = latest
         finally:
             await mesh.close()
         if args.json:
@@ -583,7 +595,7 @@ def cmd_agent_final_save(args: argparse.Namespace) -> int:
         raise UsageError(f"agent final-save: {exc}") from None
 
     async def main() -> int:
-        bus = await _connect(settings, "prestop")
+        bus = await _connect(settings, "prestop", streams=False)
         try:
             reply = await bus.request(bus.subjects.for_event(command), command, timeout=args.deadline + 2)
         finally:
@@ -626,12 +638,26 @@ def where_line(at: SessionLocation) -> str:
 
 
 def cmd_nats_auth(args: argparse.Namespace) -> int:
-    """Print a nats-server authorization block: one least-privilege user per service, the KV agents, an admin, and
-    a gateway (a KV-aware router) when DIR has a ``gateway`` password file."""
-    from shared.contract.permissions import OPTIONAL_USERS, USERS, nats_auth_config
+    """Print a nats-server authorization block. With ``--issuer-seed-file``: the auth callout's (its own user, from
+    DIR's ``auth`` password file, and the issuer's public key; every other user is the callout's to authenticate,
+    ``services.auth``). Without: a static block of one least-privilege user per service, the KV agents, an admin,
+    and a gateway (a KV-aware router) when DIR has a ``gateway`` password file."""
+    from shared.contract.permissions import AUTH, OPTIONAL_USERS, USERS, nats_auth_config, nats_callout_config
 
     settings = _settings()
     directory = Path(args.password_dir)
+    if args.issuer_seed_file:
+        path = directory / AUTH
+        try:
+            password = path.read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"{path}: {exc.strerror} (the auth callout's own password)") from None
+        issuer = _issuer_public_key(Path(args.issuer_seed_file))
+        try:
+            print(nats_callout_config(Subjects(settings.root), password, issuer, timeout_s=args.timeout))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return 0
     passwords: dict[str, str] = {}
     for user in USERS:
         path = directory / user
@@ -659,6 +685,34 @@ def cmd_nats_auth(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return 0
+
+
+def _issuer_public_key(path: Path) -> str:
+    """The public key of the account seed in ``path``, written afresh (mode 0600) when there is none yet. The
+    seed itself is never printed: it goes to the auth service alone (``GPUWARDEN_AUTH_ISSUER_SEED_FILE``)."""
+    import nkeys
+
+    if not path.exists():
+        seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise UsageError(f"{path}: {exc.strerror}") from None
+        with os.fdopen(fd, "wb") as out:
+            out.write(bytes(seed) + b"\n")
+        print(
+            f"gpuwarden nats-auth: wrote a new issuer seed to {path} (give it to the auth service only)",
+            file=sys.stderr,
+        )
+    try:
+        public = nkeys.from_seed(bytearray(path.read_bytes().strip())).public_key.decode()
+    except OSError as exc:
+        raise UsageError(f"{path}: {exc.strerror}") from None
+    except Exception:
+        raise UsageError(f"{path}: not an nkey seed") from None
+    if not public.startswith("A"):
+        raise UsageError(f"{path}: not an account seed (its public key must start with A)")
+    return str(public)
 
 
 # -- schemas --------------------------------------------------------------------------------------------------
@@ -715,6 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="a live table, refreshed every --interval seconds")
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--sample", type=float, default=2.5, help="seconds to wait for every GPU's utilisation sample")
+    p.add_argument("--node", default="", type=_id_arg("node", optional=True), help="list only this node's sessions")
+    p.add_argument("--sessions", type=int, default=500, help="list at most this many sessions (default 500)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("events", help="the lifecycle events on the bus, as a table")
@@ -768,7 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_upgrade_driver)
 
     p = sub.add_parser("service", help="run one service in the foreground (python -m services.NAME)")
-    p.add_argument("name", choices=SERVICES)
+    p.add_argument("name", choices=(*SERVICES, "auth"))  # auth: the NATS auth callout of a secured mesh
     p.set_defaults(func=cmd_service)
 
     p = sub.add_parser("publish", help="validate and publish one event (JSON, @file or - for stdin)")
@@ -831,13 +887,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("session", type=_id_arg("session"))
     p.set_defaults(func=cmd_where)
 
-    p = sub.add_parser("nats-auth", help="print a nats-server authorization block, one user per service")
+    p = sub.add_parser("nats-auth", help="print a nats-server authorization block (static, or the auth callout's)")
     p.add_argument("--password-dir", required=True, help="folder with one file per user holding its password")
     p.add_argument("--node", default="", type=_id_arg("node", True), help="scope the node-scoped services to this node")
     p.add_argument(
         "--pod", default="", type=_id_arg("pod", True), help="scope the KV agents' user to this pod (default: any pod)"
     )
     p.add_argument("--bucket", default="", help="let the KV agents use this Object Store bucket (nats://<bucket>)")
+    p.add_argument(
+        "--issuer-seed-file",
+        default="",
+        help="the auth callout's account seed (written afresh when missing): print the callout's block instead",
+    )
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds the server waits for the callout (default 5)")
     p.set_defaults(func=cmd_nats_auth)
 
     add_rollout_parser(sub, _settings)

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
-from tests.servers import NatsCluster, NatsServer, RedisServer, shared_servers
+from tests.servers import NatsCluster, NatsServer, RedisServer, ReplicatedRedis, shared_servers
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,15 @@ def own_redis() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.cleanup()
+
+
+@pytest.fixture
+def replicated_redis() -> Iterator[ReplicatedRedis]:
+    """A Redis primary, a replica and three Sentinels of this test's own (``url`` is ``redis+sentinel://``): it may
+    cut the replica off and fail over (tests/servers.py)."""
+    servers = ReplicatedRedis().start()
+    yield servers
+    servers.cleanup()
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ gets the API server's answer: an ``ERROR`` event with a ``Status`` of code 410 (
 
 Served (enough for ``shared.adapters.kube``): nodes (get, list, watch, patch), pods (list, watch, and the eviction
 subresource, which honours PodDisruptionBudgets as the API server does), deployments (list, watch, and the scale
-subresource), poddisruptionbudgets (list) and leases (get, list, create, update, with resourceVersion
-preconditions). Every request is recorded as an ``Access`` (verb, API group, resource, namespace), which is what
-RBAC authorizes, so a test can hold the requests against the ClusterRoles in ``deploy/rbac``.
+subresource), poddisruptionbudgets (list), leases (get, list, create, update, with resourceVersion
+preconditions) and tokenreviews (create: the tokens a test has ``issue_token``-ed are genuine, for their
+audiences). Every request is recorded as an ``Access`` (verb, API group, resource, namespace), which is what RBAC
+authorizes, so a test can hold the requests against the ClusterRoles in ``deploy/rbac``.
 
 Tests steer it with ``block_next_evictions`` (429s), ``drop_watches`` (connections cut mid-stream),
 ``hold_watches`` / ``release_watches`` (a lagging watch cache) and ``compact`` (history gone: 410).
@@ -147,6 +148,9 @@ class FakeKubeApi:
         """When set, a request it refuses is answered 403 Forbidden, as RBAC would."""
         self.conflicts = 0
         """How many writes were refused with 409 Conflict for a stale resourceVersion."""
+        self.tokens: dict[str, tuple[Obj, tuple[str, ...]]] = {}
+        """token -> (the ``status.user`` a TokenReview of it answers, its audiences): what the API server knows of
+        the tokens it signed."""
         self._blocked_evictions = 0
         self._holding = False
         self._watchers: set[_Watcher] = set()
@@ -226,6 +230,14 @@ class FakeKubeApi:
         self.compacted = self.revision
         self.history.clear()
 
+    def issue_token(self, token: str, user: Obj, audiences: Iterable[str]) -> None:
+        """Make ``token`` one the API server signed for ``user`` (``username``, ``uid``, ``groups``, ``extra``)
+        and ``audiences``; ``revoke_token`` (its pod deleted) makes it invalid again."""
+        self.tokens[token] = (copy.deepcopy(user), tuple(audiences))
+
+    def revoke_token(self, token: str) -> None:
+        self.tokens.pop(token, None)
+
     def used(self) -> set[Access]:
         return set(self.accesses)
 
@@ -270,6 +282,8 @@ class FakeKubeApi:
             group, rest = m.group(1), m.group(2)
         else:
             raise _ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
+        if (group, rest) == ("authentication.k8s.io", "tokenreviews"):
+            return await self._review(request)
         parts = rest.split("/")
         namespace = ""
         if parts[0] == "namespaces" and len(parts) >= 3:
@@ -316,6 +330,29 @@ class FakeKubeApi:
         if name and not sub and verb == "update":
             return await self._update(request, res, namespace, name)
         raise _ApiError(405, "MethodNotAllowed", f"{request.method} is not supported on {path}")
+
+    async def _review(self, request: web.Request) -> web.StreamResponse:
+        """``POST /apis/authentication.k8s.io/v1/tokenreviews``: the answer is in ``status``, 201 either way."""
+        if request.method != "POST":
+            raise _ApiError(405, "MethodNotAllowed", f"{request.method} is not supported on tokenreviews")
+        access = Access("create", "authentication.k8s.io", "tokenreviews")
+        self.accesses.append(access)
+        if self.authorize is not None and not self.authorize(access):
+            message = 'tokenreviews.authentication.k8s.io is forbidden: cannot create resource "tokenreviews"'
+            raise _ApiError(403, "Forbidden", message, {"kind": "tokenreviews", "group": access.group})
+        body = await request.json()
+        spec = body.get("spec") or {}
+        wanted = tuple(spec.get("audiences") or ())
+        known = self.tokens.get(spec.get("token") or "")
+        result: Obj = {"authenticated": False, "user": {}}
+        if known is None:
+            result["error"] = "[invalid bearer token, token lookup failed]"
+        elif wanted and not set(wanted) & set(known[1]):
+            result["error"] = "[invalid bearer token, token audiences is invalid for the target audiences]"
+        else:
+            result = {"authenticated": True, "user": copy.deepcopy(known[0]), "audiences": list(wanted or known[1])}
+        answer = {"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1", "spec": spec, "status": result}
+        return web.json_response(answer, status=201)
 
     def _selected(self, res: tuple[str, str], namespace: str, query: Mapping[str, str]) -> Callable[[Obj], bool]:
         fields = _pairs(query.get("fieldSelector", ""))

@@ -197,6 +197,34 @@ async def test_core_subscription_and_request_reply(bus: Bus, subjects: Subjects)
     assert isinstance(letter, DeadLetter) and "missing required field `node`" in letter.reason
 
 
+async def test_an_answer_over_the_payload_limit_is_an_error_to_the_caller_never_silence(
+    bus: Bus, subjects: Subjects
+) -> None:
+    from shared.contract.node import DrainFailed, SessionFailure
+
+    async def answer(event: DrainRequested) -> DrainFailed:
+        failures = [SessionFailure(session_id=f"s{i}", reason="x" * 200) for i in range(10_000)]
+        return DrainFailed(node=event.node, drain_id=event.drain_id, reason="many", failed_sessions=failures)
+
+    subject = subjects.command("checkpoint", "huge")
+    await bus.serve(subject, answer, accepts=(DrainRequested,))
+    reply = await bus.request(subject, DrainRequested(node="n1", drain_id="d1"), 5)
+    assert isinstance(reply, DeadLetter) and "over the bus's" in reply.reason and "node.drain.failed" in reply.reason
+
+
+async def test_a_command_whose_body_names_another_pod_than_its_subject_is_refused(bus: Bus, subjects: Subjects) -> None:
+    from shared.contract.checkpoint import CheckpointLocation, LocateCheckpoint
+
+    async def answer(event: LocateCheckpoint) -> CheckpointLocation:
+        return CheckpointLocation(session_id=event.session_id, found=False)
+
+    await bus.serve(subjects.agent_commands("locate"), answer, (LocateCheckpoint,), scope_field="pod")
+    ok = await bus.request(subjects.agent_command("locate", "p1"), LocateCheckpoint(session_id="s", pod="p1"), 5)
+    assert isinstance(ok, CheckpointLocation)
+    refused = await bus.request(subjects.agent_command("locate", "p1"), LocateCheckpoint(session_id="s", pod="p2"), 5)
+    assert isinstance(refused, DeadLetter) and ".p1." in refused.reason and "'p2'" in refused.reason
+
+
 async def test_nats_restart_loses_no_acked_event_and_consumers_resume(
     settings: Settings, subjects: Subjects, own_nats: NatsServer
 ) -> None:

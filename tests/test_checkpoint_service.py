@@ -122,7 +122,10 @@ async def test_drain_commits_every_session_then_they_restore_elsewhere(
         lambda: {(p.pod, p.sessions_done, p.sessions_total) for p in progress} >= {("llama-1", 6, 6), ("llama-2", 5, 5)}
     )
     assert {p.drain_id for p in progress} == {"d1"}
-    # a new pod on another node restores each session, asking the service where it is
+    # the drained node's pods are evicted (their agents stop); a new pod on another node restores each session,
+    # asking the service where it is
+    for pod in (p1, p2):
+        await pod.endpoint.stop()
     newcomer = await add_pod("llama-9", "node-2", 0)  # type: ignore[operator]
     for pod in (p1, p2):
         for sid, blocks in pod.blocks.items():
@@ -252,9 +255,13 @@ async def test_periodic_and_prestop_saves_are_recorded(
     await bus.subscribe(subjects.pattern("checkpoint.saved"), on_saved, (CheckpointSaved,))
     # periodic checkpoints follow the checkpoint document: the service asks each announcing pod in turn
     await ConfigStore(redis_client, subjects).write("checkpoint", CheckpointPolicy(periodic_interval_s=0.3), 0, "t")
-    await mesh["add_pod"]("llama-7", "node-1", 2)  # type: ignore[operator]
+    pod = await mesh["add_pod"]("llama-7", "node-1", 2)  # type: ignore[operator]
     await eventually(lambda: len({e.session_id for e in saved}) == 2)
-    await eventually(lambda: len({e.checkpoint_id for e in saved}) >= 4)  # and again an interval later
+    # an interval later only what changed is saved again: a session with nothing new writes nothing
+    pod.agent.append_block("llama-7-s1", block_content("llama-7-s1", 4, LAYOUT.block_bytes))
+    await eventually(lambda: [e.session_id for e in saved].count("llama-7-s1") == 2)
+    assert [e.session_id for e in saved].count("llama-7-s0") == 1
+    assert [e.bytes_written for e in saved if e.session_id == "llama-7-s1"][-1] == LAYOUT.block_bytes
     assert all(e.drain_id == "" for e in saved)
     # the preStop hook, as a pod runs it: a separate process asks the agent for a final save
     env = dict(os.environ, GPUWARDEN_NATS_URL=settings.nats.servers[0], GPUWARDEN_ROOT=subjects.root)

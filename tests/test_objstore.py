@@ -54,9 +54,11 @@ async def store(nc: Client, root: str) -> AsyncIterator[NatsObjectStore]:
 
 
 async def stream_subjects(nc: Client, bucket: str, kind: str) -> dict[str, int]:
-    """Subjects of the bucket's stream with their message counts; kind "C" (chunks) or "M" (meta)."""
+    """Subjects of the bucket's stream with their message counts; kind "C" (chunks: one token after C, so not the
+    per-session index under C.index), "M" (meta) or "C.index" (the index entries)."""
+    wildcard = "*" if kind == "C" else ">"
     resp = await nc.request(
-        f"$JS.API.STREAM.INFO.OBJ_{bucket}", json.dumps({"subjects_filter": f"$O.{bucket}.{kind}.>"}).encode()
+        f"$JS.API.STREAM.INFO.OBJ_{bucket}", json.dumps({"subjects_filter": f"$O.{bucket}.{kind}.{wildcard}"}).encode()
     )
     return json.loads(resp.data)["state"].get("subjects") or {}
 
@@ -276,6 +278,69 @@ async def test_listing_deleting_batches_and_sweeping_orphans(store: NatsObjectSt
     assert await stream_subjects(nc, store.bucket, "C") == live
     restored = await make_agent(store, pod="p2").restore("s1")
     assert restored.manifest.checkpoint_id == first[0].checkpoint_id
+
+
+class _CountingStore(NatsObjectStore):
+    """Records every JetStream API request: which subject, with which body."""
+
+    requests: list[tuple[str, dict[str, Any]]]
+
+    async def api(
+        self, what: str, subject: str, body: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        self.requests.append((subject, body or {}))
+        return await super().api(what, subject, body, timeout)
+
+
+async def test_listing_a_session_reads_its_index_not_the_bucket(nc: Client, root: str) -> None:
+    """A restore lists its session's checkpoints: one request for the session's index entries and one meta read
+    per checkpoint of that session, however many other sessions the bucket holds."""
+    store = _CountingStore(nc, root)
+    store.requests = []
+    try:
+        agent = make_agent(store)
+        for i in range(30):
+            fill(agent, f"other-{i}", 1)
+        fill(agent, "s1", 2)
+        await agent.save()
+        agent.append_block("s1", block_content("s1", 2, LAYOUT.block_bytes))
+        await agent.save(["s1"])
+        store.requests.clear()
+        assert len(await store.checkpoints("s1")) == 2
+        infos = [body for subject, body in store.requests if subject.startswith("STREAM.INFO.")]
+        gets = [body for subject, body in store.requests if subject.startswith("STREAM.MSG.GET.")]
+        assert infos == [{"subjects_filter": f"$O.{root}.C.index.s1.*", "offset": 0}]
+        assert len(gets) == 2 and len(store.requests) == 3
+        assert await store.checkpoints("never-saved") == []
+    finally:
+        await store.close()
+        with contextlib.suppress(Exception):
+            await nc.jetstream().delete_object_store(root)
+
+
+async def test_manifests_without_an_index_entry_are_indexed_by_the_sweep(store: NatsObjectStore, nc: Client) -> None:
+    """A manifest written before the index existed (or by another client) is listed once the sweep has indexed
+    it; an entry whose manifest is gone names nothing and is purged by the sweep."""
+    agent = make_agent(store)
+    fill(agent, "s1", 2)
+    (saved,) = (await agent.save()).committed
+    index = await stream_subjects(nc, store.bucket, "C.index")
+    assert list(index) == [f"$O.{store.bucket}.C.index.s1.{saved.checkpoint_id}"]
+    await store.purge(next(iter(index)))  # as an older version of this store wrote it
+    assert await store.checkpoints("s1") == []
+    assert await store.sweep_orphans(grace_s=3600) == 0
+    assert await store.checkpoints("s1") == [saved.checkpoint_id]
+    # an entry of a manifest that never committed (its writer died between the two)
+    stale = f"$O.{store.bucket}.C.index.s1.g0000000009-s0000000001-000000000000"
+    await nc.jetstream().publish(stale, b"")
+    assert await store.checkpoints("s1") == [saved.checkpoint_id]
+    assert await store.sweep_orphans(grace_s=3600) == 0  # it may still be on its way: kept for the grace period
+    assert await store.sweep_orphans(grace_s=0) == 1
+    assert list(await stream_subjects(nc, store.bucket, "C.index")) == [
+        f"$O.{store.bucket}.C.index.s1.{saved.checkpoint_id}"
+    ]
+    await store.delete_checkpoint("s1", saved.checkpoint_id)
+    assert await stream_subjects(nc, store.bucket, "C.index") == {}
 
 
 async def test_server_side_block_file_corruption_is_caught_and_restore_falls_back(

@@ -3,20 +3,28 @@ themselves and on a real nats-server that enforces them."""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import os
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import nats.js.errors
+import nkeys
 import pytest
 import redis.asyncio as aioredis
+import yaml
 from nats.js import api as js_api
 from nats.js.api import RawStreamMsg
 
+from services.auth import natsjwt
+from services.auth.authority import Authority, Verdict
+from services.auth.config import AuthSettings
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from shared.contract.configdocs import CheckpointPolicy
@@ -26,16 +34,24 @@ from shared.contract.permissions import (
     ADMIN,
     AGENT,
     ANY_NODE,
+    AUTH,
+    DURABLES,
     GATEWAY,
     NODE_SCOPED,
     PUBLISHES,
     SERVICES,
     USERS,
+    Identity,
     admin_permissions,
     agent_permissions,
+    auth_permissions,
+    durables_of,
     gateway_permissions,
     may_publish,
+    may_subscribe,
     nats_auth_config,
+    nats_callout_config,
+    permissions,
     service_permissions,
     subject_matches,
     user_name,
@@ -45,11 +61,14 @@ from shared.contract.subjects import ROUTES, Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.objstore import NatsObjectStore
-from shared.plumbing.bus import Bus, PublishFailed
+from shared.plumbing.bus import Bus, ConsumerSpec, PublishFailed, consumer_drift
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.devservers import NatsServer
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import NatsSettings, RedisSettings, Secret, Settings
+from shared.ports.cluster import NODE_NAME_EXTRA, POD_NAME_EXTRA, ClusterError, TokenReview
+from shared.sim.cluster import SimCluster
+from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec
 from shared.wiring import Wiring
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
@@ -94,32 +113,86 @@ def test_each_service_may_publish_exactly_its_own_kinds(subjects: Subjects, serv
     other = next(s for s in SERVICES if s != service)
     assert not may_publish(perms, subjects.pattern("config.applied", name="models", service=other))
     assert may_publish(perms, subjects.deadletter(f"{service}-drains"))
-    assert may_publish(perms, "_INBOX.abc.def")
-    advisories = [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.name}.>" for spec in subjects.streams]
-    assert perms["subscribe"]["allow"] == [f"{subjects.root}.>", "_INBOX.>", *advisories]
+    # replies go through allow_responses: no publish right on anyone's inbox
+    assert not may_publish(perms, "_INBOX.abc.def") and perms["allow_responses"] is True
+    own = f"_INBOX.{user_name(subjects, service)}"
+    assert may_subscribe(perms, own + ".x.y") and may_subscribe(perms, own + ".>")
+    for elsewhere in ("_INBOX.>", "_INBOX.*.>", f"_INBOX.{user_name(subjects, other)}.>", f"{subjects.root}.>"):
+        assert not may_subscribe(perms, elsewhere), elsewhere
+
+
+def test_services_subscribe_only_to_what_they_hear(subjects: Subjects) -> None:
+    checkpoint = service_permissions(subjects, "checkpoint")
+    for verb in ("locate", "record", "restored", "serving"):
+        assert may_subscribe(checkpoint, subjects.agent_commands(verb))
+        for service in set(SERVICES) - {"checkpoint"}:  # nobody else may take (or answer) a pod's claims
+            assert not may_subscribe(service_permissions(subjects, service), subjects.agent_commands(verb))
+    announcements = subjects.pattern("checkpoint.agent.sessions")
+    assert {s for s in SERVICES if may_subscribe(service_permissions(subjects, s), announcements)} == {"checkpoint"}
+    where = subjects.command("checkpoint", "where")
+    assert {s for s in SERVICES if may_subscribe(service_permissions(subjects, s), where)} == {"checkpoint"}
+    assert may_subscribe(service_permissions(subjects, "scaler"), subjects.pattern("metrics.deployment.utilisation"))
 
 
 @pytest.mark.parametrize("service", SERVICES)
-def test_services_get_only_their_consumers_jetstream_api(subjects: Subjects, service: str) -> None:
-    perms = service_permissions(subjects, service)
-    for spec in subjects.streams:
+def test_services_reach_only_their_own_consumers(subjects: Subjects, service: str) -> None:
+    perms = service_permissions(subjects, service, node="node-1")
+    own = durables_of(subjects, service, "node-1")
+    assert own, service
+    for spec, durable in own:
         assert may_publish(perms, f"$JS.API.STREAM.INFO.{spec.name}")
-        assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}.{service}-x.{subjects.root}.node.*.y")
-        assert may_publish(perms, f"$JS.API.CONSUMER.DURABLE.CREATE.{spec.name}.{service}-x")
-        assert may_publish(perms, f"$JS.API.CONSUMER.INFO.{spec.name}.{service}-x")
-        assert may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.{service}-x")
-        assert may_publish(perms, f"$JS.ACK.{spec.name}.{service}-x.1.2.3.4.0")
+        assert may_publish(perms, f"$JS.API.CONSUMER.DURABLE.CREATE.{spec.name}.{durable}")
+        assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}.{durable}.{subjects.root}.node.*.y")
+        assert may_publish(perms, f"$JS.API.CONSUMER.INFO.{spec.name}.{durable}")
+        assert may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.{durable}")
+        assert may_publish(perms, f"$JS.API.CONSUMER.DELETE.{spec.name}.{durable}")
+        assert may_publish(perms, f"$JS.ACK.{spec.name}.{durable}.1.2.3.4.0")
+        assert may_subscribe(perms, f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.name}.{durable}")
+    mine = {durable for _, durable in own}
+    for other_service in SERVICES:
+        for spec, durable in durables_of(subjects, other_service, "node-1"):
+            if durable in mine:
+                continue
+            for api in ("CONSUMER.MSG.NEXT", "CONSUMER.DURABLE.CREATE", "CONSUMER.INFO", "CONSUMER.DELETE"):
+                assert not may_publish(perms, f"$JS.API.{api}.{spec.name}.{durable}"), (api, durable)
+            assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}.{durable}.x")
+            assert not may_publish(perms, f"$JS.ACK.{spec.name}.{durable}.1.2.3.4.0")
+    for spec in subjects.streams:
+        assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}")  # no ephemeral: any filter
+        assert not may_publish(perms, f"$JS.API.DIRECT.GET.{spec.name}")
         for verb in ("CREATE", "UPDATE", "DELETE", "PURGE"):
             assert not may_publish(perms, f"$JS.API.STREAM.{verb}.{spec.name}")
-        assert not may_publish(perms, f"$JS.API.CONSUMER.DELETE.{spec.name}.{service}-x")
     other = Subjects(subjects.root + "x")
     for spec in other.streams:
         assert not may_publish(perms, f"$JS.API.STREAM.INFO.{spec.name}")
-        assert not may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.{service}-x")
     for kind in PUBLISHES[service]:
         assert not may_publish(perms, concrete(other, kind))
     assert not may_publish(perms, "$JS.API.INFO")
     assert not may_publish(perms, "$JS.API.STREAM.NAMES")
+
+
+def test_a_node_scoped_service_without_its_node_gets_no_per_node_consumer(subjects: Subjects) -> None:
+    perms = service_permissions(subjects, "device")
+    assert durables_of(subjects, "device") == []
+    assert not any("CONSUMER" in subject for subject in perms["publish"]["allow"])
+
+
+def test_every_durable_consumer_a_service_creates_is_in_the_contract() -> None:
+    """``DURABLES`` is the table the permissions come from; every ``durable(...)`` a service's code names must be
+    in it, with its per-node scope (a consumer left out would be refused to its own service on a secured server)."""
+    import ast
+
+    found: set[tuple[str, str, bool]] = set()
+    for path in (Path(__file__).parents[1] / "services").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "durable":
+                args = node.args
+                if len(args) >= 2 and all(isinstance(a, ast.Constant) for a in args[:2]):
+                    service, purpose = (a.value for a in args[:2])  # type: ignore[attr-defined]
+                    if service != "workload":  # the request queues' consumers: the inference servers', not ours
+                        found.add((service, purpose, len(args) > 2))
+    table = {(d.service, d.purpose, d.per_node) for d in DURABLES}
+    assert found == table
 
 
 def test_nobody_but_checkpoint_may_report_a_drain_completed(subjects: Subjects) -> None:
@@ -177,8 +250,12 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
         concrete(subjects, "checkpoint.save.command", pod="llama-1"),
         concrete(subjects, "model.prepare.command", pod="llama-1"),  # its own prepare commands only
         subjects.pattern("kv.rollout.state"),  # every rollout's switch
-        "_INBOX.>",
+        f"_INBOX.{subjects.root}-agent-llama-1.>",  # its own replies only
     ]
+    assert not may_subscribe(perms, "_INBOX.>") and not may_publish(perms, "_INBOX.x.y")
+    assert perms["allow_responses"] is True  # it answers save commands as replies
+    assert not may_subscribe(perms, f"_INBOX.{subjects.root}-agent-llama-2.>")
+    assert not may_subscribe(perms, f"_INBOX.{subjects.root}-agent-llama-1x.>")
     anywhere = agent_permissions(subjects)
     assert may_publish(anywhere, concrete(subjects, "checkpoint.agent.sessions", pod="llama-7"))
     assert not any(p.startswith("$O.") for p in anywhere["publish"]["allow"])
@@ -230,8 +307,20 @@ def test_a_gateway_may_only_follow_locations_and_ask_where(subjects: Subjects) -
     assert perms["subscribe"]["allow"] == [
         subjects.pattern("kv.session.location"),
         subjects.pattern("kv.rollout.state"),
-        "_INBOX.>",
+        f"_INBOX.{subjects.root}-gateway.>",
     ]
+    events = subjects.events_stream.name
+    location = concrete(subjects, "kv.session.location", session_id="s1")
+    rollout = concrete(subjects, "kv.rollout.state", namespace="llm", deployment="llama")
+    assert may_publish(perms, f"$JS.API.DIRECT.GET.{events}.{location}")
+    assert may_publish(perms, f"$JS.API.DIRECT.GET.{events}.{rollout}")
+    for kind in ROUTES:  # read back: locations and rollouts only
+        if kind not in ("kv.session.location", "kv.rollout.state"):
+            assert not may_publish(perms, f"$JS.API.DIRECT.GET.{events}.{concrete(subjects, kind)}"), kind
+    assert not may_publish(perms, f"$JS.API.DIRECT.GET.{events}")  # a body could name any sequence
+    for api in ("CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.MSG.NEXT", "STREAM.MSG.GET", "CONSUMER.INFO"):
+        assert not any(api in subject for subject in perms["publish"]["allow"]), api
+    assert "allow_responses" not in perms
 
 
 def test_the_gateway_user_is_written_only_when_it_has_a_password(subjects: Subjects) -> None:
@@ -490,15 +579,10 @@ async def test_a_gateway_follows_locations_and_asks_where_under_its_own_user(
         await admin.publish(moved)  # (the checkpoint service publishes these; the admin may publish anything)
         await eventually(lambda: heard)
         assert heard[0].pod == "llama-1" and heard[0].sequence == 7
-        # a router starting late reads the newest location per session back from the stream, with its own consumer
-        catch_up = await gateway.js.pull_subscribe(
-            subjects.pattern("kv.session.location"),
-            stream=subjects.events_stream.name,  # named: looking streams up is not the gateway's to do
-            config=js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.LAST_PER_SUBJECT),
-        )
-        (msg,) = await catch_up.fetch(1, timeout=5)
-        assert b'"pod":"llama-1"' in msg.data
-        await msg.ack()
+        # a router starting late reads a session's newest location back from the stream: a direct get of the
+        # session's location subject (the stream named: looking streams up is not the gateway's to do)
+        msg = await gateway.js.get_msg(subjects.events_stream.name, subject=subjects.for_event(moved), direct=True)
+        assert msg.data is not None and b'"pod":"llama-1"' in msg.data
         answer = await gateway.request(subjects.command("checkpoint", "where"), WhereIsSession(session_id="s9"), 5)
         assert isinstance(answer, SessionLocation) and (answer.held, answer.reason) == (False, "unknown")
         forged = subjects.pattern("node.drain.requested", node="n1")
@@ -509,3 +593,235 @@ async def test_a_gateway_follows_locations_and_asks_where_under_its_own_user(
         await gateway.close(grace=1.0)
         await running.stop(grace=1)
     _no_secrets_in("".join(map(str, errors)), passwords)
+
+
+# -- identity from credentials: NATS JWTs, tokens, the callout's decisions ------------------------------------------
+
+
+def _server_request(issuer: str, *, user: str = "", password: str = "", token: str = "", name: str = "") -> str:
+    """An authorization request as nats-server signs one (with a server key of this test's own)."""
+    server = nkeys.from_seed(bytearray(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_SERVER)))
+    user_key = nkeys.from_seed(bytearray(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)))
+    claims = {
+        "sub": issuer,
+        "aud": natsjwt.REQUEST_AUDIENCE,
+        "exp": int(time.time()) + 5,
+        "nats": {
+            "server_id": {"name": "n1", "host": "127.0.0.1", "id": server.public_key.decode()},
+            "user_nkey": user_key.public_key.decode(),
+            "client_info": {"host": "127.0.0.1", "name": name},
+            "connect_opts": {"user": user, "pass": password, "auth_token": token, "name": name},
+            "type": "authorization_request",
+            "version": 2,
+        },
+    }
+    return natsjwt.encode(claims, server, int(time.time()))
+
+
+def test_nats_jwts_verify_against_their_issuer_only() -> None:
+    issuer = natsjwt.account_key(natsjwt.new_account_seed())
+    public = issuer.public_key.decode()
+    request = natsjwt.read_request(_server_request(public, user="gw-scaler", password="pw"), public, time.time())
+    assert (request.user, request.password) == ("gw-scaler", "pw")
+    assert "pw" not in repr(request)
+    head, body, sig = _server_request(public, user="u").split(".")
+    tampered = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    tampered["nats"]["connect_opts"]["user"] = "gw-admin"
+    forged = base64.urlsafe_b64encode(json.dumps(tampered).encode()).rstrip(b"=").decode()
+    with pytest.raises(natsjwt.JwtError, match="signature"):
+        natsjwt.read_request(f"{head}.{forged}.{sig}", public, time.time())
+    other = natsjwt.account_key(natsjwt.new_account_seed()).public_key.decode()
+    with pytest.raises(natsjwt.JwtError, match="another issuer"):
+        natsjwt.read_request(_server_request(other, user="u"), public, time.time())
+    with pytest.raises(natsjwt.JwtError, match="expired"):
+        natsjwt.read_request(_server_request(public, user="u"), public, time.time() + 60)
+    with pytest.raises(natsjwt.JwtError, match="server"):  # an account may not pose as a server
+        natsjwt.read_request(natsjwt.encode({"sub": public, "nats": {}}, issuer, 0), public, time.time())
+    perms = permissions(Subjects("gw"), Identity(AGENT, pod="llama-1"))
+    user = natsjwt.encode(natsjwt.user_claims(request.user_nkey, "gw-agent-llama-1", perms, 99), issuer, 1)
+    claims = natsjwt.decode(user, "account")
+    assert claims["iss"] == public and claims["aud"] == "$G" and claims["exp"] == 99
+    assert claims["nats"]["pub"]["allow"] == perms["publish"]["allow"]
+    assert claims["nats"]["sub"]["allow"] == perms["subscribe"]["allow"]
+    assert claims["nats"]["resp"] == {"max": 1, "ttl": 0}
+
+
+async def test_the_simulated_cluster_reviews_its_tokens_as_kubernetes_does(redis_client: aioredis.Redis) -> None:
+    subjects = Subjects("t" + secrets.token_hex(5))
+    spec = SimSpec(
+        nodes=[NodeSpec(name="node-1", gpus=[GpuSpec(count=1)])],
+        deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2)],
+    )
+    now = [1_000_000.0]
+    cluster = await SimCluster.create(redis_client, subjects, spec, clock=lambda: now[0])
+    try:
+        running, pending = sorted(await cluster.pods(), key=lambda p: p.phase != "Running")
+        token = await cluster.issue_token("llm", running.name, ttl_s=600)
+        review = await cluster.review_token(token, ("gpuwarden",))
+        assert review.authenticated and review.pod == running.name and review.node == "node-1"
+        assert review.service_account == ("llm", "default") and review.pod_uid
+        assert not (await cluster.review_token(token, ("vault",))).authenticated
+        refused = await cluster.review_token(await cluster.issue_token("llm", pending.name), ("gpuwarden",))
+        assert not refused.authenticated and "Pending" in refused.error
+        now[0] += 600
+        assert "expired" in (await cluster.review_token(token, ("gpuwarden",))).error
+        with pytest.raises(ClusterError):
+            await cluster.issue_token("llm", "no-such-pod")
+        alone = await cluster.review_token(
+            await cluster.issue_token("gpuwarden", service_account="gpuwarden-checkpoint"), ("gpuwarden",)
+        )
+        assert (
+            alone.authenticated and alone.pod == "" and alone.service_account == ("gpuwarden", "gpuwarden-checkpoint")
+        )
+    finally:
+        await cluster.close()
+
+
+async def test_the_kubernetes_adapter_asks_the_tokenreview_api() -> None:
+    from shared.adapters.kube import KubeCluster
+    from tests.fake_kube_api import Access, FakeKubeApi
+
+    async with FakeKubeApi() as api:
+        user = {
+            "username": "system:serviceaccount:llm:llm-inference",
+            "uid": "u-1",
+            "groups": ["system:serviceaccounts"],
+            "extra": {
+                "authentication.kubernetes.io/pod-name": ["llama-7"],
+                "authentication.kubernetes.io/pod-uid": ["p"],
+            },
+        }
+        api.issue_token("projected-token", user, ("gpuwarden",))
+        kube = KubeCluster.from_host(api.url)
+        try:
+            review = await kube.review_token("projected-token", ("gpuwarden",))
+            assert (
+                review.authenticated and review.pod == "llama-7" and review.service_account == ("llm", "llm-inference")
+            )
+            assert not (await kube.review_token("projected-token", ("vault",))).authenticated
+            api.revoke_token("projected-token")  # its pod was deleted
+            gone = await kube.review_token("projected-token", ("gpuwarden",))
+            assert not gone.authenticated and "invalid bearer token" in gone.error
+        finally:
+            await kube.close()
+        assert api.used() == {Access("create", "authentication.k8s.io", "tokenreviews")}
+
+
+def test_the_auth_service_account_may_review_tokens_and_nothing_else() -> None:
+    rbac = yaml.safe_load_all((Path(__file__).parents[1] / "deploy/rbac/auth.yaml").read_text())
+    rules = [rule for doc in rbac if doc and doc.get("kind") == "ClusterRole" for rule in doc["rules"]]
+    assert rules == [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}]
+
+
+class Reviews:
+    """A TokenReviewer that answers from a table (token -> review)."""
+
+    def __init__(self, table: dict[str, TokenReview]) -> None:
+        self.table = table
+
+    async def review_token(self, token: str, audiences: tuple[str, ...]) -> TokenReview:
+        return self.table.get(token, TokenReview(authenticated=False, error="unknown"))
+
+
+def _sa(namespace: str, name: str, **extra: str) -> TokenReview:
+    keys = {"pod": POD_NAME_EXTRA, "node": NODE_NAME_EXTRA}
+    return TokenReview(
+        authenticated=True,
+        username=f"system:serviceaccount:{namespace}:{name}",
+        extra={keys[k]: (v,) for k, v in extra.items()},
+        audiences=("gpuwarden",),
+    )
+
+
+async def test_the_callout_takes_identity_from_credentials_only() -> None:
+    subjects = Subjects("gw")
+    reviews = Reviews(
+        {
+            "pod": _sa("llm", "llm-inference", pod="llama-1", node="node-1"),
+            "svc": _sa("gpuwarden", "gpuwarden-device", pod="device-abc", node="node-4"),
+            "other-ns": _sa("team-b", "x", pod="evil-1"),
+            "lonely": _sa("llm", "default"),
+        }
+    )
+    authority = Authority(
+        AuthSettings(agent_namespaces=("llm",)), subjects, {"device": "dpw", "admin": "apw"}, reviews, lambda: 100.0
+    )
+
+    async def decide(**fields: str) -> Verdict:
+        base = {"server_id": "N", "server_name": "", "user_nkey": "U", "client_host": "", "expires_at": 0}
+        given = {"user": "", "password": "", "token": "", "client_name": "", **fields}
+        return await authority.decide(natsjwt.AuthorizationRequest(**base, **given))  # type: ignore[arg-type]
+
+    agent = await decide(token="pod", client_name="agent/llama-2")  # the name it gives counts for nothing
+    assert agent.identity == Identity(AGENT, pod="llama-1", namespace="llm") and agent.expires_at == 0
+    assert (await decide(token="svc")).identity == Identity("device", node="node-4")
+    assert (await decide(user="gw-device", password="dpw", client_name="device/node-2")).identity == Identity(
+        "device", node="node-2"
+    )
+    assert (await decide(user="gw-admin", password="apw", client_name="admin/node-2")).identity == Identity(ADMIN)
+    for refused in (
+        {"user": "gw-device", "password": "apw"},
+        {"user": "gw-agent", "password": "x"},
+        {"user": "gw-nobody", "password": ""},
+        {"token": "other-ns"},
+        {"token": "lonely"},
+        {"token": "unknown"},
+        {},
+    ):
+        verdict = await decide(**refused)
+        assert verdict.identity is None and verdict.reason, refused
+        assert "apw" not in verdict.reason and "dpw" not in verdict.reason
+
+
+async def test_a_consumer_whose_deliveries_were_changed_is_made_again_from_where_it_was(
+    bus: Bus, subjects: Subjects
+) -> None:
+    """A change JetStream cannot undo in place (another user made the consumer again, delivering only the last
+    message): the service deletes it and makes it again from the ack floor it found, so nothing after that is
+    skipped (what came before may be delivered again: handlers are idempotent)."""
+    await bus.ensure_streams()
+    spec = ConsumerSpec(
+        durable=subjects.durable("checkpoint", "drains"),
+        filter_subjects=(subjects.pattern("node.drain.requested"),),
+        accepts=(DrainRequested,),
+        stream=subjects.events_stream,
+    )
+    seen: list[str] = []
+
+    async def on_drain(event: DrainRequested) -> None:
+        seen.append(event.drain_id)
+
+    consumer = await bus.consume(spec, on_drain)
+    await bus.publish(DrainRequested(node="node-1", drain_id="before"))
+    await eventually(lambda: seen == ["before"])
+    await eventually(lambda: _acked(bus, spec, 1))
+    await consumer.stop(1)
+    stream = subjects.events_stream.name
+    info = await bus.js.consumer_info(stream, spec.durable)
+    await bus.js.delete_consumer(stream, spec.durable)
+    await bus.js.add_consumer(stream, replace(info.config, deliver_policy=js_api.DeliverPolicy.LAST, max_deliver=1))
+    await bus.publish(DrainRequested(node="node-1", drain_id="while-changed-1"))
+    await bus.publish(DrainRequested(node="node-1", drain_id="while-changed-2"))
+    await bus.consume(spec, on_drain)
+    await eventually(lambda: {"while-changed-1", "while-changed-2"} <= set(seen))
+    repaired = await bus.js.consumer_info(stream, spec.durable)
+    assert consumer_drift(repaired.config, Bus._consumer_config(spec)) == []
+    assert repaired.config.max_deliver == spec.max_deliver
+
+
+async def _acked(bus: Bus, spec: ConsumerSpec, seq: int) -> bool:
+    info = await bus.js.consumer_info(spec.stream.name, spec.durable)
+    return info.ack_floor.stream_seq >= seq
+
+
+def test_the_callout_configuration_names_only_its_own_user(subjects: Subjects) -> None:
+    issuer = natsjwt.account_key(natsjwt.new_account_seed()).public_key.decode()
+    text = nats_callout_config(subjects, "pw-auth", issuer)
+    assert f'"issuer": "{issuer}"' in text and f'"auth_users": ["{user_name(subjects, AUTH)}"]' in text
+    users = json.loads(text[text.index("[") : text.index("\n  timeout")])
+    assert [u["user"] for u in users] == [user_name(subjects, AUTH)]
+    assert users[0]["permissions"] == auth_permissions()
+    with pytest.raises(ValueError, match="account public key"):
+        nats_callout_config(subjects, "pw", "U" + issuer[1:])
+    with pytest.raises(ValueError, match="no password"):
+        nats_callout_config(subjects, "", issuer)

@@ -6,12 +6,15 @@ from dataclasses import dataclass
 
 from shared.kv.stores import parse_store_url
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.settings import env_seconds
+from shared.plumbing.settings import env_count, env_seconds
 
 DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_CHECKPOINT_GC_S": "checkpoint: seconds between retention passes (default 60; 0 disables)",
     "GPUWARDEN_CHECKPOINT_GC_GRACE_S": (
         "checkpoint: a pack or a temporary file is collected only when older than this (default 600)"
+    ),
+    "GPUWARDEN_CHECKPOINT_PERIODIC_PARALLELISM": (
+        "checkpoint: pods one replica asks for their periodic save at once (default 16)"
     ),
     "GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S": (
         "checkpoint: how long a drain's runner holds it unrenewed (default 10; renewed every third of it)"
@@ -28,6 +31,9 @@ class CheckpointSettings:
     drain_lease_s: float = 10.0
     """How long a drain's runner holds it without renewing (renewed every third of it while it works): a runner
     that dies hands the drain to the next delivery within about this long, whatever the drain's deadline."""
+    periodic_parallelism: int = 16
+    """Pods one replica has saving periodically at once: what one replica's share of the fleet can keep up with
+    (the bytes go from each pod to the store; the replica waits, verifies and records)."""
     verdict_sessions_max: int = 100
     """Failed sessions named in one verdict event; the rest are counted and kept in Redis (``failed_ref``)."""
 
@@ -44,4 +50,5 @@ def load(env: Mapping[str, str] | None = None) -> CheckpointSettings:
         gc_interval_s=env_seconds(env, "GPUWARDEN_CHECKPOINT_GC_S", 60.0, allow_zero=True),
         gc_grace_s=env_seconds(env, "GPUWARDEN_CHECKPOINT_GC_GRACE_S", 600.0, allow_zero=True),
         drain_lease_s=env_seconds(env, "GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S", 10.0),
+        periodic_parallelism=env_count(env, "GPUWARDEN_CHECKPOINT_PERIODIC_PARALLELISM", 16),
     )

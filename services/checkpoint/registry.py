@@ -5,23 +5,35 @@ Keys, all under the root (``Subjects.redis_key``):
 - ``kv:session:<sid>``        hash: pod, node, namespace, deployment, generation, updated_at
 - ``kv:generation:<sid>``     the session's newest generation handed out; only grows (kept a week after it ends)
 - ``kv:owner:<sid>``          the pod that took the newest generation (kept while it holds no blocks: it may end it)
-- ``kv:node:<node>``          set of session ids on the node
-- ``kv:pod:<pod>``            set of session ids the pod holds
+- ``kv:onnode:<node>``        hash: every session placed on the node -> its pod (the node's index)
+- ``kv:held:<pod>``           hash: every session the pod holds -> its generation (the pod's index)
 - ``kv:pods``                 hash: every pod that announced -> its node
-- ``kv:alive:<pod>``          present while the pod's last announcement stands (expires after its ``ttl_s``)
+- ``kv:podinfo:<pod>``        hash: node, namespace, deployment, incarnation and seq of its last applied
+  announcement, bytes held, leaving (its agent stopped)
+- ``kv:alive:<pod>``          the pod's lease: present while its last announcement stands (expires after its
+  ``ttl_s``); one key per pod, renewed by a heartbeat that costs the same whatever the pod holds
+- ``kv:resync:<pod>:<inc>:<seq>`` the sessions of a full announcement in several parts, until its last part
 - ``kv:checkpoints:<sid>``    sorted set of committed checkpoint ids, scored by (generation, sequence)
 - ``kv:checkpoint:<cid>``     the committed checkpoint's summary (JSON)
 - ``kv:drain:<drain_id>``     hash: node, state (running/completed/failed), started, verdict (the event's JSON)
 - ``kv:drain:<drain_id>:lease`` who is running the drain now (short, renewed while it runs)
 - ``kv:drain:<drain_id>:failed`` every failed session of a verdict too big for one event (JSON records)
 - ``kv:turn:<what>:<pod>``    whose turn it is (periodic saves: one replica per interval and pod)
+- ``kv:replicas``             sorted set: the checkpoint service's replicas alive -> when their lease ends (ms)
 - ``kv:restores``             stream of restore records
 - ``kv:last:<sid>``           hash: the session's last location change: sequence, reason, pod (the holder, or
   the last one), namespace, deployment (kept a week after it ends)
 
+Cost follows change: an announcement carries what changed since the last one the registry applied (a delta), and
+each script touches only the sessions it names and the indexes of their pod and node; a heartbeat renews one key.
+Only a full announcement (an agent's start, or a resync after the registry lost what a delta builds on) walks a
+pod's sessions, and only that pod's.
+
 Ownership: a pod takes a session by claiming it (``claim``), which hands out the next generation. Only the
 holder of the session's current generation moves it in the registry and gets its checkpoints recorded; an
-announcement or a save of an older generation is stale and changes nothing.
+announcement or a save of an older generation is stale and changes nothing. A claim never takes a session from
+a pod that is alive (its lease stands and it is not leaving) unless the service found that pod gone from the
+cluster, nor a session of another deployment: one pod cannot take, and then end, another's sessions.
 
 Locations: each script that changes where a session's KV is (claimed, announced unplaced, restored, saved,
 dropped, forgotten, ended) takes the session's next location sequence in the same step and returns the
@@ -31,10 +43,11 @@ nothing (a repeated announcement, a stale save, a checkpoint recorded twice) ret
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -42,9 +55,9 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
-from shared.contract.sessions import SessionLocation
+from shared.contract.sessions import SessionLocation, SessionRecord
 from shared.contract.subjects import Subjects
-from shared.kv.manifest import checkpoint_order
+from shared.kv.manifest import CheckpointManifest, checkpoint_order
 from shared.plumbing.errors import TemporaryError
 
 # The session's location, as one flat record (see ``_location``). With a ``reason`` it is a change: the
@@ -94,76 +107,87 @@ end
 """
 
 # Places the session on the pod under ``gen``; returns whether that moved it (another pod, another generation,
-# or not placed before).
+# or not placed before). Nothing is written when it is already placed so.
 _MOVE = """
 local function move(prefix, sid, pod, node, ns, dep, gen, now)
   local skey = prefix .. ':kv:session:' .. sid
   local old = redis.call('HMGET', skey, 'node', 'pod', 'generation')
   local oldnode, oldpod = old[1], old[2]
-  if oldnode and oldnode ~= node then redis.call('SREM', prefix .. ':kv:node:' .. oldnode, sid) end
-  if oldpod and oldpod ~= pod then redis.call('SREM', prefix .. ':kv:pod:' .. oldpod, sid) end
+  if oldpod == pod and oldnode == node and tonumber(old[3]) == tonumber(gen) then return false end
+  if oldnode and oldnode ~= node then redis.call('HDEL', prefix .. ':kv:onnode:' .. oldnode, sid) end
+  if oldpod and oldpod ~= pod then redis.call('HDEL', prefix .. ':kv:held:' .. oldpod, sid) end
   redis.call('HSET', skey, 'pod', pod, 'node', node, 'namespace', ns, 'deployment', dep, 'generation', gen,
     'updated_at', now)
-  redis.call('SADD', prefix .. ':kv:node:' .. node, sid)
-  redis.call('SADD', prefix .. ':kv:pod:' .. pod, sid)
+  redis.call('HSET', prefix .. ':kv:onnode:' .. node, sid, pod)
+  redis.call('HSET', prefix .. ':kv:held:' .. pod, sid, gen)
   redis.call('SET', prefix .. ':kv:owner:' .. sid, pod)
   return oldpod ~= pod or tonumber(old[3]) ~= tonumber(gen)
 end
+
+-- The pod no longer holds the session: it leaves the pod's index, and the registry when the pod placed it.
+local function drop(prefix, sid, pod)
+  local skey = prefix .. ':kv:session:' .. sid
+  local cur = redis.call('HMGET', skey, 'pod', 'node')
+  local held = cur[1] == pod
+  if held then
+    redis.call('DEL', skey)
+    if cur[2] then redis.call('HDEL', prefix .. ':kv:onnode:' .. cur[2], sid) end
+  end
+  redis.call('HDEL', prefix .. ':kv:held:' .. pod, sid)
+  return held
+end
 """
 
-# One announcement applied atomically: ARGV = prefix, pod, node, ns, dep, now, ttl_ms, n, the n ended sessions,
+# One announcement (full or delta) applied atomically. ARGV = prefix, pod, node, ns, dep, now, ttl_ms,
+# incarnation, seq, full, part, parts, leaving, bytes, n_ended, n_dropped, the ended sessions, the dropped ones,
 # then (sid, generation) pairs. A session announced under an older generation than the newest handed out has
 # moved on: stale, ignored and returned. A newer one than the registry knows (it lost its data) raises the
 # counter: never handed out again. An ended session whose newest generation the pod took (held now, or dropped
-# since, as after a preemption) leaves the registry and is returned as retired. Returns (stale, retired, the
-# locations that changed).
+# since, as after a preemption) leaves the registry and is returned as retired. A numbered delta that does not
+# follow what the registry applied last for the pod (another incarnation, a gap: writes lost) is applied and
+# answered ``resync``. Returns (stale, retired, the locations that changed, resync).
 _ANNOUNCE = (
     _LOCATED
     + _MOVE
     + """
 local prefix, pod, node, ns, dep, now, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local first = 9 + tonumber(ARGV[8])
-local podkey = prefix .. ':kv:pod:' .. pod
-local function drop(sid)
-  local skey = prefix .. ':kv:session:' .. sid
-  local held = redis.call('HGET', skey, 'pod') == pod
-  if held then
-    local oldnode = redis.call('HGET', skey, 'node')
-    redis.call('DEL', skey)
-    if oldnode then redis.call('SREM', prefix .. ':kv:node:' .. oldnode, sid) end
-  end
-  redis.call('SREM', podkey, sid)
-  return held
-end
-local retired = {}
-local changes = {}
-for i = 9, first - 1 do
+local incarnation, seq, full = ARGV[8], tonumber(ARGV[9]), ARGV[10] == '1'
+local part, parts, leaving, bytes = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1', ARGV[14]
+local first_dropped = 17 + tonumber(ARGV[15])
+local first_pair = first_dropped + tonumber(ARGV[16])
+local infokey = prefix .. ':kv:podinfo:' .. pod
+local heldkey = prefix .. ':kv:held:' .. pod
+local info = redis.call('HMGET', infokey, 'incarnation', 'seq')
+local known = tonumber(info[2] or '-1')
+local resync = 0
+if seq > 0 and not full and (info[1] ~= incarnation or known < seq - 1 or known > seq) then resync = 1 end
+local retired, changes, stale = {}, {}, {}
+for i = 17, first_dropped - 1 do
   local sid = ARGV[i]
   local ownerkey = prefix .. ':kv:owner:' .. sid
   if redis.call('GET', ownerkey) == pod then
-    drop(sid)
+    drop(prefix, sid, pod)
     redis.call('DEL', ownerkey)
     redis.call('PEXPIRE', prefix .. ':kv:generation:' .. sid, 604800000)
     table.insert(retired, sid)
     table.insert(changes, located(prefix, sid, 'ended', '-'))
     redis.call('PEXPIRE', prefix .. ':kv:last:' .. sid, 604800000)
   else
-    redis.call('SREM', podkey, sid)
+    redis.call('HDEL', heldkey, sid)
   end
 end
-local fresh = {}
-for i = first, #ARGV, 2 do fresh[ARGV[i]] = true end
-for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
-  if not fresh[sid] and drop(sid) then table.insert(changes, located(prefix, sid, 'dropped', '')) end
+for i = first_dropped, first_pair - 1 do
+  if drop(prefix, ARGV[i], pod) then table.insert(changes, located(prefix, ARGV[i], 'dropped', '')) end
 end
-local stale = {}
-for i = first, #ARGV, 2 do
+local fresh = {}
+for i = first_pair, #ARGV, 2 do
   local sid, gen = ARGV[i], tonumber(ARGV[i + 1])
+  fresh[sid] = true
   local genkey = prefix .. ':kv:generation:' .. sid
   local current = tonumber(redis.call('GET', genkey) or '0')
   if gen < current then
     table.insert(stale, sid)
-    redis.call('SREM', podkey, sid)
+    redis.call('HDEL', heldkey, sid)
   else
     if gen > current then redis.call('SET', genkey, gen) end
     if move(prefix, sid, pod, node, ns, dep, gen, now) then
@@ -171,25 +195,67 @@ for i = first, #ARGV, 2 do
     end
   end
 end
+if full then
+  local setkey = prefix .. ':kv:resync:' .. pod .. ':' .. incarnation .. ':' .. seq
+  if parts > 1 and first_pair <= #ARGV then
+    local sids = {}
+    for i = first_pair, #ARGV, 2 do table.insert(sids, ARGV[i]) end
+    redis.call('SADD', setkey, unpack(sids))
+    redis.call('PEXPIRE', setkey, 600000)
+  end
+  if part == parts - 1 then
+    for _, sid in ipairs(redis.call('HKEYS', heldkey)) do
+      if not fresh[sid] and (parts == 1 or redis.call('SISMEMBER', setkey, sid) == 0) and drop(prefix, sid, pod) then
+        table.insert(changes, located(prefix, sid, 'dropped', ''))
+      end
+    end
+    redis.call('DEL', setkey)
+    if seq > 0 then redis.call('HSET', infokey, 'incarnation', incarnation, 'seq', seq) end
+    redis.call('HDEL', infokey, 'leaving')
+  end
+elseif seq > 0 and resync == 0 and seq > known then
+  redis.call('HSET', infokey, 'seq', seq)
+end
+redis.call('HSET', infokey, 'node', node, 'namespace', ns, 'deployment', dep, 'bytes', bytes)
 redis.call('HSET', prefix .. ':kv:pods', pod, node)
-redis.call('SET', prefix .. ':kv:alive:' .. pod, now, 'PX', ttl)
-return {stale, retired, changes}
+if leaving then
+  redis.call('HSET', infokey, 'leaving', '1')
+  redis.call('DEL', prefix .. ':kv:alive:' .. pod)
+else
+  redis.call('SET', prefix .. ':kv:alive:' .. pod, now, 'PX', ttl)
+end
+return {stale, retired, changes, resync}
 """
 )
 
-# ARGV = prefix, sid, pod, node, ns, dep, now, floor: the next generation, above ``floor`` (the newest generation
-# the store holds checkpoints of: a registry that lost its data never hands out a generation twice).
+# ARGV = prefix, sid, pod, node, ns, dep, now, floor, force: the next generation, above ``floor`` (the newest
+# generation the store holds checkpoints of: a registry that lost its data never hands out a generation twice).
+# Refused, with nothing changed, when another pod holds the session and is alive (its lease stands and it is not
+# leaving) unless ``force`` (the service found that pod gone from the cluster), or when the session belongs to
+# another deployment. Returns (generation or 0, the new location, why refused, the holder, the holder's node).
 _CLAIM = (
     _LOCATED
     + _MOVE
     + """
 local prefix, sid, pod, node, ns, dep, now, floor = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
   tonumber(ARGV[8])
+local force = ARGV[9] == '1'
+local cur = redis.call('HMGET', prefix .. ':kv:session:' .. sid, 'pod', 'node', 'namespace', 'deployment')
+local holder = cur[1]
+if holder and holder ~= pod and not force and redis.call('EXISTS', prefix .. ':kv:alive:' .. holder) == 1
+  and redis.call('HGET', prefix .. ':kv:podinfo:' .. holder, 'leaving') ~= '1' then
+  return {0, {}, 'held', holder, cur[2] or ''}
+end
+local last = redis.call('HMGET', prefix .. ':kv:last:' .. sid, 'namespace', 'deployment')
+local sns, sdep = cur[3] or last[1] or '', cur[4] or last[2] or ''
+if dep ~= '' and sdep ~= '' and (sns ~= ns or sdep ~= dep) then
+  return {0, {}, 'deployment', sns .. '/' .. sdep, ''}
+end
 local genkey = prefix .. ':kv:generation:' .. sid
 if tonumber(redis.call('GET', genkey) or '0') < floor then redis.call('SET', genkey, floor) end
 local gen = redis.call('INCR', genkey)
 move(prefix, sid, pod, node, ns, dep, gen, now)
-return {gen, located(prefix, sid, 'placed', '')}
+return {gen, located(prefix, sid, 'placed', ''), '', '', ''}
 """
 )
 
@@ -223,20 +289,15 @@ return {'', {}}
 # Returns the locations that changed.
 _FORGET = (
     _LOCATED
+    + _MOVE
     + """
 local prefix, pod = ARGV[1], ARGV[2]
-local podkey = prefix .. ':kv:pod:' .. pod
+local heldkey = prefix .. ':kv:held:' .. pod
 local changes = {}
-for _, sid in ipairs(redis.call('SMEMBERS', podkey)) do
-  local skey = prefix .. ':kv:session:' .. sid
-  if redis.call('HGET', skey, 'pod') == pod then
-    local node = redis.call('HGET', skey, 'node')
-    redis.call('DEL', skey)
-    if node then redis.call('SREM', prefix .. ':kv:node:' .. node, sid) end
-    table.insert(changes, located(prefix, sid, 'forgotten', ''))
-  end
+for _, sid in ipairs(redis.call('HKEYS', heldkey)) do
+  if drop(prefix, sid, pod) then table.insert(changes, located(prefix, sid, 'forgotten', '')) end
 end
-redis.call('DEL', podkey)
+redis.call('DEL', heldkey, prefix .. ':kv:podinfo:' .. pod, prefix .. ':kv:alive:' .. pod)
 redis.call('HDEL', prefix .. ':kv:pods', pod)
 return changes
 """
@@ -262,6 +323,35 @@ _WHERE = (
 return located(ARGV[1], ARGV[2], nil, '')
 """
 )
+
+# KEYS = [replicas], ARGV = owner, lease_ms: renew the owner's membership, drop the lapsed, list who is left.
+_REPLICAS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+# ARGV = prefix, sid, then (cid, score, generation, summary) for each checkpoint: records checkpoints the store
+# holds and the registry lost (a Redis failover), without the fence of ``_RECORD`` (the store is the last word on
+# what was committed), and raises the generation counter to the newest of them. Returns the ids recorded anew.
+_REPAIR = """
+local prefix, sid = ARGV[1], ARGV[2]
+local zkey = prefix .. ':kv:checkpoints:' .. sid
+local genkey = prefix .. ':kv:generation:' .. sid
+local added = {}
+for i = 3, #ARGV, 4 do
+  local cid, gen = ARGV[i], tonumber(ARGV[i + 2])
+  if not redis.call('ZSCORE', zkey, cid) then
+    redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[i + 3])
+    redis.call('ZADD', zkey, ARGV[i + 1], cid)
+    table.insert(added, cid)
+  end
+  if tonumber(redis.call('GET', genkey) or '0') < gen then redis.call('SET', genkey, gen) end
+end
+return added
+"""
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -338,6 +428,39 @@ class SessionPlace:
     generation: int = 0
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What one announcement changed: sessions announced under a generation that moved on (stale), ended ones
+    whose checkpoints are to be retired, the locations that changed, and whether the agent must resync."""
+
+    stale: list[str]
+    retired: list[str]
+    changes: list[SessionLocation]
+    resync: bool = False
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim's outcome: the generation handed out and the session's new location, or why it was refused
+    (``held``: ``holder`` on ``holder_node`` is alive and holds it; ``deployment``: it belongs to ``holder``)."""
+
+    generation: int
+    location: SessionLocation | None
+    refused: str = ""
+    holder: str = ""
+    holder_node: str = ""
+
+
+@dataclass(frozen=True)
+class FleetCounts:
+    """Sessions per pod, each pod's node and deployment (``namespace/name``), and the pods whose lease stands."""
+
+    by_pod: dict[str, int]
+    nodes: dict[str, str]
+    deployments: dict[str, str]
+    alive: list[str]
+
+
 class SessionRegistry:
     def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
         self.client = client
@@ -350,15 +473,16 @@ class SessionRegistry:
         self._finish = client.register_script(_FINISH)
         self._restored = client.register_script(_RESTORED)
         self._where = client.register_script(_WHERE)
+        self._replicas = client.register_script(_REPLICAS)
+        self._repair = client.register_script(_REPAIR)
 
     def _key(self, *parts: str) -> str:
         return self.subjects.redis_key("kv", *parts)
 
     # -- ownership and location ----------------------------------------------------------------------------------
     @_redis_may_be_down
-    async def apply_announcement(self, event: AgentSessions) -> tuple[list[str], list[str], list[SessionLocation]]:
-        """Returns the sessions the pod announced under a generation it no longer holds (stale copies), the
-        ended sessions it still owned (whose checkpoints are to be retired), and the locations that changed."""
+    async def apply_announcement(self, event: AgentSessions) -> Applied:
+        """Apply one announcement (full or delta; see ``_ANNOUNCE``): what it touches is what it names."""
         generations = event.generations if len(event.generations) == len(event.sessions) else [0] * len(event.sessions)
         pairs: list[str | int | float] = [
             v for sid, gen in zip(event.sessions, generations, strict=True) for v in (sid, gen)
@@ -372,23 +496,44 @@ class SessionRegistry:
             event.deployment,
             time.time(),
             ttl_ms,
+            event.incarnation,
+            event.seq,
+            "1" if event.full else "0",
+            event.part,
+            max(1, event.parts),
+            "1" if event.leaving else "0",
+            event.bytes_held,
+            len(event.ended),
+            len(event.dropped),
         ]
-        stale, retired, changes = await self._announce(
-            keys=[self._key("pod", event.pod)], args=[*head, len(event.ended), *event.ended, *pairs]
+        stale, retired, changes, resync = await self._announce(
+            keys=[self._key("held", event.pod)], args=[*head, *event.ended, *event.dropped, *pairs]
         )
-        return [_text(s) for s in stale], [_text(s) for s in retired], [_location(c) for c in changes]
+        return Applied(
+            [_text(s) for s in stale], [_text(s) for s in retired], [_location(c) for c in changes], bool(resync)
+        )
 
     @_redis_may_be_down
     async def claim(
-        self, session_id: str, pod: str, node: str, namespace: str, deployment: str, floor: int
-    ) -> tuple[int, SessionLocation]:
+        self,
+        session_id: str,
+        pod: str,
+        node: str,
+        namespace: str,
+        deployment: str,
+        floor: int,
+        force: bool = False,
+    ) -> Claim:
         """The pod takes the session: its next generation (above ``floor``), and the registry places it there.
-        Returns the generation and the session's new location."""
-        generation, location = await self._claim(
+        Refused (nothing changed) while another pod that is alive holds it, unless ``force``, or when it belongs
+        to another deployment."""
+        generation, location, refused, holder, holder_node = await self._claim(
             keys=[self._key("generation", session_id)],
-            args=[self.subjects.root, session_id, pod, node, namespace, deployment, time.time(), floor],
+            args=[self.subjects.root, session_id, pod, node, namespace, deployment, time.time(), floor, int(force)],
         )
-        return int(generation), _location(location)
+        if refused:
+            return Claim(0, None, _text(refused), _text(holder), _text(holder_node))
+        return Claim(int(generation), _location(location))
 
     @_redis_may_be_down
     async def note_restored(
@@ -416,27 +561,24 @@ class SessionRegistry:
 
     @_redis_may_be_down
     async def sessions_on_node(self, node: str) -> list[SessionPlace]:
-        sids = sorted(_text(s) for s in await self.client.smembers(self._key("node", node)))
+        """The sessions placed on the node (its index, then each one's record): what a drain of it reads."""
+        sids = sorted(_text(s) for s in await self.client.hkeys(self._key("onnode", node)))
+        if not sids:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for sid in sids:
+                pipe.hmget(self._key("session", sid), "pod", "node", "namespace", "deployment", "generation")
+            rows = await pipe.execute()
         out = []
-        for sid in sids:
-            fields = await self.client.hgetall(self._key("session", sid))
-            if fields and _text(fields.get(b"node", b"")) == node:
-                out.append(
-                    SessionPlace(
-                        sid,
-                        _text(fields[b"pod"]),
-                        node,
-                        _text(fields.get(b"namespace", b"")),
-                        _text(fields.get(b"deployment", b"")),
-                        int(fields.get(b"generation", b"0")),
-                    )
-                )
+        for sid, (pod, where, ns, dep, gen) in zip(sids, rows, strict=True):
+            if pod is not None and _text(where) == node:
+                out.append(SessionPlace(sid, _text(pod), node, _text(ns or b""), _text(dep or b""), int(gen or 0)))
         return out
 
     @_redis_may_be_down
-    async def sessions_of_pod(self, pod: str) -> list[SessionPlace]:
-        node = await self.client.hget(self._key("pods"), pod)
-        return [] if node is None else [s for s in await self.sessions_on_node(_text(node)) if s.pod == pod]
+    async def sessions_of_pod(self, pod: str) -> dict[str, int]:
+        """The sessions the pod holds -> the generation it holds each under (its index: one read)."""
+        return {_text(k): int(v) for k, v in (await self.client.hgetall(self._key("held", pod))).items()}
 
     @_redis_may_be_down
     async def pods(self) -> dict[str, str]:
@@ -457,6 +599,104 @@ class SessionRegistry:
     async def forget_pod(self, pod: str) -> list[SessionLocation]:
         """The pod's sessions leave the registry; returns their locations now (held by nothing)."""
         return [_location(c) for c in await self._forget(keys=[self._key("pod", pod)], args=[self.subjects.root, pod])]
+
+    @_redis_may_be_down
+    async def summary(self) -> FleetCounts:
+        """Session counts per pod, node and deployment, and which pods are alive: reads per pod, never per
+        session."""
+        pods = await self.pods()
+        names = sorted(pods)
+        if not names:
+            return FleetCounts({}, {}, {}, [])
+        async with self.client.pipeline(transaction=False) as pipe:
+            for pod in names:
+                pipe.hlen(self._key("held", pod))
+                pipe.hmget(self._key("podinfo", pod), "namespace", "deployment")
+                pipe.exists(self._key("alive", pod))
+            replies = await pipe.execute()
+        by_pod: dict[str, int] = {}
+        deployments: dict[str, str] = {}
+        alive = []
+        for i, pod in enumerate(names):
+            count, (ns, dep), lease = replies[3 * i], replies[3 * i + 1], replies[3 * i + 2]
+            by_pod[pod] = int(count)
+            deployments[pod] = f"{_text(ns or b'')}/{_text(dep or b'')}"
+            if lease:
+                alive.append(pod)
+        return FleetCounts(by_pod, pods, deployments, alive)
+
+    @_redis_may_be_down
+    async def sessions_page(
+        self, *, node: str = "", pod: str = "", cursor: str = "", limit: int = 200
+    ) -> tuple[list[SessionRecord], str, int | None]:
+        """A page of sessions with their newest checkpoint: of a node (its index), of a pod (its index), or of
+        all (a SCAN of the session records). Returns (records, the next cursor or '', the total when known)."""
+        position = int(cursor) if cursor.isdigit() else 0
+        total: int | None = None
+        if node or pod:
+            index = self._key("onnode", node) if node else self._key("held", pod)
+            position, found = await self.client.hscan(index, position, count=limit)
+            sids = [_text(k) for k in found]
+            total = int(await self.client.hlen(index))
+        else:
+            prefix = self._key("session", "")
+            position, keys = await self.client.scan(position, match=prefix + "*", count=limit)
+            sids = [_text(k)[len(prefix) :] for k in keys]
+        records = await self._records(sids)
+        if pod:
+            records = [r for r in records if r.pod == pod]
+        return records, (str(position) if position else ""), total
+
+    async def _records(self, sids: list[str]) -> list[SessionRecord]:
+        if not sids:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for sid in sids:
+                pipe.hmget(self._key("session", sid), "pod", "node", "namespace", "deployment", "generation")
+                pipe.zrevrange(self._key("checkpoints", sid), 0, 0)
+            replies = await pipe.execute()
+        newest = {sid: _text(replies[2 * i + 1][0]) for i, sid in enumerate(sids) if replies[2 * i + 1]}
+        summaries = (
+            dict(
+                zip(newest, await self.client.mget([self._key("checkpoint", c) for c in newest.values()]), strict=True)
+            )
+            if newest
+            else {}
+        )
+        out = []
+        for i, sid in enumerate(sids):
+            pod, node, ns, dep, gen = replies[2 * i]
+            if pod is None:
+                continue  # ended or dropped since the index was read
+            summary: dict[str, Any] = {}
+            raw = summaries.get(sid)
+            if raw:
+                with contextlib.suppress(ValueError):
+                    summary = json.loads(raw)
+            out.append(
+                SessionRecord(
+                    session_id=sid,
+                    pod=_text(pod),
+                    node=_text(node or b""),
+                    namespace=_text(ns or b""),
+                    deployment=_text(dep or b""),
+                    generation=int(gen or 0),
+                    checkpoint_id=newest.get(sid, ""),
+                    checkpoint_at=summary.get("recorded_at"),
+                    bytes=int(summary.get("bytes_total", 0)),
+                    tokens=int(summary.get("token_count", 0)),
+                )
+            )
+        return out
+
+    @_redis_may_be_down
+    async def replicas(self, owner: str, lease_s: float) -> list[str]:
+        """Renew this replica's membership lease and return every replica whose lease stands (this one too)."""
+        return [_text(m) for m in await self._replicas(keys=[self._key("replicas")], args=[owner, int(lease_s * 1000)])]
+
+    @_redis_may_be_down
+    async def leave_replicas(self, owner: str) -> None:
+        await self.client.zrem(self._key("replicas"), owner)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     @_redis_may_be_down
@@ -492,6 +732,34 @@ class SessionRegistry:
             ],
         )
         return _text(refused), (_location(location) if location else None)
+
+    @_redis_may_be_down
+    async def repair_checkpoints(
+        self, session_id: str, manifests: Sequence[CheckpointManifest], store: str
+    ) -> list[str]:
+        """Record again checkpoints the store holds (verified manifests) that the registry lost, as a Redis
+        failover loses its last writes; the session's generation counter rises to the newest of them. Not fenced
+        by ownership: the store is the last word on what was committed. Idempotent; returns the ids recorded
+        anew."""
+        args: list[str | int | float] = [self.subjects.root, session_id]
+        for m in manifests:
+            summary = {
+                "session_id": session_id,
+                "checkpoint_id": m.checkpoint_id,
+                "generation": m.generation,
+                "sequence": m.sequence,
+                "bytes_total": m.bytes_total,
+                "bytes_written": m.bytes_written,
+                "token_count": m.token_count,
+                "store": store,
+                "pod": m.pod,
+                "node": m.node,
+                "recorded_at": time.time(),
+                "repaired_from_store": True,
+            }
+            args += [m.checkpoint_id, checkpoint_score(m.generation, m.sequence), m.generation, json.dumps(summary)]
+        added = await self._repair(keys=[self._key("checkpoints", session_id)], args=args)
+        return [_text(c) for c in added]
 
     @_redis_may_be_down
     async def checkpoints(self, session_id: str, limit: int = 16) -> list[dict[str, Any]]:
@@ -573,6 +841,14 @@ class SessionRegistry:
             args=[state, verdict, duration_s],
         )
         return bool(first)
+
+    @_redis_may_be_down
+    async def take_turn_or_wait(self, what: str, pod: str, owner: str, interval_s: float) -> int:
+        """Take the turn (0), or how many milliseconds the turn someone else took still runs."""
+        key = self._key("turn", what, pod)
+        if await self.client.set(key, owner, nx=True, px=max(1, int(interval_s * 1000))):
+            return 0
+        return max(1, int(await self.client.pttl(key)))
 
     @_redis_may_be_down
     async def take_turn(self, what: str, pod: str, owner: str, interval_s: float) -> bool:

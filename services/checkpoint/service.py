@@ -12,7 +12,10 @@ list summarised, the whole of it in Redis). A drain id that already has a verdic
 
 Sessions are owned: a pod takes one by claiming it (``locate`` with ``claim``), which hands out the session's
 next generation. Saves of an older generation are refused, so a pod that lost a session never rolls it back,
-and restores use the recorded checkpoints newest (generation, sequence) first.
+and restores use the checkpoints newest (generation, sequence) first. The store is the last word on what was
+committed: a restore considers every checkpoint of the session the store holds, and records again the newer
+ones a Redis failover made the registry lose; no generation is handed out at or below one a stored checkpoint
+carries.
 
 Periodic checkpoints: every ``periodic_interval_s`` of the ``checkpoint`` document each live pod is asked to
 save what it holds (incremental: only new blocks are written), so a pod that dies without its preStop loses at
@@ -29,6 +32,7 @@ change; ``kv.session.where`` over the bus and ``GET /sessions/<id>`` on the HTTP
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -36,17 +40,20 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from urllib.parse import unquote
 
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.contract.base import DrainId, id_problem, is_token
+from shared.contract.base import DrainId, Event, id_problem, is_token
 from shared.contract.checkpoint import (
     AgentSessions,
+    AnnouncementAck,
     CheckpointFailed,
     CheckpointLocation,
     CheckpointSaved,
+    CommittedCheckpoint,
     LocateCheckpoint,
     SaveSessions,
     SaveSessionsReport,
@@ -58,9 +65,17 @@ from shared.contract.device import DeviceHealthChanged
 from shared.contract.models import ServingQuery
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, SessionFailure
 from shared.contract.registry import codec
-from shared.contract.sessions import SessionLocation, WhereIsSession
-from shared.kv.manifest import checkpoint_order
-from shared.kv.store import CheckpointStore, StoreError
+from shared.contract.sessions import (
+    FleetQuery,
+    FleetSummary,
+    SessionLocation,
+    SessionRecord,
+    SessionsPage,
+    SessionsQuery,
+    WhereIsSession,
+)
+from shared.kv.manifest import CheckpointManifest, checkpoint_order, newest_first
+from shared.kv.store import CheckpointNotFound, CheckpointStore, StoreError
 from shared.plumbing.bus import ConsumerSpec
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.errors import PermanentError, TemporaryError
@@ -69,7 +84,7 @@ from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 
 from .config import CheckpointSettings, load
-from .registry import SessionRegistry
+from .registry import Claim, SessionRegistry
 from .retention import CheckpointRecord, RetentionPolicy, expired, unreferenced_packs
 from .rollout import RolloutCoordinator
 
@@ -78,10 +93,40 @@ log = logging.getLogger(__name__)
 GPU_FAILURE_SAVE_S = 20.0
 """The deadline a pod on a failing GPU gets for its save."""
 
+REPLICA_LEASE_S = 5.0
+"""How long a replica counts as alive without renewing (it renews every tick, at most a second apart): a replica
+that dies hands its share of periodic saves to the others within about this long."""
+
+SAVE_BATCH = 1000
+"""Sessions named in one save command of a drain: the command and its report stay far below the bus's payload
+limit (about 200 bytes a session in a report)."""
+
+
+def share_of(pod: str, replicas: Sequence[str]) -> str:
+    """The replica that saves ``pod`` periodically: the highest hash of (pod, replica) wins (rendezvous hashing),
+    so when a replica joins or leaves only the pods it wins or held move."""
+    return max(replicas, key=lambda replica: hashlib.blake2b(f"{replica}|{pod}".encode(), digest_size=8).digest())
+
+
 REASON_CHARS = 500
 """A failure's reason as far as a verdict repeats it."""
 
 VERDICT_TTL_S = 7 * 24 * 3600.0
+
+RESTORE_CANDIDATES = 16
+"""Checkpoints a restore is offered, newest first."""
+
+
+@dataclass(frozen=True)
+class RestoreCandidates:
+    """What a restore of one session may use: ``ids`` newest (generation, sequence) first; ``floor`` the newest
+    generation any checkpoint of the session carries (the next one handed out is above it); ``from_store`` the
+    ids the registry had lost and got back from the store; ``bytes_total`` of the first."""
+
+    ids: list[str]
+    floor: int
+    from_store: list[str]
+    bytes_total: int
 
 
 class CheckpointService:
@@ -100,6 +145,10 @@ class CheckpointService:
         self.drains: dict[str, str] = {}
         self.owner = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._manifest_cache: dict[str, CheckpointRecord] = {}
+        self._periodic_due: dict[str, float] = {}
+        self._periodic_running: set[str] = set()
+        self._periodic_tasks: set[asyncio.Task[bool]] = set()
+        self._periodic_share = 0
 
     # -- wiring ---------------------------------------------------------------------------------------------------
     async def start(self, ctx: ServiceContext) -> None:
@@ -139,6 +188,23 @@ class CheckpointService:
             registry=r,
         )
         self.m_gbps = Gauge("gpuwarden_checkpoint_last_drain_gbps", "GB/s of the last drain", registry=r)
+        self.m_periodic = Histogram(
+            "gpuwarden_checkpoint_periodic_save_seconds",
+            "Time a pod's periodic save took (command to report)",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        Gauge(
+            "gpuwarden_checkpoint_periodic_pods",
+            "Live pods this replica saves periodically (its share)",
+            registry=r,
+        ).set_function(lambda: self._periodic_share)
+        self._save_slots = asyncio.Semaphore(self.settings.periodic_parallelism)
+        self.m_repaired = Counter(
+            "gpuwarden_checkpoint_registry_repaired_total",
+            "Checkpoints the registry had lost (a Redis failover) that restores found in the store and recorded again",
+            registry=r,
+        )
         self.m_locations = Counter(
             "gpuwarden_kv_session_locations_total",
             "kv.session.location events, by outcome (published, or lost: routers then ask where)",
@@ -172,7 +238,8 @@ class CheckpointService:
             ),
             self.on_gpu_health,
         )
-        await ctx.bus.subscribe(
+        # announcements arrive on the pod's own subject; the bus refuses a body naming another pod
+        await ctx.bus.serve(
             s.pattern("checkpoint.agent.sessions"), self.on_announcement, (AgentSessions,), queue="checkpoint"
         )
         # What a pod's KV agent asks, on subjects naming the pod: the body must name the same pod.
@@ -183,6 +250,10 @@ class CheckpointService:
         ):
             await ctx.bus.serve(s.agent_commands(verb), responder, accepts, queue="checkpoint", scope_field="pod")
         await ctx.bus.serve(s.command("checkpoint", "where"), self.on_where, (WhereIsSession,), queue="checkpoint")
+        await ctx.bus.serve(
+            s.command("checkpoint", "sessions"), self.on_sessions_query, (SessionsQuery,), queue="checkpoint"
+        )
+        await ctx.bus.serve(s.command("checkpoint", "fleet"), self.on_fleet_query, (FleetQuery,), queue="checkpoint")
         self.rollouts = RolloutCoordinator(
             ctx, ConfigStore(self.registry.client, ctx.subjects), self.registry, self.cluster, self.owner
         )
@@ -208,31 +279,47 @@ class CheckpointService:
         return current.doc if current and isinstance(current.doc, CheckpointPolicy) else CheckpointPolicy()
 
     # -- the registry -----------------------------------------------------------------------------------------------
-    async def on_announcement(self, event: AgentSessions) -> None:
-        """Idempotent: the announcement replaces what the pod held before. Sessions it holds under a generation
-        that moved on are stale copies: ignored, and reported."""
-        stale, retired, changes = await self.registry.apply_announcement(event)
-        await self._publish_locations(changes)
-        for sid in retired:
+    async def on_announcement(self, event: AgentSessions) -> AnnouncementAck:
+        """Idempotent: a full announcement replaces what the pod held before; a delta applies what it names (a
+        repeat of the last one applied changes nothing). Sessions held under a generation that moved on are
+        stale copies: ignored, and named in the answer so the pod drops them. ``resync`` when the registry does
+        not have what a delta builds on."""
+        applied = await self.registry.apply_announcement(event)
+        await self._publish_locations(applied.changes)
+        for sid in applied.retired:
             await self.retire_session(sid)
-        if stale:
-            self.m_refused.labels("announcement").inc(len(stale))
+        if applied.stale:
+            self.m_refused.labels("announcement").inc(len(applied.stale))
             log.warning(
                 "pod announced sessions it no longer owns; ignored",
-                extra={"pod": event.pod, "node": event.node, "sessions": stale[:20], "count": len(stale)},
+                extra={
+                    "pod": event.pod,
+                    "node": event.node,
+                    "sessions": applied.stale[:20],
+                    "count": len(applied.stale),
+                },
             )
+        if applied.resync:
+            log.info("pod's announcements to be resent in full", extra={"pod": event.pod, "seq": event.seq})
+        return AnnouncementAck(pod=event.pod, seq=event.seq, resync=applied.resync, stale=applied.stale[:1000])
 
     async def retire_session(self, session_id: str) -> None:
-        """A finished conversation: its checkpoints go (their packs become garbage for the collector)."""
+        """A finished conversation: its checkpoints go (their packs become garbage for the collector), those only
+        the store still knows (a Redis failover lost their records) included. The registry forgets each one before
+        its file goes, so a Redis that fails meanwhile leaves no recorded checkpoint without its file."""
         assert self.store is not None
-        for record in await self.registry.checkpoints(session_id, limit=10_000):
-            cid = str(record["checkpoint_id"])
+        ids = {str(r["checkpoint_id"]) for r in await self.registry.checkpoints(session_id, limit=10_000)}
+        try:
+            ids |= set(await self.store.checkpoints(session_id))
+        except StoreError as exc:
+            log.warning("ended session's checkpoints not listed", extra={"session": session_id, "error": str(exc)})
+        for cid in sorted(ids, key=checkpoint_order):
+            await self.registry.forget_checkpoint(session_id, cid)
             try:
                 await self.store.delete_checkpoint(session_id, cid)
             except StoreError as exc:
                 log.warning("ended session's checkpoint not deleted", extra={"session": session_id, "error": str(exc)})
                 continue
-            await self.registry.forget_checkpoint(session_id, cid)
             self._manifest_cache.pop(cid, None)
 
     async def _gone_pods(self, node: str | None = None) -> set[str]:
@@ -291,14 +378,19 @@ class CheckpointService:
         drain_id: str = "",
         generations: dict[str, int] | None = None,
         timeout: float | None = None,
+        changed_only: bool = False,
     ) -> SaveSessionsReport | str:
-        """Have one pod's agent save; its report, or why there is none. Without ``generations`` the pod saves
-        the sessions the registry says it owns, each under its generation; when the registry knows none of them,
-        all it holds (what it no longer owns is then refused when recorded)."""
-        if generations is None:
-            generations = {s.session_id: s.generation for s in await self.registry.sessions_of_pod(pod)}
+        """Have one pod's agent save; its report, or why there is none. With ``generations`` the pod saves those
+        sessions, each only under the generation named (a session it holds under another is refused); without,
+        all it holds (what it no longer owns is then refused when recorded). ``changed_only``: sessions with
+        nothing new since their last checkpoint write nothing."""
         command = SaveSessions(
-            pod=pod, drain_id=drain_id, deadline_s=deadline_s, reason=reason, generations=generations
+            pod=pod,
+            drain_id=drain_id,
+            deadline_s=deadline_s,
+            reason=reason,
+            generations=generations or {},
+            changed_only=changed_only,
         )
         try:
             reply = await self.ctx.bus.request(
@@ -315,39 +407,81 @@ class CheckpointService:
 
     # -- periodic checkpoints ---------------------------------------------------------------------------------------
     async def _periodic_loop(self) -> None:
+        """Every pod of this replica's share is asked to save what changed once per ``periodic_interval_s``, on
+        time: a pod's next save is due one interval after its last one started, checked every twentieth of the
+        interval (at most a second), and never more than one save of a pod runs at once."""
         while True:
             interval = self.policy().periodic_interval_s
-            await asyncio.sleep(min(5.0, max(0.05, interval / 4)) if interval > 0 else 5.0)
+            await asyncio.sleep(min(1.0, max(0.05, interval / 20)) if interval > 0 else 1.0)
             interval = self.policy().periodic_interval_s  # the document may have changed meanwhile
-            if interval > 0:
-                try:
-                    await self.periodic_saves(interval)
-                except TemporaryError as exc:
-                    log.warning("periodic checkpoints skipped this turn", extra={"error": str(exc)})
+            try:
+                if interval <= 0:  # still a member: shares are settled before periodic saves begin
+                    await self.registry.replicas(self.owner, REPLICA_LEASE_S)
+                    continue
+                await self._periodic_tick(interval)
+            except TemporaryError as exc:
+                log.warning("periodic checkpoints skipped this turn", extra={"error": str(exc)})
 
-    async def periodic_saves(self, interval_s: float) -> int:
-        """Ask every announcing pod whose last periodic save is ``interval_s`` old to save what it owns; the
-        turn is taken in Redis, so replicas of this service never double a save. Returns how many pods saved."""
+    async def _my_pods(self, lease_s: float) -> list[str]:
+        """The live pods this replica saves periodically: each pod goes to one replica of those alive, by
+        rendezvous hashing, so a replica that dies hands its share to the others when its lease lapses, and
+        only the pods whose owner changed move."""
+        replicas = await self.registry.replicas(self.owner, lease_s)
         known = await self.registry.pods()
         silent = await self.registry.silent_pods(known)
-        limit = asyncio.Semaphore(self.policy().drain_parallelism)
-        saved = 0
+        live = sorted(set(known) - set(silent))
+        if len(replicas) <= 1:
+            return live
+        return [pod for pod in live if share_of(pod, replicas) == self.owner]
 
-        async def save(pod: str) -> None:
-            nonlocal saved
-            if not await self.registry.take_turn("periodic", pod, self.owner, interval_s):
-                return
-            async with limit:
-                outcome = await self._command_save(pod, max(1.0, min(interval_s, 60.0) * 0.8), "periodic")
-            if isinstance(outcome, str):
-                log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": outcome})
-                return
-            if outcome.committed or outcome.failed:
-                await self._record_report(outcome, "")
-                saved += 1
+    async def _periodic_tick(self, interval_s: float) -> None:
+        now = time.monotonic()
+        mine = await self._my_pods(REPLICA_LEASE_S)
+        self._periodic_share = len(mine)
+        for pod in mine:
+            if pod in self._periodic_running or self._periodic_due.get(pod, 0.0) > now:
+                continue
+            self._periodic_due[pod] = now + interval_s
+            self._periodic_running.add(pod)
+            task = asyncio.create_task(self._periodic_save(pod, interval_s), name=f"periodic-{pod}")
+            self._periodic_tasks.add(task)
+            task.add_done_callback(self._periodic_tasks.discard)
+        for pod in [p for p in self._periodic_due if p not in mine]:
+            del self._periodic_due[pod]
 
-        await asyncio.gather(*(save(pod) for pod in sorted(set(known) - set(silent))))
-        return saved
+    async def periodic_saves(self, interval_s: float) -> int:
+        """One pass now over every live pod of this replica's share whose turn can be taken (tests and tools):
+        returns how many pods saved something."""
+        mine = await self._my_pods(REPLICA_LEASE_S)
+        saved = await asyncio.gather(*(self._periodic_save(pod, interval_s) for pod in mine))
+        return sum(saved)
+
+    async def _periodic_save(self, pod: str, interval_s: float) -> bool:
+        """The pod's periodic save, if this replica takes its turn (one per interval and pod across replicas
+        and restarts): only sessions with something new are written. Says whether anything was saved."""
+        try:
+            held_ms = await self.registry.take_turn_or_wait("periodic", pod, self.owner, interval_s * 0.95)
+            if held_ms:  # another replica saved it this interval: due when its turn lapses, not an interval on
+                self._periodic_due[pod] = time.monotonic() + held_ms / 1000
+                return False
+            started = time.monotonic()
+            async with self._save_slots:
+                outcome = await self._command_save(
+                    pod, max(1.0, min(interval_s, 60.0) * 0.8), "periodic", changed_only=True
+                )
+        except TemporaryError as exc:
+            log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": str(exc)})
+            return False
+        finally:
+            self._periodic_running.discard(pod)
+        if isinstance(outcome, str):
+            log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": outcome})
+            return False
+        self.m_periodic.observe(time.monotonic() - started)
+        if outcome.committed or outcome.failed:
+            await self._record_report(outcome, "")
+            return True
+        return False
 
     # -- drains -----------------------------------------------------------------------------------------------------
     async def on_drain_requested(self, event: DrainRequested) -> None:
@@ -451,7 +585,7 @@ class CheckpointService:
         agent_deadline = max(0.1, event.deadline_s * 0.8)
         limit = asyncio.Semaphore(self.policy().drain_parallelism)
 
-        async def save(pod: str) -> tuple[str, SaveSessionsReport | str]:
+        async def save(pod: str, batch: dict[str, int]) -> tuple[str, SaveSessionsReport | str]:
             async with limit:
                 remaining = event.deadline_s - (time.monotonic() - started)
                 outcome = await self._command_save(
@@ -459,18 +593,31 @@ class CheckpointService:
                     min(agent_deadline, remaining * 0.9),
                     "drain",
                     drain_id=event.drain_id,
-                    generations=by_pod[pod],
+                    generations=batch,
                     timeout=max(0.05, remaining),
                 )
                 return pod, outcome
 
-        results = await asyncio.gather(*(save(pod) for pod in sorted(by_pod)))
+        async def save_pod(pod: str) -> list[tuple[str, SaveSessionsReport | str]]:
+            """A pod's sessions in batches of ``SAVE_BATCH``, one after the other: no command or report passes
+            the bus's payload limit, however many sessions the pod holds."""
+            sids = sorted(by_pod[pod])
+            return [
+                await save(pod, {sid: by_pod[pod][sid] for sid in sids[i : i + SAVE_BATCH]})
+                for i in range(0, len(sids), SAVE_BATCH)
+            ]
+
+        results = [r for rs in await asyncio.gather(*(save_pod(pod) for pod in sorted(by_pod))) for r in rs]
         failed: list[SessionFailure] = []
         committed: set[str] = set()
         total = 0
+        reported: dict[str, set[str]] = defaultdict(set)
+        pods_failed: set[str] = set()
         for pod, outcome in results:
             if isinstance(outcome, str):
-                failed += [SessionFailure(session_id=s, pod=pod, reason=outcome) for s in sorted(by_pod[pod])]
+                if pod not in pods_failed:
+                    pods_failed.add(pod)
+                    failed += [SessionFailure(session_id=s, pod=pod, reason=outcome) for s in sorted(by_pod[pod])]
                 continue
             ok, bad, nbytes = await self._record_report(outcome, event.drain_id)
             committed |= ok
@@ -481,7 +628,11 @@ class CheckpointService:
                     "sessions no longer held by their pod: nothing of them to save",
                     extra={"pod": pod, "sessions": outcome.not_held[:20], "count": len(outcome.not_held)},
                 )
-            for sid in sorted(set(by_pod[pod]) - ok - {f.session_id for f in bad} - set(outcome.not_held)):
+            reported[pod] |= ok | {f.session_id for f in bad} | set(outcome.not_held)
+        for pod, sids in by_pod.items():
+            if pod in pods_failed:
+                continue
+            for sid in sorted(set(sids) - reported[pod]):
                 failed.append(SessionFailure(session_id=sid, pod=pod, reason=f"pod {pod} did not report it"))
         failed = await self._still_here(event.node, failed)
         await self.ctx.bus.publish_many(
@@ -560,32 +711,34 @@ class CheckpointService:
         self, report: SaveSessionsReport, drain_id: str
     ) -> tuple[set[str], list[SessionFailure], int]:
         """Verify each committed checkpoint in the store (manifest present, verified and as reported, every pack
-        it references present), record it if the pod still owns the session's generation, and publish
-        ``checkpoint.saved``. A checkpoint of a pod that no longer owns the session is refused: not recorded,
-        its manifest removed, reported as failed. Idempotent: recording the same checkpoint twice writes the
-        same records."""
+        it references present and long enough), record it if the pod still owns the session's generation, and
+        publish ``checkpoint.saved``. A checkpoint of a pod that no longer owns the session is refused: not
+        recorded, its manifest removed, reported as failed. What it reads and writes follows the report, never
+        the store. Idempotent: recording the same checkpoint twice writes the same records.
+
+        Drains and preStop hooks both save a pod's sessions, often one right after the other: each report is
+        recorded on its own, and the newer checkpoint (by generation, sequence) is the one restores take."""
         assert self.store is not None
         ok: set[str] = set()
         failed = list(report.failed)
         total = 0
-        try:
-            packs = {p.pack_id: p.size for p in await self.store.packs()}
-        except StoreError as exc:
-            return (
-                set(),
-                failed
-                + [
-                    SessionFailure(session_id=c.session_id, pod=report.pod, reason=f"store unreadable: {exc}")
-                    for c in report.committed
-                ],
-                0,
-            )
+        manifests: list[tuple[CommittedCheckpoint, CheckpointManifest]] = []
         for c in report.committed:
             try:
-                manifest = await self.store.manifest(c.session_id, c.checkpoint_id)
+                manifests.append((c, await self.store.manifest(c.session_id, c.checkpoint_id)))
             except StoreError as exc:
                 failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=f"not in store: {exc}"))
-                continue
+        try:
+            packs = await self.store.pack_sizes({ref.pack for _, m in manifests for ref in m.blocks})
+        except StoreError as exc:
+            reason = f"store unreadable: {exc}"
+            return (
+                set(),
+                failed + [SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason) for c, _ in manifests],
+                0,
+            )
+        events: list[Event] = []
+        for c, manifest in manifests:
             problem = ""
             if manifest.bytes_total != c.bytes_total or len(manifest.blocks) != c.chunks:
                 problem = "manifest differs from the agent's report"
@@ -611,7 +764,7 @@ class CheckpointService:
             self.m_bytes.labels("logical").inc(c.bytes_total)
             self.m_bytes.labels("written").inc(c.bytes_written)
             self.m_sessions.labels("committed").inc()
-            await self.ctx.publish(
+            events.append(
                 CheckpointSaved(
                     session_id=c.session_id,
                     checkpoint_id=c.checkpoint_id,
@@ -625,10 +778,25 @@ class CheckpointService:
                 )
             )
             if location is not None:
-                await self._publish_locations([location])
+                events.append(location)
             ok.add(c.session_id)
             total += c.bytes_total
+        await self._publish_recorded(events)
         return ok, failed, total
+
+    async def _publish_recorded(self, events: Sequence[Event]) -> None:
+        """``checkpoint.saved`` and the locations that changed, in one batch of acknowledgements. What is
+        recorded stands even when the events cannot be published now (counted and logged)."""
+        if not events:
+            return
+        try:
+            await self.ctx.bus.publish_many(events)
+        except Exception as exc:
+            lost = sum(1 for e in events if isinstance(e, SessionLocation))
+            self.m_locations.labels("lost").inc(lost)
+            log.warning("recorded checkpoints' events not published", extra={"events": len(events), "error": str(exc)})
+            return
+        self.m_locations.labels("published").inc(sum(1 for e in events if isinstance(e, SessionLocation)))
 
     async def on_record(self, report: SaveSessionsReport) -> SaveSessionsReport:
         """PreStop saves reported by agents: verified, fenced and recorded like a drain's."""
@@ -643,22 +811,25 @@ class CheckpointService:
 
     # -- restores ---------------------------------------------------------------------------------------------------
     async def on_locate(self, event: LocateCheckpoint) -> CheckpointLocation:
-        """The session's recorded checkpoints, newest (generation, sequence) first; the store's own when the
-        registry has none (it lost its data). With ``claim``, the asking pod takes the session under its next
-        generation, above every generation the checkpoints carry. Not idempotent with ``claim`` (each claim is
-        a new generation), which is what makes a stale holder's saves refusable."""
+        """The session's checkpoints, newest (generation, sequence) first: those the store holds and those the
+        registry recorded (``_restore_candidates``). With ``claim``, the asking pod takes the session under its
+        next generation, above every generation the checkpoints carry. Not idempotent with ``claim`` (each claim
+        is a new generation), which is what makes a stale holder's saves refusable."""
         assert self.store is not None
-        recorded = await self.registry.checkpoints(event.session_id)
-        candidates = [str(r["checkpoint_id"]) for r in recorded]
-        if not candidates:
-            candidates = (await self.store.checkpoints(event.session_id))[:16]
+        found = await self._restore_candidates(event.session_id)
+        candidates = found.ids
         generation = 0
         if event.claim:
-            floor = max((checkpoint_order(c)[0] for c in candidates), default=0)
-            generation, location = await self.registry.claim(
-                event.session_id, event.pod, event.node, event.namespace, event.deployment, floor
-            )
-            await self._publish_locations([location])
+            claim = await self._claim(event, found.floor)
+            if claim.refused:
+                return CheckpointLocation(
+                    session_id=event.session_id,
+                    found=False,
+                    store=self.store.url,
+                    refused=claim.refused,
+                    holder=claim.holder if claim.refused.startswith("held") else "",
+                )
+            generation = claim.generation
         if not candidates:
             return CheckpointLocation(
                 session_id=event.session_id, found=False, store=self.store.url, generation=generation
@@ -669,10 +840,107 @@ class CheckpointService:
             found=True,
             checkpoint_id=candidates[0],
             store=self.store.url,
-            bytes_total=int(recorded[0].get("bytes_total", 0)) if recorded else 0,
+            bytes_total=found.bytes_total,
             generation=generation,
             candidates=candidates,
+            from_store=found.from_store,
         )
+
+    async def _claim(self, event: LocateCheckpoint, floor: int) -> Claim:
+        """The asking pod takes the session, unless another pod that is alive holds it: then the cluster is asked
+        whether that pod still runs (a pod being evicted keeps its lease until its agent stops), and only a pod
+        that does not run any more gives the session up. Refusals name why; nothing changes."""
+        args = (event.session_id, event.pod, event.node, event.namespace, event.deployment, floor)
+        claim = await self.registry.claim(*args)
+        if claim.refused == "held" and not await self._runs(claim.holder, claim.holder_node):
+            claim = await self.registry.claim(*args, force=True)
+        if claim.location is not None:
+            await self._publish_locations([claim.location])
+        if claim.refused == "held":
+            self.m_refused.labels("claim").inc()
+            return Claim(0, None, f"held by pod {claim.holder}, which is alive: its requests go there", claim.holder)
+        if claim.refused == "deployment":
+            self.m_refused.labels("claim").inc()
+            return Claim(0, None, f"the session belongs to deployment {claim.holder}", claim.holder)
+        return claim
+
+    async def _runs(self, pod: str, node: str) -> bool:
+        """Whether the cluster has ``pod`` running (not terminating, not gone). When the cluster cannot say, the
+        pod is taken to run: a session is never taken from a pod that may still serve it."""
+        assert self.cluster is not None
+        try:
+            pods = await self.cluster.pods(node=node or None)
+        except Exception as exc:
+            log.warning("cluster unreadable; the holder is taken to run", extra={"pod": pod, "error": str(exc)})
+            return True
+        return any(p.name == pod and p.phase == "Running" for p in pods)
+
+    async def _restore_candidates(self, session_id: str) -> RestoreCandidates:
+        """What a restore of the session may use. The store is the last word on what was committed (Redis
+        replicates asynchronously: a failover loses its last writes), so every checkpoint of the session the
+        store holds is a candidate, with those the registry recorded. One the registry lacks that is newer than
+        all it recorded is verified (its manifest) and recorded again; one the registry recorded whose manifest
+        the store no longer has is forgotten (and still offered, so that the restore says it passed over it). The
+        floor for the next generation is the newest generation of any of them. When the store cannot be listed,
+        the registry's stand alone.
+
+        Costs one listing of the session in the store (a per-session index in every store), plus one manifest
+        read per checkpoint the two disagree on (none while they agree)."""
+        assert self.store is not None
+        found = await self.registry.checkpoints(session_id, RESTORE_CANDIDATES)
+        recorded = {str(r["checkpoint_id"]): r for r in found}
+        try:
+            stored = await self.store.checkpoints(session_id)
+        except StoreError as exc:
+            log.warning(
+                "store not listed; restore candidates from the registry alone",
+                extra={"session": session_id, "error": str(exc)},
+            )
+            ids = newest_first(list(recorded))
+            first = recorded.get(ids[0], {}) if ids else {}
+            return RestoreCandidates(
+                ids, max((checkpoint_order(c)[0] for c in ids), default=0), [], int(first.get("bytes_total", 0))
+            )
+        listed = set(stored)
+        gone = set()
+        for cid in [c for c in recorded if c not in listed]:
+            try:
+                await self.store.manifest(session_id, cid)
+            except CheckpointNotFound:
+                await self.registry.forget_checkpoint(session_id, cid)
+                gone.add(cid)
+                log.warning(
+                    "recorded checkpoint gone from the store; forgotten",
+                    extra={"session": session_id, "checkpoint": cid},
+                )
+            except StoreError:
+                pass  # there but unreadable: the restore passes over it and says why
+        newest = max((checkpoint_order(c) for c in recorded if c not in gone), default=None)
+        bytes_total = {cid: int(r.get("bytes_total", 0)) for cid, r in recorded.items()}
+        verified = []
+        for cid in stored[:RESTORE_CANDIDATES]:
+            if cid in recorded or (newest is not None and checkpoint_order(cid) < newest):
+                continue
+            try:
+                manifest = await self.store.manifest(session_id, cid)
+            except StoreError as exc:  # still a candidate: the restore passes over it and says why
+                log.warning("unrecorded checkpoint unreadable", extra={"session": session_id, "error": str(exc)})
+                continue
+            verified.append(manifest)
+            bytes_total[cid] = manifest.bytes_total
+        from_store: list[str] = []
+        if verified:
+            await self.registry.repair_checkpoints(session_id, verified, self.store.url)
+            from_store = [m.checkpoint_id for m in verified]
+            self.m_repaired.inc(len(from_store))
+            log.warning(
+                "the registry lacked the newest checkpoints of a session: taken from the store and recorded again",
+                extra={"session": session_id, "checkpoints": from_store, "newest_recorded": newest and newest[2]},
+            )
+        ids = newest_first(list(listed | set(recorded)))
+        floor = max((checkpoint_order(c)[0] for c in ids), default=0)
+        ids = ids[:RESTORE_CANDIDATES]
+        return RestoreCandidates(ids, floor, from_store, bytes_total.get(ids[0], 0) if ids else 0)
 
     async def on_restored(self, event: SessionRestored) -> SessionRestored:
         """Idempotent: a repeated report publishes ``checkpoint.restored`` again (deduplicated by its event id)
@@ -710,6 +978,53 @@ class CheckpointService:
         """Read-only: where the session's KV is now, from the registry."""
         return await self.registry.where(event.session_id)
 
+    async def on_sessions_query(self, query: SessionsQuery) -> SessionsPage:
+        """Read-only: a page of the sessions of a node or a pod (their indexes), or of all; a deployment's through
+        its pods. What it reads follows the page."""
+        if query.deployment and not (query.node or query.pod):
+            return await self._deployment_page(query)
+        records, cursor, total = await self.registry.sessions_page(
+            node=query.node, pod=query.pod, cursor=query.cursor, limit=query.limit
+        )
+        if query.deployment:
+            records = [r for r in records if (r.namespace, r.deployment) == (query.namespace, query.deployment)]
+        return SessionsPage(sessions=records, next_cursor=cursor, total=total)
+
+    async def _deployment_page(self, query: SessionsQuery) -> SessionsPage:
+        """A deployment's sessions, pod by pod: the cursor is ``<pod index>:<cursor within the pod>``."""
+        counts = await self.registry.summary()
+        wanted = f"{query.namespace}/{query.deployment}"
+        pods = sorted(p for p, d in counts.deployments.items() if d == wanted)
+        index, _, inner = query.cursor.partition(":")
+        at = int(index) if index.isdigit() else 0
+        records: list[SessionRecord] = []
+        while at < len(pods) and len(records) < query.limit:
+            page, inner, _ = await self.registry.sessions_page(
+                pod=pods[at], cursor=inner, limit=query.limit - len(records)
+            )
+            records += page
+            if not inner:
+                at += 1
+        cursor = f"{at}:{inner}" if at < len(pods) else ""
+        return SessionsPage(sessions=records, next_cursor=cursor, total=sum(counts.by_pod[p] for p in pods))
+
+    async def on_fleet_query(self, query: FleetQuery) -> FleetSummary:
+        """Read-only: session counts per node, pod and deployment, from the pods' indexes (never per session)."""
+        counts = await self.registry.summary()
+        by_node: dict[str, int] = defaultdict(int)
+        by_deployment: dict[str, int] = defaultdict(int)
+        for pod, count in counts.by_pod.items():
+            by_node[counts.nodes.get(pod, "")] += count
+            by_deployment[counts.deployments.get(pod, "/")] += count
+        return FleetSummary(
+            sessions_total=sum(counts.by_pod.values()),
+            by_node=dict(by_node),
+            by_pod=counts.by_pod,
+            by_deployment=dict(by_deployment),
+            pods=counts.nodes,
+            alive=counts.alive,
+        )
+
     async def on_http_session(self, method: str, path: str) -> Response:
         """``GET /sessions/<id>``: the ``kv.session.location`` JSON of the session; 200 while a pod holds it,
         404 when none does (ended, dropped, its pod gone, or never seen: the body says which), 400 for a bad
@@ -738,7 +1053,9 @@ class CheckpointService:
                 log.warning("retention skipped this turn", extra={"error": str(exc)})
 
     async def collect_garbage(self, now: float | None = None) -> tuple[int, int]:
-        """Apply the retention policy, then delete packs nothing references. Returns (checkpoints, packs)."""
+        """Apply the retention policy, then delete packs nothing references. Returns (checkpoints, packs). Each
+        doomed checkpoint leaves the registry before its file goes: when Redis fails in between, a checkpoint the
+        registry no longer names stays in the store until the next turn, never the other way round."""
         assert self.store is not None
         now = time.time() if now is None else now
         policy = self.policy()
@@ -761,9 +1078,9 @@ class CheckpointService:
             {p.pack_id: p.size for p in packs},
             now,
         )
-        for record in doomed:
-            await self.store.delete_checkpoint(record.session_id, record.checkpoint_id)
+        for record in doomed:  # the registry forgets first: a Redis failure here deletes nothing
             await self.registry.forget_checkpoint(record.session_id, record.checkpoint_id)
+            await self.store.delete_checkpoint(record.session_id, record.checkpoint_id)
             self._manifest_cache.pop(record.checkpoint_id, None)
         gone = {r.checkpoint_id for r in doomed}
         kept = [r for r in records if r.checkpoint_id not in gone]

@@ -16,6 +16,7 @@ Requests and the RBAC they need (see ``deploy/rbac``):
 ``scale``                                   deployments/scale patch (apps)
 ``watch``                                   list + watch of each kind watched (nodes and pods by default)
 ``acquire_lease`` / ``renew`` / ``release`` leases get, create, update (coordination.k8s.io, its namespace)
+``review_token``                            tokenreviews create (authentication.k8s.io; cluster-wide)
 ==========================================  ============================================================
 
 A watch lists, then watches from the list's resourceVersion; a dropped connection (or a server-side timeout)
@@ -51,6 +52,7 @@ from shared.ports.cluster import (
     NodeInfo,
     PodInfo,
     PodPhase,
+    TokenReview,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class KubeCluster:
         self._apps = k8s.AppsV1Api(api)
         self._policy = k8s.PolicyV1Api(api)
         self._coordination = k8s.CoordinationV1Api(api)
+        self._authentication = k8s.AuthenticationV1Api(api)
         self._watch_kinds = tuple(watch_kinds)
         self._watch_node = watch_node
         self._clock = clock
@@ -286,6 +289,30 @@ class KubeCluster:
         if self._watch_node is not None:
             query["field_selector"] = f"spec.nodeName={self._watch_node}"
         return self._core.list_pod_for_all_namespaces_without_preload_content(**query)
+
+    # -- tokens -------------------------------------------------------------------------------------------------
+    async def review_token(self, token: str, audiences: tuple[str, ...]) -> TokenReview:
+        """A TokenReview (authentication.k8s.io/v1): the API server checks the token's signature, expiry and
+        audience, and for a bound token that its pod still exists with the same UID; its answer, as it gave it.
+        The token goes in the request body only, never into a log line or an error."""
+        body = k8s.V1TokenReview(
+            api_version="authentication.k8s.io/v1",
+            kind="TokenReview",
+            spec=k8s.V1TokenReviewSpec(token=token, audiences=list(audiences)),
+        )
+        answer = await _read(self._authentication.create_token_review_without_preload_content(body))
+        status = answer.get("status") or {}
+        user = status.get("user") or {}
+        extra = {str(k): tuple(str(v) for v in (vs or ())) for k, vs in (user.get("extra") or {}).items()}
+        return TokenReview(
+            authenticated=bool(status.get("authenticated")),
+            username=str(user.get("username") or ""),
+            uid=str(user.get("uid") or ""),
+            groups=tuple(str(g) for g in user.get("groups") or ()),
+            extra=extra,
+            audiences=tuple(str(a) for a in status.get("audiences") or ()),
+            error=str(status.get("error") or ""),
+        )
 
     # -- leases -------------------------------------------------------------------------------------------------
     async def acquire_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> bool:

@@ -44,7 +44,7 @@ from shared.contract.node import (
 )
 from shared.contract.registry import codec
 from shared.contract.requests import InferenceRequest
-from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.configsync import ConfigStore, redis_unreachable
 from shared.ports.cluster import ClusterConflict, EvictionOutcome
 
 Report = Callable[[str, dict[str, Any]], None]
@@ -173,7 +173,7 @@ async def drain(
     await _known_node(mesh, node)
     started = time.monotonic()
     result = DrainResult(node=node, drain_id=drain_id)
-    before = [s for s in await read_sessions(mesh) if s.node == node]
+    before = await read_sessions(mesh, node=node)
     result.sessions = [MovedSession(s.id, s.pod, s.generation) for s in before]
     verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
@@ -403,12 +403,34 @@ def node_done(n: NodeUpgrade, version: str) -> bool:
 
 
 async def follow_upgrade(
-    mesh: MeshClient, version: str, timeout: float, report: Callable[[list[NodeUpgrade]], None]
+    mesh: MeshClient,
+    version: str,
+    timeout: float,
+    report: Callable[[list[NodeUpgrade]], None],
+    waiting: Callable[[str], None] | None = None,
 ) -> tuple[bool, str]:
-    """Until every node runs ``version`` and is done (True), one fails, or ``timeout`` passes (False, why)."""
+    """Until every node runs ``version`` and is done (True), one fails, or ``timeout`` passes (False, why).
+
+    A Redis that does not answer for a while (paused, restarting, failing over) while the upgrade carries on is
+    waited for, not a failure: ``waiting`` hears why, once per outage, and the reads go on until ``timeout``."""
     end = time.monotonic() + timeout
+    outage = ""
     while True:
-        nodes = await upgrade_progress(mesh, version)
+        try:
+            nodes = await upgrade_progress(mesh, version)
+        except Exception as exc:
+            if not redis_unreachable(exc):
+                raise
+            if time.monotonic() >= end:
+                return False, f"Redis did not answer for the last of {timeout:g}s: {exc}"
+            if not outage and waiting is not None:
+                waiting(f"waiting for Redis ({exc}); the upgrade carries on without this command")
+            outage = str(exc)
+            await asyncio.sleep(0.5)
+            continue
+        if outage and waiting is not None:
+            waiting("Redis answers again")
+        outage = ""
         report(nodes)
         failed = [n for n in nodes if n.state == "upgrade-failed"]
         if failed:

@@ -66,7 +66,9 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
         elif r is not None:
             model += f" (rollout {r.from_version} -> {r.to_version} {r.phase})"
         deployments.add_row(f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, model, dep.why)
-    sessions = Table(title=f"sessions ({len(status.sessions)})", title_justify="left")
+    total = status.sessions_total if status.sessions_total is not None else len(status.sessions)
+    moving = f", {status.sessions_moving} moving" if status.sessions_moving else ""
+    sessions = Table(title=f"sessions ({total}{moving})", title_justify="left")
     for column in ("session", "pod", "node", "gen", "bytes", "tokens", "last checkpoint", "restored+verified"):
         sessions.add_column(column)
     for session in status.sessions[:max_sessions]:
@@ -82,8 +84,11 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
             _ago(last.at, now) if last else "none yet",
             verified,
         )
-    if len(status.sessions) > max_sessions:
-        sessions.caption = f"... and {len(status.sessions) - max_sessions} more (--json lists all)"
+    shown = min(len(status.sessions), max_sessions)
+    if status.sessions_error:
+        sessions.caption = f"sessions unknown: {status.sessions_error}"
+    elif total > shown:
+        sessions.caption = f"... and {total - shown} more (--node NODE, --sessions N, --json)"
     parts: list[Any] = [nodes, deployments, sessions]
     if status.drains:
         drains = Table(title="drains in flight", title_justify="left")

@@ -6,7 +6,10 @@
   taken (``null`` when none was heard: unknown, never 0);
 - upgrade state: the node label ``nvidia.com/gpu-driver-upgrade-state`` (and its failure annotation);
 - why a deployment has its replica count: its newest ``scaler.decision`` event;
-- sessions, checkpoints and drains: the checkpoint service's registry in Redis (read only);
+- sessions and their counts: asked of the checkpoint service (``kv.fleet.query`` for the counts per node, pod and
+  deployment, ``kv.sessions.query`` for a page of sessions, of one node with ``--node``): what it costs follows the
+  pods and the page, never the number of sessions in the fleet;
+- drains: the checkpoint service's records in Redis (read only);
 - whether a session was verified after a restore: its newest ``checkpoint.restored`` event, which a KV agent
   publishes only after every chunk digest and the manifest were checked, for the pod and generation that hold it.
 
@@ -22,12 +25,15 @@ from typing import Any
 
 import msgspec
 
-from shared.console.client import MeshClient
+from shared.console.client import CommandError, MeshClient
+from shared.contract.base import Event
 from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import ModelVersions
+from shared.contract.deadletter import DeadLetter
 from shared.contract.device import DeviceInventory
 from shared.contract.metrics import GpuSample
 from shared.contract.scaler import ScaleDecision
+from shared.contract.sessions import FleetQuery, FleetSummary, SessionRecord, SessionsPage, SessionsQuery
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.rollouts import read_models
 from shared.ports.cluster import NodeInfo, PodInfo
@@ -150,7 +156,14 @@ class MeshStatus(msgspec.Struct, kw_only=True):
     nodes: list[NodeView]
     deployments: list[DeploymentView]
     sessions: list[SessionView]
+    """A page of the sessions (of ``--node`` when given), at most ``--sessions`` of them."""
     drains: list[DrainView]
+    sessions_total: int | None = None
+    """Sessions the registry places on pods (on ``--node``); None when the checkpoint service did not answer."""
+    sessions_moving: int = 0
+    """Of those, sessions whose pod is terminating or gone: restored elsewhere on their next request."""
+    sessions_error: str = ""
+    """Why the sessions could not be read ('' when they were)."""
     services: dict[str, str] = msgspec.field(default_factory=dict)
     """Each service the run's state file lists -> ok, degraded or unreachable."""
     simulation: dict[str, Any] | None = None
@@ -225,9 +238,17 @@ async def _health(url: str) -> str:
     return str(body.get("status", "ok")) if isinstance(body, dict) else "ok"
 
 
-async def take(mesh: MeshClient, samples: SampleListener | None = None, sample_wait_s: float = 0.0) -> MeshStatus:
+async def take(
+    mesh: MeshClient,
+    samples: SampleListener | None = None,
+    sample_wait_s: float = 0.0,
+    *,
+    node: str = "",
+    max_sessions: int = 500,
+) -> MeshStatus:
     """One snapshot. With ``samples`` (already listening) it waits up to ``sample_wait_s`` for a utilisation
-    sample of every GPU the inventories name."""
+    sample of every GPU the inventories name. Sessions: the counts of the whole fleet, and a page of at most
+    ``max_sessions`` (of ``node`` when given)."""
     cluster = mesh.need_cluster()
     infos, pods, deployments = await asyncio.gather(cluster.nodes(), cluster.pods(), cluster.deployments())
     s = mesh.subjects
@@ -238,14 +259,28 @@ async def take(mesh: MeshClient, samples: SampleListener | None = None, sample_w
             inventories[info.name] = found
     if samples is not None and sample_wait_s > 0:
         await samples.wait_for({g.uuid for inv in inventories.values() for g in inv.gpus}, sample_wait_s)
-    sessions = await read_sessions(mesh)
     serving = {p.name for p in pods if p.phase == "Running"}
     by_node: dict[str, int] = {}
-    for session in sessions:
-        if session.pod not in serving:
-            session.state = "moving"
-            continue
-        by_node[session.node] = by_node.get(session.node, 0) + 1
+    sessions: list[SessionView] = []
+    total: int | None = None
+    moving = 0
+    error = ""
+    try:
+        summary = await fleet_summary(mesh)
+        sessions = await read_sessions(mesh, node=node, limit=max_sessions)
+    except CommandError as exc:
+        error = str(exc)
+    else:
+        for pod, count in summary.by_pod.items():
+            if pod not in serving:
+                moving += count if not node or summary.pods.get(pod) == node else 0
+                continue
+            where = summary.pods.get(pod, "")
+            by_node[where] = by_node.get(where, 0) + count
+        total = summary.by_node.get(node, 0) if node else summary.sessions_total
+        for session in sessions:
+            if session.pod not in serving:
+                session.state = "moving"
     nodes = [
         _node_view(info, inventories.get(info.name), pods, samples, by_node.get(info.name, 0))
         for info in sorted(infos, key=lambda n: n.name)
@@ -304,6 +339,9 @@ async def take(mesh: MeshClient, samples: SampleListener | None = None, sample_w
         drains=drains,
         services=services,
         simulation=simulation,
+        sessions_total=total,
+        sessions_moving=moving,
+        sessions_error=error,
     )
 
 
@@ -361,56 +399,62 @@ async def _scan(redis: Any, pattern: str) -> list[str]:
     return [_text(k) async for k in redis.scan_iter(match=pattern, count=500)]
 
 
-async def read_sessions(mesh: MeshClient) -> list[SessionView]:
-    """Every session the registry places on a pod, with its newest checkpoint and how it got there."""
-    s = mesh.subjects
-    prefix = s.redis_key("kv", "session", "")
-    keys = sorted(await _scan(mesh.redis, prefix + "*"))
-    if not keys:
-        return []
-    async with mesh.redis.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.hgetall(key)
-            pipe.zrevrange(s.redis_key("kv", "checkpoints", key[len(prefix) :]), 0, 0)
-        replies = await pipe.execute()
-    out: list[SessionView] = []
-    newest: dict[str, str] = {}
-    for i, key in enumerate(keys):
-        fields = {_text(k): _text(v) for k, v in (replies[2 * i] or {}).items()}
-        if not fields.get("pod"):
-            continue
-        sid = key[len(prefix) :]
-        out.append(
-            SessionView(
-                id=sid,
-                pod=fields["pod"],
-                node=fields.get("node", ""),
-                namespace=fields.get("namespace", ""),
-                deployment=fields.get("deployment", ""),
-                generation=int(fields.get("generation", "0") or 0),
-            )
+async def _ask(mesh: MeshClient, subject: str, question: Event, timeout: float = 10.0) -> Event:
+    try:
+        answer = await mesh.bus.request(subject, question, timeout)
+    except TimeoutError as exc:
+        raise CommandError(f"the checkpoint service did not answer ({exc})") from None
+    if isinstance(answer, DeadLetter):
+        raise CommandError(f"the checkpoint service refused the question: {answer.reason}")
+    return answer
+
+
+async def fleet_summary(mesh: MeshClient) -> FleetSummary:
+    """Session counts per node, pod and deployment, from the checkpoint service."""
+    answer = await _ask(mesh, mesh.subjects.command("checkpoint", "fleet"), FleetQuery())
+    if not isinstance(answer, FleetSummary):
+        raise CommandError(f"the checkpoint service answered {answer.kind}, not a fleet summary")
+    return answer
+
+
+async def read_sessions(
+    mesh: MeshClient, *, node: str = "", pod: str = "", limit: int | None = None
+) -> list[SessionView]:
+    """The sessions the registry places on pods (of ``node`` or ``pod`` when given), page by page from the
+    checkpoint service, at most ``limit`` (all when None), each with its newest checkpoint and how it got there."""
+    subject = mesh.subjects.command("checkpoint", "sessions")
+    records: list[SessionRecord] = []
+    cursor = ""
+    while limit is None or len(records) < limit:
+        want = 1000 if limit is None else max(1, min(1000, limit - len(records)))
+        page = await _ask(mesh, subject, SessionsQuery(node=node, pod=pod, cursor=cursor, limit=want))
+        if not isinstance(page, SessionsPage):
+            raise CommandError(f"the checkpoint service answered {page.kind}, not a page of sessions")
+        records += page.sessions
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    out = [
+        SessionView(
+            id=r.session_id,
+            pod=r.pod,
+            node=r.node,
+            namespace=r.namespace,
+            deployment=r.deployment,
+            generation=r.generation,
+            bytes=r.bytes,
+            tokens=r.tokens,
+            last_checkpoint=(
+                CheckpointView(id=r.checkpoint_id, at=r.checkpoint_at, bytes=r.bytes, tokens=r.tokens)
+                if r.checkpoint_id
+                else None
+            ),
         )
-        if replies[2 * i + 1]:
-            newest[sid] = _text(replies[2 * i + 1][0])
-    if newest:
-        raws = await mesh.redis.mget([s.redis_key("kv", "checkpoint", c) for c in newest.values()])
-        summaries = dict(zip(newest, raws, strict=True))
-    else:
-        summaries = {}
+        for r in (records if limit is None else records[:limit])
+    ]
+    s = mesh.subjects
     restored = await asyncio.gather(*(mesh.last_event(s.pattern("checkpoint.restored", session_id=v.id)) for v in out))
     for view, event in zip(out, restored, strict=True):
-        raw = summaries.get(view.id)
-        if raw:
-            with contextlib.suppress(ValueError, msgspec.DecodeError):
-                summary = msgspec.json.decode(raw)
-                view.bytes = int(summary.get("bytes_total", 0))
-                view.tokens = int(summary.get("token_count", 0))
-                view.last_checkpoint = CheckpointView(
-                    id=str(summary.get("checkpoint_id", newest[view.id])),
-                    at=summary.get("recorded_at"),
-                    bytes=view.bytes,
-                    tokens=view.tokens,
-                )
         if isinstance(event, SessionRestored) and event.pod == view.pod and event.generation == view.generation:
             view.verified_after_restore = True
             view.restored_from = event.checkpoint_id

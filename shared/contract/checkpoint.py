@@ -51,7 +51,9 @@ class CheckpointFailed(Event, frozen=True, kw_only=True, tag="checkpoint.failed"
 
 class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored"):
     """A pod restored a session from ``checkpoint_id`` and holds it under ``generation``; ``fell_back_from``
-    names each newer checkpoint it passed over and why (missing, unreadable, corrupt)."""
+    names each newer checkpoint it passed over and why (missing, unreadable, corrupt); ``from_store`` each
+    checkpoint the registry had lost (a Redis failover) that the checkpoint service found in the store and
+    recorded again: when ``checkpoint_id`` is one of them, only the store still knew the newest checkpoint."""
 
     family: ClassVar[str] = "checkpoint"
 
@@ -63,6 +65,7 @@ class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored
     duration_s: float = 0.0
     generation: int = 0
     fell_back_from: list[str] = msgspec.field(default_factory=list)
+    from_store: list[CheckpointId] = msgspec.field(default_factory=list)
 
 
 class CommittedCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,6 +95,10 @@ class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.comman
     deadline_s: float = 20.0
     reason: str = "drain"
     generations: dict[SessionId, int] = msgspec.field(default_factory=dict)
+    changed_only: bool = False
+    """Save only sessions with something new since their last checkpoint (periodic saves): a session whose
+    blocks, tokens and generation are what its last checkpoint holds writes nothing and is counted as
+    ``unchanged`` in the report."""
 
 
 class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.report"):
@@ -104,6 +111,11 @@ class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.
     failed: list[SessionFailure] = msgspec.field(default_factory=list)
     not_held: list[SessionId] = msgspec.field(default_factory=list)
     """Sessions asked for that the pod does not hold (ended or preempted since): no KV of them on the pod."""
+    unchanged: int = 0
+    """Sessions a ``changed_only`` save passed over: their last checkpoint holds them as they are."""
+    parts_recorded: int = 0
+    """Earlier parts of this report the agent had recorded already (``record``), each one bounded in size, so
+    that no message passes the bus's payload limit: the reply is the last part."""
 
 
 class SaveProgress(Event, frozen=True, kw_only=True, tag="checkpoint.save.progress"):
@@ -138,6 +150,39 @@ class AgentSessions(Event, frozen=True, kw_only=True, tag="checkpoint.agent.sess
     ended: list[SessionId] = msgspec.field(default_factory=list)
     """Sessions the pod finished (the conversation is over) since its last announcement: their checkpoints are
     retired, if the pod still owned them."""
+    full: bool = True
+    """``sessions`` is every session the pod holds (what an announcement always was): the registry forgets the
+    pod's others. False: a delta, what changed since announcement ``seq`` - 1 (``sessions`` placed or taken under
+    a new generation, ``dropped`` no longer held, ``ended`` finished); nothing else is touched."""
+    dropped: list[SessionId] = msgspec.field(default_factory=list)
+    """(Deltas) Sessions the pod no longer holds (preempted, evicted by the engine), not ended."""
+    incarnation: str = ""
+    """Who is announcing: one id per start of the pod's agent. A delta from an incarnation the registry does not
+    know, or with a gap in ``seq``, is answered ``resync``: the agent then announces in full."""
+    seq: int = 0
+    """The announcement's number within its incarnation (0: unnumbered, applied as it comes). A repeat of the
+    last applied number (its answer was lost) is applied again, harmlessly; a heartbeat repeats it with no
+    change."""
+    part: int = 0
+    parts: int = 1
+    """A full announcement too long for one message comes in ``parts`` messages (``part`` 0 .. parts - 1) of the
+    same ``seq``; the pod's other sessions are forgotten once the last part is in."""
+    leaving: bool = False
+    """The pod's agent stopped (its pod is going away): its sessions may be claimed by other pods at once."""
+
+
+class AnnouncementAck(Event, frozen=True, kw_only=True, tag="checkpoint.agent.ack"):
+    """The checkpoint service's answer to an announcement: applied (``seq``), or ``resync``: the registry does
+    not have what the announcement builds on (a new incarnation, a gap, a registry that lost writes), so the
+    agent announces in full next."""
+
+    family: ClassVar[str] = "checkpoint"
+
+    pod: PodName
+    seq: int = 0
+    resync: bool = False
+    stale: list[SessionId] = msgspec.field(default_factory=list)
+    """Sessions announced under a generation that moved on (another pod took them): the pod should drop them."""
 
 
 class LocateCheckpoint(Event, frozen=True, kw_only=True, tag="checkpoint.locate"):
@@ -168,3 +213,10 @@ class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.locat
     """The generation the asking pod now holds (a claim), else 0."""
     candidates: list[CheckpointId] = msgspec.field(default_factory=list)
     """Committed checkpoints to restore from, newest first: the first good one is used."""
+    refused: str = ""
+    """Why the claim was refused (nothing was handed out): another pod that is alive holds the session
+    (``holder``; route the session's requests there), or the session belongs to another deployment."""
+    holder: OptPodName = ""
+    from_store: list[CheckpointId] = msgspec.field(default_factory=list)
+    """Those of ``candidates`` newer than every checkpoint the registry recorded: the registry had lost them (a
+    Redis failover), the store holds them; verified and recorded again. The pod says so when it restores."""

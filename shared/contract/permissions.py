@@ -1,9 +1,22 @@
-"""Least-privilege NATS permissions: one user per service, allowed to publish only its own events and the
-JetStream API subjects its consumers need (../shared/facts/messaging-reliability.md, "Security").
+"""Least-privilege NATS permissions: who may publish, subscribe and reach which JetStream consumer.
 
-Every allow-list is derived from ``ROUTES`` and ``Subjects``; the only subjects written here are the fixed
-JetStream API and inbox prefixes. ``nats_auth_config`` renders the ``authorization`` block of a nats-server
-configuration with a user ``<root>-<service>`` per service plus ``<root>-admin``.
+Every connection has an ``Identity`` (a service, the admin, the optional gateway, or one inference pod's KV agent),
+proven by its credentials: a password, or a Kubernetes service-account token that the auth callout
+(``services.auth``) reviews. ``permissions(subjects, identity)`` is what that identity may do; the callout signs it
+into the user it hands the server, and ``nats_auth_config`` writes the same lists into a static ``authorization``
+block for a server without a callout. This module is the one source of the allow-lists; every one is derived from
+``ROUTES``, ``Subjects`` and the tables here (``PUBLISHES``, ``HEARS``, ``DURABLES``); the only subjects written
+here are the fixed JetStream API, advisory and inbox prefixes.
+
+What holds for every identity (docs/security.md has the table):
+
+- Replies travel on inboxes of its own: ``_INBOX.<name>`` (``inbox_prefix``); it may subscribe there and under no
+  other inbox, so nobody reads another's replies. It answers a request through ``allow_responses`` (one reply to
+  a message it received), never through a publish right on inboxes.
+- A service reaches only its own durable consumers (``DURABLES``): create, update, look up, pull, ack, delete and
+  hear their max-deliveries advisory. Nobody else may, but the admin.
+- A KV agent speaks only as its pod; the gateway only listens to locations and rollouts, reads their last values
+  back (JetStream direct get on those subjects only) and asks ``where``.
 
 Pure: no NATS client, no I/O, no logging. The passwords pass through ``nats_auth_config`` into the returned text
 only; nothing here prints or logs them.
@@ -14,16 +27,21 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from shared.contract.subjects import AGENT_VERBS, ROUTES, Subjects, subject_matches
+from shared.contract.base import id_problem, subject_token
+from shared.contract.subjects import AGENT_VERBS, ROUTES, StreamSpec, Subjects, subject_matches
 
 JS_API = "$JS.API"
 JS_ACK = "$JS.ACK"
-INBOX = "_INBOX.>"
+INBOX_ROOT = "_INBOX"
+ADVISORY_MAX_DELIVERIES = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
 ADMIN = "admin"
 AGENT = "agent"  # the KV agents in inference pods
 GATEWAY = "gateway"  # a KV-aware router (an inference gateway's endpoint picker): optional
+AUTH = "auth"  # the auth callout's own user: the only one the server itself knows when a callout is configured
+AUTH_CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"  # where nats-server sends its authorization requests
 
 # The event kinds each service publishes (its own events; config.applied and dead letters come on top).
 PUBLISHES: dict[str, tuple[str, ...]] = {
@@ -62,6 +80,54 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
 
 SERVICES: tuple[str, ...] = tuple(PUBLISHES)
 
+# The core subjects each service subscribes to (the lifecycle events it consumes come through its durable
+# consumers, ``DURABLES``; the replies to its own requests through its inbox). Kinds of ``ROUTES``, every field a
+# wildcard.
+HEARS: dict[str, tuple[str, ...]] = {
+    "driver": ("driver.install.command", "driver.validate.command", "driver.versions.command"),  # its node agent
+    "device": (),
+    "metrics": ("metrics.gpu.sample",),  # the bus aggregator hears every node's samples
+    "scaler": ("metrics.deployment.utilisation", "requests.inference"),  # utilisation; queue arrivals
+    "checkpoint": (
+        "checkpoint.agent.sessions",  # announcements (answered)
+        "kv.session.where",  # a gateway's (or the CLI's) question
+        "kv.sessions.query",  # pages of sessions (the CLI's status)
+        "kv.fleet.query",  # session counts (the CLI's status)
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Durable:
+    """A durable pull consumer a service creates: ``Subjects.durable(service, purpose[, node])`` on ``stream``
+    (``events``, ``requests`` or ``deadletter``). ``per_node``: one per node, named after it."""
+
+    service: str
+    purpose: str
+    stream: str = "events"
+    per_node: bool = False
+
+    def name(self, subjects: Subjects, node: str = "") -> str:
+        return subjects.durable(self.service, self.purpose, node if self.per_node else "")
+
+    def stream_spec(self, subjects: Subjects) -> StreamSpec:
+        return {"events": subjects.events_stream, "requests": subjects.requests_stream}.get(
+            self.stream, subjects.deadletter_stream
+        )
+
+
+# Every durable consumer a service creates (tests/test_security.py checks this against the services' sources).
+DURABLES: tuple[Durable, ...] = (
+    Durable("checkpoint", "drains"),
+    Durable("checkpoint", "gpu-failures"),
+    Durable("driver", "drain-verdicts"),
+    Durable("device", "cordon", per_node=True),
+    Durable("device", "mig-drains", per_node=True),
+    Durable("metrics", "inventory", per_node=True),
+    Durable("scaler", "drains"),
+    Durable("scaler", "rollouts"),
+)
+
 # The core subjects a KV agent publishes as its pod (announcements, save reports and progress), and the commands
 # it sends the checkpoint service.
 AGENT_PUBLISHES: tuple[str, ...] = (
@@ -75,59 +141,119 @@ AGENT_REQUESTS: tuple[str, ...] = AGENT_VERBS
 # Everyone ``nats_auth_config`` writes a user for; the optional ones only when given a password.
 USERS: tuple[str, ...] = (*SERVICES, AGENT, ADMIN)
 OPTIONAL_USERS: tuple[str, ...] = (GATEWAY,)
+ROLES: tuple[str, ...] = (*SERVICES, AGENT, ADMIN, GATEWAY)
 
-# Services that run one instance per node; their node-scoped subjects can be narrowed to one node.
+# Services that run one instance per node; their node-scoped subjects and consumers can be narrowed to one node.
 NODE_SCOPED: frozenset[str] = frozenset({"driver", "device", "metrics"})
 
 # Kinds a node-scoped service sends to every node, never narrowed to its own: the driver upgrade coordinator runs
 # in whichever driver pod leads, and commands each node's driver agent.
 ANY_NODE: frozenset[str] = frozenset({"driver.install.command", "driver.validate.command", "driver.versions.command"})
 
-# The JetStream API a durable pull consumer needs: look the stream up, create or look up its consumer, fetch.
-_CONSUMER_API: tuple[str, ...] = (
-    "CONSUMER.CREATE",
-    "CONSUMER.DURABLE.CREATE",
-    "CONSUMER.INFO",
-    "CONSUMER.MSG.NEXT",
-)
-
 for _kind in ANY_NODE:
     if _kind not in ROUTES:
         raise RuntimeError(f"permissions: ANY_NODE names unknown event kind {_kind!r}")
 
-for _service, _kinds in PUBLISHES.items():
-    for _kind in _kinds:
-        if _kind not in ROUTES:  # a renamed kind must fail at import, not as a silent permission gap
-            raise RuntimeError(f"permissions: {_service} publishes unknown event kind {_kind!r}")
+for _table in (PUBLISHES, HEARS):
+    for _service, _kinds in _table.items():
+        for _kind in _kinds:
+            if _kind not in ROUTES:  # a renamed kind must fail at import, not as a silent permission gap
+                raise RuntimeError(f"permissions: {_service} names unknown event kind {_kind!r}")
+
+for _durable in DURABLES:
+    if _durable.service not in PUBLISHES or _durable.stream not in ("events", "requests", "deadletter"):
+        raise RuntimeError(f"permissions: durable {_durable} names an unknown service or stream")
 
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who a connection is, as its credentials proved it. ``role``: one of ``ROLES``. ``node``: the node a
+    node-scoped service runs on (empty: not narrowed). ``pod``/``namespace``: the KV agent's pod (empty for the
+    shared agent user of a static configuration, which may speak as any pod)."""
+
+    role: str
+    node: str = ""
+    pod: str = ""
+    namespace: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; known: {', '.join(ROLES)}")
+        for kind, value in (("node", self.node), ("pod", self.pod), ("namespace", self.namespace)):
+            if value and id_problem(kind, value):
+                raise ValueError(id_problem(kind, value))
+
+
 def user_name(subjects: Subjects, service: str) -> str:
-    """The NATS user of ``service`` (or ``"admin"``) under this root: ``<root>-<service>``."""
+    """The NATS user of ``service`` (or ``"admin"``, ``"agent"``, ``"gateway"``, ``"auth"``) under this root:
+    ``<root>-<service>``."""
     return f"{subjects.root}-{service}"
+
+
+def identity_name(subjects: Subjects, identity: Identity) -> str:
+    """The name a connection of ``identity`` carries (the user's name, its inbox's token): ``<root>-<role>``, and
+    for one pod's KV agent ``<root>-agent-<pod>`` (a pod name's dots become ``_``, which no pod name has, so no
+    two pods share a name)."""
+    if identity.role == AGENT and identity.pod:
+        return f"{user_name(subjects, AGENT)}-{subject_token(identity.pod)}"
+    return user_name(subjects, identity.role)
+
+
+def inbox_prefix(name: str) -> str:
+    """The reply inbox prefix of the user ``name``: ``_INBOX.<name>`` (one token; dots become ``_``). The client
+    sets it (nats-py's ``inbox_prefix``), the server lets only that user subscribe under it."""
+    if not name or _CONTROL_RE.search(name) or any(c in name for c in " *>"):
+        raise ValueError(f"user name {name!r} cannot name an inbox")
+    return f"{INBOX_ROOT}.{subject_token(name)}"
 
 
 def _unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def jetstream_consumer_api(subjects: Subjects) -> list[str]:
-    """The JetStream API and ack subjects a service's consumers need on this root's streams (and no others)."""
-    allowed: list[str] = []
-    for spec in subjects.streams:
-        allowed.append(f"{JS_API}.STREAM.INFO.{spec.name}")
-        allowed.append(f"{JS_API}.STREAM.MSG.GET.{spec.name}")  # reading back what a max-deliveries advisory names
-        allowed.extend(f"{JS_API}.{api}.{spec.name}.>" for api in _CONSUMER_API)
-        allowed.append(f"{JS_ACK}.{spec.name}.>")
-    return allowed
+def _own_inbox(name: str) -> str:
+    return inbox_prefix(name) + ".>"
+
+
+def durables_of(subjects: Subjects, service: str, node: str = "") -> list[tuple[StreamSpec, str]]:
+    """(stream, durable name) of every durable consumer ``service`` creates. A per-node one is named only with
+    ``node``: without it the service gets none of them (a name cannot be wildcarded in part)."""
+    return [
+        (d.stream_spec(subjects), d.name(subjects, node))
+        for d in DURABLES
+        if d.service == service and (node or not d.per_node)
+    ]
+
+
+def consumer_api(subjects: Subjects, service: str, node: str = "") -> list[str]:
+    """What ``service`` needs of JetStream: look its streams up (and nothing of anyone else's); create, update,
+    look up, pull from, ack and delete its own durable consumers and read back what their max-deliveries
+    advisory names. The advisories themselves are in ``subscribe``."""
+    allowed = [f"{JS_API}.STREAM.INFO.{spec.name}" for spec in subjects.streams]
+    for spec, durable in durables_of(subjects, service, node):
+        allowed += [
+            f"{JS_API}.CONSUMER.DURABLE.CREATE.{spec.name}.{durable}",
+            f"{JS_API}.CONSUMER.CREATE.{spec.name}.{durable}",
+            f"{JS_API}.CONSUMER.CREATE.{spec.name}.{durable}.>",
+            f"{JS_API}.CONSUMER.INFO.{spec.name}.{durable}",
+            f"{JS_API}.CONSUMER.DELETE.{spec.name}.{durable}",  # repairing a consumer that drifted
+            f"{JS_API}.CONSUMER.MSG.NEXT.{spec.name}.{durable}",
+            f"{JS_API}.STREAM.MSG.GET.{spec.name}",  # the message a max-deliveries advisory names
+            f"{JS_ACK}.{spec.name}.{durable}.>",
+        ]
+    if service == "scaler":  # queue depth: the workload consumers' counts (no message), as KEDA's NATS scaler
+        allowed.append(f"{JS_API}.CONSUMER.INFO.{subjects.requests_stream.name}.*")
+    return _unique(allowed)
 
 
 def publish_allow(subjects: Subjects, service: str, node: str | None = None) -> list[str]:
     """What ``service`` may publish. With ``node``, a node-scoped service's node subjects name that node only."""
     if service not in PUBLISHES:
         raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
-    fields: dict[str, str] = {"node": node} if node is not None and service in NODE_SCOPED else {}
+    scoped = bool(node) and service in NODE_SCOPED
+    fields: dict[str, str] = {"node": node} if scoped and node else {}
     events = [subjects.pattern(kind, **({} if kind in ANY_NODE else fields)) for kind in PUBLISHES[service]]
     applied = subjects.pattern("config.applied", service=service)
     return _unique(
@@ -135,15 +261,24 @@ def publish_allow(subjects: Subjects, service: str, node: str | None = None) -> 
             *events,
             applied,
             *subjects.deadletter_stream.subjects,
-            INBOX,
-            *jetstream_consumer_api(subjects),
+            *consumer_api(subjects, service, node if scoped and node else ""),
         ]
     )
 
 
-def subscribe_allow(subjects: Subjects) -> list[str]:
-    advisories = [f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.name}.>" for spec in subjects.streams]
-    return [f"{subjects.root}.>", INBOX, *advisories]
+def subscribe_allow(subjects: Subjects, service: str, node: str | None = None) -> list[str]:
+    """What ``service`` may subscribe to: the core subjects it hears, the commands it answers, its inbox
+    (``_INBOX.<root>-<service>``) and its own consumers' max-deliveries advisories."""
+    scoped = node if node and service in NODE_SCOPED else ""
+    heard = [subjects.pattern(kind) for kind in HEARS[service]]
+    if service == "checkpoint":
+        heard += [subjects.agent_commands(verb) for verb in AGENT_VERBS]
+    if service == "device":
+        heard.append(subjects.command("sim", "fault"))  # a SIMULATED node's fault injection (tests, `gpuwarden fault`)
+    advisories = [
+        f"{ADVISORY_MAX_DELIVERIES}.{spec.name}.{name}" for spec, name in durables_of(subjects, service, scoped)
+    ]
+    return _unique([*heard, _own_inbox(user_name(subjects, service)), *advisories])
 
 
 def service_permissions(
@@ -156,7 +291,8 @@ def service_permissions(
         allow = _unique([*allow, *object_store_api(bucket)])
     return {
         "publish": {"allow": allow},
-        "subscribe": {"allow": subscribe_allow(subjects)},
+        "subscribe": {"allow": subscribe_allow(subjects, service, node)},
+        "allow_responses": True,
     }
 
 
@@ -176,60 +312,87 @@ def object_store_api(bucket: str) -> list[str]:
     ]
 
 
-def agent_permissions(subjects: Subjects, pod: str | None = None, bucket: str | None = None) -> dict[str, Any]:
+def agent_permissions(
+    subjects: Subjects, pod: str | None = None, bucket: str | None = None, name: str | None = None
+) -> dict[str, Any]:
     """The KV agents' user. With ``pod``, the agent may speak only as that pod and hear only that pod's save
-    commands (a user per pod, e.g. issued at pod start); without, as any pod. With ``bucket``, it may write and
-    read checkpoints in that JetStream Object Store bucket (``nats://<bucket>``) and nothing else of JetStream
-    but storing a dead letter. It never publishes lifecycle events: the checkpoint service records what agents
-    report."""
-    fields: dict[str, str] = {"pod": pod} if pod is not None else {}
+    commands (a user per pod: what the auth callout issues for a pod's service-account token); without, as any
+    pod (a static configuration's shared agent user). With ``bucket``, it may write and read checkpoints in that
+    JetStream Object Store bucket (``nats://<bucket>``) and nothing else of JetStream but storing a dead letter.
+    It never publishes lifecycle events: the checkpoint service records what agents report. It answers save and
+    prepare commands through ``allow_responses``. ``name``: the user's name, which names its inbox (default
+    ``identity_name``: ``<root>-agent-<pod>``, or ``<root>-agent`` for any pod)."""
+    fields: dict[str, str] = {"pod": pod} if pod else {}
     own = [subjects.pattern(kind, **fields) for kind in AGENT_PUBLISHES]
     save_command = subjects.pattern("checkpoint.save.command", **fields)  # the preStop hook asks its own agent
     prepare_command = subjects.pattern("model.prepare.command", **fields)
     rollouts = subjects.pattern("kv.rollout.state")  # a rollout's switch, heard by every agent
     requests = (
         [subjects.agent_command(verb, pod) for verb in AGENT_REQUESTS]
-        if pod is not None
+        if pod
         else [subjects.agent_commands(verb) for verb in AGENT_REQUESTS]
     )
     deadletters = subjects.deadletter_stream
-    publish = [*own, save_command, *requests, INBOX, *deadletters.subjects, f"{JS_API}.STREAM.INFO.{deadletters.name}"]
+    publish = [*own, save_command, *requests, *deadletters.subjects, f"{JS_API}.STREAM.INFO.{deadletters.name}"]
     if bucket is not None:
         publish += object_store_api(bucket)
+    inbox = _own_inbox(name or identity_name(subjects, Identity(AGENT, pod=pod or "")))
     return {
         "publish": {"allow": _unique(publish)},
-        "subscribe": {"allow": [save_command, prepare_command, rollouts, INBOX]},
+        "subscribe": {"allow": [save_command, prepare_command, rollouts, inbox]},
+        "allow_responses": True,
     }
 
 
 def gateway_permissions(subjects: Subjects) -> dict[str, Any]:
-    """A KV-aware router's user: it hears where sessions move (``kv.session.location``, live or read back from the
-    events stream with its own ephemeral consumer, e.g. the last one per session) and rollouts switching, and asks
-    the checkpoint service where a session is (``where``). It publishes nothing else: no event, no command."""
+    """A KV-aware router's user: it hears where sessions move (``kv.session.location``) and rollouts switching
+    (``kv.rollout.state``), reads the newest of either back from the events stream with a JetStream direct get
+    on exactly those subjects (``$JS.API.DIRECT.GET.<stream>.<subject>``: no consumer, no other event), and asks
+    the checkpoint service where a session is (``where``). It publishes nothing else: no event, no command, no
+    reply."""
     events = subjects.events_stream.name
     locations = subjects.pattern("kv.session.location")
     rollouts = subjects.pattern("kv.rollout.state")
     publish = [
         subjects.command("checkpoint", "where"),
-        INBOX,
-        f"{JS_API}.STREAM.INFO.{events}",
-        f"{JS_API}.CONSUMER.CREATE.{events}",
-        f"{JS_API}.CONSUMER.CREATE.{events}.>",
-        f"{JS_API}.CONSUMER.DELETE.{events}.>",
-        f"{JS_API}.CONSUMER.INFO.{events}.>",
-        f"{JS_API}.CONSUMER.MSG.NEXT.{events}.>",
-        f"{JS_ACK}.{events}.>",
+        f"{JS_API}.DIRECT.GET.{events}.{locations}",
+        f"{JS_API}.DIRECT.GET.{events}.{rollouts}",
     ]
-    return {"publish": {"allow": publish}, "subscribe": {"allow": [locations, rollouts, INBOX]}}
+    inbox = _own_inbox(user_name(subjects, GATEWAY))
+    return {"publish": {"allow": publish}, "subscribe": {"allow": [locations, rollouts, inbox]}}
 
 
 def admin_permissions(subjects: Subjects) -> dict[str, Any]:
     """The operator's user: everything under the root, the whole JetStream API (streams are created here), acks
     and replies. Note ``$JS.API.>`` is account-wide: isolate installations that share a server by account."""
+    advisories = [f"{ADVISORY_MAX_DELIVERIES}.{spec.name}.>" for spec in subjects.streams]
     return {
-        "publish": {"allow": [f"{subjects.root}.>", f"{JS_API}.>", f"{JS_ACK}.>", INBOX]},
-        "subscribe": {"allow": subscribe_allow(subjects)},
+        "publish": {"allow": [f"{subjects.root}.>", f"{JS_API}.>", f"{JS_ACK}.>"]},
+        "subscribe": {"allow": [f"{subjects.root}.>", _own_inbox(user_name(subjects, ADMIN)), *advisories]},
+        "allow_responses": True,
     }
+
+
+def auth_permissions() -> dict[str, Any]:
+    """The auth callout's own user: it hears the server's authorization requests and answers each once; nothing
+    else (``AUTH_CALLOUT_SUBJECT``)."""
+    return {
+        "publish": {"deny": [">"]},
+        "subscribe": {"allow": [AUTH_CALLOUT_SUBJECT]},
+        "allow_responses": True,
+    }
+
+
+def permissions(subjects: Subjects, identity: Identity, bucket: str | None = None) -> dict[str, Any]:
+    """What ``identity`` may do, as a nats-server ``permissions`` object (``publish``, ``subscribe``,
+    ``allow_responses``). ``bucket``: the Object Store bucket of the checkpoints, when they are kept in NATS."""
+    if identity.role == ADMIN:
+        return admin_permissions(subjects)
+    if identity.role == GATEWAY:
+        return gateway_permissions(subjects)
+    if identity.role == AGENT:
+        return agent_permissions(subjects, identity.pod or None, bucket)
+    return service_permissions(subjects, identity.role, identity.node or None, bucket)
 
 
 def may_publish(permissions: Mapping[str, Any], subject: str) -> bool:
@@ -239,6 +402,25 @@ def may_publish(permissions: Mapping[str, Any], subject: str) -> bool:
     return any(subject_matches(p, subject) for p in allow) and not any(subject_matches(p, subject) for p in deny)
 
 
+def may_subscribe(permissions: Mapping[str, Any], subject: str) -> bool:
+    """Whether a permissions object lets its user subscribe to ``subject``, a wildcard too: as nats-server
+    decides it, the subscription must lie inside one allowed pattern (``_INBOX.>`` is not inside
+    ``_INBOX.gw-x.>``)."""
+    allow: list[str] = permissions.get("subscribe", {}).get("allow", [])
+    return any(_covers(p, subject) for p in allow)
+
+
+def _covers(pattern: str, subject: str) -> bool:
+    """Whether every subject ``subject`` (which may hold wildcards) matches is matched by ``pattern``."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or have[i] == ">" or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
 def nats_auth_config(
     subjects: Subjects,
     passwords: Mapping[str, str],
@@ -246,36 +428,62 @@ def nats_auth_config(
     pod: str | None = None,
     bucket: str | None = None,
 ) -> str:
-    """A nats-server configuration fragment ``authorization { users = [ ... ] }`` with one user per service, the
-    KV agents' user (scoped by ``pod`` and ``bucket``, see ``agent_permissions``) and the admin, and each of
-    ``OPTIONAL_USERS`` given a password (the gateway: ``gateway_permissions``). ``passwords`` maps each name of
-    ``USERS`` to its password; a missing, empty or unknown entry is an error naming the entry (never the value).
-    The text holds the passwords: write it to a file only the server can read."""
-    known = (*USERS, *OPTIONAL_USERS)
+    """A static nats-server configuration fragment ``authorization { users = [ ... ] }`` (no auth callout): one
+    user per service, the KV agents' user (scoped by ``pod`` and ``bucket``, see ``agent_permissions``) and the
+    admin, and each of ``OPTIONAL_USERS`` given a password (the gateway: ``gateway_permissions``). ``passwords``
+    maps each name of ``USERS`` to its password; a missing, empty or unknown entry is an error naming the entry
+    (never the value). Without ``node`` the node-scoped services get no durable consumer (their names name the
+    node): use ``--node`` on a one-node server, or the auth callout (``nats_callout_config``). The text holds the
+    passwords: write it to a file only the server can read."""
+    names = _checked_passwords(passwords, (*USERS, *OPTIONAL_USERS), USERS)
+    users: list[dict[str, Any]] = []
+    for name in names:
+        if name == AGENT:  # one user for the agents (of ``pod``, or of any pod): its name is its inbox's
+            perms = agent_permissions(subjects, pod, bucket, name=user_name(subjects, AGENT))
+        elif name in SERVICES:
+            perms = service_permissions(subjects, name, node, bucket)
+        else:
+            perms = permissions(subjects, Identity(name), bucket)
+        users.append({"user": user_name(subjects, name), "password": passwords[name], "permissions": perms})
+    return _authorization_block(users)
+
+
+def nats_callout_config(subjects: Subjects, auth_password: str, issuer_public_key: str, timeout_s: float = 5.0) -> str:
+    """A nats-server configuration fragment for the auth callout: the callout's own user (``<root>-auth``, the
+    one user the server knows, allowed only to answer authorization requests) and the ``auth_callout`` block
+    naming the issuer account's public key, whose seed only the auth service holds. Every other connection is
+    handed to the callout, which answers with a user carrying ``permissions(...)`` of the identity it proved.
+    The text holds the callout user's password: write it to a file only the server can read."""
+    _checked_passwords({AUTH: auth_password}, (AUTH,), (AUTH,))
+    if not re.fullmatch(r"A[A-Z2-7]{55}", issuer_public_key):
+        raise ValueError("the issuer must be an account public key (56 characters starting with A)")
+    if not 0.5 <= timeout_s <= 60:
+        raise ValueError(f"callout timeout {timeout_s}: expected 0.5 to 60 seconds")
+    auth_user = user_name(subjects, AUTH)
+    users = [{"user": auth_user, "password": auth_password, "permissions": auth_permissions()}]
+    callout = json.dumps({"issuer": issuer_public_key, "auth_users": [auth_user]})
+    return _authorization_block(users, extra=[f"timeout: {timeout_s:g}", f"auth_callout {callout}"])
+
+
+def _checked_passwords(passwords: Mapping[str, str], known: tuple[str, ...], required: tuple[str, ...]) -> list[str]:
     unknown = sorted(set(passwords) - set(known))
     if unknown:
         raise ValueError(f"passwords given for unknown users: {', '.join(unknown)}; known: {', '.join(known)}")
-    missing = [name for name in USERS if not passwords.get(name)]
+    missing = [name for name in required if not passwords.get(name)]
     if missing:
         raise ValueError(f"no password for: {', '.join(missing)}")
-    names = [*USERS, *(name for name in OPTIONAL_USERS if name in passwords)]
+    names = [*required, *(name for name in known if name in passwords and name not in required)]
     empty = [name for name in names if not passwords[name]]
     if empty:
         raise ValueError(f"no password for: {', '.join(empty)}")
     bad = [name for name in names if _CONTROL_RE.search(passwords[name])]
     if bad:
         raise ValueError(f"password of {', '.join(bad)} has control characters")
-    users: list[dict[str, Any]] = []
-    for name in names:
-        if name == ADMIN:
-            permissions = admin_permissions(subjects)
-        elif name == GATEWAY:
-            permissions = gateway_permissions(subjects)
-        elif name == AGENT:
-            permissions = agent_permissions(subjects, pod, bucket)
-        else:
-            permissions = service_permissions(subjects, name, node, bucket)
-        users.append({"user": user_name(subjects, name), "password": passwords[name], "permissions": permissions})
+    return names
+
+
+def _authorization_block(users: list[dict[str, Any]], extra: Iterable[str] = ()) -> str:
     body = json.dumps(users, indent=2, ensure_ascii=False)
     indented = body.replace("\n", "\n  ")
-    return f"authorization {{\n  users = {indented}\n}}\n"
+    lines = "".join(f"  {line}\n" for line in extra)
+    return f"authorization {{\n  users = {indented}\n{lines}}}\n"

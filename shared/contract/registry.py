@@ -10,6 +10,7 @@ import msgspec
 from shared.contract.base import Event
 from shared.contract.checkpoint import (
     AgentSessions,
+    AnnouncementAck,
     CheckpointFailed,
     CheckpointLocation,
     CheckpointSaved,
@@ -36,7 +37,14 @@ from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, Se
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, NodeCordoned, NodeUncordoned
 from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
-from shared.contract.sessions import SessionLocation, WhereIsSession
+from shared.contract.sessions import (
+    FleetQuery,
+    FleetSummary,
+    SessionLocation,
+    SessionsPage,
+    SessionsQuery,
+    WhereIsSession,
+)
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     DrainRequested,
@@ -65,10 +73,15 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     SaveSessionsReport,
     SaveProgress,
     AgentSessions,
+    AnnouncementAck,
     LocateCheckpoint,
     CheckpointLocation,
     SessionLocation,
     WhereIsSession,
+    SessionsQuery,
+    SessionsPage,
+    FleetQuery,
+    FleetSummary,
     PrepareModel,
     ModelPrepared,
     ServingQuery,

@@ -14,7 +14,9 @@ along a session's sequence), not an order of events: saves and drops happen with
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
+
+import msgspec
 
 from shared.contract.base import (
     Event,
@@ -79,3 +81,66 @@ class WhereIsSession(Event, frozen=True, kw_only=True, tag="kv.session.where"):
     family: ClassVar[str] = "kv"
 
     session_id: SessionId
+
+
+class SessionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One session as the registry places it, with its newest committed checkpoint (one row of a page)."""
+
+    session_id: SessionId
+    pod: OptPodName = ""
+    node: OptNodeName = ""
+    namespace: OptNamespace = ""
+    deployment: OptDeploymentName = ""
+    generation: int = 0
+    checkpoint_id: OptCheckpointId = ""
+    checkpoint_at: float | None = None
+    """When the newest checkpoint was recorded (seconds since the epoch); None when there is none."""
+    bytes: int = 0
+    tokens: int = 0
+
+
+class SessionsQuery(Event, frozen=True, kw_only=True, tag="kv.sessions.query"):
+    """A page of the sessions a node, a pod or a deployment holds (all sessions when none is named), asked of the
+    checkpoint service. What it costs follows the page and the filter, never the fleet: ``cursor`` continues
+    where the last page ended ('' for the first)."""
+
+    family: ClassVar[str] = "kv"
+
+    node: OptNodeName = ""
+    pod: OptPodName = ""
+    namespace: OptNamespace = ""
+    deployment: OptDeploymentName = ""
+    cursor: str = ""
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 200
+
+
+class SessionsPage(Event, frozen=True, kw_only=True, tag="kv.sessions.page"):
+    """The answer to ``kv.sessions.query``: ``sessions`` in no particular order, and ``next_cursor`` ('' when this
+    was the last page). ``total``: how many sessions match, when the registry knows it without counting."""
+
+    family: ClassVar[str] = "kv"
+
+    sessions: list[SessionRecord] = msgspec.field(default_factory=list)
+    next_cursor: str = ""
+    total: int | None = None
+
+
+class FleetQuery(Event, frozen=True, kw_only=True, tag="kv.fleet.query"):
+    """How many sessions each node, pod and deployment holds: asked of the checkpoint service."""
+
+    family: ClassVar[str] = "kv"
+
+
+class FleetSummary(Event, frozen=True, kw_only=True, tag="kv.fleet.summary"):
+    """Session counts per node, pod and deployment (``namespace/name``), from per-pod indexes: its cost follows
+    the number of pods, never the number of sessions. ``pods`` maps every pod the registry knows to its node;
+    ``alive`` lists those whose lease stands."""
+
+    family: ClassVar[str] = "kv"
+
+    sessions_total: int = 0
+    by_node: dict[str, int] = msgspec.field(default_factory=dict)
+    by_pod: dict[str, int] = msgspec.field(default_factory=dict)
+    by_deployment: dict[str, int] = msgspec.field(default_factory=dict)
+    pods: dict[str, str] = msgspec.field(default_factory=dict)
+    alive: list[str] = msgspec.field(default_factory=list)

@@ -98,6 +98,19 @@ ROUTES: dict[str, Route] = {
     "checkpoint.agent.sessions": Route(
         "kvagent.{pod}.sessions", Delivery.CORE, "A KV agent announces the sessions its pod holds."
     ),
+    "checkpoint.agent.ack": Route(
+        "kvagent.{pod}.sessions.ack", Delivery.CORE, "The checkpoint service's answer to an announcement (a reply)."
+    ),
+    "kv.sessions.query": Route(
+        "cmd.checkpoint.sessions",
+        Delivery.CORE,
+        "Request/reply: a page of the sessions a node, pod or deployment holds.",
+    ),
+    "kv.sessions.page": Route("cmd.checkpoint.sessions.page", Delivery.CORE, "A page of sessions (a reply)."),
+    "kv.fleet.query": Route(
+        "cmd.checkpoint.fleet", Delivery.CORE, "Request/reply: session counts per node, pod and deployment."
+    ),
+    "kv.fleet.summary": Route("cmd.checkpoint.fleet.summary", Delivery.CORE, "Session counts (a reply)."),
     "checkpoint.locate": Route(
         "cmd.checkpoint.{pod}.locate",
         Delivery.CORE,

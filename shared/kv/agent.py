@@ -77,6 +77,13 @@ class Session:
     """The model (version, weights) that built this session's KV: its checkpoints carry it, and it never changes."""
     tokens_digest: str = ""
     """The engine's ``tokens_digest_of`` the ``token_count`` tokens, when it says (``set_tokens``); '' otherwise."""
+    version: int = 0
+    """Counts the engine's changes to the session (blocks, tokens): a save that finds the version it last
+    committed has nothing new to write."""
+    saved_version: int = -1
+    """The version ``last`` holds (-1: none committed by this agent yet)."""
+    nbytes: int = 0
+    """Bytes of ``blocks``, kept as they change (never summed again)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ class SaveReport:
     committed: list[CheckpointManifest] = field(default_factory=list)
     failed: list[SaveFailure] = field(default_factory=list)
     not_held: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    """Sessions a ``changed_only`` save passed over: their last checkpoint holds them as they are."""
 
     @property
     def bytes_total(self) -> int:
@@ -110,6 +119,15 @@ class RestoredSession:
     manifest: CheckpointManifest
     blocks: list[Any]
     fell_back_from: list[str] = field(default_factory=list)
+
+
+def _unchanged(session: Session) -> bool:
+    """Whether the session's last checkpoint holds it as it is now, under the generation it is held under."""
+    return (
+        session.last is not None
+        and session.version == session.saved_version
+        and session.last.generation == session.generation
+    )
 
 
 class KvAgent:
@@ -143,6 +161,31 @@ class KvAgent:
         self._staging: Staging | None = None
         self._save_lock = asyncio.Lock()
         self._corrupt: set[tuple[str, int]] = set()  # (pack, offset) of chunks found corrupt: never referenced
+        self._bytes = 0
+        self._changes: dict[str, int | None] | None = None
+
+    # -- what changed, for announcements ------------------------------------------------------------------------
+    def track_changes(self) -> None:
+        """Keep a journal of sessions taken (with their generation) and dropped, for ``take_changes``: what the
+        pod's announcements carry instead of every session it holds. Off until asked for (a library use without
+        announcements keeps no journal)."""
+        if self._changes is None:
+            self._changes = {}
+
+    def take_changes(self) -> dict[str, int | None]:
+        """Sessions taken (-> the generation held now) or dropped (-> None) since the last call; empties the
+        journal."""
+        changes, self._changes = self._changes or {}, {} if self._changes is not None else None
+        return changes
+
+    def _changed(self, session_id: str, generation: int | None) -> None:
+        if self._changes is not None:
+            self._changes[session_id] = generation
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of every session's blocks, kept as blocks come and go."""
+        return self._bytes
 
     # -- what the engine calls ----------------------------------------------------------------------------------
     def register_session(
@@ -153,10 +196,11 @@ class KvAgent:
         the model version it runs on (default: the one the pod serves now); it stays pinned to it."""
         if layout is not None and layout.model_version not in self.layouts:
             raise ValueError(f"pod {self.pod} does not hold model version {layout.model_version!r}")
-        self._sessions.setdefault(
-            session_id,
-            Session(session_id, token_count=token_count, generation=generation, layout=layout or self.layout),
-        )
+        if session_id not in self._sessions:
+            self._sessions[session_id] = Session(
+                session_id, token_count=token_count, generation=generation, layout=layout or self.layout
+            )
+            self._changed(session_id, generation)
 
     # -- model versions -------------------------------------------------------------------------------------------
     def hold(self, layout: KvLayout) -> None:
@@ -194,6 +238,9 @@ class KvAgent:
         session = self._session(session_id)
         block = as_block(buffer)
         session.blocks.append(block)
+        session.nbytes += block.nbytes
+        self._bytes += block.nbytes
+        session.version += 1
         session.token_count = (
             tokens if tokens is not None else session.token_count + self._layout_of(session).block_tokens
         )
@@ -204,18 +251,21 @@ class KvAgent:
 
         Paged-attention engines never change a full block, so the agent remembers each full block's digest once
         it is checkpointed and does not read it again; an engine that does rewrite blocks says so here."""
-        blocks = self._session(session_id).blocks
-        blocks[index] = (
-            as_block(buffer)
-            if buffer is not None
-            else Block(blocks[index].obj, blocks[index].nbytes, blocks[index].host, blocks[index].device)
-        )
+        session = self._session(session_id)
+        blocks = session.blocks
+        old = blocks[index]
+        blocks[index] = as_block(buffer) if buffer is not None else Block(old.obj, old.nbytes, old.host, old.device)
+        session.nbytes += blocks[index].nbytes - old.nbytes
+        self._bytes += blocks[index].nbytes - old.nbytes
+        session.version += 1
 
     def set_tokens(self, session_id: str, token_count: int, tokens_digest: str = "") -> None:
         """The session's KV holds ``token_count`` positions; ``tokens_digest``: ``tokens_digest_of`` their token ids,
         when the engine knows them (its checkpoints then carry it, and a restore into another conversation can be
         refused without reading a block)."""
         session = self._session(session_id)
+        if (session.token_count, session.tokens_digest) != (token_count, tokens_digest):
+            session.version += 1
         session.token_count = token_count
         session.tokens_digest = tokens_digest
 
@@ -223,12 +273,19 @@ class KvAgent:
         """Keep only the session's first ``block_count`` blocks (the conversation was rewritten from there on): the
         token count drops to what they hold. The next save writes the session as it now is."""
         session = self._session(session_id)
+        removed = sum(b.nbytes for b in session.blocks[max(0, block_count) :])
+        session.nbytes -= removed
+        self._bytes -= removed
+        session.version += 1
         del session.blocks[max(0, block_count) :]
         session.token_count = min(session.token_count, max(0, block_count) * self._layout_of(session).block_tokens)
         session.tokens_digest = ""
 
     def forget_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._bytes -= session.nbytes
+            self._changed(session_id, None)
 
     def sessions(self) -> list[str]:
         return list(self._sessions)
@@ -245,7 +302,7 @@ class KvAgent:
         return [b.obj for b in self._session(session_id).blocks]
 
     def session_bytes(self, session_id: str) -> int:
-        return sum(b.nbytes for b in self._session(session_id).blocks)
+        return self._session(session_id).nbytes
 
     def _session(self, session_id: str) -> Session:
         try:
@@ -261,6 +318,7 @@ class KvAgent:
         reason: str = "",
         progress: Callable[[SaveReport, int], Awaitable[None]] | None = None,
         generations: Mapping[str, int] | None = None,
+        changed_only: bool = False,
     ) -> SaveReport:
         """Checkpoint the sessions (all when None). Each session ends committed or failed with a reason; a
         session that fails never leaves a visible partial checkpoint, and its previous checkpoint still
@@ -269,7 +327,10 @@ class KvAgent:
 
         ``generations``: the generation the caller expects this pod to hold for each session; a session held
         under another generation is refused (it moved: saving it would roll it back) and nothing of it is
-        written."""
+        written.
+
+        ``changed_only``: a session whose last checkpoint (written or verified here, under the generation it is
+        held under) holds it as it is now writes nothing (periodic saves): counted in ``unchanged``."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         async with self._save_lock:
             report = SaveReport()
@@ -289,13 +350,15 @@ class KvAgent:
                             f"current one is {expected}; a stale copy is never saved",
                         )
                     )
+                elif changed_only and _unchanged(session):
+                    report.unchanged += 1
                 else:
                     todo.append(session)
             round_: list[Session] = []
             round_bytes = 0
             for session in todo:
                 round_.append(session)
-                round_bytes += sum(b.nbytes for b in session.blocks)
+                round_bytes += session.nbytes
                 if round_bytes >= ROUND_BYTES:
                     await self._save_round(round_, deadline, reason, report)
                     round_, round_bytes = [], 0
@@ -327,7 +390,7 @@ class KvAgent:
         report: SaveReport,
     ) -> None:
         writer = self.store.open_pack()
-        pending: list[tuple[Session, list[ChunkRef | None], int, int, str]] = []
+        pending: list[tuple[Session, list[ChunkRef | None], int, int, str, int]] = []
         digested: list[tuple[Block, str]] = []  # full blocks hashed in this round: remembered once committed
         batch: list[memoryview] = []
         batch_slots: list[tuple[list[ChunkRef | None], int, str, int, bytes]] = []
@@ -350,7 +413,7 @@ class KvAgent:
                     raise DeadlineExceeded("deadline passed before the session was written")
                 known = self._reusable(session)
                 blocks = list(session.blocks)
-                token_count, digest_of_tokens = session.token_count, session.tokens_digest
+                token_count, digest_of_tokens, version = session.token_count, session.tokens_digest, session.version
                 slots: list[ChunkRef | None] = [None] * len(blocks)
                 written = 0
                 block_tokens = self._layout_of(session).block_tokens
@@ -387,7 +450,7 @@ class KvAgent:
                         await flush()
                         if deadline is not None and time.monotonic() > deadline:
                             raise DeadlineExceeded("deadline passed while writing")
-                pending.append((session, slots, written, token_count, digest_of_tokens))
+                pending.append((session, slots, written, token_count, digest_of_tokens, version))
             await flush()
             await writer.commit()
         except (StoreError, DeadlineExceeded, OSError) as exc:
@@ -422,15 +485,16 @@ class KvAgent:
                     tokens_digest=digest_of_tokens,
                 )
             )
-            for session, slots, written, token_count, digest_of_tokens in pending
+            for session, slots, written, token_count, digest_of_tokens, _ in pending
         ]
         try:
             await self.store.commit_manifests(manifests)
         except StoreError as exc:
             report.failed += [SaveFailure(m.session_id, str(exc)) for m in manifests]
             return
-        for (session, *_), manifest in zip(pending, manifests, strict=True):
+        for (session, *_, version), manifest in zip(pending, manifests, strict=True):
             session.last = manifest
+            session.saved_version = version
             report.committed.append(manifest)
         for block, dg in digested:
             block.digest = dg
@@ -497,6 +561,9 @@ class KvAgent:
             restored_blocks = [as_block(b) for b in blocks]
             for block, ref in zip(restored_blocks, manifest.blocks, strict=True):
                 block.digest = ref.digest  # verified just now
+            previous = self._sessions.get(session_id)
+            nbytes = sum(b.nbytes for b in restored_blocks)
+            self._bytes += nbytes - (previous.nbytes if previous is not None else 0)
             self._sessions[session_id] = Session(
                 session_id,
                 restored_blocks,
@@ -505,7 +572,10 @@ class KvAgent:
                 generation=generation,
                 layout=held,
                 tokens_digest=manifest.tokens_digest,
+                saved_version=0,
+                nbytes=nbytes,
             )
+            self._changed(session_id, generation)
             return RestoredSession(manifest, blocks, failures)
         summary = f"no usable checkpoint of session {session_id!r}: " + " | ".join(failures)
         if only_missing:

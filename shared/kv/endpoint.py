@@ -12,11 +12,15 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import msgspec
+
 from shared.contract.checkpoint import (
     AgentSessions,
+    AnnouncementAck,
     CheckpointLocation,
     CommittedCheckpoint,
     LocateCheckpoint,
@@ -34,6 +38,23 @@ from shared.plumbing.bus import Bus, Subscription
 from shared.plumbing.errors import PermanentError
 
 log = logging.getLogger(__name__)
+
+ANNOUNCE_PART = 2000
+"""Sessions named in one announcement message (placed, dropped and ended together): far below the bus's payload
+limit whatever the ids (at most 128 characters each)."""
+
+REPORT_PART = 1000
+"""Checkpoints in one save report message; a longer report goes to the checkpoint service in parts."""
+
+
+class SessionHeld(RuntimeError):
+    """The checkpoint service refused this pod the session: another pod that is alive holds it (``holder``: send
+    the session's requests there), or it belongs to another deployment. Nothing was taken."""
+
+    def __init__(self, session_id: str, reason: str, holder: str = "") -> None:
+        super().__init__(f"session {session_id!r}: {reason}")
+        self.session_id = session_id
+        self.holder = holder
 
 
 def report_event(agent: KvAgent, report: SaveReport) -> SaveSessionsReport:
@@ -56,7 +77,26 @@ def report_event(agent: KvAgent, report: SaveReport) -> SaveSessionsReport:
         ],
         failed=[SessionFailure(session_id=f.session_id, pod=agent.pod, reason=f.reason) for f in report.failed],
         not_held=report.not_held,
+        unchanged=report.unchanged,
     )
+
+
+def report_parts(report: SaveSessionsReport) -> list[SaveSessionsReport]:
+    """The report in parts of at most ``REPORT_PART`` checkpoints and failures each, the rest of its fields on
+    the last: each part is one message well below the bus's payload limit."""
+    entries = len(report.committed) + len(report.failed) + len(report.not_held)
+    if entries <= REPORT_PART:
+        return [report]
+    parts = []
+    committed, failed, not_held = list(report.committed), list(report.failed), list(report.not_held)
+    while committed or failed or not_held:
+        take_c = committed[:REPORT_PART]
+        take_f = failed[: REPORT_PART - len(take_c)]
+        take_n = not_held[: REPORT_PART - len(take_c) - len(take_f)]
+        del committed[: len(take_c)], failed[: len(take_f)], not_held[: len(take_n)]
+        parts.append(msgspec.structs.replace(report, committed=take_c, failed=take_f, not_held=take_n, unchanged=0))
+    parts[-1] = msgspec.structs.replace(parts[-1], unchanged=report.unchanged, parts_recorded=len(parts) - 1)
+    return parts
 
 
 class ModelHost(Protocol):
@@ -96,6 +136,15 @@ class AgentEndpoint:
         self._stopped = False
         self._ended: set[str] = set()
         self._changed = asyncio.Event()
+        self._incarnation = uuid.uuid4().hex[:16]
+        self._seq = 0
+        """The last announcement the registry applied (its answer said so)."""
+        self._full = True
+        """The next announcement names every session (at start, and when the registry asks for a resync)."""
+        self._pending: dict[str, int | None] = {}
+        """Changes not yet applied by the registry: session -> generation held now, or None when dropped."""
+        self._announce_lock = asyncio.Lock()
+        agent.track_changes()
 
     async def start(self) -> None:
         subjects = self.bus.subjects
@@ -121,6 +170,11 @@ class AgentEndpoint:
         self._tasks.append(asyncio.create_task(self._announce_loop(), name=f"kv-announce-{self.agent.pod}"))
 
     async def stop(self) -> None:
+        """Stop answering and announcing; the registry hears the pod is leaving (its sessions may be taken by
+        other pods at once, rather than when its lease lapses)."""
+        if not self._stopped and self._tasks:
+            with contextlib.suppress(Exception):
+                await self.announce(leaving=True, timeout=1.0)
         self._stopped = True
         if self._serving is not None:
             await self._serving.unsubscribe()
@@ -175,6 +229,7 @@ class AgentEndpoint:
             command.reason,
             progress,
             generations=command.generations or None,
+            changed_only=command.changed_only,
         )
         log.info(
             "saved",
@@ -188,7 +243,14 @@ class AgentEndpoint:
                 "seconds": round(time.monotonic() - started, 3),
             },
         )
-        return report_event(self.agent, report)
+        *earlier, last = report_parts(report_event(self.agent, report))
+        for part in earlier:  # recorded by the service now; the reply is the last part
+            if await self._record(part) is None:
+                raise PermanentError(
+                    f"pod {self.agent.pod}: a part of its save report ({len(part.committed)} checkpoints) was not "
+                    "recorded: the checkpoint service did not answer"
+                )
+        return last
 
     # -- model rollouts -----------------------------------------------------------------------------------------
     async def on_prepare(self, command: PrepareModel) -> ModelPrepared:
@@ -267,30 +329,117 @@ class AgentEndpoint:
             return True
 
     async def _record(self, event: SaveSessionsReport) -> SaveSessionsReport | None:
-        with contextlib.suppress(Exception):
-            answer = await self.bus.request(self.bus.subjects.agent_command("record", self.agent.pod), event, 5.0)
-            return answer if isinstance(answer, SaveSessionsReport) else None
-        return None
-
-    async def announce(self) -> None:
-        sessions = sorted(self.agent.sessions())
-        ended = sorted(self._ended)
-        await self.bus.publish(
-            AgentSessions(
-                pod=self.agent.pod,
-                node=self.agent.node,
-                namespace=self.agent.namespace,
-                deployment=self.agent.deployment,
-                sessions=sessions,
-                bytes_held=sum(self.agent.session_bytes(s) for s in sessions),
-                generations=[self.agent.generation(s) for s in sessions],
-                ttl_s=max(1.0, 3 * self.announce_s),
-                ended=ended,
-            )
+        """Have the checkpoint service verify and record a report, in parts when it is long; what it recorded,
+        or None when it did not answer."""
+        recorded: list[SaveSessionsReport] = []
+        for part in report_parts(event):
+            answer: Any = None
+            with contextlib.suppress(Exception):
+                answer = await self.bus.request(self.bus.subjects.agent_command("record", self.agent.pod), part, 5.0)
+            if not isinstance(answer, SaveSessionsReport):
+                return None
+            recorded.append(answer)
+        if len(recorded) == 1:
+            return recorded[0]
+        return msgspec.structs.replace(
+            recorded[-1],
+            committed=[c for r in recorded for c in r.committed],
+            failed=[f for r in recorded for f in r.failed],
+            not_held=[n for r in recorded for n in r.not_held],
         )
-        self._ended.difference_update(ended)
-        with contextlib.suppress(Exception):
-            await self.bus.nc.flush(timeout=2)
+
+    async def announce(self, leaving: bool = False, timeout: float = 2.0) -> None:
+        """Tell the registry what changed since the last announcement it applied (a delta; every session only at
+        start or when the registry asks for it), or that nothing did (a heartbeat renewing the pod's lease: the
+        same cost whatever the pod holds). Changes the registry did not confirm are sent again with the next."""
+        async with self._announce_lock:
+            for change, generation in self.agent.take_changes().items():
+                self._pending[change] = generation
+            ended = sorted(self._ended)
+            messages = self._full_messages(ended, leaving) if self._full else self._delta_messages(ended, leaving)
+            for message in messages:
+                try:
+                    answer = await self.bus.request(self.bus.subjects.for_event(message), message, timeout)
+                except TimeoutError:
+                    return  # nothing confirmed: sent again, with what changes meanwhile, next time
+                if not isinstance(answer, AnnouncementAck):
+                    why = getattr(answer, "reason", "") or answer.kind
+                    log.warning(f"announcement not applied: {why}", extra={"pod": self.agent.pod})
+                    return
+                if answer.stale:
+                    log.warning(
+                        "the registry says other pods took sessions this pod holds",
+                        extra={"pod": self.agent.pod, "sessions": answer.stale[:20], "count": len(answer.stale)},
+                    )
+                if answer.resync:
+                    self._full = True
+                    self._changed.set()  # the full announcement goes out at once
+                    return
+            last = messages[-1]
+            self._seq = last.seq
+            if last.full:
+                self._full = False
+                self._pending.clear()
+            else:
+                for message in messages:
+                    for sid in (*message.sessions, *message.dropped):
+                        self._pending.pop(sid, None)
+            self._ended.difference_update(ended)
+
+    def _common(self, leaving: bool) -> dict[str, Any]:
+        return {
+            "pod": self.agent.pod,
+            "node": self.agent.node,
+            "namespace": self.agent.namespace,
+            "deployment": self.agent.deployment,
+            "bytes_held": self.agent.bytes_held,
+            "ttl_s": max(1.0, 3 * self.announce_s),
+            "incarnation": self._incarnation,
+            "leaving": leaving,
+        }
+
+    def _full_messages(self, ended: list[str], leaving: bool) -> list[AgentSessions]:
+        """Every session the pod holds, in parts of ``ANNOUNCE_PART`` (the ended ones with the first)."""
+        sessions = sorted(self.agent.sessions())
+        parts = [sessions[i : i + ANNOUNCE_PART] for i in range(0, len(sessions), ANNOUNCE_PART)] or [[]]
+        seq = self._seq + 1
+        return [
+            AgentSessions(
+                **self._common(leaving),
+                sessions=part,
+                generations=[self.agent.generation(s) for s in part],
+                ended=ended if i == 0 else [],
+                full=True,
+                seq=seq,
+                part=i,
+                parts=len(parts),
+            )
+            for i, part in enumerate(parts)
+        ]
+
+    def _delta_messages(self, ended: list[str], leaving: bool) -> list[AgentSessions]:
+        """What changed, in messages of at most ``ANNOUNCE_PART`` sessions, numbered one after the other; a
+        heartbeat (nothing changed) repeats the number the registry applied last."""
+        changes: list[tuple[str, str, int]] = [("ended", sid, 0) for sid in ended]
+        for sid, generation in sorted(self._pending.items()):
+            changes.append(("dropped", sid, 0) if generation is None else ("placed", sid, generation))
+        if not changes:
+            return [AgentSessions(**self._common(leaving), full=False, seq=self._seq)]
+        messages = []
+        for n, i in enumerate(range(0, len(changes), ANNOUNCE_PART), start=1):
+            chunk = changes[i : i + ANNOUNCE_PART]
+            messages.append(
+                AgentSessions(
+                    **self._common(leaving),
+                    sessions=[sid for what, sid, _ in chunk if what == "placed"],
+                    generations=[gen for what, _, gen in chunk if what == "placed"],
+                    dropped=[sid for what, sid, _ in chunk if what == "dropped"],
+                    ended=[sid for what, sid, _ in chunk if what == "ended"],
+                    full=False,
+                    seq=self._seq + n,
+                )
+            )
+        return messages
 
     async def _announce_loop(self) -> None:
         while True:
@@ -329,6 +478,8 @@ class AgentEndpoint:
         if not isinstance(answer, CheckpointLocation):
             reason = getattr(answer, "reason", "") or answer.kind
             raise TimeoutError(f"the checkpoint service could not locate session {session_id!r}: {reason}")
+        if answer.refused:
+            raise SessionHeld(session_id, answer.refused, answer.holder)
         return answer
 
     async def start_session(self, session_id: str, timeout: float = 10.0, layout: KvLayout | None = None) -> int:
@@ -374,6 +525,7 @@ class AgentEndpoint:
                     duration_s=time.monotonic() - started,
                     generation=answer.generation,
                     fell_back_from=restored.fell_back_from[:16],
+                    from_store=answer.from_store[:16],
                 ),
                 5.0,
             )

@@ -7,7 +7,7 @@ to be collected, never a half-visible checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,6 +121,10 @@ class CheckpointStore(Protocol):
         ...
 
     async def delete_checkpoint(self, session_id: str, checkpoint_id: str) -> None: ...
+
+    async def pack_sizes(self, pack_ids: Iterable[str]) -> dict[str, int]:
+        """The stored size of each of these packs that exists (absent ones are left out); costs what it names."""
+        ...
 
     async def packs(self) -> list[PackInfo]: ...
 

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar, Union
 
 import msgspec
@@ -36,10 +37,11 @@ from nats.js import api as js_api
 
 from shared.contract.base import Event, subject_token
 from shared.contract.deadletter import DEAD_LETTER_PAYLOAD_LIMIT, DeadLetter
+from shared.contract.permissions import inbox_prefix
 from shared.contract.registry import codec
 from shared.contract.subjects import StreamSpec, Subjects
 from shared.plumbing.errors import PermanentError, ServerUnreachable, TemporaryError
-from shared.plumbing.settings import NatsSettings, public_url
+from shared.plumbing.settings import NatsSettings, Secret, public_url
 from shared.plumbing.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,21 @@ def nats_unreachable(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _token_reader(path: Path, first: Secret | None) -> Callable[[], str]:
+    """The token as the file holds it at each (re)connect (a projected service-account token is rewritten by the
+    kubelet before it expires); the last good read when the file cannot be read at that moment."""
+    last = [first.reveal() if first is not None else ""]
+
+    def read() -> str:
+        try:
+            last[0] = path.read_text().strip() or last[0]
+        except OSError as exc:
+            log.warning("NATS token file unreadable; using the last token read", extra={"error": exc.strerror})
+        return last[0]
+
+    return read
 
 
 Handler = Callable[[Any], Awaitable[None]]
@@ -103,6 +120,37 @@ def _scope_problem(subject: str, at: int, field_name: str, event: Event) -> str:
     if not isinstance(written, str) or subject_token(written) != named or not named:
         return f"subject {subject} is {field_name} {named!r}'s; the body says {field_name}={written!r}"
     return ""
+
+
+def consumer_drift(have: js_api.ConsumerConfig, want: js_api.ConsumerConfig) -> list[str]:
+    """What of a durable's configuration as stored (``have``) differs from what its owner wants: its filter
+    subjects, ack policy, ack wait, max deliveries, max acks pending, deliver policy (a start sequence stands for
+    ALL or NEW: it is how a repaired consumer resumes), and that it stays a pull consumer that delivers whole
+    messages, is never removed for idling and has no backoff of someone else's. Empty when nothing drifted."""
+
+    def filters(config: js_api.ConsumerConfig) -> set[str]:
+        return set(config.filter_subjects or ()) | ({config.filter_subject} if config.filter_subject else set())
+
+    drift = [
+        name
+        for name, differs in (
+            ("filter_subjects", filters(have) != filters(want)),
+            ("ack_policy", have.ack_policy != want.ack_policy),
+            ("ack_wait", abs((have.ack_wait or 0.0) - (want.ack_wait or 0.0)) > 1e-3),
+            ("max_deliver", have.max_deliver != want.max_deliver),
+            ("max_ack_pending", have.max_ack_pending != want.max_ack_pending),
+            (
+                "deliver_policy",
+                have.deliver_policy not in (want.deliver_policy, js_api.DeliverPolicy.BY_START_SEQUENCE),
+            ),
+            ("deliver_subject", bool(have.deliver_subject)),
+            ("headers_only", bool(have.headers_only)),
+            ("inactive_threshold", bool(have.inactive_threshold)),
+            ("backoff", bool(have.backoff)),
+        )
+        if differs
+    ]
+    return drift
 
 
 class EventTooLarge(ValueError):
@@ -293,8 +341,13 @@ class Bus:
         if settings.user:
             options["user"] = settings.user
             options["password"] = settings.password.reveal() if settings.password else ""
-        if settings.token:
+        if settings.token_file is not None:
+            options["token"] = _token_reader(settings.token_file, settings.token)
+        elif settings.token:
             options["token"] = settings.token.reveal()
+        inbox = settings.inbox_prefix or (inbox_prefix(settings.user) if settings.user else "")
+        if inbox:
+            options["inbox_prefix"] = inbox
         if settings.nkey_seed_file:
             options["nkeys_seed"] = str(settings.nkey_seed_file)
         if settings.creds_file:
@@ -338,10 +391,12 @@ class Bus:
 
     # -- streams ------------------------------------------------------------------------------------------------
     async def ensure_stream(self, spec: StreamSpec) -> None:
-        """Create the stream if it is missing; widen its subjects if they changed. Safe to call from every
-        service at once: creation races end with one stream and no error."""
+        """Create the stream if it is missing; widen its subjects if they changed; let the events stream answer
+        direct gets (``allow_direct``: a gateway reads the newest location of a session back that way). Safe to
+        call from every service at once: creation races end with one stream and no error."""
         if spec.name in self._streams_ready:
             return
+        direct = spec.name == self.subjects.events_stream.name  # a gateway reads the last location back directly
         retention = (
             js_api.RetentionPolicy.WORK_QUEUE
             if spec.name == self.subjects.requests_stream.name
@@ -357,6 +412,7 @@ class Bus:
             duplicate_window=120.0,
             max_age=7 * 24 * 3600.0,
             max_msg_size=DEFAULT_MAX_EVENT_BYTES * 4,
+            allow_direct=direct or None,
         )
         try:
             info = await self._api(lambda: self.js.stream_info(spec.name))
@@ -368,6 +424,15 @@ class Bus:
         else:
             if set(info.config.subjects or ()) != set(spec.subjects):
                 await self._api(lambda: self.js.update_stream(config))
+            elif direct and not info.config.allow_direct:
+                try:  # an events stream made before direct gets were wanted; only the admin may change it
+                    await self.js.update_stream(config)
+                except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                    log.warning(
+                        "the events stream does not allow direct gets (readers of locations need them); "
+                        "any command of the admin's turns them on",
+                        extra={"stream": spec.name, "error": str(exc) or type(exc).__name__},
+                    )
         self._streams_ready.add(spec.name)
 
     async def _api(self, call: Callable[[], Awaitable[_T]]) -> _T:
@@ -603,8 +668,43 @@ class Bus:
                     log.exception("command handler failed", extra={"subject": msg.subject})
                     answer = DeadLetter(origin_subject=msg.subject, reason=f"temporary: {exc}", source=self.source)
             if msg.reply and answer is not None:
+                data = codec.encode(answer)
+                limit = min(DEFAULT_MAX_EVENT_BYTES, self.nc.max_payload or DEFAULT_MAX_EVENT_BYTES)
+                if len(data) > limit:  # never dropped: the caller hears why
+                    reason = f"the answer ({answer.kind}, {len(data)} bytes) is over the bus's {limit} byte limit"
+                    log.error("answer too large", extra={"subject": msg.subject, "bytes": len(data)})
+                    data = codec.encode(DeadLetter(origin_subject=msg.subject, reason=reason, source=self.source))
+                try:
+                    await msg.respond(data)
+                except Exception as exc:
+                    log.warning("answer not sent", extra={"subject": msg.subject, "error": str(exc)})
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        self._subscriptions.append(sub)
+        await self._subscribed()
+        return Subscription(self, sub)
+
+    async def answer(
+        self, subject: str, respond: Callable[[bytes], Awaitable[bytes]], queue: str = "", name: str = ""
+    ) -> Subscription:
+        """Answer requests on ``subject`` that are no event of ours (a protocol of its own: nats-server's
+        authorization requests): ``respond`` gets the payload and returns the reply. One that raises is logged
+        and answered with an empty reply, which such a protocol reads as a refusal."""
+        label = name or subject
+        handled = self.telemetry.messages.get(label, "ack")
+        failed = self.telemetry.messages.get(label, "error")
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                reply = await respond(msg.data)
+                handled.n += 1
+            except Exception:
+                log.exception("request not answered", extra={"subject": label})
+                failed.inc()
+                reply = b""
+            if msg.reply:
                 with contextlib.suppress(Exception):
-                    await msg.respond(codec.encode(answer))
+                    await msg.respond(reply)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         self._subscriptions.append(sub)
@@ -657,24 +757,57 @@ class Bus:
         subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{spec.stream.name}.{spec.durable}"
         self._subscriptions.append(await self.nc.subscribe(subject, cb=on_advisory))
 
-    async def _ensure_consumer(self, spec: ConsumerSpec) -> None:
-        config = js_api.ConsumerConfig(
+    @staticmethod
+    def _consumer_config(spec: ConsumerSpec, start_after: int | None = None) -> js_api.ConsumerConfig:
+        """The durable's configuration as ``spec`` says; ``start_after``: made again after a repair, delivering
+        from the message after that stream sequence (where the one it replaces had got to)."""
+        policy = js_api.DeliverPolicy.NEW if spec.deliver_new_only else js_api.DeliverPolicy.ALL
+        return js_api.ConsumerConfig(
             durable_name=spec.durable,
             ack_policy=js_api.AckPolicy.EXPLICIT,
             ack_wait=spec.ack_wait,
             max_deliver=spec.max_deliver,
             max_ack_pending=max(spec.concurrency * 4, spec.batch * 2),
-            deliver_policy=js_api.DeliverPolicy.NEW if spec.deliver_new_only else js_api.DeliverPolicy.ALL,
+            deliver_policy=policy if start_after is None else js_api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=None if start_after is None else start_after + 1,
             filter_subjects=list(spec.filter_subjects) if len(spec.filter_subjects) > 1 else None,
             filter_subject=spec.filter_subjects[0] if len(spec.filter_subjects) == 1 else None,
         )
+
+    async def _ensure_consumer(self, spec: ConsumerSpec) -> None:
+        """Create the durable consumer, or check the one there against ``spec`` (``consumer_drift``): one that
+        drifted (another user changed its filter, its acks, its deliveries) is put back, updated in place where
+        JetStream allows it, else deleted and made again from where it had got to (its ack floor), so that
+        nothing is skipped; what was delivered but not acknowledged is delivered again (handlers are
+        idempotent). Only the owner may do either: no other user may touch the consumer
+        (``shared.contract.permissions``)."""
+        config = self._consumer_config(spec)
+        stream = spec.stream.name
         try:
-            await self._api(lambda: self.js.consumer_info(spec.stream.name, spec.durable))
+            info = await self._api(lambda: self.js.consumer_info(stream, spec.durable))
         except nats.js.errors.NotFoundError:
             try:
-                await self._api(lambda: self.js.add_consumer(spec.stream.name, config))
+                await self._api(lambda: self.js.add_consumer(stream, config))
+                return
             except nats.js.errors.BadRequestError:
-                await self._api(lambda: self.js.consumer_info(spec.stream.name, spec.durable))
+                info = await self._api(lambda: self.js.consumer_info(stream, spec.durable))  # made by a peer meanwhile
+        drift = consumer_drift(info.config, config)
+        if not drift:
+            return
+        log.warning("consumer configuration drifted; repairing", extra={"consumer": spec.durable, "drift": drift})
+        with contextlib.suppress(nats.js.errors.APIError):  # JetStream refuses to update some fields in place
+            await self.js.add_consumer(stream, config)
+            info = await self.js.consumer_info(stream, spec.durable)
+            if not consumer_drift(info.config, config):
+                return
+        floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_consumer(stream, spec.durable)
+        try:
+            await self.js.add_consumer(stream, self._consumer_config(spec, start_after=floor))
+        except nats.js.errors.BadRequestError:
+            await self.js.consumer_info(stream, spec.durable)  # a peer repaired it first
+        log.warning("consumer made again from where it was", extra={"consumer": spec.durable, "after_seq": floor})
 
     PULL_EXPIRES = 1.0  # seconds a pull request stays open on the server
 

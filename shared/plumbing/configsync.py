@@ -23,12 +23,13 @@ import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialBackoff, NoBackoff
 
 from shared.contract.configdocs import CONFIG_DOCUMENTS, ConfigDocument
 from shared.contract.subjects import Subjects
 from shared.plumbing.errors import ConfigConflict, InvalidConfig
-from shared.plumbing.settings import RedisSettings
+from shared.plumbing.settings import RedisSettings, sentinel_url
 from shared.plumbing.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,19 @@ return {1, nextv}
 """
 
 
+class SentinelManagedRedis(aioredis.Redis):
+    """A client of whichever server the Sentinels name as the primary now; closing it closes its connections to
+    the Sentinels too."""
+
+    sentinel_manager: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for client in self.sentinel_manager.sentinels if self.sentinel_manager is not None else ():
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+
 def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: int = 3) -> aioredis.Redis:
     """A client with short timeouts: a service must notice quickly that Redis is gone and fall back.
 
@@ -52,7 +66,12 @@ def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: i
     and is sent again, up to ``reconnects`` times with a short backoff, so a Redis that came back costs no caller
     an error; one that stays down raises ``ConnectionError`` within about a second. A command that timed out is
     not sent again. ``reconnects=0``: every lost connection reaches the caller (the config watcher wants that, to
-    read everything again)."""
+    read everything again).
+
+    Behind Sentinel (``redis+sentinel://`` in the URL) every new connection asks the Sentinels which server is
+    the primary now, so after a failover the next command reaches the promoted replica; while none is named
+    (the failover is under way) commands raise ``ConnectionError`` (``MasterNotFoundError``), as for a Redis
+    that is down. This is the one place Redis clients are made."""
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -60,17 +79,41 @@ def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: i
         "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), reconnects, (redis.exceptions.ConnectionError,)),
         "retry_on_error": [redis.exceptions.ConnectionError],
     }
-    if settings.username:
-        options["username"] = settings.username
-    if settings.password:
-        options["password"] = settings.password.reveal()
+    tls: dict[str, Any] = {}
     if settings.tls.enabled:
         if settings.tls.ca:
-            options["ssl_ca_certs"] = str(settings.tls.ca)
+            tls["ssl_ca_certs"] = str(settings.tls.ca)
         if settings.tls.cert:
-            options["ssl_certfile"] = str(settings.tls.cert)
-            options["ssl_keyfile"] = str(settings.tls.key)
-    return aioredis.Redis.from_url(settings.url, **options)
+            tls["ssl_certfile"] = str(settings.tls.cert)
+            tls["ssl_keyfile"] = str(settings.tls.key)
+    options.update(tls)
+    address = sentinel_url(settings.url)
+    username = address.username if address and address.username else settings.username
+    password = address.password if address and address.password else settings.password
+    if username:
+        options["username"] = username
+    if password:
+        options["password"] = password.reveal()
+    if address is None:
+        return aioredis.Redis.from_url(settings.url, **options)
+    if address.tls:
+        options["ssl"] = True
+    # one try per Sentinel and question: the connection's own retries above ask them all again (redis-py's
+    # default for these clients backs off for seconds, which kept a CLI facing dead Sentinels waiting 15 s)
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+        **tls,
+    }
+    if address.tls:
+        sentinel_options["ssl"] = True
+    if settings.sentinel_password:
+        sentinel_options["password"] = settings.sentinel_password.reveal()
+    sentinel = Sentinel(address.sentinels, sentinel_kwargs=sentinel_options)
+    client = sentinel.master_for(address.service, redis_class=SentinelManagedRedis, db=address.db, **options)
+    client.sentinel_manager = sentinel
+    return client
 
 
 def redis_unreachable(exc: BaseException | None) -> bool:

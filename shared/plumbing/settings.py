@@ -13,12 +13,18 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
+from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
+from shared.contract.subjects import Subjects
 from shared.plumbing.errors import SettingsError
 
 DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NATS_URL": "NATS server URL(s), comma separated (default nats://127.0.0.1:4222)",
-    "GPUWARDEN_REDIS_URL": "Redis URL (default redis://127.0.0.1:6379/0; rediss:// for TLS)",
+    "GPUWARDEN_REDIS_URL": (
+        "Redis URL (default redis://127.0.0.1:6379/0; rediss:// for TLS); behind Sentinel: "
+        "redis+sentinel://host:port,host:port/<master name>/<db> (rediss+sentinel:// for TLS)"
+    ),
     "GPUWARDEN_ROOT": "subject root, stream prefix and Redis key prefix (default gw)",
     "GPUWARDEN_NODE": "the node a node-scoped service runs on (default: the host name)",
     "GPUWARDEN_BACKEND": "sim (simulated GPUs and cluster) or real (NVML and the Kubernetes API); default sim",
@@ -30,6 +36,14 @@ DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NATS_USER": "NATS user name (with GPUWARDEN_NATS_PASSWORD or _PASSWORD_FILE)",
     "GPUWARDEN_NATS_PASSWORD": "NATS password (prefer GPUWARDEN_NATS_PASSWORD_FILE)",
     "GPUWARDEN_NATS_TOKEN": "NATS token (or GPUWARDEN_NATS_TOKEN_FILE)",
+    "GPUWARDEN_NATS_TOKEN_FILE": (
+        "file holding the NATS token, read again at every (re)connect: a pod's projected service-account token, "
+        "which the kubelet refreshes"
+    ),
+    "GPUWARDEN_NATS_INBOX_PREFIX": (
+        "the inbox prefix of this connection's replies, _INBOX.<user> (default: from GPUWARDEN_NATS_USER; for a KV "
+        "agent authenticating with its pod's token, from GPUWARDEN_POD_NAME; else _INBOX)"
+    ),
     "GPUWARDEN_NATS_NKEY_SEED_FILE": "file holding an NKey seed",
     "GPUWARDEN_NATS_CREDS_FILE": "NATS .creds file (JWT + seed)",
     "GPUWARDEN_NATS_TLS_CA": "CA bundle to verify the NATS server",
@@ -37,6 +51,7 @@ DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NATS_TLS_KEY": "client key for NATS mTLS",
     "GPUWARDEN_REDIS_USERNAME": "Redis ACL user",
     "GPUWARDEN_REDIS_PASSWORD": "Redis password (prefer GPUWARDEN_REDIS_PASSWORD_FILE)",
+    "GPUWARDEN_REDIS_SENTINEL_PASSWORD": "password of the Sentinels themselves, when they require one (or _FILE)",
     "GPUWARDEN_REDIS_TLS_CA": "CA bundle to verify the Redis server",
     "GPUWARDEN_REDIS_TLS_CERT": "client certificate for Redis mTLS (with GPUWARDEN_REDIS_TLS_KEY)",
     "GPUWARDEN_REDIS_TLS_KEY": "client key for Redis mTLS",
@@ -88,6 +103,11 @@ class NatsSettings:
     creds_file: Path | None = None
     tls: TlsFiles = field(default_factory=TlsFiles)
     replicas: int = 1
+    token_file: Path | None = None
+    """Read again at every (re)connect (a projected service-account token rotates); ``token`` is its first read."""
+    inbox_prefix: str = ""
+    """Where replies to this connection go (``_INBOX.<user>``, ``shared.contract.permissions.inbox_prefix``);
+    empty: derived from ``user`` when there is one, else nats-py's ``_INBOX``."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +116,56 @@ class RedisSettings:
     username: str | None = None
     password: Secret | None = None
     tls: TlsFiles = field(default_factory=TlsFiles)
+    sentinel_password: Secret | None = None
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """A Redis reached through its Sentinels: ``redis+sentinel://[user[:password]@]host:port[,host:port...]
+    /<master name>[/<db>]`` (``rediss+sentinel://``: TLS to the Sentinels and to Redis). Clients ask the
+    Sentinels which server is the primary now, and ask again when it fails over."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: Secret | None = None
+    tls: bool = False
+
+
+_SENTINEL_URL = re.compile(
+    r"^(?P<scheme>rediss?)\+sentinel://(?:(?P<user>[^:@/]*)(?::(?P<password>[^@/]*))?@)?(?P<hosts>[^/@]+)"
+    r"/(?P<service>[^/]+)(?:/(?P<db>[^/]*))?/?$"
+)
+
+
+def sentinel_url(url: str) -> SentinelUrl | None:
+    """The Sentinel address in ``url``; None for a plain ``redis://``, ``rediss://`` or ``unix://`` URL. Raises
+    ``SettingsError`` saying what is wrong with a malformed ``redis+sentinel://`` one."""
+    if not re.match(r"^rediss?\+sentinel://", url):
+        return None
+    name = "GPUWARDEN_REDIS_URL"
+    shown = public_url(url)
+    match = _SENTINEL_URL.match(url)
+    if match is None:
+        raise SettingsError(
+            f"{name}={shown!r}: expected redis+sentinel://host:port[,host:port...]/<master name>[/<db>]"
+        )
+    sentinels = tuple(
+        parse_host_port(name, hostport.strip(), "127.0.0.1:26379") for hostport in match["hosts"].split(",")
+    )
+    db = match["db"] or "0"
+    if not db.isdigit():
+        raise SettingsError(f"{name}={shown!r}: the database after the master name must be a number, not {db!r}")
+    user, password = match["user"], match["password"]
+    return SentinelUrl(
+        sentinels=sentinels,
+        service=unquote(match["service"]),
+        db=int(db),
+        username=unquote(user) if user else None,
+        password=Secret(unquote(password)) if password else None,
+        tls=match["scheme"] == "rediss",
+    )
 
 
 @dataclass(frozen=True)
@@ -118,7 +188,7 @@ class Settings:
 
 def public_url(url: str) -> str:
     """``url`` as it may be shown: a password in it (``redis://user:secret@host``) becomes ``***``."""
-    return re.sub(r"^([a-z]+://[^/@:]*:)[^/@]*@", r"\1***@", url)
+    return re.sub(r"^([a-z+]+://[^/@:]*:)[^/@]*@", r"\1***@", url)
 
 
 _HOSTPORT = re.compile(r"^(?P<host>[^:]*|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
@@ -193,6 +263,20 @@ def env_seconds(
     return value
 
 
+def env_count(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1, maximum: int = 100_000) -> int:
+    """A whole number setting (how many at once, how many at most) within ``minimum``..``maximum``."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected a whole number") from None
+    if not minimum <= value <= maximum:
+        raise SettingsError(f"{name}={raw!r}: expected a whole number from {minimum} to {maximum}")
+    return value
+
+
 def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
     """A setting that is one of ``choices`` (case and surrounding blanks ignored); empty or unset is ``default``."""
     value = env.get(name, "").strip().lower() or default
@@ -214,11 +298,28 @@ def env_absolute_path(env: Mapping[str, str], name: str, default: str) -> Path:
     return Path(raw)
 
 
-def parse_host_port(name: str, raw: str) -> tuple[str, int]:
+def parse_host_port(name: str, raw: str, example: str = "0.0.0.0:8080") -> tuple[str, int]:
     match = _HOSTPORT.match(raw)
     if not match or int(match["port"]) > 65535:
-        raise SettingsError(f"{name}={raw!r}: expected host:port, e.g. 0.0.0.0:8080")
+        raise SettingsError(f"{name}={raw!r}: expected host:port, e.g. {example}")
     return match["host"].strip("[]") or "0.0.0.0", int(match["port"])
+
+
+def _inbox_prefix(env: Mapping[str, str], root: str, user: str | None, token: bool) -> str:
+    """``GPUWARDEN_NATS_INBOX_PREFIX``, or the one the auth callout gives a KV agent proving its pod with a token
+    (``_INBOX.<root>-agent-<pod>``, from ``GPUWARDEN_POD_NAME``); empty: ``Bus.connect`` derives it from the user."""
+    raw = env.get("GPUWARDEN_NATS_INBOX_PREFIX", "").strip()
+    if raw:
+        if not re.fullmatch(r"_INBOX\.[A-Za-z0-9_\-]+", raw):
+            raise SettingsError(f"GPUWARDEN_NATS_INBOX_PREFIX={raw!r}: expected _INBOX.<one token>")
+        return raw
+    pod = env.get("GPUWARDEN_POD_NAME", "").strip()
+    if user or not token or not pod:
+        return ""
+    try:
+        return inbox_prefix(identity_name(Subjects(root), Identity(AGENT, pod=pod)))
+    except ValueError as exc:
+        raise SettingsError(f"GPUWARDEN_POD_NAME={pod!r}: {exc}") from None
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -229,8 +330,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         if not re.match(r"^(nats|tls|ws|wss)://", server):
             raise SettingsError(f"GPUWARDEN_NATS_URL={server!r}: expected nats://host:port or tls://host:port")
     redis_url = env.get("GPUWARDEN_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if not re.match(r"^(redis|rediss|unix)://", redis_url):
-        raise SettingsError(f"GPUWARDEN_REDIS_URL={redis_url!r}: expected redis://, rediss:// or unix://")
+    if not re.match(r"^(redis|rediss|unix|redis\+sentinel|rediss\+sentinel)://", redis_url):
+        raise SettingsError(
+            f"GPUWARDEN_REDIS_URL={public_url(redis_url)!r}: expected redis://, rediss://, unix:// or redis+sentinel://"
+        )
+    sentinel_url(redis_url)  # a malformed Sentinel address is refused here, naming the variable
     backend = env.get("GPUWARDEN_BACKEND", "sim")
     if backend not in ("sim", "real"):
         raise SettingsError(f"GPUWARDEN_BACKEND={backend!r}: expected 'sim' or 'real'")
@@ -246,22 +350,27 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if not re.match(r"^[A-Za-z][A-Za-z0-9_\-]{0,31}$", root):
         raise SettingsError(f"GPUWARDEN_ROOT={root!r}: a letter, then up to 31 letters, digits, '_' or '-'")
     node = env.get("GPUWARDEN_NODE") or os.uname().nodename.split(".")[0]
+    user = env.get("GPUWARDEN_NATS_USER") or None
+    token = _secret(env, "GPUWARDEN_NATS_TOKEN")
     return Settings(
         nats=NatsSettings(
             servers=servers,
-            user=env.get("GPUWARDEN_NATS_USER") or None,
+            user=user,
             password=_secret(env, "GPUWARDEN_NATS_PASSWORD"),
-            token=_secret(env, "GPUWARDEN_NATS_TOKEN"),
+            token=token,
+            token_file=_file(env, "GPUWARDEN_NATS_TOKEN_FILE") if not env.get("GPUWARDEN_NATS_TOKEN") else None,
             nkey_seed_file=_file(env, "GPUWARDEN_NATS_NKEY_SEED_FILE"),
             creds_file=_file(env, "GPUWARDEN_NATS_CREDS_FILE"),
             tls=_tls(env, "GPUWARDEN_NATS_TLS"),
             replicas=replicas,
+            inbox_prefix=_inbox_prefix(env, root, user, token is not None),
         ),
         redis=RedisSettings(
             url=redis_url,
             username=env.get("GPUWARDEN_REDIS_USERNAME") or None,
             password=_secret(env, "GPUWARDEN_REDIS_PASSWORD"),
             tls=_tls(env, "GPUWARDEN_REDIS_TLS"),
+            sentinel_password=_secret(env, "GPUWARDEN_REDIS_SENTINEL_PASSWORD"),
         ),
         root=root,
         node=node,

@@ -75,6 +75,54 @@ class ClusterChange:
     revision: str = ""
 
 
+SERVICE_ACCOUNT_USER = "system:serviceaccount:"
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenReview:
+    """What the cluster says of a bearer token (the TokenReview API's ``status``): whether it is genuine, unexpired
+    and meant for one of the audiences asked about, and whose it is. A bound service-account token names its
+    pod in ``extra`` (``authentication.kubernetes.io/pod-name``, ``pod-uid``, and on newer clusters
+    ``node-name``). ``error``: why it was refused, as the cluster says it."""
+
+    authenticated: bool
+    username: str = ""
+    uid: str = ""
+    groups: tuple[str, ...] = ()
+    extra: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    audiences: tuple[str, ...] = ()
+    error: str = ""
+
+    def _extra(self, key: str) -> str:
+        values = self.extra.get(key) or ()
+        return values[0] if len(values) == 1 else ""
+
+    @property
+    def service_account(self) -> tuple[str, str]:
+        """(namespace, name) of the service account the token is of; ('', '') for any other user."""
+        if not self.username.startswith(SERVICE_ACCOUNT_USER):
+            return "", ""
+        namespace, _, name = self.username[len(SERVICE_ACCOUNT_USER) :].partition(":")
+        return (namespace, name) if namespace and name and ":" not in name else ("", "")
+
+    @property
+    def pod(self) -> str:
+        """The pod the token is bound to ('' for a token bound to none)."""
+        return self._extra(POD_NAME_EXTRA)
+
+    @property
+    def pod_uid(self) -> str:
+        return self._extra(POD_UID_EXTRA)
+
+    @property
+    def node(self) -> str:
+        """The node of the pod the token is bound to, where the cluster says it ('' otherwise)."""
+        return self._extra(NODE_NAME_EXTRA)
+
+
 @runtime_checkable
 class ClusterPort(Protocol):
     simulated: bool
@@ -118,6 +166,12 @@ class ClusterPort(Protocol):
 
     def watch(self) -> AsyncIterator[ClusterChange]:
         """Changes from now on, in order."""
+        ...
+
+    async def review_token(self, token: str, audiences: tuple[str, ...]) -> TokenReview:
+        """Ask the cluster whether ``token`` (a service-account token, bound to a pod or not) is genuine, unexpired
+        and meant for one of ``audiences``, and whose it is (the TokenReview API). A refused token is a review
+        with ``authenticated`` False and the reason; ``ClusterError`` only when the cluster cannot be asked."""
         ...
 
     async def close(self) -> None: ...

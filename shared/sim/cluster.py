@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar, cast
@@ -34,15 +35,22 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import RedisSettings
 from shared.ports.cluster import (
+    NODE_NAME_EXTRA,
+    POD_NAME_EXTRA,
+    POD_UID_EXTRA,
     ClusterChange,
     ClusterError,
     DeploymentInfo,
     EvictionOutcome,
     NodeInfo,
     PodInfo,
+    TokenReview,
 )
-from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec
+from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec, object_key
 from shared.sim.spec import SimSpec, load_spec
+from shared.sim.tokens import TokenClaims, TokenInvalid, service_account_uid
+from shared.sim.tokens import sign as sign_token
+from shared.sim.tokens import verify as verify_token
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ class SimCluster:
         self._client = client
         self._state_key = subjects.redis_key("sim", "cluster")
         self._changes_key = subjects.redis_key("sim", "cluster", "changes")
+        self._token_key_key = subjects.redis_key("sim", "cluster", "token-key")
         self._clock = clock
         self._owns_client = owns_client
         self._seen = 0
@@ -193,6 +202,77 @@ class SimCluster:
     async def tick(self) -> None:
         """Reconcile at the clock's time: kill Terminating pods whose grace period has run out. Idempotent."""
         await self._mutate(lambda state, now: (None, []))
+
+    # -- service-account tokens -----------------------------------------------------------------------------------
+    async def issue_token(
+        self,
+        namespace: str,
+        pod: str = "",
+        audience: str = "gpuwarden",
+        ttl_s: float = 3600.0,
+        service_account: str = "default",
+    ) -> str:
+        """A service-account token as a kubelet projects it into a pod (``pod`` given: bound to it, naming its UID
+        and node) or as the TokenRequest API gives one to a service account alone. (Simulation only: the stand-in
+        for the kubelet's projected volume.) ``ClusterError`` for a pod that is not in the cluster."""
+        bound = ""
+        uid = ""
+        node = ""
+        if pod:
+            found = (await self._read()).pods.get(object_key(namespace, pod))
+            if found is None:
+                raise ClusterError(f"pod {object_key(namespace, pod)} is not in the simulated cluster")
+            bound, uid, node = found.name, found.uid, found.node
+        now = int(self._clock())
+        claims = TokenClaims(
+            namespace=namespace,
+            service_account=service_account,
+            audiences=(audience,),
+            expires_at=now + int(ttl_s),
+            issued_at=now,
+            pod=bound,
+            pod_uid=uid,
+            node=node,
+        )
+        return sign_token(claims, await self._token_key())
+
+    async def review_token(self, token: str, audiences: tuple[str, ...]) -> TokenReview:
+        """The TokenReview API: the token's signature (the cluster's own key), expiry and audience, and for a
+        bound token that its pod is still there, the same pod (UID), and running (Running, or Terminating while
+        its preStop hook saves); whose it is, as Kubernetes says it."""
+        try:
+            claims = verify_token(token, await self._token_key(), self._clock(), audiences)
+        except TokenInvalid as exc:
+            return TokenReview(authenticated=False, error=f"invalid bearer token, {exc}")
+        extra: dict[str, tuple[str, ...]] = {}
+        if claims.pod:
+            found = (await self._read()).pods.get(object_key(claims.namespace, claims.pod))
+            if found is None or found.uid != claims.pod_uid:
+                return TokenReview(authenticated=False, error="invalid bearer token, the pod it is bound to is gone")
+            if found.phase not in ("Running", "Terminating"):
+                return TokenReview(authenticated=False, error=f"invalid bearer token, its pod is {found.phase}")
+            extra = {POD_NAME_EXTRA: (claims.pod,), POD_UID_EXTRA: (claims.pod_uid,)}
+            if claims.node:
+                extra[NODE_NAME_EXTRA] = (claims.node,)
+        return TokenReview(
+            authenticated=True,
+            username=claims.username,
+            uid=service_account_uid(claims.namespace, claims.service_account),
+            groups=("system:serviceaccounts", f"system:serviceaccounts:{claims.namespace}", "system:authenticated"),
+            extra=extra,
+            audiences=tuple(a for a in claims.audiences if not audiences or a in audiences),
+        )
+
+    async def _token_key(self) -> bytes:
+        """The key the simulated cluster signs its tokens with, made once per cluster (kept in Redis with it)."""
+        try:
+            await self._client.set(self._token_key_key, secrets.token_bytes(32), nx=True)
+            key = await self._client.get(self._token_key_key)
+        except _REDIS_DOWN as exc:
+            raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise ClusterError(f"the simulated cluster's token key at {self._token_key_key} is unreadable")
+        return key
 
     # -- watching -----------------------------------------------------------------------------------------------
     def watch(self) -> AsyncIterator[ClusterChange]:

@@ -12,6 +12,7 @@ when something happened, which keeps the revisions of its change stream dense.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Literal
 
@@ -74,6 +75,11 @@ class SimPod(msgspec.Struct, kw_only=True):
     @property
     def key(self) -> str:
         return object_key(self.namespace, self.name)
+
+    @property
+    def uid(self) -> str:
+        """The pod's UID: the same for the pod's whole life, never another pod's (a name is never used twice)."""
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"gpuwarden-sim:pod:{self.key}/{self.created_seq}"))
 
 
 class ClusterState(msgspec.Struct, kw_only=True):

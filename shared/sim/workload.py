@@ -36,7 +36,7 @@ from typing import Any
 from shared.contract.models import RolloutState
 from shared.contract.requests import InferenceRequest
 from shared.kv.agent import KvAgent, RestoredSession
-from shared.kv.endpoint import AgentEndpoint
+from shared.kv.endpoint import AgentEndpoint, SessionHeld
 from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
 from shared.plumbing.bus import Bus, ConsumerSpec
@@ -268,12 +268,13 @@ class SimWorkload:
                 runtime.stopping = True
                 self._spawn(self._pre_stop(runtime), f"prestop-{pod.name}")
         for name in [n for n in self.runtimes if n not in present]:
-            runtime = self.runtimes.pop(name)
-            await runtime.endpoint.stop()
+            runtime = self.runtimes[name]
+            killed = not runtime.stopping  # deleted without preStop: what was not checkpointed is gone
+            runtime.stopping = True  # no request is routed here any more
             await runtime.lock.acquire()  # the step under way ends first; those waiting find the pod gone
             runtime.gone = True
             runtime.lock.release()
-            if not runtime.stopping:  # killed without preStop: what was not checkpointed is gone
+            if killed:
                 gone = runtime.agent.sessions() + [s for s, p in self.preempted.items() if p.pod == name]
                 self.stats.lost += len(gone)
                 self.stats.lost_sessions.extend(gone)
@@ -284,6 +285,8 @@ class SimWorkload:
                 runtime.agent.forget_session(sid)
             for sid in [s for s, pod in self.home.items() if pod == name]:
                 del self.home[sid]
+            await runtime.endpoint.stop()  # it leaves: the registry hears its sessions are no longer held
+            del self.runtimes[name]
 
     async def _start_pod(self, pod: PodInfo) -> None:
         deployment = self.deployments[(pod.namespace, pod.deployment)]
@@ -534,6 +537,9 @@ class SimWorkload:
         if preempted is not None:
             try:  # this pod takes it: a new generation, on the version that built it
                 await runtime.endpoint.start_session(session_id, layout=runtime.agent.layouts[preempted.version])
+            except SessionHeld as exc:
+                self.preempted[session_id] = preempted
+                raise self._held_elsewhere(session_id, exc) from exc
             except TimeoutError as exc:
                 self.preempted[session_id] = preempted
                 raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
@@ -554,6 +560,8 @@ class SimWorkload:
             runtime.endpoint.end_session(session_id)
             self.retire(session_id, f"its checkpoint cannot be restored here: {exc}")
             return
+        except SessionHeld as exc:
+            raise self._held_elsewhere(session_id, exc) from exc
         except TimeoutError as exc:
             raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
         self.stats.restored += 1
@@ -565,6 +573,13 @@ class SimWorkload:
             log.error("restored session does not fit in the pod's KV pool", extra={"error": str(exc)})
             self.end_session(session_id)
             self.stats.ended_at_max_len += 1
+
+    def _held_elsewhere(self, session_id: str, exc: SessionHeld) -> TemporaryError:
+        """Another pod that is alive holds the session (as a router would learn from ``where``): its request goes
+        there when delivered again."""
+        if exc.holder in self.runtimes:
+            self.home[session_id] = exc.holder
+        return TemporaryError(str(exc), delay=0.2)
 
     async def _adopt(self, runtime: PodRuntime, session_id: str, restored: RestoredSession) -> bool:
         """The engine takes the restored session and checks it against the reference run; a session that cannot

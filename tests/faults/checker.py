@@ -79,16 +79,20 @@ async def check_invariants(
                 )
             if manifest.generation > counter:
                 found.problems.append(f"checkpoint {cid} of {sid} has generation {manifest.generation} > {counter}")
-    node_prefix = key("node", "")
+    node_prefix = key("onnode", "")
     async for raw in client.scan_iter(match=node_prefix + "*"):
         node = raw.decode()[len(node_prefix) :]
-        for sid_raw in await client.smembers(raw):
-            sid = sid_raw.decode()
+        for sid_raw, pod_raw in (await client.hgetall(raw)).items():
+            sid, pod = sid_raw.decode(), pod_raw.decode()
             held = await client.hgetall(key("session", sid))
-            if held.get(b"node", b"").decode() != node:
-                found.problems.append(f"node {node} lists session {sid}, whose record says {held or 'nothing'}")
+            if (held.get(b"node", b"").decode(), held.get(b"pod", b"").decode()) != (node, pod):
+                found.problems.append(
+                    f"node {node} lists session {sid} on {pod}, whose record says {held or 'nothing'}"
+                )
             elif int(held.get(b"generation", b"0")) > int(await client.get(key("generation", sid)) or 0):
                 found.problems.append(f"session {sid} is held under a generation never handed out")
+            elif await client.hget(key("held", pod), sid) is None:
+                found.problems.append(f"session {sid} is on node {node} but not in pod {pod}'s index")
     for drain_id in drains:
         record = await client.hgetall(key("drain", drain_id))
         if not record.get(b"verdict"):

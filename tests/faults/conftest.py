@@ -3,7 +3,12 @@ sessions from the service (each under its own generation), and the invariant che
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
@@ -22,13 +28,16 @@ from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus, ConsumerSpec
-from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.configsync import ConfigStore, redis_client
+from shared.plumbing.devservers import free_port
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants
-from tests.helpers import eventually
+from tests.helpers import eventually, with_redis
+from tests.servers import ReplicatedRedis
 from tests.test_kv_agent import LAYOUT, block_content
+from tests.test_runner import get
 
 
 @dataclass
@@ -77,6 +86,11 @@ class Mesh:
         await eventually(lambda: self._registered(name))  # the service has heard its first announcement
         return pod
 
+    async def evict(self, pod: Pod) -> None:
+        """The pod goes away as an evicted pod does: its agent stops, and the registry hears it is leaving (its
+        sessions may then be taken by other pods)."""
+        await pod.endpoint.stop()
+
     async def announce(self, pod: Pod) -> None:
         """The pod announces what it holds; returns once the service has applied the announcement."""
         key = self.subjects.redis_key("kv", "alive", pod.name)
@@ -124,13 +138,19 @@ class Mesh:
         return found
 
 
-@pytest.fixture
-async def mesh(settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus) -> AsyncIterator[Mesh]:
-    store = FileStore(tmp_path / "store")
-    service = CheckpointService(CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
+@contextlib.asynccontextmanager
+async def open_mesh(
+    settings: Settings,
+    subjects: Subjects,
+    store: FileStore,
+    bus: Bus,
+    service_settings: CheckpointSettings | None = None,
+) -> AsyncIterator[Mesh]:
+    """The checkpoint service on ``settings`` (its Redis may be this test's own, or Sentinels) and ``store``;
+    periodic checkpoints off unless a scenario asks for them: scenarios take their turns explicitly."""
+    service = CheckpointService(service_settings or CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
     running = await start_service(service, settings, Wiring)
-    client = aioredis.Redis.from_url(settings.redis.url)
-    # periodic checkpoints off unless a scenario asks for them: scenarios take their turns explicitly
+    client = redis_client(settings.redis, timeout=10.0)
     await ConfigStore(client, subjects).write("checkpoint", CheckpointPolicy(periodic_interval_s=0), 0, "faults")
     await eventually(lambda: service.policy().periodic_interval_s == 0)
     m = Mesh(settings, subjects, store, service, running, client, bus)
@@ -140,15 +160,71 @@ async def mesh(settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus)
 
     await bus.subscribe(subjects.pattern("node.drain.completed"), on_verdict, (DrainCompleted,))
     await bus.subscribe(subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,))
-    yield m
-    for pod in m.pods:
-        await pod.endpoint.stop()
-        await pod.bus.close(1)
-    await running.stop(grace=1)
-    keys = [k async for k in client.scan_iter(match=f"{subjects.root}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
+    try:
+        yield m
+    finally:
+        for pod in m.pods:
+            await pod.endpoint.stop()
+            await pod.bus.close(1)
+        await running.stop(grace=1)
+        with contextlib.suppress(redis.exceptions.RedisError):
+            keys = [k async for k in client.scan_iter(match=f"{subjects.root}:*")]
+            if keys:
+                await client.delete(*keys)
+        await client.aclose()
 
 
-__all__ = ["Mesh", "Pod", "expected", "np"]
+@pytest.fixture
+async def mesh(settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus) -> AsyncIterator[Mesh]:
+    async with open_mesh(settings, subjects, FileStore(tmp_path / "store"), bus) as m:
+        yield m
+
+
+@pytest.fixture
+async def redis_failover_mesh(
+    replicated_redis: ReplicatedRedis, settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus
+) -> AsyncIterator[Mesh]:
+    """The checkpoint mesh on a Redis primary, its replica and three Sentinels (``replicated_redis``): the service
+    and the checker reach Redis through the Sentinels, as in production, and follow its failovers."""
+    async with open_mesh(with_redis(settings, replicated_redis.url), subjects, FileStore(tmp_path / "store"), bus) as m:
+        yield m
+
+
+class Runner:
+    """The checkpoint service as its own process, to be killed with SIGKILL."""
+
+    def __init__(self, settings: Settings, store: Path) -> None:
+        self.port = free_port()
+        self.env = dict(
+            os.environ,
+            GPUWARDEN_NATS_URL=settings.nats.servers[0],
+            GPUWARDEN_REDIS_URL=settings.redis.url,
+            GPUWARDEN_ROOT=settings.root,
+            GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{self.port}",
+            GPUWARDEN_CHECKPOINT_STORE=f"file://{store}",
+            GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S="2",
+            GPUWARDEN_CHECKPOINT_GC_S="0",
+        )
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.checkpoint"], env=self.env)
+
+    def ready(self) -> bool:
+        try:
+            return get(self.port, "/readyz")[0] == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def runners() -> Iterator[list[Runner]]:
+    started: list[Runner] = []
+    yield started
+    for runner in started:
+        runner.kill()
+
+
+__all__ = ["Mesh", "Pod", "Runner", "expected", "np", "open_mesh"]

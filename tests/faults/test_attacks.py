@@ -139,3 +139,32 @@ async def test_identifiers_that_break_paths_or_subjects_are_refused_everywhere(m
     restored = await (await mesh.add_pod("llama-2", "node-2")).endpoint.restore("s1")
     assert [bytes(b) for b in restored.blocks] == expected("s1", 3)
     await mesh.check()
+
+
+async def test_a_pod_cannot_take_and_end_another_live_pods_session(mesh: Mesh) -> None:
+    """The issue's attack: with pod llama-1's credentials, claim a session llama-2 holds, then announce it ended.
+    The claim is refused (llama-2 is alive and runs), so the end is a stale holder's: nothing is deleted."""
+    victim = await mesh.add_pod("llama-2", "node-2", ["s1"])
+    assert await mesh.periodic_turn() == 1
+    checkpoints = await mesh.store.checkpoints("s1")
+    attacker = await mesh.add_pod("llama-1", "node-1")
+    claim = LocateCheckpoint(
+        session_id="s1", pod="llama-1", node="node-1", claim=True, namespace="llm", deployment="llama"
+    )
+    answer = await attacker.bus.request(mesh.subjects.agent_command("locate", "llama-1"), claim, 5)
+    assert isinstance(answer, CheckpointLocation) and answer.refused and answer.holder == "llama-2"
+    ended = AgentSessions(pod="llama-1", node="node-1", full=False, ended=["s1"], incarnation="x", seq=0)
+    await attacker.bus.request(mesh.subjects.for_event(ended), ended, 5)
+    assert await mesh.store.checkpoints("s1") == checkpoints  # every checkpoint stands
+    assert await mesh.sessions_on("node-2") == {"s1"}
+    victim.grow("s1", 1)  # the victim's own announcements and saves still count
+    assert await mesh.periodic_turn() == 1
+    assert len(await mesh.service.registry.checkpoints("s1")) == 2
+    # nor may a pod of another deployment take a session that is no longer held
+    await mesh.evict(victim)
+    other = LocateCheckpoint(
+        session_id="s1", pod="llama-1", node="node-1", claim=True, namespace="llm", deployment="mistral"
+    )
+    answer = await attacker.bus.request(mesh.subjects.agent_command("locate", "llama-1"), other, 5)
+    assert isinstance(answer, CheckpointLocation) and "llm/llama" in answer.refused
+    await mesh.check()

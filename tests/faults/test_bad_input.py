@@ -37,6 +37,7 @@ async def test_garbage_on_every_checkpoint_subject_is_refused_and_the_service_go
     await mesh.bus.publish(DrainRequested(node="node-1", drain_id="after", deadline_s=5))
     await eventually(lambda: any(v.drain_id == "after" for v in mesh.verdicts))
     assert isinstance(mesh.verdicts[-1], DrainCompleted) and mesh.verdicts[-1].sessions_committed == 1
+    await mesh.evict(mesh.pods[0])
     other = await mesh.add_pod("llama-2", "node-2")
     assert [bytes(b) for b in (await other.endpoint.restore("s1")).blocks] == expected("s1", 3)
     await mesh.check(drains=["after"])

@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import pytest
 import redis.asyncio as aioredis
 
 from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
@@ -25,50 +22,11 @@ from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
-from shared.plumbing.devservers import free_port
 from shared.plumbing.settings import Settings
 from tests.faults.checker import check_invariants
-from tests.faults.conftest import Mesh
+from tests.faults.conftest import Mesh, Runner
 from tests.helpers import eventually
 from tests.test_kv_agent import LAYOUT, block_content
-from tests.test_runner import get
-
-
-class Runner:
-    """The checkpoint service as its own process, to be killed with SIGKILL."""
-
-    def __init__(self, settings: Settings, store: Path) -> None:
-        self.port = free_port()
-        self.env = dict(
-            os.environ,
-            GPUWARDEN_NATS_URL=settings.nats.servers[0],
-            GPUWARDEN_REDIS_URL=settings.redis.url,
-            GPUWARDEN_ROOT=settings.root,
-            GPUWARDEN_HTTP_ADDR=f"127.0.0.1:{self.port}",
-            GPUWARDEN_CHECKPOINT_STORE=f"file://{store}",
-            GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S="2",
-            GPUWARDEN_CHECKPOINT_GC_S="0",
-        )
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.checkpoint"], env=self.env)
-
-    def ready(self) -> bool:
-        try:
-            return get(self.port, "/readyz")[0] == 200
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-
-@pytest.fixture
-def runners() -> Iterator[list[Runner]]:
-    started: list[Runner] = []
-    yield started
-    for runner in started:
-        runner.kill()
 
 
 async def test_a_runner_killed_mid_drain_hands_the_drain_on_and_it_gets_one_verdict(
@@ -133,7 +91,7 @@ async def test_a_runner_killed_mid_drain_hands_the_drain_on_and_it_gets_one_verd
 async def _registered(settings: Settings, subjects: Subjects, count: int) -> bool:
     client = aioredis.Redis.from_url(settings.redis.url)
     try:
-        return await client.scard(subjects.redis_key("kv", "node", "node-1")) == count
+        return await client.hlen(subjects.redis_key("kv", "onnode", "node-1")) == count
     finally:
         await client.aclose()
 

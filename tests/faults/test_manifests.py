@@ -83,6 +83,7 @@ async def test_a_deleted_newest_manifest_restores_the_older_one_not_a_fresh_sess
     assert len(recorded) == 2
     newest = str(recorded[0]["checkpoint_id"])
     (mesh.store.sessions_dir / "s1" / f"{newest}.json").unlink()
+    await mesh.evict(pod)
     other = await mesh.add_pod("llama-2", "node-2")
     restored = await other.endpoint.restore("s1")
     assert [bytes(b) for b in restored.blocks] == expected("s1", 3)
@@ -93,11 +94,12 @@ async def test_a_deleted_newest_manifest_restores_the_older_one_not_a_fresh_sess
 async def test_a_chunk_found_corrupt_is_rewritten_not_referenced(mesh: Mesh) -> None:
     """The old way: a pod that found every checkpoint corrupt started the session afresh, recomputed the same
     blocks, and its next save referenced the corrupt chunk by digest: born corrupt, yet the drain completed."""
-    await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=3)
+    first_pod = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=3)
     assert await mesh.periodic_turn() == 1
     (first,) = await mesh.service.registry.checkpoints("s1")
     manifest = await mesh.store.manifest("s1", str(first["checkpoint_id"]))
     flip_byte(mesh.store, manifest.blocks[0].pack, manifest.blocks[0].offset)
+    await mesh.evict(first_pod)
     other = await mesh.add_pod("llama-2", "node-2")
     with pytest.raises(ChunkCorrupt):
         await other.endpoint.restore("s1")
@@ -106,6 +108,7 @@ async def test_a_chunk_found_corrupt_is_rewritten_not_referenced(mesh: Mesh) -> 
     await mesh.bus.publish(DrainRequested(node="node-2", drain_id="d1", deadline_s=10))
     await eventually(lambda: any(v.drain_id == "d1" for v in mesh.verdicts))
     assert isinstance(mesh.verdicts[-1], DrainCompleted)
+    await mesh.evict(other)  # its node drained, it is evicted
     third = await mesh.add_pod("llama-3", "node-3")
     assert [bytes(b) for b in (await third.endpoint.restore("s1")).blocks] == expected("s1", 3)
     await mesh.check(drains=["d1"], corrupted=[str(first["checkpoint_id"])])

@@ -13,13 +13,14 @@ from tests.helpers import eventually
 
 async def test_a_pod_that_lost_a_session_never_rolls_it_back(mesh: Mesh) -> None:
     """The issue's case: after a scale-down the removed pod's agent still answers; its stale copy of a session
-    that moved and grew must never become the newest checkpoint."""
-    old = await mesh.add_pod("llama-1", "node-1", ["s1", "s2"], blocks=3)
+    that moved and grew must never become the newest checkpoint. (Pods the cluster does not run: a claim never
+    takes a session from a pod the cluster still runs, see test_attacks.)"""
+    old = await mesh.add_pod("gone-1", "node-1", ["s1", "s2"], blocks=3)
     await mesh.bus.publish(DrainRequested(node="node-1", drain_id="d1", deadline_s=10))
     await eventually(lambda: any(v.drain_id == "d1" for v in mesh.verdicts))
     assert isinstance(mesh.verdicts[-1], DrainCompleted) and mesh.verdicts[-1].sessions_committed == 2
     # s1 moves: a pod on node-2 takes it (a new generation) and the conversation grows
-    new = await mesh.add_pod("llama-2", "node-2")
+    new = await mesh.add_pod("gone-2", "node-2")
     restored = await new.endpoint.restore("s1")
     assert [bytes(b) for b in restored.blocks] == expected("s1", 3)
     assert new.agent.generation("s1") > old.agent.generation("s1")
@@ -33,7 +34,7 @@ async def test_a_pod_that_lost_a_session_never_rolls_it_back(mesh: Mesh) -> None
     verdict = next(v for v in mesh.verdicts if v.drain_id == "d2")
     assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 1
     # asked directly with the registry's view, the stale pod refuses; its own preStop save is refused by the service
-    command = SaveSessions(pod="llama-1", generations={"s1": new.agent.generation("s1")})
+    command = SaveSessions(pod="gone-1", generations={"s1": new.agent.generation("s1")})
     reply = await mesh.bus.request(mesh.subjects.for_event(command), command, timeout=10)
     assert isinstance(reply, SaveSessionsReport) and not reply.committed
     assert "refused" in reply.failed[0].reason
@@ -41,14 +42,14 @@ async def test_a_pod_that_lost_a_session_never_rolls_it_back(mesh: Mesh) -> None
     assert {c.session_id for c in final.committed} == {"s2"}
     assert [f.session_id for f in final.failed] == ["s1"] and "refused" in final.failed[0].reason
     # the session's newest checkpoint is still the one the new owner restored from; once it saves, its own
-    third = await mesh.add_pod("llama-3", "node-3")
+    third = await mesh.add_pod("gone-3", "node-3")
     assert [bytes(b) for b in (await third.endpoint.restore("s1")).blocks] == expected("s1", 3)
-    # ...and now llama-2 lost s1 in turn; give it back by restoring on llama-2 again, grown, then saved
+    # ...and now gone-2 lost s1 in turn; give it back by restoring on gone-2 again, grown, then saved
     back = await new.endpoint.restore("s1")
     assert len(back.blocks) == 3
     new.grow("s1", 2)
     assert await mesh.periodic_turn() >= 1
-    fourth = await mesh.add_pod("llama-4", "node-3")
+    fourth = await mesh.add_pod("gone-4", "node-3")
     assert [bytes(b) for b in (await fourth.endpoint.restore("s1")).blocks] == expected("s1", 5)
     await mesh.check(drains=["d1", "d2"])
 
@@ -91,7 +92,7 @@ async def _both_silent(mesh: Mesh, *pods: str) -> bool:
 
 async def test_an_ended_session_is_retired_by_its_owner_only(mesh: Mesh) -> None:
     """Conversations end; their checkpoints must not pile up for ever, and only the owner may end one."""
-    old = await mesh.add_pod("llama-1", "node-1", ["s1", "s2"])
+    old = await mesh.add_pod("gone-1", "node-1", ["s1", "s2"])  # the cluster no longer runs it: s2 may move
     assert await mesh.periodic_turn() == 1
     new = await mesh.add_pod("llama-2", "node-2")
     await new.endpoint.restore("s2")  # s2 moves to llama-2

@@ -37,6 +37,27 @@ def chunk_subject(bucket: str, nuid: str) -> str:
     return f"$O.{bucket}.C.{nuid}"
 
 
+INDEX_TOKEN = "index"
+"""Under the chunk subjects, ``index.<session>.<checkpoint>``: a per-session index of manifests. Never a chunk
+subject (a nuid is one token), inside the bucket's stream (``$O.<bucket>.C.>``), and ignored by other Object
+Store clients, which only follow the nuids that metas name."""
+
+
+def index_subject(bucket: str, session_id: str, checkpoint_id: str) -> str:
+    """The index entry of one manifest: listing a session's checkpoints reads the subjects under
+    ``index_prefix(bucket, session)``, not the whole bucket. Ids are subject tokens by the contract's rules."""
+    checked_ids(session_id, checkpoint_id)
+    return f"{index_prefix(bucket, session_id)}{checkpoint_id}"
+
+
+def index_prefix(bucket: str, session_id: str = "") -> str:
+    """``$O.<bucket>.C.index.`` (every entry), or with ``session_id`` that session's entries' prefix."""
+    if session_id:
+        checked_ids(session_id)
+        return f"$O.{bucket}.C.{INDEX_TOKEN}.{session_id}."
+    return f"$O.{bucket}.C.{INDEX_TOKEN}."
+
+
 def b64name(name: str) -> str:
     return base64.urlsafe_b64encode(name.encode()).decode()
 

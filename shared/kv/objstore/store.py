@@ -7,10 +7,12 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import nats.errors
 from nats.aio.msg import Msg
 
+from shared.contract.base import id_problem
 from shared.kv.manifest import CheckpointManifest, ChunkRef, encode_manifest, newest_first
 from shared.kv.objstore.codec import (
     PACK_PREFIX,
@@ -18,6 +20,8 @@ from shared.kv.objstore.codec import (
     ObjectMeta,
     byte_view,
     chunk_subject,
+    index_prefix,
+    index_subject,
     manifest_name,
     meta_subject,
     name_from_b64,
@@ -26,7 +30,7 @@ from shared.kv.objstore.codec import (
 from shared.kv.objstore.reader import ChunkRun, plan_runs, read_run
 from shared.kv.objstore.stream import NO_MESSAGE, ApiError, ObjectStream
 from shared.kv.objstore.writer import NatsPackWriter, ObjectWriter
-from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, checked_ids, load_manifest
+from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, checked_pack, load_manifest
 
 log = logging.getLogger("shared.kv.objstore")
 
@@ -54,26 +58,45 @@ class NatsObjectStore(ObjectStream):
             raise StoreError(f"{name}: meta message unreadable: {exc}") from exc
         return None if meta.deleted else meta
 
-    async def _names(self) -> list[str]:
-        """Every object name with a meta message, from the stream's subject index (no message is read)."""
+    async def _subjects(self, subjects_filter: str) -> list[str]:
+        """The stream's subjects matching ``subjects_filter`` that hold a message, from the server's subject index
+        (no message is read; the server pages long answers)."""
         await self.ensure()
-        names: list[str] = []
+        found: list[str] = []
         offset = 0
-        prefix = f"$O.{self.bucket}.M."
         while True:
             resp = await self.api(
                 f"listing {self.bucket}",
                 f"STREAM.INFO.{self.stream}",
-                {"subjects_filter": prefix + ">", "offset": offset},
+                {"subjects_filter": subjects_filter, "offset": offset},
             )
             subjects: dict[str, int] = (resp.get("state") or {}).get("subjects") or {}
-            for subject in subjects:
-                name = name_from_b64(subject[len(prefix) :])
-                if name is not None:
-                    names.append(name)
+            found.extend(subjects)
             offset += len(subjects)
             if not subjects or offset >= int(resp.get("total") or 0):
-                return names
+                return found
+
+    async def _names(self) -> list[str]:
+        """Every object name with a meta message (the whole bucket: retention only, never a restore)."""
+        prefix = f"$O.{self.bucket}.M."
+        names = (name_from_b64(subject[len(prefix) :]) for subject in await self._subjects(prefix + ">"))
+        return [name for name in names if name is not None]
+
+    async def _index(self, manifests: Sequence[CheckpointManifest]) -> None:
+        """Publish each manifest's index entry (an empty message, the only one on its subject), before the
+        manifest commits: the index may name a checkpoint that never committed (listing checks each meta, and
+        the sweep purges such entries), it never misses one that did."""
+        await self.ensure()
+        try:
+            acks = [
+                await self.js.publish_async(
+                    index_subject(self.bucket, m.session_id, m.checkpoint_id), b"", headers={"Nats-Rollup": "sub"}
+                )
+                for m in manifests
+            ]
+            await asyncio.wait_for(asyncio.gather(*acks), self.ack_timeout)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreError(f"indexing {len(manifests)} checkpoint(s): {exc or type(exc).__name__}") from exc
 
     # -- CheckpointStore ----------------------------------------------------------------------------------------
     def open_pack(self) -> NatsPackWriter:
@@ -89,6 +112,7 @@ class NatsObjectStore(ObjectStream):
             return
         writers = [ObjectWriter(self, manifest_name(m.session_id, m.checkpoint_id)) for m in manifests]
         try:
+            await self._index(manifests)
             for writer, manifest in zip(writers, manifests, strict=True):
                 await writer.append([memoryview(encode_manifest(manifest))], last=True)
             for writer in writers:
@@ -128,12 +152,14 @@ class NatsObjectStore(ObjectStream):
         return load_manifest(bytes(buffer), session_id, checkpoint_id)
 
     async def checkpoints(self, session_id: str) -> list[str]:
-        checked_ids(session_id)
-        prefix = f"{SESSION_PREFIX}{session_id}/"
-        names = [n for n in await self._names() if n.startswith(prefix) and n.endswith(".json")]
-        candidates = [n[len(prefix) : -5] for n in names if "/" not in n[len(prefix) :]]
-        # a meta subject can hold a deletion marker written by another tool (nats obj rm)
-        metas = await asyncio.gather(*(self._meta(prefix + c + ".json") for c in candidates))
+        """From the session's index (``index_prefix``): one request for the entries, one meta read per entry
+        (an entry may name a manifest that never committed or was deleted by another tool, ``nats obj rm``),
+        whatever the size of the bucket. Manifests written before the index existed are indexed by
+        ``sweep_orphans``."""
+        prefix = index_prefix(self.bucket, session_id)
+        candidates = [s[len(prefix) :] for s in await self._subjects(prefix + "*")]
+        candidates = [c for c in candidates if not id_problem("checkpoint", c)]
+        metas = await asyncio.gather(*(self._meta(manifest_name(session_id, c)) for c in candidates))
         return newest_first([c for c, m in zip(candidates, metas, strict=True) if m is not None])
 
     async def sessions(self) -> list[str]:
@@ -205,7 +231,15 @@ class NatsObjectStore(ObjectStream):
             return None
 
     async def delete_checkpoint(self, session_id: str, checkpoint_id: str) -> None:
+        """The manifest first, then its index entry (an entry left behind names nothing: listing checks)."""
         await self._delete_object(manifest_name(session_id, checkpoint_id))
+        await self.purge(index_subject(self.bucket, session_id, checkpoint_id))
+
+    async def pack_sizes(self, pack_ids: Iterable[str]) -> dict[str, int]:
+        """The size of each named pack that exists: one meta read each, never a scan of the bucket."""
+        ids = sorted(set(pack_ids))
+        metas = await asyncio.gather(*(self._meta(PACK_PREFIX + checked_pack(p)) for p in ids))
+        return {p: m.size for p, m in zip(ids, metas, strict=True) if m is not None}
 
     async def packs(self) -> list[PackInfo]:
         metas = await self._scan_metas()
@@ -240,28 +274,40 @@ class NatsObjectStore(ObjectStream):
         )
         return metas
 
+    async def _index_missing(self, subjects: list[str]) -> None:
+        for start in range(0, len(subjects), 256):
+            try:
+                acks = [
+                    await self.js.publish_async(subject, b"", headers={"Nats-Rollup": "sub"})
+                    for subject in subjects[start : start + 256]
+                ]
+                await asyncio.wait_for(asyncio.gather(*acks), self.ack_timeout)
+            except (TimeoutError, nats.errors.Error) as exc:
+                raise StoreError(f"indexing {len(subjects)} manifest(s): {exc or type(exc).__name__}") from exc
+        if subjects:
+            log.info("manifests indexed", extra={"bucket": self.bucket, "count": len(subjects)})
+
     async def delete_pack(self, pack_id: str) -> None:
         await self._delete_object(PACK_PREFIX + pack_id)
 
     async def sweep_orphans(self, grace_s: float = 3600.0) -> int:
         """Purge chunk subjects that no meta references and whose first chunk is older than ``grace_s``
-        (writes that were aborted while the server was unreachable). Returns how many were purged."""
+        (writes that were aborted while the server was unreachable), and index entries older than that whose
+        manifest is gone; index the manifests that have no entry (written before the index existed, or by
+        another client). Returns how many subjects were purged."""
         await self.ensure()
-        live = {m.nuid for m in await self._scan_metas(strict=True)}
+        metas = await self._scan_metas(strict=True)
+        live = {m.nuid for m in metas}
         prefix = f"$O.{self.bucket}.C."
-        offset = 0
-        orphans: list[str] = []
-        while True:
-            resp = await self.api(
-                f"listing {self.bucket}",
-                f"STREAM.INFO.{self.stream}",
-                {"subjects_filter": prefix + ">", "offset": offset},
-            )
-            subjects: dict[str, int] = (resp.get("state") or {}).get("subjects") or {}
-            orphans.extend(s for s in subjects if s[len(prefix) :] not in live)
-            offset += len(subjects)
-            if not subjects or offset >= int(resp.get("total") or 0):
-                break
+        entries = set(await self._subjects(index_prefix(self.bucket) + ">"))
+        orphans = [s for s in await self._subjects(prefix + "*") if s[len(prefix) :] not in live]
+        manifests = {
+            index_subject(self.bucket, *m.name[len(SESSION_PREFIX) : -5].split("/"))
+            for m in metas
+            if _is_manifest(m.name)
+        }
+        await self._index_missing(sorted(manifests - entries))
+        orphans += sorted(entries - manifests)
         purged = 0
         now = time.time()
         for subject in orphans:
@@ -282,3 +328,11 @@ class NatsObjectStore(ObjectStream):
                 await self.purge(subject)
                 purged += 1
         return purged
+
+
+def _is_manifest(name: str) -> bool:
+    """``sessions/<session>/<checkpoint>.json`` with valid ids (the only names an index entry is made for)."""
+    if not (name.startswith(SESSION_PREFIX) and name.endswith(".json")):
+        return False
+    parts = name[len(SESSION_PREFIX) : -5].split("/")
+    return len(parts) == 2 and not id_problem("session", parts[0]) and not id_problem("checkpoint", parts[1])

@@ -1,0 +1,505 @@
+"""Transport attacks on a nats-server secured as `gpuwarden nats-auth --issuer-seed-file` configures it: every
+client but the auth callout's own user is authenticated by the real auth service (services/auth), the services,
+the admin and the gateway with their passwords, each inference pod's KV agent with a service-account token the
+SIMULATED cluster issued for its pod. The real checkpoint service runs under its own user.
+
+Each attack is refused by the server (a permissions violation, or no connection at all), changes nothing (the
+registry, the checkpoints, the consumers) and leaves the service serving; the fault checker runs after each."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import nats.errors
+import nats.js.errors
+import pytest
+import redis.asyncio as aioredis
+from nats.aio.msg import Msg
+
+from services.auth.config import AuthSettings
+from services.auth.natsjwt import account_key, new_account_seed
+from services.auth.service import AuthService
+from services.checkpoint.config import CheckpointSettings
+from services.checkpoint.service import CheckpointService
+from shared.contract.checkpoint import AgentSessions, CheckpointLocation, LocateCheckpoint, SaveSessionsReport
+from shared.contract.configdocs import CheckpointPolicy
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.permissions import (
+    ADMIN,
+    AGENT,
+    AUTH,
+    GATEWAY,
+    SERVICES,
+    Identity,
+    identity_name,
+    inbox_prefix,
+    nats_callout_config,
+    user_name,
+)
+from shared.contract.registry import codec
+from shared.contract.subjects import Subjects
+from shared.kv.agent import KvAgent
+from shared.kv.endpoint import AgentEndpoint
+from shared.kv.filestore import FileStore
+from shared.plumbing.bus import Bus
+from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.devservers import NatsServer
+from shared.plumbing.runner import RunningService, start_service
+from shared.plumbing.settings import NatsSettings, Secret, Settings
+from shared.sim.cluster import SimCluster
+from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec
+from shared.sim.tokens import TokenClaims
+from shared.sim.tokens import sign as sign_token
+from shared.wiring import Wiring
+from tests.faults.checker import Findings, check_invariants
+from tests.faults.conftest import Pod
+from tests.helpers import eventually
+from tests.test_kv_agent import LAYOUT
+
+SPEC = SimSpec(  # one GPU per node: llama-1 on node-1, llama-2 on node-2, a third pod would stay Pending
+    nodes=[NodeSpec(name="node-1", gpus=[GpuSpec(count=1)]), NodeSpec(name="node-2", gpus=[GpuSpec(count=1)])],
+    deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2, max_unavailable=1)],
+)
+
+
+@dataclass
+class Secrets:
+    folder: Path
+    passwords: dict[str, str]
+    seed: Path
+    issuer: str
+
+
+@pytest.fixture
+def callout_secrets(tmp_path: Path) -> Secrets:
+    folder = tmp_path / "passwords"
+    folder.mkdir()
+    passwords = {name: secrets.token_urlsafe(18) for name in (AUTH, *SERVICES, ADMIN, GATEWAY)}
+    for name, value in passwords.items():
+        (folder / name).write_text(value + "\n")
+    seed = tmp_path / "issuer.nk"
+    seed.write_bytes(new_account_seed())
+    seed.chmod(0o600)
+    return Secrets(folder, passwords, seed, account_key(seed.read_bytes()).public_key.decode())
+
+
+@pytest.fixture
+def secured(tmp_path: Path, subjects: Subjects, callout_secrets: Secrets) -> Iterator[NatsServer]:
+    """A nats-server that knows one user, the callout's; everyone else is the callout's to authenticate."""
+    conf = tmp_path / "nats.conf"
+    block = nats_callout_config(subjects, callout_secrets.passwords[AUTH], callout_secrets.issuer)
+    conf.write_text("jetstream {}\n" + block)
+    conf.chmod(0o600)
+    server = NatsServer(config=conf)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
+
+
+@dataclass
+class SecuredMesh:
+    subjects: Subjects
+    settings: Settings
+    server: NatsServer
+    secrets: Secrets
+    cluster: SimCluster
+    store: FileStore
+    client: aioredis.Redis
+    admin: Bus
+    auth: RunningService
+    checkpoint: RunningService
+    service: CheckpointService
+    pods: dict[str, Pod] = field(default_factory=dict)
+    errors: dict[str, list[Exception]] = field(default_factory=dict)
+    verdicts: list[DrainCompleted | DrainFailed] = field(default_factory=list)
+    buses: list[Bus] = field(default_factory=list)
+
+    def as_user(self, name: str, password: str | None = None) -> NatsSettings:
+        pw = self.secrets.passwords[name] if password is None else password
+        return NatsSettings(servers=(self.server.url,), user=user_name(self.subjects, name), password=Secret(pw))
+
+    def as_token(self, token: str, pod: str = "") -> NatsSettings:
+        inbox = inbox_prefix(identity_name(self.subjects, Identity(AGENT, pod=pod))) if pod else ""
+        return NatsSettings(servers=(self.server.url,), token=Secret(token), inbox_prefix=inbox)
+
+    async def connect(self, nats_settings: NatsSettings, who: str) -> Bus:
+        errors = self.errors.setdefault(who, [])
+        bus = await Bus.connect(nats_settings, self.subjects, who, connect_timeout=2.0, on_error=errors.append)
+        self.buses.append(bus)
+        return bus
+
+    async def refused(self, who: str, what: str, subject: str) -> None:
+        """Wait for the server's refusal of ``what`` (publish, subscription) on ``subject`` to ``who``."""
+        needle = f'permissions violation for {what} to "{subject}"'.lower()
+        await eventually(lambda: any(needle in str(e).lower() for e in self.errors.get(who, [])), timeout=5)
+
+    async def add_pod(self, name: str, sessions: list[str], blocks: int = 2) -> Pod:
+        info = next(p for p in await self.cluster.pods() if p.name == name)
+        token = await self.cluster.issue_token(info.namespace, name, audience="gpuwarden")
+        bus = await self.connect(self.as_token(token, name), f"agent/{name}")
+        agent = KvAgent(
+            self.store, pod=name, node=info.node, namespace=info.namespace, deployment=info.deployment, layout=LAYOUT
+        )
+        endpoint = AgentEndpoint(agent, bus, announce_s=30)
+        pod = Pod(name, agent, endpoint, bus)
+        for sid in sessions:
+            await endpoint.start_session(sid)
+            pod.grow(sid, blocks)
+        await endpoint.start()
+        self.pods[name] = pod
+        await eventually(lambda: self._registered(name))
+        return pod
+
+    async def _registered(self, pod: str) -> bool:
+        return pod in await self.service.registry.pods()
+
+    async def sessions_on(self, node: str) -> set[str]:
+        return {s.session_id for s in await self.service.registry.sessions_on_node(node)}
+
+    async def drain(self, node: str, drain_id: str) -> DrainCompleted | DrainFailed:
+        await self.admin.publish(DrainRequested(node=node, drain_id=drain_id, deadline_s=10))
+        return await eventually(lambda: next((v for v in self.verdicts if v.drain_id == drain_id), None), timeout=20)
+
+    async def still_serving(self, pod: str, session: str) -> None:
+        """The checkpoint service still answers a pod asking as itself."""
+        answer = await self.pods[pod].bus.request(
+            self.subjects.agent_command("locate", pod), LocateCheckpoint(session_id=session, pod=pod), 5
+        )
+        assert isinstance(answer, CheckpointLocation), answer
+
+    async def check(self, **kwargs: object) -> Findings:
+        found = await check_invariants(self.store, self.client, self.subjects, **kwargs)  # type: ignore[arg-type]
+        assert found, "\n".join(found.problems)
+        return found
+
+
+@pytest.fixture
+async def mesh(
+    secured: NatsServer,
+    callout_secrets: Secrets,
+    subjects: Subjects,
+    settings: Settings,
+    tmp_path: Path,
+    redis_client: aioredis.Redis,
+) -> AsyncIterator[SecuredMesh]:
+    cluster = await SimCluster.create(settings.redis, subjects, SPEC)
+    auth_settings = AuthSettings(issuer_seed_file=callout_secrets.seed, password_dir=callout_secrets.folder)
+    nats_of = lambda name: NatsSettings(  # noqa: E731
+        servers=(secured.url,), user=user_name(subjects, name), password=Secret(callout_secrets.passwords[name])
+    )
+    auth = await start_service(AuthService(auth_settings), replace(settings, nats=nats_of(AUTH)), Wiring)
+    admin = await Bus.connect(nats_of(ADMIN), subjects, "admin", connect_timeout=2.0)
+    await admin.ensure_streams()
+    await ConfigStore(redis_client, subjects).write("checkpoint", CheckpointPolicy(periodic_interval_s=0), 0, "t")
+    store = FileStore(tmp_path / "store")
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
+    checkpoint = await start_service(service, replace(settings, nats=nats_of("checkpoint")), Wiring)
+    m = SecuredMesh(
+        subjects, settings, secured, callout_secrets, cluster, store, redis_client, admin, auth, checkpoint, service
+    )
+
+    async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
+        m.verdicts.append(event)
+
+    await admin.subscribe(subjects.pattern("node.drain.completed"), on_verdict, (DrainCompleted,))
+    await admin.subscribe(subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,))
+    try:
+        yield m
+    finally:
+        for pod in m.pods.values():
+            await pod.endpoint.stop()
+        for bus in m.buses:
+            await bus.close(0.5)
+        await m.checkpoint.stop(grace=1)
+        await admin.close(0.5)
+        await auth.stop(grace=1)
+        await cluster.close()
+
+
+def drains_consumer(mesh: SecuredMesh) -> tuple[str, str]:
+    return mesh.subjects.events_stream.name, mesh.subjects.durable("checkpoint", "drains")
+
+
+# -- the gateway ----------------------------------------------------------------------------------------------------
+
+
+async def test_the_gateway_can_neither_take_ack_nor_redirect_the_drains(mesh: SecuredMesh) -> None:
+    await mesh.add_pod("llama-2", ["s1"])
+    stream, durable = drains_consumer(mesh)
+    before = await mesh.admin.js.consumer_info(stream, durable)
+    gateway = await mesh.connect(mesh.as_user(GATEWAY), "gateway")
+    inbox = gateway.nc.new_inbox()
+    attempts = {
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}": b'{"batch": 10}',  # pull the drain requests
+        f"$JS.ACK.{stream}.{durable}.1.1.1.1.0": b"+ACK",  # ack one it never had
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}": b"{}",  # redirect the filter
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{mesh.subjects.root}.node.nowhere.drain.requested": b"{}",
+        f"$JS.API.CONSUMER.DELETE.{stream}.{durable}": b"",
+        f"$JS.API.CONSUMER.CREATE.{stream}": b"{}",  # an ephemeral consumer of its own, over every event
+        f"$JS.API.STREAM.MSG.GET.{stream}": b'{"seq": 1}',
+        f"$JS.API.DIRECT.GET.{stream}": b'{"seq": 1}',
+    }
+    for subject, body in attempts.items():
+        await gateway.nc.publish(subject, body, reply=inbox)
+    await gateway.nc.flush()
+    for subject in attempts:
+        await mesh.refused("gateway", "publish", subject)
+    after = await mesh.admin.js.consumer_info(stream, durable)
+    assert after.config.filter_subject == before.config.filter_subject == mesh.subjects.pattern("node.drain.requested")
+    assert after.ack_floor.stream_seq == before.ack_floor.stream_seq
+    verdict = await mesh.drain("node-2", "after-gateway")
+    assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 1  # the service still answers
+    await mesh.check(drains=["after-gateway"])
+
+
+async def test_the_gateway_reads_locations_and_rollouts_and_nothing_else(mesh: SecuredMesh) -> None:
+    await mesh.add_pod("llama-1", ["s1"])
+    await mesh.drain("node-1", "d-read")
+    gateway = await mesh.connect(mesh.as_user(GATEWAY), "gateway")
+    stream = mesh.subjects.events_stream.name
+    location = await gateway.js.get_msg(
+        stream, subject=mesh.subjects.pattern("kv.session.location", session_id="s1"), direct=True
+    )
+    assert location.data is not None and b'"session_id":"s1"' in location.data  # what it may read
+    drain = mesh.subjects.for_event(DrainRequested(node="node-1", drain_id="x"))
+    with pytest.raises((TimeoutError, nats.errors.TimeoutError)):
+        await gateway.js.get_msg(stream, subject=drain, direct=True)  # another event: no answer at all
+    await mesh.refused("gateway", "publish", f"$JS.API.DIRECT.GET.{stream}.{drain}")
+    # a direct get of an allowed subject cannot name a sequence instead
+    answer = await gateway.nc.request(
+        f"$JS.API.DIRECT.GET.{stream}.{mesh.subjects.pattern('kv.session.location', session_id='s1')}",
+        b'{"seq": 1}',
+        timeout=5,
+    )
+    assert (answer.headers or {}).get("Status") == "408" and not answer.data
+    for subject in (mesh.subjects.pattern("node.drain.requested"), f"{mesh.subjects.root}.>", "_INBOX.>"):
+        await gateway.nc.subscribe(subject)
+        await mesh.refused("gateway", "subscription", subject)
+    where = mesh.subjects.command("checkpoint", "where")
+    await gateway.nc.subscribe(where, queue="checkpoint")  # answering in the service's place
+    await mesh.refused("gateway", "subscription", where)
+    await mesh.still_serving("llama-1", "s1")
+    await mesh.check(drains=["d-read"])
+
+
+# -- a pod's agent --------------------------------------------------------------------------------------------------
+
+
+async def test_an_agent_speaks_asks_and_hears_only_as_its_own_pod(mesh: SecuredMesh) -> None:
+    victim = await mesh.add_pod("llama-2", ["v1", "v2"])
+    attacker = await mesh.add_pod("llama-1", ["a1"])
+    generation = await mesh.service.registry.generation("v1")
+    nc = attacker.bus.nc
+    forged_announcement = mesh.subjects.for_event(AgentSessions(pod="llama-2", node="node-2"))
+    await nc.publish(forged_announcement, codec.encode(AgentSessions(pod="llama-2", node="node-2", sessions=[])))
+    inbox = nc.new_inbox()
+    claim = LocateCheckpoint(session_id="v1", pod="llama-2", node="node-2", claim=True)
+    asks = {
+        mesh.subjects.agent_command("locate", "llama-2"): codec.encode(claim),
+        mesh.subjects.agent_command("record", "llama-2"): codec.encode(SaveSessionsReport(pod="llama-2")),
+        mesh.subjects.for_event(DrainRequested(node="node-1", drain_id="by-agent")): b"{}",
+        mesh.subjects.pattern("checkpoint.save.command", pod="llama-2"): b"{}",
+    }
+    for subject, body in asks.items():
+        await nc.publish(subject, body, reply=inbox)
+    overheard = [
+        mesh.subjects.pattern("checkpoint.save.command", pod="llama-2"),
+        mesh.subjects.agent_commands("locate"),
+    ]
+    for subject in overheard:
+        await nc.subscribe(subject)
+    await nc.flush()
+    for subject in (forged_announcement, *asks):
+        await mesh.refused("agent/llama-1", "publish", subject)
+    for subject in overheard:
+        await mesh.refused("agent/llama-1", "subscription", subject)
+    assert await mesh.sessions_on("node-2") == {"v1", "v2"}  # llama-2's sessions stand, still its own
+    assert await mesh.service.registry.generation("v1") == generation  # nothing claimed
+    await mesh.still_serving("llama-2", "v1")
+    verdict = await mesh.drain("node-2", "after-agent")  # and its sessions are all saved
+    assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 2, verdict
+    assert set(await mesh.service.registry.sessions_of_pod(victim.name)) == {"v1", "v2"}
+    await mesh.check(drains=["after-agent"])
+
+
+async def test_a_connection_name_proves_nothing(mesh: SecuredMesh) -> None:
+    """An agent that names itself after another pod is still its own pod: the name is only what it wrote."""
+    await mesh.add_pod("llama-2", ["v1"])
+    token = await mesh.cluster.issue_token("llm", "llama-1")
+    impostor = await mesh.connect(mesh.as_token(token, "llama-1"), "agent/llama-2")
+    subject = mesh.subjects.for_event(AgentSessions(pod="llama-2", node="node-2"))
+    await impostor.nc.publish(subject, codec.encode(AgentSessions(pod="llama-2", node="node-2")))
+    await impostor.nc.flush()
+    await mesh.refused("agent/llama-2", "publish", subject)
+    assert await mesh.sessions_on("node-2") == {"v1"}
+    await mesh.check()
+
+
+async def test_nobody_reads_replies_meant_for_another(mesh: SecuredMesh) -> None:
+    await mesh.add_pod("llama-2", ["v1"])
+    attacker = await mesh.add_pod("llama-1", ["a1"])
+    heard: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        heard.append(msg.data)
+
+    s = mesh.subjects
+    others = [
+        "_INBOX.>",
+        "_INBOX.*.>",
+        f"_INBOX.{user_name(s, 'checkpoint')}.>",
+        f"{inbox_prefix(identity_name(s, Identity(AGENT, pod='llama-2')))}.>",
+        f"_INBOX.{user_name(s, ADMIN)}.>",
+    ]
+    for subject in others:
+        await attacker.bus.nc.subscribe(subject, cb=on_msg)
+        await mesh.refused("agent/llama-1", "subscription", subject)
+    driver = await mesh.connect(mesh.as_user("driver"), "driver/node-1")
+    await driver.nc.subscribe("_INBOX.>", cb=on_msg)
+    await mesh.refused("driver/node-1", "subscription", "_INBOX.>")
+    await mesh.still_serving("llama-2", "v1")  # a reply to llama-2 ...
+    await mesh.drain("node-2", "d-replies")  # ... and the save commands' replies to the service
+    assert heard == []  # ... reached none of them
+    await mesh.check(drains=["d-replies"])
+
+
+async def test_a_service_user_cannot_take_a_pods_claims(mesh: SecuredMesh) -> None:
+    await mesh.add_pod("llama-2", ["v1"])
+    driver = await mesh.connect(mesh.as_user("driver"), "driver/node-1")
+    for verb in ("locate", "record"):
+        await driver.nc.subscribe(mesh.subjects.agent_commands(verb), queue="checkpoint")
+        await mesh.refused("driver/node-1", "subscription", mesh.subjects.agent_commands(verb))
+    announcements = mesh.subjects.pattern("checkpoint.agent.sessions")
+    await driver.nc.subscribe(announcements, queue="checkpoint")
+    await mesh.refused("driver/node-1", "subscription", announcements)
+    await mesh.still_serving("llama-2", "v1")
+    await mesh.check()
+
+
+# -- credentials that prove nothing ---------------------------------------------------------------------------------
+
+
+async def test_tokens_and_passwords_that_prove_nothing_are_refused(mesh: SecuredMesh) -> None:
+    await mesh.add_pod("llama-1", ["s1"])
+    cluster = mesh.cluster
+    genuine = await cluster.issue_token("llm", "llama-2")
+    header, claims, signature = genuine.split(".")
+    await cluster.scale("llm", "llama", 3)  # no GPU left for the third: it stays Pending
+    pending = next(p for p in await cluster.pods() if p.phase == "Pending")
+    other_key = sign_token(
+        TokenClaims("llm", "default", ("gpuwarden",), 2**31, 0, pod="llama-2", pod_uid="x"), b"k" * 32
+    )
+    bad = {
+        "expired": await cluster.issue_token("llm", "llama-2", ttl_s=-5),
+        "pod not running": await cluster.issue_token("llm", pending.name),
+        "another audience": await cluster.issue_token("llm", "llama-2", audience="vault"),
+        "forged signature": f"{header}.{claims}.{signature[::-1]}",
+        "signed by another key": other_key,
+        "no pod, no service": await cluster.issue_token("llm", service_account="default"),
+        "a service's account of another namespace": await cluster.issue_token(
+            "llm", service_account="gpuwarden-checkpoint"
+        ),
+        "garbage": "not-a-token",
+    }
+    for what, token in bad.items():
+        with pytest.raises(ConnectionRefusedError):
+            await Bus.connect(mesh.as_token(token, "llama-2"), mesh.subjects, what, connect_timeout=1.0)
+    for name, password in (
+        ("checkpoint", mesh.secrets.passwords["driver"]),  # another user's password
+        ("checkpoint", mesh.secrets.passwords["checkpoint"] + "x"),
+        (AGENT, "anything"),  # agents prove their pod with a token, never a password
+        (AUTH, mesh.secrets.passwords["checkpoint"]),
+    ):
+        with pytest.raises(ConnectionRefusedError):
+            await Bus.connect(mesh.as_user(name, password), mesh.subjects, "guess", connect_timeout=1.0)
+    callouts = mesh.auth.ctx.health()["callouts"]
+    assert callouts["refused"] >= len(bad) + 3, callouts  # the auth user's own is refused by the server itself
+    ok = await mesh.connect(mesh.as_token(genuine, "llama-2"), "agent/llama-2")  # the genuine one still works
+    assert ok.connected
+    await mesh.still_serving("llama-1", "s1")
+    await mesh.check()
+
+
+async def test_a_pods_token_stops_working_once_the_pod_is_gone(mesh: SecuredMesh) -> None:
+    token = await mesh.cluster.issue_token("llm", "llama-2")
+    await mesh.cluster.evict("llm", "llama-2")
+    await mesh.cluster.mark_prestop_done("llm", "llama-2")
+    assert "llama-2" not in {p.name for p in await mesh.cluster.pods()}
+    with pytest.raises(ConnectionRefusedError):
+        await Bus.connect(mesh.as_token(token, "llama-2"), mesh.subjects, "replayed", connect_timeout=1.0)
+    await mesh.check()
+
+
+# -- a consumer changed behind the service's back --------------------------------------------------------------------
+
+
+async def test_a_drifted_drains_consumer_is_repaired_when_the_service_starts(mesh: SecuredMesh) -> None:
+    """The admin (the only other user allowed to) points the service's drains consumer elsewhere and makes it
+    deliver headers only; the service, started again, puts it back, and a drain is answered."""
+    await mesh.add_pod("llama-1", ["s1"])
+    stream, durable = drains_consumer(mesh)
+    info = await mesh.admin.js.consumer_info(stream, durable)
+    nowhere = f"{mesh.subjects.root}.node.nowhere.drain.requested"
+    changed = replace(info.config, filter_subject=nowhere, max_deliver=1)
+    await mesh.admin.js.add_consumer(stream, changed)
+    assert (await mesh.admin.js.consumer_info(stream, durable)).config.filter_subject == nowhere
+    await mesh.checkpoint.stop(grace=1)
+    mesh.checkpoint = await start_service(mesh.service, replace(mesh.settings, nats=mesh.as_user("checkpoint")), Wiring)
+    repaired = await mesh.admin.js.consumer_info(stream, durable)
+    assert repaired.config.filter_subject == mesh.subjects.pattern("node.drain.requested")
+    assert repaired.config.max_deliver == 20
+    verdict = await mesh.drain("node-1", "after-repair")
+    assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 1
+    await mesh.check(drains=["after-repair"])
+
+
+async def test_nobody_but_its_owner_may_touch_a_services_consumer(mesh: SecuredMesh) -> None:
+    stream, durable = drains_consumer(mesh)
+    for name in ("driver", "scaler", GATEWAY):
+        bus = await mesh.connect(mesh.as_user(name), f"{name}/node-1")
+        for api in ("CONSUMER.INFO", "CONSUMER.MSG.NEXT", "CONSUMER.DELETE", "CONSUMER.DURABLE.CREATE"):
+            subject = f"$JS.API.{api}.{stream}.{durable}"
+            await bus.nc.publish(subject, b"{}", reply=bus.nc.new_inbox())
+            await bus.nc.flush()
+            await mesh.refused(f"{name}/node-1", "publish", subject)
+    with pytest.raises(nats.js.errors.NotFoundError):  # the service's consumer stands; the admin may look
+        await mesh.admin.js.consumer_info(stream, "not-" + durable)
+    assert (await mesh.admin.js.consumer_info(stream, durable)).config.durable_name == durable
+    await asyncio.sleep(0)
+    await mesh.check()
+
+
+async def test_an_agent_reconnects_with_the_token_the_kubelet_wrote_last(mesh: SecuredMesh, tmp_path: Path) -> None:
+    """A reconnect presents the token file as it is then (the kubelet rewrites it before it expires), and the
+    callout reviews it again: the first token has expired by then, the second still works."""
+    await mesh.add_pod("llama-2", ["v1"])
+    token_file = tmp_path / "token"
+    token_file.write_text(await mesh.cluster.issue_token("llm", "llama-1", ttl_s=2))
+    settings = replace(mesh.as_token(token_file.read_text(), "llama-1"), token_file=token_file)
+    bus = await mesh.connect(settings, "agent/llama-1")
+    token_file.write_text(await mesh.cluster.issue_token("llm", "llama-1"))  # the kubelet's next one
+    first = token_file.read_text()
+    await eventually(lambda: _refused_now(mesh, settings.token), timeout=10)  # the first one has expired
+    mesh.server.stop()
+    mesh.server.start()
+    await eventually(lambda: bus.nc.stats["reconnects"] >= 1 and bus.connected, timeout=20)
+    # a working connection, as llama-1 again: its own subjects pass, another pod's are refused
+    other = mesh.subjects.for_event(AgentSessions(pod="llama-2", node="node-2"))
+    await bus.nc.publish(other, b"{}")
+    await bus.nc.flush()
+    await mesh.refused("agent/llama-1", "publish", other)
+    assert token_file.read_text() == first
+    assert mesh.auth.ctx.health()["callouts"]["authorized"]["agent"] >= 3  # llama-2, llama-1, llama-1 again
+    await mesh.check()
+
+
+async def _refused_now(mesh: SecuredMesh, token: Secret | None) -> bool:
+    assert token is not None
+    review = await mesh.cluster.review_token(token.reveal(), ("gpuwarden",))
+    return not review.authenticated

@@ -1,0 +1,162 @@
+"""The session registry at fleet scale: announcements are deltas, a heartbeat renews one lease, what a change
+costs does not grow with what the pod holds, an agent resyncs in full when the registry lost what a delta builds
+on, long announcements and reports go in parts, and counts and pages cost what they name."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.checkpoint.registry import SessionRegistry
+from shared.contract.checkpoint import AgentSessions, SaveSessions, SaveSessionsReport
+from shared.contract.sessions import FleetQuery, FleetSummary, SessionsPage, SessionsQuery
+from shared.contract.subjects import Subjects
+from shared.kv import endpoint as endpoint_module
+from tests.faults.conftest import Mesh, expected
+from tests.helpers import eventually
+from tests.servers import RedisServer
+
+
+@pytest.fixture
+async def own_redis() -> AsyncIterator[aioredis.Redis]:
+    """A Redis nobody else uses: its command counts are this test's alone."""
+    server = RedisServer().start()
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        server.cleanup()
+
+
+async def commands(client: aioredis.Redis) -> int:
+    """Commands the server ran so far, those inside scripts included."""
+    stats = await client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
+
+
+def announcement(pod: str, seq: int, **fields: object) -> AgentSessions:
+    return AgentSessions(
+        pod=pod, node="node-1", namespace="llm", deployment="llama", incarnation="i1", seq=seq, ttl_s=30, **fields
+    )  # type: ignore[arg-type]
+
+
+async def test_a_change_and_a_heartbeat_cost_the_same_whatever_the_pod_holds(own_redis: aioredis.Redis) -> None:
+    registry = SessionRegistry(own_redis, Subjects("t"))
+    costs: dict[int, tuple[int, int, int]] = {}
+    for held in (1, 10, 2000):  # the first round loads the scripts into Redis
+        pod = f"pod-{held}"
+        sessions = [f"{pod}-s{i}" for i in range(held)]
+        await registry.apply_announcement(announcement(pod, 1, full=True, sessions=sessions, generations=[1] * held))
+        before = await commands(own_redis)
+        await registry.apply_announcement(announcement(pod, 1, full=False))  # a heartbeat
+        heartbeat = await commands(own_redis) - before
+        before = await commands(own_redis)
+        claim = await registry.claim(f"{pod}-new", pod, "node-1", "llm", "llama", 0)
+        await registry.apply_announcement(
+            announcement(pod, 2, full=False, sessions=[f"{pod}-new"], generations=[claim.generation])
+        )
+        start = await commands(own_redis) - before
+        before = await commands(own_redis)
+        await registry.apply_announcement(announcement(pod, 3, full=False, ended=[f"{pod}-new"]))
+        end = await commands(own_redis) - before
+        costs[held] = (heartbeat, start, end)
+    assert costs[10] == costs[2000], costs  # the same commands, whatever the pod holds
+    assert costs[10][0] <= 10, costs
+
+
+async def test_a_delta_that_does_not_follow_is_answered_resync_and_the_full_announcement_repairs(
+    mesh: Mesh,
+) -> None:
+    pod = await mesh.add_pod("llama-1", "node-1", ["s1", "s2"])
+    await pod.endpoint.start_session("s3")
+    await mesh.announce(pod)
+    assert await mesh.sessions_on("node-1") == {"s1", "s2", "s3"}
+    # Redis fails over and loses the last writes: s3's placement and the pod's announcement number with them
+    key = mesh.subjects.redis_key
+    await mesh.client.hset(key("kv", "podinfo", "llama-1"), "seq", 0)
+    await mesh.client.delete(key("kv", "session", "s3"))
+    await mesh.client.hdel(key("kv", "onnode", "node-1"), "s3")
+    await mesh.client.hdel(key("kv", "held", "llama-1"), "s3")
+    await pod.endpoint.start_session("s4")  # the next delta names only s4, and does not follow: resync
+    await mesh.announce(pod)
+    await eventually(lambda: _sessions_are(mesh, "node-1", {"s1", "s2", "s3", "s4"}))
+    await mesh.check()
+
+
+async def _sessions_are(mesh: Mesh, node: str, want: set[str]) -> bool:
+    await mesh.announce(mesh.pods[0])
+    return await mesh.sessions_on(node) == want
+
+
+async def test_long_announcements_and_reports_go_in_parts(mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoint_module, "ANNOUNCE_PART", 3)
+    monkeypatch.setattr(endpoint_module, "REPORT_PART", 4)
+    names = [f"s{i}" for i in range(10)]
+    pod = await mesh.add_pod("llama-1", "node-1", names)
+    assert await mesh.sessions_on("node-1") == set(names)  # the full announcement came in four parts
+    report = await pod.endpoint.final_save(deadline_s=10)
+    assert sorted(c.session_id for c in report.committed) == sorted(names) and not report.failed
+    for sid in names:
+        assert len(await mesh.service.registry.checkpoints(sid)) == 1, sid
+    for sid in names[:7]:
+        pod.grow(sid, 1)
+    command = SaveSessions(pod="llama-1", changed_only=True)
+    last = await mesh.bus.request(mesh.subjects.for_event(command), command, 10)
+    assert isinstance(last, SaveSessionsReport) and last.unchanged == 3 and last.parts_recorded == 1
+    for sid in names[:7]:
+        assert len(await mesh.service.registry.checkpoints(sid)) >= 1
+    # a pod restarted (a new incarnation) announces in full, in parts, and forgets what it no longer holds
+    await pod.endpoint.stop()
+    pod.agent.forget_session("s9")
+    restarted = endpoint_module.AgentEndpoint(pod.agent, pod.bus, announce_s=30)
+    await restarted.start()
+    await eventually(lambda: _no("s9", mesh))
+    assert await mesh.sessions_on("node-1") == set(names) - {"s9"}
+    await restarted.stop()
+    await mesh.check()
+
+
+async def _no(sid: str, mesh: Mesh) -> bool:
+    return sid not in await mesh.sessions_on("node-1")
+
+
+async def test_counts_and_pages_cost_what_they_name(mesh: Mesh) -> None:
+    await mesh.add_pod("llama-1", "node-1", [f"a{i}" for i in range(7)])
+    await mesh.add_pod("llama-2", "node-2", [f"b{i}" for i in range(5)])
+    summary = await mesh.bus.request(mesh.subjects.command("checkpoint", "fleet"), FleetQuery(), 5)
+    assert isinstance(summary, FleetSummary)
+    assert summary.sessions_total == 12 and summary.by_node == {"node-1": 7, "node-2": 5}
+    assert summary.by_deployment == {"llm/llama": 12} and sorted(summary.alive) == ["llama-1", "llama-2"]
+    seen: list[str] = []
+    cursor = ""
+    while True:
+        page = await mesh.bus.request(
+            mesh.subjects.command("checkpoint", "sessions"), SessionsQuery(node="node-1", cursor=cursor, limit=3), 5
+        )
+        assert isinstance(page, SessionsPage) and page.total == 7 and len(page.sessions) <= 7
+        seen += [r.session_id for r in page.sessions]
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    assert sorted(set(seen)) == [f"a{i}" for i in range(7)]
+    page = await mesh.bus.request(
+        mesh.subjects.command("checkpoint", "sessions"), SessionsQuery(namespace="llm", deployment="llama"), 5
+    )
+    assert isinstance(page, SessionsPage) and page.total == 12 and len({r.session_id for r in page.sessions}) == 12
+
+
+async def test_a_live_pod_keeps_its_sessions_until_it_leaves(mesh: Mesh) -> None:
+    holder = await mesh.add_pod("llama-1", "node-1", ["s1"])
+    assert await mesh.periodic_turn() == 1
+    other = await mesh.add_pod("llama-2", "node-2")
+    with pytest.raises(endpoint_module.SessionHeld) as refused:
+        await other.endpoint.restore("s1")
+    assert refused.value.holder == "llama-1"
+    assert await mesh.sessions_on("node-1") == {"s1"}
+    await mesh.evict(holder)  # its agent stops: the registry hears it is leaving
+    restored = await other.endpoint.restore("s1")
+    assert [bytes(b) for b in restored.blocks] == expected("s1", 3)
+    await mesh.check()

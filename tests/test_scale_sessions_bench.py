@@ -1,0 +1,56 @@
+"""The session half of the fleet-scale benchmark at a tiny size: it runs against real checkpoint service replicas
+and gives every figure it promises (no timing is asserted: the figures are the benchmark's to report)."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from bench import scale_sessions
+from tests.conftest import Servers
+
+KEYS = {
+    "start_redis_calls_per_session_1000",
+    "start_redis_calls_per_session_5000",
+    "restore_s_1000",
+    "restore_s_5000",
+    "restore_growth_5000_vs_1000",
+    "drain_verdict_s_1000",
+    "idle_redis_calls_per_session_s",
+    "periodic_round_s",
+    "periodic_sessions",
+    "periodic_interval_s",
+    "periodic_interval_kept",
+    "status_s_small",
+    "status_s_large",
+    "status_sessions_small",
+    "status_sessions_large",
+    "checkpoint_replicas",
+    "fleet_sessions",
+    "lost_sessions",
+}
+
+
+async def test_the_session_figures_at_a_tiny_size(servers: Servers, root: str) -> None:
+    client = aioredis.Redis.from_url(servers.redis_url)
+    try:
+        out = await scale_sessions.run(
+            servers.nats_url,
+            servers.redis_url,
+            quick=True,
+            sessions=120,
+            nodes=3,
+            replicas=2,
+            interval_s=2.0,
+            rounds=2,
+            root=root,
+        )
+    finally:
+        keys = [k async for k in client.scan_iter(match=f"{root}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+    assert KEYS <= set(out), KEYS - set(out)
+    assert out["one_pod_sizes"] == [20, 100] and out["restored_1000"] == 20 and out["restored_5000"] == 100
+    assert out["drain_verdict_ok_1000"] is True
+    assert out["fleet_sessions"] == 120 and out["lost_sessions"] == 0
+    assert out["checkpoint_replicas"] == 2 and out["periodic_saves"] > 0
