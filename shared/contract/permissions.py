@@ -135,6 +135,7 @@ AGENT_PUBLISHES: tuple[str, ...] = (
     "checkpoint.save.report",
     "checkpoint.save.progress",
     "model.prepare.report",
+    "kv.pod.load",  # its pod's KV pool and time to first token, which the scaler reads (it may hear all of <root>.>)
 )
 AGENT_REQUESTS: tuple[str, ...] = AGENT_VERBS
 
