@@ -266,9 +266,7 @@ def test_kv_cache_and_ttft_follow_the_hpa_formula_and_name_the_signal() -> None:
 
 
 def test_the_most_demanding_signal_wins_and_ties_go_in_order() -> None:
-    t = Trigger(
-        namespace="llm", deployment="d", queue_depth_per_replica=1, gpu_util_target=50, kv_cache_util_target=50
-    )
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=1, gpu_util_target=50, kv_cache_util_target=50)
     assert recommend(t, fresh(6, util=50, current=2, kv=0.5), NOW).signal == "queue"  # 6 > 2, 2
     assert recommend(t, fresh(1, util=100, current=2, kv=0.5), NOW).signal == "gpu"  # 4 > 1, 2
     d = recommend(t, fresh(2, util=50, current=2, kv=1.0), NOW)
@@ -373,4 +371,4 @@ def test_load_going_missing_never_lowers_the_count(
     if "load" in after.stale:
         assert after.desired >= before.desired
     else:  # the load was not read (no target), or there is no pod to report it
-        assert t.kv_cache_util_target is None and t.ttft_p90_target_ms is None or current == 0
+        assert (t.kv_cache_util_target is None and t.ttft_p90_target_ms is None) or current == 0

@@ -24,6 +24,17 @@ class ScalerCollector(Collector):
         self.core = core
 
     def collect(self) -> Iterator[Metric]:
+        following = self.core.following()
+        for held, key in (
+            (
+                GaugeMetricFamily("gpuwarden_scaler_scaled_objects", "ScaledObjects the scaler watches"),
+                "scaled_objects",
+            ),
+            (GaugeMetricFamily("gpuwarden_scaler_queues", "Request queues the scaler polls"), "queues"),
+            (GaugeMetricFamily("gpuwarden_scaler_streams", "StreamIsActive streams open"), "streams"),
+        ):
+            held.add_metric([], float(following[key]))
+            yield held
         desired = GaugeMetricFamily(
             "gpuwarden_scaler_desired_replicas", "Replica count the scaler decided for the ScaledObject", labels=_OBJECT
         )

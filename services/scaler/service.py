@@ -4,11 +4,8 @@ adapters (``adapters.py``), feeds it drain, utilisation and pod load events, ser
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-
-from prometheus_client import Gauge
 
 from shared.contract.load import PodLoad
 from shared.contract.metrics import DeploymentUtilisation
@@ -25,10 +22,6 @@ from .handlers import Clock, ScalerCore
 from .ports import Placement
 
 log = logging.getLogger(__name__)
-
-
-def _held(core: ScalerCore, key: str) -> float:
-    return float(core.following()[key])
 
 
 class ScalerService:
@@ -96,11 +89,4 @@ class ScalerService:
         ctx.status["grpc"] = f"{self.settings.host}:{self.port}"
         ctx.status["scaled_objects"] = core.status
         ctx.status["following"] = core.following
-        for key, what in (
-            ("scaled_objects", "ScaledObjects the scaler watches"),
-            ("queues", "Request queues the scaler polls"),
-            ("streams", "StreamIsActive streams open"),
-        ):
-            gauge = Gauge(f"gpuwarden_scaler_{key}", what, registry=ctx.telemetry.registry)
-            gauge.set_function(functools.partial(_held, core, key))
         ctx.telemetry.registry.register(ScalerCollector(core))
