@@ -217,6 +217,8 @@ class CheckpointService:
             ["outcome"],
             registry=r,
         )
+        for outcome in ("completed", "failed"):  # both series exist from the start, at 0: the first one counts
+            self.m_verdicts.labels(outcome)
         self.m_restores = Counter(
             "gpuwarden_checkpoint_restores_total",
             "Sessions restored by a pod from a checkpoint whose every chunk digest it verified",
