@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from services.checkpoint.config import CheckpointSettings
@@ -34,6 +35,7 @@ from shared.console.render import status_tables
 from shared.console.snapshot import take
 from shared.contract.load import PodLoad
 from shared.contract.metrics import DeploymentUtilisation
+from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
 from shared.contract.subjects import Subjects
@@ -44,6 +46,7 @@ from shared.plumbing.configsync import redis_client
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
+from shared.sim.gauges import WorkloadCollector
 from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
 from shared.sim.workload import SimWorkload
 from shared.wiring import Wiring
@@ -170,7 +173,13 @@ async def test_the_count_follows_kv_pressure_of_the_simulated_pods_where_gpu_uti
             assert kv[-1].signal_replicas["gpu"] == 1  # GPU utilisation alone: one replica
             assert kv[-1].kv_cache_util is not None and kv[-1].kv_cache_util >= 0.6
             assert any(e.ttft_p90_s is not None and e.requests > 0 for e in heard)  # first tokens were measured
-            if rounds == 0:  # `gpuwarden status` says which signal set the count
+            if rounds == 0:  # the simulation's /metrics shows the pools as full; `gpuwarden status` names the signal
+                exported = CollectorRegistry()
+                exported.register(WorkloadCollector(workload))
+                for name, runtime in workload.runtimes.items():
+                    where = {"pod": name, "node": runtime.info.node}
+                    assert exported.get_sample_value("gpuwarden_sim_kv_pool_blocks", where) == POOL_BLOCKS
+                    assert exported.get_sample_value("gpuwarden_sim_kv_used_blocks", where) == runtime.pool.used > 0
                 shown = await take(MeshClient(settings, bus, client, cluster))
                 assert [(d.name, d.scaler_signal) for d in shown.deployments] == [(DEP, "kv")], shown.deployments
                 out = io.StringIO()
@@ -218,9 +227,33 @@ async def test_ttft_reports_from_a_load_reporter_set_the_count_and_silence_is_mi
     assert state["signal"] == "ttft" and (state["signal_replicas"]["kv"], state["signal_replicas"]["ttft"]) == (1, 5)
     decision = await eventually(lambda: [d for d in scaler_on.decisions if d.signal == "ttft"], timeout=5)
     assert decision[-1].ttft_p90_s == 1.0 and decision[-1].kv_cache_util == pytest.approx(0.15)
+    metric = scaler_on.running.ctx.telemetry.registry.get_sample_value  # what /metrics says
+    labels = {"namespace": NS, "scaled_object": "chat", "deployment": DEP}
+    assert metric("gpuwarden_scaler_desired_replicas", labels) == 5.0
+    assert metric("gpuwarden_scaler_ttft_p90_seconds", labels) == 1.0
+    assert metric("gpuwarden_scaler_kv_cache_utilisation_ratio", labels) == pytest.approx(0.15)
+    assert metric("gpuwarden_scaler_decision_signal", {**labels, "signal": "ttft"}) == 1.0
+    assert metric("gpuwarden_scaler_signal_replicas", {**labels, "signal": "kv"}) == 1.0
+    assert metric("gpuwarden_scaler_gpu_utilisation_ratio", labels) is None  # no utilisation heard: no sample, no 0
+    assert metric("gpuwarden_scaler_load_reports_total") == 2.0
 
     async def held() -> bool:  # nobody reports any more: the load goes missing, the count is held
         state = scaler_on.running.ctx.health()["scaled_objects"]["llm/chat"]
         return state["signal"] == "held" and await replicas(scaler_on.stub, ref) == 5
 
     await eventually(held, timeout=10)
+    assert metric("gpuwarden_scaler_input_stale", {**labels, "input": "load"}) == 1.0
+    assert metric("gpuwarden_scaler_kv_cache_utilisation_ratio", labels) is None  # missing again, never 0
+
+
+async def test_a_drain_without_a_verdict_is_exported_with_its_deadline_until_the_verdict(
+    bus: Bus, scaler_on: Scaler
+) -> None:
+    metric = scaler_on.running.ctx.telemetry.registry.get_sample_value
+    asked = DrainRequested(node="node-2", drain_id="d-7", deadline_s=30, grace_period_s=40)
+    await bus.publish(asked)
+    due = asked.occurred_at.timestamp() + 30
+    labels = {"node": "node-2", "drain_id": "d-7"}
+    await eventually(lambda: metric("gpuwarden_drain_deadline_timestamp_seconds", labels) == pytest.approx(due))
+    await bus.publish(DrainCompleted(node="node-2", drain_id="d-7"))
+    await eventually(lambda: metric("gpuwarden_drain_deadline_timestamp_seconds", labels) is None)
