@@ -116,3 +116,19 @@ async def test_run_publishes_on_the_bus_every_interval(bus: Bus) -> None:
         task.cancel()
     assert {(e.pod, e.node, e.blocks_used, e.blocks_total) for e in heard} == {("chat-7", "node-2", 5, 8)}
     assert heard[0].source == "test"
+
+
+def test_an_agent_may_report_only_its_own_pods_load_and_the_scaler_may_hear_every_pod() -> None:
+    from shared.contract.permissions import agent_permissions, may_publish, service_permissions, subject_matches
+    from shared.contract.subjects import Subjects
+
+    subjects = Subjects("gw")
+    own = subjects.for_event(
+        PodLoad(pod="llama-1", namespace="llm", deployment="llama", blocks_used=1, blocks_total=2, window_s=1)
+    )
+    other = own.replace("llama-1", "llama-2")
+    perms = agent_permissions(subjects, pod="llama-1")
+    assert may_publish(perms, own) and not may_publish(perms, other)
+    scaler = service_permissions(subjects, "scaler")["subscribe"]["allow"]
+    assert any(subject_matches(pattern, other) for pattern in scaler)
+    assert not may_publish(service_permissions(subjects, "scaler"), own)  # the scaler only listens
