@@ -48,9 +48,7 @@ KINDS: dict[str, str] = {
 }
 """The calls that declare a metric, and the kind each declares."""
 
-RENAMES_NEEDED: dict[str, str] = {
-    "gpuwarden_checkpoint_last_drain_gbps": "gpuwarden_checkpoint_last_drain_bytes_per_second",
-}
+RENAMES_NEEDED: dict[str, str] = {}
 """Names that break the conventions, with the name each should have; kept until their owner renames them."""
 
 _NON_BASE_UNITS = re.compile(

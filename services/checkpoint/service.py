@@ -187,7 +187,9 @@ class CheckpointService:
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120),
             registry=r,
         )
-        self.m_gbps = Gauge("gpuwarden_checkpoint_last_drain_gbps", "GB/s of the last drain", registry=r)
+        self.m_drain_rate = Gauge(
+            "gpuwarden_checkpoint_last_drain_bytes_per_second", "Bytes per second the last drain saved", registry=r
+        )
         self.m_periodic = Histogram(
             "gpuwarden_checkpoint_periodic_save_seconds",
             "Time a pod's periodic save took (command to report)",
@@ -688,7 +690,7 @@ class CheckpointService:
         self.m_sessions.labels("failed").inc(len(failed))
         duration = time.monotonic() - started
         if duration > 0 and total:
-            self.m_gbps.set(total / duration / 1e9)
+            self.m_drain_rate.set(total / duration)
         log.info(
             "drain decided",
             extra={
