@@ -1084,9 +1084,13 @@ class CheckpointService:
 
     # -- retention --------------------------------------------------------------------------------------------------
     async def _gc_loop(self) -> None:
+        """One replica a turn applies retention and forgets gone pods (the turn is taken in Redis): replicas share
+        the work instead of each walking the store."""
         while True:
             await asyncio.sleep(self.settings.gc_interval_s)
             try:
+                if not await self.registry.take_turn("gc", "store", self.owner, self.settings.gc_interval_s * 0.9):
+                    continue
                 await self.collect_garbage()
                 await self._gone_pods()
             except (TemporaryError, StoreError) as exc:
