@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/*.proto)
 
-.PHONY: install run test faults check format lint types layers bench soak schemas envdoc proto gpu-check gpu-kit clean
+.PHONY: install run test faults check format lint types layers rules bench soak schemas envdoc metricsdoc proto gpu-check gpu-kit clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,17 +13,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# Optional: a Prometheus server for the one test that runs a real one (tests/test_prometheus_server.py). No Python
-# package index ships it; where apt-get works (Debian, Ubuntu) Debian's package is fetched and unpacked into the
-# virtualenv, nothing installed system-wide. Elsewhere the test skips; failing here never fails the install.
-$(VENV)/.prometheus: $(STAMP)
+# Optional: a Prometheus server and its promtool, for the tests that run a real one (tests/test_prometheus_server.py,
+# tests/test_observability_mesh.py) and for checking and unit-testing the rules in deploy/prometheus/ (promtool).
+# No Python package index ships them; where apt-get works (Debian, Ubuntu) Debian's package is fetched and unpacked
+# into the virtualenv, nothing installed system-wide. Elsewhere those tests skip and `make check` says it could not
+# check the rules; failing here never fails the install. (The stamp's name changed when promtool joined: a virtualenv
+# made before fetches the package again once.)
+$(VENV)/.prometheus-promtool: $(STAMP)
 	@tmp=$$(mktemp -d) && ( cd $$tmp && command -v apt-get >/dev/null && command -v dpkg >/dev/null \
 	  && apt-get download prometheus >/dev/null 2>&1 && dpkg -x prometheus_*.deb root \
-	  && cp root/usr/bin/prometheus $(CURDIR)/$(BIN)/prometheus && echo "prometheus: $(BIN)/prometheus" ) \
-	  || echo "prometheus: not fetched (optional; the real-Prometheus test will skip)"; rm -rf $$tmp
+	  && cp root/usr/bin/prometheus root/usr/bin/promtool $(CURDIR)/$(BIN)/ \
+	  && echo "prometheus, promtool: $(BIN)/prometheus $(BIN)/promtool" ) \
+	  || echo "prometheus: not fetched (optional; the real-Prometheus tests will skip)"; rm -rf $$tmp
 	touch $@
 
-install: $(STAMP) $(VENV)/.prometheus
+install: $(STAMP) $(VENV)/.prometheus-promtool
 
 run: install
 	$(BIN)/gpuwarden up
@@ -38,10 +42,19 @@ test: install
 faults: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/faults $(PYTEST_ARGS)
 
-check: install format lint types layers
+check: install format lint types layers rules
 	$(BIN)/python -m tools.schemas --check
 	$(BIN)/python -m tools.protogen --check
 	$(BIN)/python -m tools.envdoc --check
+	$(BIN)/python -m tools.metricsdoc --check
+
+# deploy/prometheus/: the rules checked and unit-tested by promtool (from the same package as the Prometheus above;
+# where it could not be fetched this says so and checks nothing), and the names they use checked against the code.
+rules: install
+	@if test -x $(BIN)/promtool; then \
+	  $(BIN)/promtool check rules deploy/prometheus/gpuwarden-rules.yaml \
+	  && cd deploy/prometheus && $(CURDIR)/$(BIN)/promtool test rules gpuwarden-rules.test.yaml; \
+	else echo "rules: promtool not fetched (apt-get unavailable): deploy/prometheus/ NOT checked by promtool"; fi
 
 format: install
 	$(BIN)/ruff format --check shared services tools tests bench
@@ -73,6 +86,10 @@ schemas: install
 # docs/configuration.md's table of environment variables, from the DOCUMENTED tables next to the code that reads them
 envdoc: install
 	$(BIN)/python -m tools.envdoc
+
+# docs/observability.md's table of Prometheus metrics, from their declarations in the code
+metricsdoc: install
+	$(BIN)/python -m tools.metricsdoc
 
 proto: install
 	$(BIN)/python -m tools.protogen

@@ -11,6 +11,11 @@ runner around it) runs in a child process on a private NATS server; the callers 
    scheduled start, p50/p99. Answers come
    from memory. Then the same callers back to back (``getmetrics_saturated_*``, ``getmetrics_max_calls_per_s``):
    the ceiling of one Python process, where latency is simply 100 / throughput.
+   Throughout both, the ScaledObject scales on every signal (queue, ``kvCacheUtilTarget``, ``ttftP90TargetMs``)
+   and ``load_pods`` pods of its deployment each publish a ``kv.pod.load`` report every ``load_interval_s`` (500
+   reports/s by default, what a 2,500-pod fleet reporting every 5 s sends; from a process of their own), which the
+   scaler takes and aggregates while it answers; ``load_reports_taken`` counts what it took and
+   ``decision_signal`` says what set its count.
 2. Activation through ``StreamIsActive`` (trigger ``external-push``): per trial a fresh, empty queue; the stream's
    first answer (false) is read, then one ``InferenceRequest`` is published to JetStream; latency = publish start
    -> ``true`` received. p50/p99 over the trials.
@@ -23,6 +28,7 @@ runner around it) runs in a child process on a private NATS server; the callers 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import random
@@ -56,6 +62,7 @@ from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
 from services.scaler.grpcserver import ScalerServer
 from services.scaler.handlers import ScalerCore
+from shared.contract.load import PodLoad
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
@@ -75,6 +82,8 @@ class Sizes:
     poll_trials: int = 40
     poll_interval_s: float = 0.2
     refresh_s: float = 1.0
+    load_pods: int = 500
+    load_interval_s: float = 1.0
 
 
 QUICK = Sizes(
@@ -84,7 +93,59 @@ QUICK = Sizes(
 
 def ref(deployment: str) -> pb.ScaledObjectRef:
     metadata = {"scalerAddress": "127.0.0.1", "deployment": deployment, "queueDepthPerReplica": "4"}
+    if deployment == LOADED:  # every signal: the queue, the pods' KV caches and their time to first token
+        metadata.update(kvCacheUtilTarget="70", ttftP90TargetMs="500", maxReplicas="1000")
     return pb.ScaledObjectRef(name=deployment, namespace=NAMESPACE, scalerMetadata=metadata)
+
+
+LOADED = "metrics"
+
+
+def report_load(nats_url: str, root: str, sizes: Sizes, conn: Connection) -> None:
+    """The pods, in a process of their own (as they are, elsewhere): report until told to stop, then say how many
+    reports went out and over how long."""
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_report_load(nats_url, root, sizes, conn))
+
+
+async def _report_load(nats_url: str, root: str, sizes: Sizes, conn: Connection) -> None:
+    bus = await Bus.connect(NatsSettings(servers=(nats_url,)), Subjects(root), "bench-pods")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    waiting = loop.run_in_executor(None, conn.recv)
+    waiting.add_done_callback(lambda _: loop.call_soon_threadsafe(stop.set))
+    conn.send("started")
+    started = time.perf_counter()
+    sent = await publish_load(bus, sizes, stop)
+    conn.send((sent, time.perf_counter() - started))
+    await bus.close(grace=1.0)
+
+
+async def publish_load(bus: Bus, sizes: Sizes, stop: asyncio.Event) -> int:
+    """``load_pods`` pods of the measured deployment report their load every ``load_interval_s`` until ``stop``."""
+    rng = random.Random(5)
+    sent = 0
+    while not stop.is_set() and sizes.load_pods > 0:
+        started = time.perf_counter()
+        for i in range(sizes.load_pods):
+            total = 2048
+            await bus.publish(
+                PodLoad(
+                    pod=f"{LOADED}-{i}",
+                    node=f"node-{i // 8}",
+                    namespace=NAMESPACE,
+                    deployment=LOADED,
+                    blocks_used=rng.randint(0, total),
+                    blocks_total=total,
+                    ttft_p90_s=rng.uniform(0.05, 0.6),
+                    window_s=sizes.load_interval_s,
+                    requests=rng.randint(1, 50),
+                )
+            )
+            sent += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, sizes.load_interval_s - (time.perf_counter() - started)))
+    return sent
 
 
 # -- the scaler, in a process of its own ------------------------------------------------------------------------
@@ -97,11 +158,21 @@ async def _serve(nats_url: str, root: str, refresh_s: float, conn: Connection) -
     bus = await Bus.connect(NatsSettings(servers=(nats_url,)), Subjects(root), "bench-scaler")
     await bus.ensure_streams()
     core = ScalerCore(JetStreamQueue(bus), refresh_s=refresh_s)
+    await bus.subscribe(bus.subjects.pattern("kv.pod.load"), core.on_load, accepts=(PodLoad,))
     server = ScalerServer(core, ScalerSettings(host="127.0.0.1", port=0, refresh_s=refresh_s))
     port = await server.start()
     loops = [asyncio.create_task(core.refresh_loop()), asyncio.create_task(core.publish_loop())]
     conn.send(port)
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    watch = core.watches.get((NAMESPACE, LOADED))
+    decision = watch.decision if watch is not None else None
+    conn.send(
+        {
+            "load_reports_taken": core.load_reports,
+            "decision_signal": decision.signal if decision is not None else "",
+            "decision_signal_replicas": decision.signal_replicas if decision is not None else {},
+        }
+    )
     for task in loops:
         task.cancel()
     await server.stop(grace=0.5)
@@ -201,12 +272,26 @@ async def measure(nats_url: str, sizes: Sizes) -> dict[str, Any]:
         await bus.ensure_streams()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.ExternalScalerStub(channel)
+            pods, pods_end = multiprocessing.get_context("spawn").Pipe()
+            reporter = multiprocessing.get_context("spawn").Process(
+                target=report_load, args=(nats_url, root, sizes, pods_end), daemon=True
+            )
+            reporter.start()
+            if not await loop.run_in_executor(None, pods.poll, 30):
+                raise RuntimeError("the reporting pods' process did not start")
+            pods.recv()
             getmetrics = await measure_getmetrics(stub, sizes)
             saturated, saturated_wall = await measure_saturation(stub, sizes)
+            pods.send("stop")
+            load_sent, load_wall = await loop.run_in_executor(None, pods.recv)
+            await loop.run_in_executor(None, reporter.join, 10)
             push = await measure_push(stub, bus, sizes)
             poll = await measure_poll(stub, bus, sizes)
     finally:
         parent.send("stop")
+        taken: dict[str, Any] = {}
+        if await loop.run_in_executor(None, parent.poll, 10):
+            taken = parent.recv()
         await loop.run_in_executor(None, process.join, 10)
         if process.is_alive():
             process.kill()
@@ -228,6 +313,9 @@ async def measure(nats_url: str, sizes: Sizes) -> dict[str, Any]:
         "getmetrics_calls": len(getmetrics),
         "activation_trials": len(push),
         "poll_trials": len(poll),
+        "load_reports_sent": load_sent,
+        "load_reports_per_s": round(load_sent / load_wall, 1) if load_wall > 0 else 0.0,
+        **taken,
     }
     return results
 

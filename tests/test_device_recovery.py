@@ -63,10 +63,16 @@ async def test_critical_xid_then_quiet_period_then_healthy_again(
         await apply_fault(redis_client, subjects, XidFault(node="node-1", gpu=0, code=79))
         down = await eventually(lambda: changes and changes[0])
         assert down.healthy is False and down.xid == 79
+        metric = running.ctx.telemetry.registry.get_sample_value
+        gpus = {"node": "node-1", "health": "unhealthy"}
+        await eventually(lambda: metric("gpuwarden_device_gpus", gpus) == 1.0)  # /metrics says it too
+        assert metric("gpuwarden_device_xid_errors_total", {"node": "node-1", "critical": "true"}) == 1.0
         up = await eventually(lambda: len(changes) == 2 and changes[1])
         assert up.gpu_uuid == down.gpu_uuid and up.healthy is True
         assert up.reason.startswith("recovered: no critical XID for")
         assert running.ctx.status["unhealthy"] == {}
+        assert metric("gpuwarden_device_gpus", gpus) == 0.0
+        assert metric("gpuwarden_device_gpus", {"node": "node-1", "health": "healthy"}) == 2.0
     finally:
         await running.stop(grace=1)
 

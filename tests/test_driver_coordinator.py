@@ -15,15 +15,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
 from services.driver.agent import DriverAgent, bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
+from services.driver.gauges import UpgradeCollector
 from services.driver.lease import RedisDrainVerdicts, RedisLeaderLease
 from services.driver.ports import StaleLeader
 from services.driver.upgrade import (
     FAILURE_ANNOTATION,
     FENCE_ANNOTATION,
     ORDER,
+    SINCE_ANNOTATION,
     STATE_LABEL,
     WAS_CORDONED_ANNOTATION,
 )
@@ -336,6 +339,14 @@ async def test_a_failed_install_stops_the_rollout_with_its_reason(
     failed = h.failures("node-1")
     assert len(failed) == 1 and "DKMS build failed" in failed[0]
     assert h.coordinator.status()["nodes"]["node-1"]["reason"] == node.annotations[FAILURE_ANNOTATION]
+    exported = CollectorRegistry()  # what the leader's /metrics says of it: the state and since when
+    exported.register(UpgradeCollector(h.coordinator))
+    since = {"node": "node-1", "state": "upgrade-failed"}
+    assert exported.get_sample_value("gpuwarden_driver_upgrade_state_since_timestamp_seconds", since) == float(
+        node.annotations[SINCE_ANNOTATION]
+    )
+    assert exported.get_sample_value("gpuwarden_driver_upgrade_nodes", {"state": "upgrade-failed"}) == 1.0
+    assert exported.get_sample_value("gpuwarden_driver_upgrade_leader") == 1.0
 
     # sticky until a person clears it; then the node starts over and the rollout goes on
     await apply_fault(redis_client, h.subjects, DriverInstallFault(node="node-1", mode="clear"), spec)

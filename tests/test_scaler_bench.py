@@ -26,6 +26,8 @@ def test_bench_scaler_runs_on_a_private_server_and_writes_the_figures(tmp_path: 
         activation_trials=3,
         poll_trials=2,
         poll_interval_s=0.05,
+        load_pods=20,
+        load_interval_s=0.05,
     )
     out = tmp_path / "scaler.json"
     report = bench_scaler.run(None, sizes, out=out, quick=True, quiet=True)
@@ -36,3 +38,5 @@ def test_bench_scaler_runs_on_a_private_server_and_writes_the_figures(tmp_path: 
         assert isinstance(data[key], int | float) and data[key] > 0, key
     assert data["activation_trials"] == 3 and data["poll_trials"] == 2 and data["getmetrics_calls"] == 30
     assert {t["key"] for t in data["targets"]} == {"getmetrics_p99_ms", "activation_p99_ms"}
+    assert data["load_reports_sent"] >= 20 and 0 < data["load_reports_taken"] <= data["load_reports_sent"]
+    assert {"queue", "kv", "ttft"} <= set(data["decision_signal_replicas"])  # it scaled on the pods' load too

@@ -8,13 +8,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scaler.decision import METRIC_TARGET, Inputs, Stabiliser, decide, recommend
+from services.scaler.decision import METRIC_TARGET, SIGNALS, Inputs, Stabiliser, decide, recommend
 from services.scaler.trigger import KEDA_KEYS, KEYS, SHOWN_CHARS, Trigger, TriggerError, parse_trigger
 
 NOW = 1_000_000.0
 
 
-def fresh(depth: int = 0, util: float | None = None, current: int | None = None, draining: int = 0) -> Inputs:
+def fresh(
+    depth: int = 0,
+    util: float | None = None,
+    current: int | None = None,
+    draining: int = 0,
+    kv: float | None = None,
+    ttft: float | None = None,
+    load_pods: int | None = None,
+) -> Inputs:
+    reported = kv is not None or ttft is not None or load_pods is not None
     return Inputs(
         queue_depth=depth,
         queue_read_at=NOW - 0.5,
@@ -22,6 +31,10 @@ def fresh(depth: int = 0, util: float | None = None, current: int | None = None,
         util_sampled_at=NOW - 1 if util is not None else None,
         current_replicas=current,
         draining_pods=draining,
+        kv_util=kv,
+        ttft_p90_s=ttft,
+        load_read_at=NOW - 2 if reported else None,
+        load_pods=(load_pods if load_pods is not None else (current or 1)) if reported else 0,
     )
 
 
@@ -168,9 +181,13 @@ triggers = st.builds(
     min_replicas=st.integers(0, 5),
     max_replicas=st.integers(5, 200),
     stabilisation_window_s=st.floats(0, 600),
+    kv_cache_util_target=st.one_of(st.none(), st.floats(1, 100)),
+    ttft_p90_target_ms=st.one_of(st.none(), st.floats(1, 10_000)),
 )
 utils = st.one_of(st.none(), st.floats(0, 100))
 currents = st.one_of(st.none(), st.integers(0, 50))
+kvs = st.one_of(st.none(), st.floats(0, 1))
+ttfts = st.one_of(st.none(), st.floats(0, 30))
 
 
 @settings(max_examples=300, deadline=None)
@@ -234,3 +251,124 @@ def test_a_dip_inside_the_window_does_not_scale_down(t: Trigger, depth: int, fra
     high = decide(t, fresh(depth), NOW, stabiliser)
     dip = decide(t, fresh(0), NOW + t.stabilisation_window_s * fraction, stabiliser, high)
     assert dip.desired == high.desired
+
+
+# -- KV-cache utilisation and time to first token -------------------------------------------------------------------
+def test_kv_cache_and_ttft_follow_the_hpa_formula_and_name_the_signal() -> None:
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=4, kv_cache_util_target=70)
+    d = recommend(t, fresh(4, current=2, kv=0.85), NOW)
+    assert (d.queue_replicas, d.kv_replicas, d.desired, d.signal) == (1, 3, 3, "kv")  # ceil(2 x 85 / 70)
+    assert "kv 2x85%/70% -> 3" in d.reason and "= 3 by kv" in d.reason
+    t = Trigger(namespace="llm", deployment="d", ttft_p90_target_ms=500)
+    d = recommend(t, fresh(0, current=2, ttft=0.9), NOW)
+    assert (d.ttft_replicas, d.desired, d.signal) == (4, 4, "ttft")  # ceil(2 x 900 / 500)
+    assert "ttft p90 2x900ms/500ms -> 4" in d.reason
+
+
+def test_the_most_demanding_signal_wins_and_ties_go_in_order() -> None:
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=1, gpu_util_target=50, kv_cache_util_target=50)
+    assert recommend(t, fresh(6, util=50, current=2, kv=0.5), NOW).signal == "queue"  # 6 > 2, 2
+    assert recommend(t, fresh(1, util=100, current=2, kv=0.5), NOW).signal == "gpu"  # 4 > 1, 2
+    d = recommend(t, fresh(2, util=50, current=2, kv=1.0), NOW)
+    assert (d.desired, d.signal, d.signal_replicas) == (4, "kv", {"queue": 2, "gpu": 2, "kv": 4})
+    assert recommend(t, fresh(2, util=50, current=2, kv=0.5), NOW).signal == "queue"  # a tie: the first
+    summed = Trigger(**{**_trigger_fields(t), "combine": "sum"})
+    d = recommend(summed, fresh(2, util=50, current=2, kv=0.5), NOW)
+    assert (d.desired, d.signal) == (4, "queue+gpu")
+
+
+def _trigger_fields(t: Trigger) -> dict[str, object]:
+    return {name: getattr(t, name) for name in Trigger.__slots__}
+
+
+def test_a_missing_load_report_is_stale_never_zero_and_never_scales_down() -> None:
+    t = Trigger(namespace="llm", deployment="d", queue_depth_per_replica=10, kv_cache_util_target=50)
+    before = recommend(t, fresh(1, current=4, kv=0.9), NOW)
+    assert (before.desired, before.signal) == (8, "kv")
+    silent = fresh(1, current=4)  # no pod reported
+    d = recommend(t, silent, NOW, before)
+    assert d.kv_replicas is None and "load" in d.stale and d.desired == 8 and d.held and d.signal == "held"
+    old = Inputs(**{**_fields(fresh(1, current=4, kv=0.1)), "load_read_at": NOW - t.load_stale_after_s - 1})
+    d = recommend(t, old, NOW, before)
+    assert d.kv_replicas is None and "load" in d.stale and d.desired == 8
+    unknown_pool = fresh(1, current=4, load_pods=4)  # reports without blocks_total: utilisation unknown
+    assert "kv" in recommend(t, unknown_pool, NOW, before).stale
+    d = recommend(t, fresh(1, current=0), NOW, before)  # no pod at all: nothing to report, nothing stale
+    assert d.kv_replicas == 0 and not d.stale and d.desired == 1 and d.signal == "queue"
+
+
+def test_no_first_token_in_the_window_is_idle_not_stale() -> None:
+    t = Trigger(namespace="llm", deployment="d", ttft_p90_target_ms=200, kv_cache_util_target=80)
+    d = recommend(t, fresh(0, current=3, kv=0.2, ttft=None), NOW)
+    assert d.ttft_replicas is None and not d.stale and d.desired == 1 and d.signal == "kv"
+
+
+def test_drain_surge_adds_on_top_of_kv_pressure() -> None:
+    t = Trigger(namespace="llm", deployment="d", kv_cache_util_target=50, max_replicas=10)
+    d = recommend(t, fresh(0, current=2, kv=1.0, draining=2), NOW)
+    assert (d.kv_replicas, d.surge, d.desired, d.signal) == (4, 2, 6, "kv") and "drain surge 2" in d.reason
+    d = recommend(t, fresh(0, current=2, kv=0.0, draining=2), NOW)
+    assert (d.desired, d.signal) == (3, "drain-surge")  # active (pods drain): at least one, plus the surge
+    assert recommend(t, fresh(0, current=4, kv=1.0, draining=4), NOW).signal == "maxReplicas"
+
+
+def test_new_keys_are_read_and_checked() -> None:
+    t = parse_trigger({"deployment": "d", "kvCacheUtilTarget": "75", "ttftP90TargetMs": "250ms"}, "llm")
+    assert (t.kv_cache_util_target, t.ttft_p90_target_ms, t.load_stale_after_s) == (75.0, 250.0, 15.0)
+    assert parse_trigger({"deployment": "d", "loadStaleAfter": "30s"}, "llm").load_stale_after_s == 30.0
+    for meta, key, words in (
+        ({"kvCacheUtilTarget": "0"}, "kvCacheUtilTarget", "out of range"),
+        ({"kvCacheUtilTarget": "full"}, "kvCacheUtilTarget", "not a number"),
+        ({"ttftP90TargetMs": "-5"}, "ttftP90TargetMs", "out of range"),
+        ({"ttftP90TargetMs": "nan"}, "ttftP90TargetMs", "out of range"),
+        ({"ttftP90TargetMs": "fast"}, "ttftP90TargetMs", "milliseconds"),
+        ({"loadStaleAfter": "0.01"}, "loadStaleAfter", "too short"),
+        ({"kvCacheTarget": "70"}, "kvCacheTarget", "did you mean 'kvCacheUtilTarget'"),
+    ):
+        with pytest.raises(TriggerError) as info:
+            parse_trigger({"deployment": "d", **meta}, "llm")
+        assert info.value.key == key and words in str(info.value), str(info.value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(triggers, st.integers(0, 10_000), utils, currents, kvs, ttfts, st.integers(0, 8))
+def test_the_count_is_the_most_demanding_signal_within_the_limits(
+    t: Trigger, depth: int, util: float | None, current: int | None, kv: float | None, ttft: float | None, drain: int
+) -> None:
+    d = recommend(t, fresh(depth, util, current, drain, kv, ttft), NOW)
+    assert d.available and d.signal in SIGNALS
+    asked = d.signal_replicas
+    if t.combine == "sum" and "queue" in asked and "gpu" in asked:
+        asked = {"queue+gpu": asked.pop("queue") + asked.pop("gpu"), **asked}
+    base = max(asked.values())
+    expected = (max(base, 1) if d.active else base) + d.surge
+    assert d.desired == min(max(expected, t.min_replicas), t.max_replicas)
+    if d.signal in asked:  # a signal that set the count asked for the most
+        assert asked[d.signal] == base
+        assert all(n < base for name, n in asked.items() if list(asked).index(name) < list(asked).index(d.signal))
+
+
+@settings(max_examples=300, deadline=None)
+@given(triggers, kvs, kvs, ttfts, ttfts, st.integers(1, 50))
+def test_monotone_in_kv_cache_utilisation_and_ttft(
+    t: Trigger, kv_a: float | None, kv_b: float | None, ttft_a: float | None, ttft_b: float | None, current: int
+) -> None:
+    kv_low, kv_high = sorted((kv_a or 0.0, kv_b or 0.0))
+    ttft_low, ttft_high = sorted((ttft_a or 0.0, ttft_b or 0.0))
+    low = recommend(t, fresh(0, None, current, 0, kv_low, ttft_low), NOW)
+    high = recommend(t, fresh(0, None, current, 0, kv_high, ttft_high), NOW)
+    assert low.desired <= high.desired
+
+
+@settings(max_examples=200, deadline=None)
+@given(triggers, st.integers(0, 10_000), currents, kvs, ttfts)
+def test_load_going_missing_never_lowers_the_count(
+    t: Trigger, depth: int, current: int | None, kv: float | None, ttft: float | None
+) -> None:
+    reported = fresh(depth, None, current, 0, kv, ttft)
+    before = recommend(t, reported, NOW)
+    after = recommend(t, Inputs(**{**_fields(reported), "load_read_at": None}), NOW + 1, before)
+    if "load" in after.stale:
+        assert after.desired >= before.desired
+    else:  # the load was not read (no target), or there is no pod to report it
+        assert (t.kv_cache_util_target is None and t.ttft_p90_target_ms is None) or current == 0

@@ -187,7 +187,9 @@ class CheckpointService:
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120),
             registry=r,
         )
-        self.m_gbps = Gauge("gpuwarden_checkpoint_last_drain_gbps", "GB/s of the last drain", registry=r)
+        self.m_drain_rate = Gauge(
+            "gpuwarden_checkpoint_last_drain_bytes_per_second", "Bytes per second the last drain saved", registry=r
+        )
         self.m_periodic = Histogram(
             "gpuwarden_checkpoint_periodic_save_seconds",
             "Time a pod's periodic save took (command to report)",
@@ -211,6 +213,39 @@ class CheckpointService:
             ["outcome"],
             registry=r,
         )
+        self.m_verdicts = Counter(
+            "gpuwarden_drain_verdicts_total",
+            "Drains decided here, by verdict (completed, failed)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("completed", "failed"):  # both series exist from the start, at 0: the first one counts
+            self.m_verdicts.labels(outcome)
+        self.m_restores = Counter(
+            "gpuwarden_checkpoint_restores_total",
+            "Sessions restored by a pod from a checkpoint whose every chunk digest it verified",
+            registry=r,
+        )
+        self.m_periodic_missed = Counter(
+            "gpuwarden_checkpoint_periodic_missed_total",
+            "Periodic checkpoints a pod was due that it did not take (its agent did not answer, or refused)",
+            registry=r,
+        )
+        self.m_periodic_late = Counter(
+            "gpuwarden_checkpoint_periodic_late_total",
+            "Periodic saves started more than 5 s after they were due (the pod's last save was still running)",
+            registry=r,
+        )
+        self.m_periodic_tick = Gauge(
+            "gpuwarden_checkpoint_periodic_tick_timestamp_seconds",
+            "When the periodic loop last looked for pods due a save (seconds since the epoch; 0: not yet)",
+            registry=r,
+        )
+        Gauge(
+            "gpuwarden_checkpoint_periodic_interval_seconds",
+            "The checkpoint document's periodic_interval_s (0: periodic checkpoints off)",
+            registry=r,
+        ).set_function(lambda: self.policy().periodic_interval_s)
         s = ctx.subjects
         await ctx.consume(
             ConsumerSpec(
@@ -419,6 +454,7 @@ class CheckpointService:
                     await self.registry.replicas(self.owner, REPLICA_LEASE_S)
                     continue
                 await self._periodic_tick(interval)
+                self.m_periodic_tick.set_to_current_time()
             except TemporaryError as exc:
                 log.warning("periodic checkpoints skipped this turn", extra={"error": str(exc)})
 
@@ -441,6 +477,7 @@ class CheckpointService:
         for pod in mine:
             if pod in self._periodic_running or self._periodic_due.get(pod, 0.0) > now:
                 continue
+            self.m_periodic_late.inc(1 if now - self._periodic_due.get(pod, now) > 5.0 else 0)
             self._periodic_due[pod] = now + interval_s
             self._periodic_running.add(pod)
             task = asyncio.create_task(self._periodic_save(pod, interval_s), name=f"periodic-{pod}")
@@ -475,6 +512,7 @@ class CheckpointService:
         finally:
             self._periodic_running.discard(pod)
         if isinstance(outcome, str):
+            self.m_periodic_missed.inc()
             log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": outcome})
             return False
         self.m_periodic.observe(time.monotonic() - started)
@@ -511,6 +549,7 @@ class CheckpointService:
         duration = time.monotonic() - started
         self.m_drain.observe(duration)
         state = "completed" if isinstance(verdict, DrainCompleted) else "failed"
+        self.m_verdicts.labels(state).inc()
         if await self.registry.finish_drain(event.drain_id, state, codec.encode(verdict), duration):
             await self.ctx.publish(verdict)
         else:  # another runner decided it first (this one lost its lease): that verdict stands
@@ -651,7 +690,7 @@ class CheckpointService:
         self.m_sessions.labels("failed").inc(len(failed))
         duration = time.monotonic() - started
         if duration > 0 and total:
-            self.m_gbps.set(total / duration / 1e9)
+            self.m_drain_rate.set(total / duration)
         log.info(
             "drain decided",
             extra={
@@ -951,6 +990,7 @@ class CheckpointService:
                 "restore passed over newer checkpoints",
                 extra={"session": event.session_id, "used": event.checkpoint_id, "why": event.fell_back_from},
             )
+        self.m_restores.inc()
         await self.ctx.publish(event)
         location = await self.registry.note_restored(event.session_id, event.pod, event.generation, event.checkpoint_id)
         if location is not None:
@@ -1044,9 +1084,13 @@ class CheckpointService:
 
     # -- retention --------------------------------------------------------------------------------------------------
     async def _gc_loop(self) -> None:
+        """One replica a turn applies retention and forgets gone pods (the turn is taken in Redis): replicas share
+        the work instead of each walking the store."""
         while True:
             await asyncio.sleep(self.settings.gc_interval_s)
             try:
+                if not await self.registry.take_turn("gc", "store", self.owner, self.settings.gc_interval_s * 0.9):
+                    continue
                 await self.collect_garbage()
                 await self._gone_pods()
             except (TemporaryError, StoreError) as exc:

@@ -32,6 +32,7 @@ from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
 
 from .config import DeviceSettings, load
+from .gauges import DeviceCollector
 from .health import GpuHealth, judge, may_recover
 from .labels import NodeLabeller, node_labels
 from .mig import CONFIG_DOCUMENT, MigController, start_mig_controller
@@ -71,6 +72,7 @@ class DeviceService:
         self.last_critical: dict[str, float] = {}
         self.clock = time.monotonic
         self.reasons: dict[str, str] = {}
+        self.xids: dict[str, int] = {"true": 0, "false": 0}  # XID errors seen, by whether they were critical
         self.inventory: DeviceInventory | None = None
         self._inventory_lock = asyncio.Lock()
         self.plugin: KubeletDevicePlugin | None = None
@@ -79,6 +81,7 @@ class DeviceService:
     async def start(self, ctx: ServiceContext) -> None:
         """Reads the GPUs before subscribing to anything: a node whose GPUs cannot be read does not start."""
         self.ctx = ctx
+        ctx.telemetry.registry.register(DeviceCollector(self, ctx.node))
         if self.gpus is None:
             self.gpus = ctx.backends.gpus()
             ctx.on_stop(self.gpus.close)
@@ -138,6 +141,7 @@ class DeviceService:
         if verdict.critical:
             self.last_critical[event.uuid] = self.clock()
         if event.kind == "xid":
+            self.xids["true" if verdict.critical else "false"] += 1
             await self.ctx.publish(
                 GpuXid(node=node, gpu_uuid=event.uuid, xid=event.xid, critical=verdict.critical, message=event.message)
             )

@@ -54,6 +54,7 @@ from .upgrade import (
     EXTERNAL_DRAIN_REASON,
     FAILURE_ANNOTATION,
     FENCE_ANNOTATION,
+    SINCE_ANNOTATION,
     STATE_LABEL,
     TARGET_ANNOTATION,
     Action,
@@ -225,7 +226,11 @@ class UpgradeCoordinator:
         return installed
 
     def _state_of(self, view: NodeView) -> dict[str, str]:
-        state = {"state": view.state, "reason": view.annotations.get(FAILURE_ANNOTATION, "")}
+        state = {
+            "state": view.state,
+            "reason": view.annotations.get(FAILURE_ANNOTATION, ""),
+            "since": view.annotations.get(SINCE_ANNOTATION, ""),  # when the node entered its state (epoch seconds)
+        }
         if view.name in self._silent:
             state["agent"] = self._silent[view.name]
         return state

@@ -21,6 +21,7 @@ from shared.ports.gpu import GpuPort
 from .agent import DriverAgent, bus_node_drivers
 from .config import DriverSettings, load
 from .coordinator import UpgradeCoordinator
+from .gauges import UpgradeCollector
 from .lease import RedisDrainVerdicts, RedisLeaderLease, open_redis
 from .ports import DrainVerdicts, NodeDrivers
 
@@ -91,6 +92,7 @@ class DriverService:
                 self.policy,
             )
             coordinator = self.coordinator
+            ctx.telemetry.registry.register(UpgradeCollector(coordinator))
             ctx.status["upgrade"] = coordinator.status
             ctx.spawn(lambda: coordinator.run(self.settings.reconcile_s, self._wake), "driver-upgrade")
 

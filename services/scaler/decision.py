@@ -4,13 +4,24 @@ The rule, for one trigger (see ``trigger.py`` for the keys):
 
 1. Fresh inputs only. The queue depth (JetStream ``num_pending + num_ack_pending`` of the deployment's request
    consumer) is fresh when read within ``queueStaleAfter``; the GPU utilisation (the metrics service's
-   ``DeploymentUtilisation``) when sampled within ``utilStaleAfter`` and the current replica count is known.
-2. Queue term ``q = ceil(depth / queueDepthPerReplica)``; GPU term ``u = ceil(current * util / gpuUtilTarget)``
-   (the HPA's own utilisation formula). ``combine: max`` takes the larger, ``sum`` adds them.
+   ``DeploymentUtilisation``) when sampled within ``utilStaleAfter`` and the current replica count is known; the
+   pods' load (their ``kv.pod.load`` reports: KV-cache utilisation and time to first token) when a pod reported
+   within ``loadStaleAfter``. A deployment with no pod at all (current replicas known to be 0) has no load to
+   report: its KV count is 0 and its TTFT count absent, and nothing is stale.
+2. One replica count per signal, each the HPA's own formula for its kind:
+   queue ``q = ceil(depth / queueDepthPerReplica)``;
+   GPU ``u = ceil(current * util / gpuUtilTarget)``;
+   KV cache ``k = ceil(n * kv_util / kvCacheUtilTarget)`` (``kv_util``: KV blocks used / blocks in the pools, over
+   the pods that reported; ``n``: the current replicas, else the pods that reported);
+   TTFT ``t = ceil(n * ttft_p90 / ttftP90TargetMs)`` (``ttft_p90``: the slowest reporting pod's p90; absent while
+   no request got its first token in the window: an idle deployment is not a slow one, and nothing is stale).
+   The rule that combines them: **the most demanding wins**, the largest count. ``combine: sum`` first adds the
+   queue and GPU counts into one (``queue+gpu``), which then competes with the others.
 3. Active (KEDA's 0 <-> 1) when the queue is deeper than ``activationQueueDepth``, or utilisation is above
    ``activationGpuUtil`` (when set), or pods of the deployment sit on a draining node; active means at least one
    replica. The queue depth counts requests in progress too, so an inactive queue means no work at all, and KEDA
-   scales to zero after its ``cooldownPeriod`` whatever the GPUs report, unless ``activationGpuUtil`` is set.
+   scales to zero after its ``cooldownPeriod`` whatever the GPUs or KV caches report, unless ``activationGpuUtil``
+   is set.
 4. Drain-aware surge: the pods of this deployment on nodes that are draining now are added, so their replacements
    warm up elsewhere before those pods are evicted (``drainSurge: false`` turns it off).
 5. Clamped to ``[minReplicas, maxReplicas]``.
@@ -23,6 +34,13 @@ The rule, for one trigger (see ``trigger.py`` for the keys):
    (missing data never scales down). With no fresh input at all the last decision is held; with no last decision
    either there is no answer (``available = False``): the gRPC layer answers ``UNAVAILABLE``, and KEDA's
    ``fallback`` (``failureThreshold``, ``replicas``) takes over, as it does for any scaler failure.
+
+What set the count is the decision's ``signal``, one of ``SIGNALS``: the winning count's signal (``queue``,
+``gpu``, ``kv``, ``ttft``, ``queue+gpu``; on a tie the first in that order), or the step after it that changed the
+count: ``activation`` (active while every count is 0: one replica), ``drain-surge`` (every count 0, the pods of
+draining nodes added), ``minReplicas`` / ``maxReplicas`` (clamped), ``held`` (stale input: no scale-down),
+``rollout`` (a preparing rollout's floor), ``stabilisation`` (a higher count still inside the window), ``none``
+(no answer). A surge on top of a count keeps that count's name; the surge itself is reported apart.
 
 The value reported to KEDA: ``metricValue = desired`` with ``targetSize = 1`` and metric type ``AverageValue``;
 the HPA computes ``ceil(metricValue / target) = ceil(desired / 1) = desired`` exactly (integers, exact in a
@@ -41,6 +59,23 @@ from .trigger import Trigger
 METRIC_TARGET = 1.0
 _EPSILON = 1e-9
 
+SIGNALS: tuple[str, ...] = (
+    "queue",
+    "gpu",
+    "kv",
+    "ttft",
+    "queue+gpu",
+    "activation",
+    "drain-surge",
+    "minReplicas",
+    "maxReplicas",
+    "held",
+    "rollout",
+    "stabilisation",
+    "none",
+)
+"""Every value ``Decision.signal`` takes (the module's docstring says when each is given)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Inputs:
@@ -53,6 +88,10 @@ class Inputs:
     current_replicas: int | None = None
     draining_pods: int = 0  # pods of this deployment on nodes that drain now
     rollout: str = ""  # the id of a rollout of this deployment preparing now
+    kv_util: float | None = None  # 0..1: KV blocks used / blocks in the pools of the pods that reported
+    ttft_p90_s: float | None = None  # the highest p90 time to first token among the pods that reported
+    load_read_at: float | None = None  # when the newest of those reports came (None: no pod reported)
+    load_pods: int = 0  # the pods whose fresh reports these figures are
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +105,25 @@ class Decision:
     stale: tuple[str, ...] = ()
     held: bool = False
     reason: str = ""
+    kv_replicas: int | None = None
+    ttft_replicas: int | None = None
+    signal: str = "none"
 
     @property
     def metric_value(self) -> float:
         """Reported with ``METRIC_TARGET``: the HPA's ``ceil(value / target)`` is exactly ``desired``."""
         return float(self.desired) * METRIC_TARGET
+
+    @property
+    def signal_replicas(self) -> dict[str, int]:
+        """The replica count each signal asked for (those with a fresh input)."""
+        terms = (
+            ("queue", self.queue_replicas),
+            ("gpu", self.util_replicas),
+            ("kv", self.kv_replicas),
+            ("ttft", self.ttft_replicas),
+        )
+        return {name: n for name, n in terms if n is not None}
 
 
 def _ceil(x: float) -> int:
@@ -99,16 +152,17 @@ def recommend(trigger: Trigger, inputs: Inputs, now: float, previous: Decision |
             stale.append("gpu")
         else:
             util_fresh = True
+    k_term, t_term, load_n = _load_terms(trigger, inputs, now, stale)
 
     q = _ceil(inputs.queue_depth / trigger.queue_depth_per_replica) if queue_fresh and inputs.queue_depth else 0
     q_term = q if queue_fresh else None
     u_term: int | None = None
     if util_fresh and trigger.gpu_util_target and inputs.current_replicas is not None and inputs.gpu_util is not None:
         u_term = _ceil(inputs.current_replicas * inputs.gpu_util / trigger.gpu_util_target)
-    terms = [t for t in (q_term, u_term) if t is not None]
+    named = _named_terms(trigger, q_term, u_term, k_term, t_term)
     surge = inputs.draining_pods if trigger.drain_surge else 0
 
-    if not terms:
+    if not named:
         if previous is not None and previous.available:
             return Decision(
                 desired=previous.desired,
@@ -116,6 +170,7 @@ def recommend(trigger: Trigger, inputs: Inputs, now: float, previous: Decision |
                 stale=tuple(stale),
                 held=True,
                 reason=f"held {previous.desired}: no fresh input ({', '.join(stale)} stale)",
+                signal="held",
             )
         return Decision(
             desired=trigger.min_replicas,
@@ -135,24 +190,36 @@ def recommend(trigger: Trigger, inputs: Inputs, now: float, previous: Decision |
     active = queue_active or util_active or surge > 0
     if not queue_fresh and previous is not None:
         active = active or previous.active
-    base = max(terms) if trigger.combine == "max" else sum(terms)
-    desired = (max(base, 1) if active else base) + surge
-    desired = min(max(desired, trigger.min_replicas), trigger.max_replicas)
+    winner, base = max(named, key=lambda item: item[1])  # max keeps the first of equals: ties go in SIGNALS order
+    signal = winner
+    unclamped = (max(base, 1) if active else base) + surge
+    if base == 0 and surge:
+        signal = "drain-surge"
+    elif base == 0 and active:
+        signal = "activation"
+    desired = min(max(unclamped, trigger.min_replicas), trigger.max_replicas)
+    if desired != unclamped:
+        signal = "minReplicas" if desired > unclamped else "maxReplicas"
     held = False
     if stale and previous is not None and previous.available and desired < previous.desired:
-        desired, held = previous.desired, True
+        desired, held, signal = previous.desired, True, "held"
     rollout_floor = min(inputs.current_replicas or 0, trigger.max_replicas) if inputs.rollout else 0
     rollout_held = desired < rollout_floor
     if rollout_held:
-        desired = rollout_floor
-        active = True
+        desired, active, signal = rollout_floor, True, "rollout"
 
     parts = []
     if q_term is not None:
         parts.append(f"queue {inputs.queue_depth}/{trigger.queue_depth_per_replica} -> {q_term}")
     if u_term is not None:
         parts.append(f"gpu {inputs.current_replicas}x{inputs.gpu_util:g}%/{trigger.gpu_util_target:g}% -> {u_term}")
-    reason = f"{trigger.combine}({', '.join(parts)})"
+    if k_term is not None:
+        kv = "0%" if inputs.kv_util is None else f"{inputs.kv_util * 100:.3g}%"
+        parts.append(f"kv {load_n}x{kv}/{trigger.kv_cache_util_target:g}% -> {k_term}")
+    if t_term is not None and inputs.ttft_p90_s is not None:
+        ttft = f"{inputs.ttft_p90_s * 1000:.4g}ms"
+        parts.append(f"ttft p90 {load_n}x{ttft}/{trigger.ttft_p90_target_ms:g}ms -> {t_term}")
+    reason = f"{trigger.combine}({', '.join(parts)}) = {base} by {winner}"
     if surge:
         reason += f" + drain surge {surge}"
     if not active:
@@ -172,7 +239,46 @@ def recommend(trigger: Trigger, inputs: Inputs, now: float, previous: Decision |
         stale=tuple(stale),
         held=held,
         reason=reason,
+        kv_replicas=k_term,
+        ttft_replicas=t_term,
+        signal=signal,
     )
+
+
+def _load_terms(trigger: Trigger, inputs: Inputs, now: float, stale: list[str]) -> tuple[int | None, int | None, int]:
+    """The KV-cache and TTFT replica counts (None: off or missing) and the replica count ``n`` they scale.
+    Appends ``load`` (no fresh report) or ``kv`` (reports that do not know their pool) to ``stale``."""
+    kv_target, ttft_target = trigger.kv_cache_util_target, trigger.ttft_p90_target_ms
+    if kv_target is None and ttft_target is None:
+        return None, None, 0
+    if inputs.current_replicas == 0:  # no pod: nothing to report, nothing missing
+        return (0 if kv_target is not None else None), None, 0
+    if inputs.load_read_at is None or inputs.load_pods < 1 or now - inputs.load_read_at > trigger.load_stale_after_s:
+        stale.append("load")
+        return None, None, 0
+    n = inputs.current_replicas if inputs.current_replicas is not None else inputs.load_pods
+    k_term: int | None = None
+    if kv_target is not None:
+        if inputs.kv_util is None:
+            stale.append("kv")
+        else:
+            k_term = _ceil(n * inputs.kv_util * 100.0 / kv_target)
+    t_term: int | None = None
+    if ttft_target is not None and inputs.ttft_p90_s is not None:
+        t_term = _ceil(n * inputs.ttft_p90_s * 1000.0 / ttft_target)
+    return k_term, t_term, n
+
+
+def _named_terms(trigger: Trigger, q: int | None, u: int | None, k: int | None, t: int | None) -> list[tuple[str, int]]:
+    """The competing replica counts with their signal's name, in ``SIGNALS`` order (``combine: sum`` makes the
+    queue and GPU counts one)."""
+    named: list[tuple[str, int]] = []
+    if trigger.combine == "sum" and q is not None and u is not None:
+        named.append(("queue+gpu", q + u))
+    else:
+        named += [(name, n) for name, n in (("queue", q), ("gpu", u)) if n is not None]
+    named += [(name, n) for name, n in (("kv", k), ("ttft", t)) if n is not None]
+    return named
 
 
 @dataclass
@@ -215,4 +321,7 @@ def decide(
         held=rec.held,
         reason=f"{rec.reason}; stabilised at {stable} (recommended {rec.desired}, "
         f"window {trigger.stabilisation_window_s:g}s)",
+        kv_replicas=rec.kv_replicas,
+        ttft_replicas=rec.ttft_replicas,
+        signal="stabilisation",
     )

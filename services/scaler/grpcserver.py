@@ -52,10 +52,10 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this line only satisfies the type checker
 
-    @staticmethod
-    async def _decision(watch: Watch, context: grpc.aio.ServicerContext) -> Decision:
+    async def _decision(self, watch: Watch, context: grpc.aio.ServicerContext) -> Decision:
         decision = watch.decision
         if decision is None or not decision.available:
+            self.core.unavailable += 1
             reason = decision.reason if decision else "no decision yet"
             await _abort(context, grpc.StatusCode.UNAVAILABLE, f"{'/'.join(watch.deployment)}: {reason}")
             raise AssertionError("unreachable")

@@ -4,8 +4,15 @@
 ScaledObject's current ``Decision`` (``decision.py``). The gRPC layer only reads it: every answer comes from
 memory. Inputs are refreshed by loops and events, level-triggered: a periodic JetStream read of each watched
 queue (every ``GPUWARDEN_SCALER_REFRESH_S``), the first request of an empty queue heard at once on a core
-subscription, utilisation from the metrics service's events, drains from the node events. Each change of a
-decision is published as a ``ScaleDecision`` event with its inputs and reason.
+subscription, utilisation from the metrics service's events, the pods' KV-cache utilisation and time to first
+token from their ``kv.pod.load`` reports, drains from the node events. Each change of a decision (its count, its
+activity or the signal that set it) is published as a ``ScaleDecision`` event with its inputs and reason.
+
+Load reports are kept per deployment and pod, stamped with the scaler's own clock when they arrive (a pod's clock
+may be off). A deployment's figures are taken over the pods whose report is fresh (``loadStaleAfter`` of the
+trigger): KV-cache utilisation is the sum of blocks used over the sum of blocks in their pools; time to first
+token is the highest p90 among them (a deployment's p90 is never above its slowest pod's). With no fresh report
+the figures are missing, never 0. A pod silent for ``LOAD_FORGET_S`` is forgotten.
 
 The one wait on a request path: the first call for a ScaledObject the scaler has not seen yet waits (at most
 ``FIRST_READ_TIMEOUT_S``) for its queue's first read, so that KEDA's first answer is not a made-up number.
@@ -27,6 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.contract.load import PodLoad
 from shared.contract.metrics import DeploymentUtilisation
 from shared.contract.models import RolloutState
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
@@ -47,6 +55,9 @@ FIRST_READ_TIMEOUT_S = 2.0
 PLACEMENT_EVERY = 2.0  # placement is read every this many queue refresh periods
 PLACEMENT_STALE_S = 30.0
 IDLE_WATCH_S = 900.0  # a ScaledObject KEDA has not polled for this long (deleted), and no stream holds, is forgotten
+LOAD_FORGET_S = 300.0  # a pod that has not reported its load for this long is forgotten (it is gone)
+VERDICT_WAIT_MAX_S = 24 * 3600.0  # a drain without a verdict is shown as such this long after its deadline, at most
+VERDICT_WAITS_KEPT = 10_000
 
 
 @dataclass
@@ -64,6 +75,45 @@ class UtilView:
     util: float
     sampled_at: float
     gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """One pod's newest load report, as the scaler keeps it."""
+
+    blocks_used: int
+    blocks_total: int
+    ttft_p90_s: float | None
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentLoad:
+    """A deployment's load from its pods' fresh reports; the figures are None when no pod's report says."""
+
+    kv_util: float | None
+    ttft_p90_s: float | None
+    newest: float | None
+    pods: int
+
+
+def aggregate_load(reports: Mapping[str, LoadView], now: float, stale_after_s: float) -> DeploymentLoad:
+    """KV utilisation = blocks used / blocks in the pools, over the fresh reports that know their pool; TTFT p90 =
+    the highest of the fresh reports that measured one."""
+    used = total = pods = 0
+    ttft: float | None = None
+    newest: float | None = None
+    for view in reports.values():
+        if now - view.received_at > stale_after_s:
+            continue
+        pods += 1
+        newest = view.received_at if newest is None else max(newest, view.received_at)
+        if view.blocks_total > 0:
+            used += view.blocks_used
+            total += view.blocks_total
+        if view.ttft_p90_s is not None:
+            ttft = view.ttft_p90_s if ttft is None else max(ttft, view.ttft_p90_s)
+    return DeploymentLoad(kv_util=used / total if total else None, ttft_p90_s=ttft, newest=newest, pods=pods)
 
 
 @dataclass
@@ -107,6 +157,11 @@ class ScalerCore:
         self._drain_expiry: dict[str, float] = {}
         self.rollouts: dict[Deployment, tuple[str, float]] = {}  # preparing: rollout id, when the hold expires
         self.pods: dict[Deployment, tuple[Mapping[str, int], float]] = {}
+        self.loads: dict[Deployment, dict[str, LoadView]] = {}
+        self.load_reports = 0  # load reports taken so far
+        self.awaiting_verdict: dict[str, tuple[str, float]] = {}  # drain id -> (node, deadline): no verdict yet
+        self.unavailable = 0  # answers without a decision (UNAVAILABLE: KEDA's fallback counts these)
+        self.decisions_by_signal: dict[str, int] = {}  # decision changes announced, by the signal that set them
         self.decisions_published = 0
         self.refreshes = 0  # refresh loop iterations so far: "within two refreshes" is counted, not timed
         self._parsed: dict[tuple[Any, ...], Trigger] = {}  # metadata as KEDA sends it -> its checked trigger
@@ -234,10 +289,35 @@ class ScalerCore:
                 if expires > self.clock():
                     self.drains_in_flight[event.drain_id] = event.node
                     self._drain_expiry[event.drain_id] = expires
+                deadline = event.occurred_at.timestamp() + event.deadline_s
+                if deadline + VERDICT_WAIT_MAX_S > self.clock():
+                    self.awaiting_verdict[event.drain_id] = (event.node, deadline)
+                    while len(self.awaiting_verdict) > VERDICT_WAITS_KEPT:
+                        del self.awaiting_verdict[next(iter(self.awaiting_verdict))]
             case DrainCompleted() | DrainFailed():
                 self.drains_in_flight.pop(event.drain_id, None)
                 self._drain_expiry.pop(event.drain_id, None)
+                self.awaiting_verdict.pop(event.drain_id, None)
         self._evaluate_all()
+
+    async def on_load(self, event: PodLoad) -> None:
+        """Idempotent: keeps each pod's newest report, stamped with the scaler's clock on arrival. The decision
+        takes it at the next refresh (load changes in seconds; the refresh reads the queues as often)."""
+        pods = self.loads.setdefault((event.namespace, event.deployment), {})
+        pods[event.pod] = LoadView(event.blocks_used, event.blocks_total, event.ttft_p90_s, self.clock())
+        self.load_reports += 1
+
+    def load(self, deployment: Deployment, now: float, stale_after_s: float) -> DeploymentLoad:
+        return aggregate_load(self.loads.get(deployment, {}), now, stale_after_s)
+
+    def _forget_silent_pods(self, now: float) -> None:
+        for deployment, pods in list(self.loads.items()):
+            for pod in [p for p, view in pods.items() if now - view.received_at > LOAD_FORGET_S]:
+                del pods[pod]
+            if not pods:
+                del self.loads[deployment]
+        for drain_id in [d for d, (_, due) in self.awaiting_verdict.items() if due + VERDICT_WAIT_MAX_S <= now]:
+            del self.awaiting_verdict[drain_id]
 
     async def on_rollout(self, event: RolloutState) -> None:
         """Idempotent: a rollout holds its deployment's count from ``preparing`` until it is switched or aborted
@@ -276,7 +356,7 @@ class ScalerCore:
             del self._drain_expiry[drain_id]
 
     # -- deciding -----------------------------------------------------------------------------------------------
-    def inputs(self, deployment: Deployment, now: float) -> Inputs:
+    def inputs(self, deployment: Deployment, now: float, load_stale_after_s: float = 15.0) -> Inputs:
         view = self.queues.get(deployment) or QueueView()
         depth, read_at = view.depth, view.read_at
         if now - view.arrived_at <= ARRIVAL_HOLD_S:
@@ -292,6 +372,7 @@ class ScalerCore:
             draining = sum(n for node, n in placed[0].items() if node in nodes)
         elif util is not None and util.gpus > 0:
             current = util.gpus
+        load = self.load(deployment, now, load_stale_after_s)
         return Inputs(
             queue_depth=depth,
             queue_read_at=read_at,
@@ -300,6 +381,10 @@ class ScalerCore:
             current_replicas=current,
             draining_pods=draining,
             rollout=self._rollout(deployment, now),
+            kv_util=load.kv_util,
+            ttft_p90_s=load.ttft_p90_s,
+            load_read_at=load.newest,
+            load_pods=load.pods,
         )
 
     def _evaluate_all(self) -> None:
@@ -313,14 +398,15 @@ class ScalerCore:
 
     def _evaluate(self, watch: Watch) -> None:
         now = self.clock()
-        inputs = self.inputs(watch.deployment, now)
+        inputs = self.inputs(watch.deployment, now, watch.trigger.load_stale_after_s)
         previous = watch.decision
         decision = decide(watch.trigger, inputs, now, watch.stabiliser, previous)
         watch.decision, watch.inputs = decision, inputs
-        if previous is not None and (previous.desired, previous.active, previous.available) == (
+        if previous is not None and (previous.desired, previous.active, previous.available, previous.signal) == (
             decision.desired,
             decision.active,
             decision.available,
+            decision.signal,
         ):
             return
         old, watch.changed = watch.changed, asyncio.Event()
@@ -338,7 +424,13 @@ class ScalerCore:
             gpu_util=inputs.gpu_util,
             drain_surge=decision.surge,
             reason=decision.reason,
+            signal=decision.signal,
+            signal_replicas=decision.signal_replicas,
+            kv_cache_util=inputs.kv_util,
+            ttft_p90_s=inputs.ttft_p90_s,
+            stale=list(decision.stale),
         )
+        self.decisions_by_signal[decision.signal] = self.decisions_by_signal.get(decision.signal, 0) + 1
         with contextlib.suppress(asyncio.QueueFull):
             self._outbox.put_nowait(event)
 
@@ -348,6 +440,7 @@ class ScalerCore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.refresh_s)
             self._wake.clear()
+            self._forget_silent_pods(self.clock())
             await self._forget_idle()
             if self.queues:
                 await self.refresh_queues()
@@ -406,6 +499,8 @@ class ScalerCore:
                 "active": w.decision.active if w.decision else None,
                 "available": w.decision.available if w.decision else None,
                 "reason": w.decision.reason if w.decision else "",
+                "signal": w.decision.signal if w.decision else "",
+                "signal_replicas": w.decision.signal_replicas if w.decision else {},
                 "streams": w.streams,
             }
             for key, w in self.watches.items()

@@ -1,15 +1,13 @@
 """The scaler's wiring: the service the runner starts. It builds ``ScalerCore`` (``handlers.py``) over its
-adapters (``adapters.py``), feeds it drain and utilisation events, serves it over gRPC (``grpcserver.py``) and
-spawns its loops."""
+adapters (``adapters.py``), feeds it drain, utilisation and pod load events, serves it over gRPC
+(``grpcserver.py``), exports its metrics (``gauges.py``) and spawns its loops."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
-from prometheus_client import Gauge
-
+from shared.contract.load import PodLoad
 from shared.contract.metrics import DeploymentUtilisation
 from shared.contract.models import RolloutState
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
@@ -18,15 +16,12 @@ from shared.plumbing.runner import ServiceContext
 
 from .adapters import JetStreamQueue, cluster_placement
 from .config import ScalerSettings, load
+from .gauges import ScalerCollector
 from .grpcserver import ScalerServer
 from .handlers import Clock, ScalerCore
 from .ports import Placement
 
 log = logging.getLogger(__name__)
-
-
-def _held(core: ScalerCore, key: str) -> float:
-    return float(core.following()[key])
 
 
 class ScalerService:
@@ -80,6 +75,7 @@ class ScalerService:
         await ctx.bus.subscribe(
             s.pattern("metrics.deployment.utilisation"), core.on_utilisation, accepts=(DeploymentUtilisation,)
         )
+        await ctx.bus.subscribe(s.pattern("kv.pod.load"), core.on_load, accepts=(PodLoad,))
         server = ScalerServer(core, self.settings, serving=lambda: ctx.bus.connected)
         ctx.on_stop(core.close)
         self.port = await server.start()
@@ -93,10 +89,4 @@ class ScalerService:
         ctx.status["grpc"] = f"{self.settings.host}:{self.port}"
         ctx.status["scaled_objects"] = core.status
         ctx.status["following"] = core.following
-        for key, what in (
-            ("scaled_objects", "ScaledObjects the scaler watches"),
-            ("queues", "Request queues the scaler polls"),
-            ("streams", "StreamIsActive streams open"),
-        ):
-            gauge = Gauge(f"gpuwarden_scaler_{key}", what, registry=ctx.telemetry.registry)
-            gauge.set_function(functools.partial(_held, core, key))
+        ctx.telemetry.registry.register(ScalerCollector(core))

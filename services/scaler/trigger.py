@@ -11,13 +11,16 @@ silently running on a default.
 | ``namespace`` | its namespace | the ScaledObject's namespace |
 | ``queueDepthPerReplica`` | integer >= 1: queued plus in-progress requests one replica serves | 10 |
 | ``gpuUtilTarget`` | percent, 1-100: mean GPU utilisation per replica to aim for | unset: GPU signal off |
-| ``combine`` | ``max`` or ``sum`` of the queue and GPU replica counts | max |
+| ``kvCacheUtilTarget`` | percent, 1-100: KV-cache blocks used per pool to aim for (``kv.pod.load``) | unset: off |
+| ``ttftP90TargetMs`` | milliseconds, above 0 (at most 3600000): time to first token at p90 to aim for | unset: off |
+| ``combine`` | ``max``: the most demanding signal wins; ``sum``: queue and GPU counts added first | max |
 | ``activationQueueDepth`` | integer >= 0: active (0 -> 1) when the queue is deeper than this | 0 |
 | ``activationGpuUtil`` | percent, 0-100: also active when utilisation is above this | unset: queue only |
 | ``minReplicas`` / ``maxReplicas`` | integers, 0 <= min <= max, max >= 1 (match the ScaledObject's bounds) | 0 / 100 |
 | ``stabilisationWindow`` | seconds (``300``, ``90s``, ``5m``): scale down only to the highest count seen in it | 60s |
 | ``drainSurge`` | ``true`` or ``false``: add the pods of draining nodes | true |
 | ``queueStaleAfter`` / ``utilStaleAfter`` | seconds: an input older than this is stale | 15s / 60s |
+| ``loadStaleAfter`` | seconds: a pod's load report older than this is missing (none fresh: stale) | 15s |
 
 KEDA's own keys (``scalerAddress``, ``enableTLS``, ``unsafeSsl``, ``tlsCertFile``, ``caCert``, ``tlsClientCert``,
 ``tlsClientKey``) are accepted and ignored.
@@ -57,12 +60,15 @@ MAX_VALUE_BYTES = 1024
 MAX_PEM_BYTES = 64 * 1024
 MAX_NAME_BYTES = 253
 SHOWN_CHARS = 32
+MAX_TTFT_TARGET_MS = 3_600_000
 KEYS = frozenset(
     {
         "deployment",
         "namespace",
         "queueDepthPerReplica",
         "gpuUtilTarget",
+        "kvCacheUtilTarget",
+        "ttftP90TargetMs",
         "combine",
         "activationQueueDepth",
         "activationGpuUtil",
@@ -72,6 +78,7 @@ KEYS = frozenset(
         "drainSurge",
         "queueStaleAfter",
         "utilStaleAfter",
+        "loadStaleAfter",
     }
 )
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -147,6 +154,9 @@ class Trigger:
     drain_surge: bool = True
     queue_stale_after_s: float = 15.0
     util_stale_after_s: float = 60.0
+    kv_cache_util_target: float | None = None
+    ttft_p90_target_ms: float | None = None
+    load_stale_after_s: float = 15.0
 
     @property
     def metric_name(self) -> str:
@@ -177,6 +187,20 @@ def _percent(meta: Mapping[str, str], key: str, low: float, strictly_above_low: 
     except ValueError:
         raise TriggerError(key, f"{shown(raw)} is not a number; expected {allowed}") from None
     if not math.isfinite(value) or value > 100 or value < low or (strictly_above_low and value == low):
+        raise TriggerError(key, f"{shown(raw)} is out of range; expected {allowed}")
+    return value
+
+
+def _milliseconds(meta: Mapping[str, str], key: str) -> float | None:
+    raw = meta.get(key)
+    if raw is None:
+        return None
+    allowed = f"milliseconds above 0 up to {MAX_TTFT_TARGET_MS}, like '500'"
+    try:
+        value = float(raw.strip().removesuffix("ms"))
+    except ValueError:
+        raise TriggerError(key, f"{shown(raw)} is not a number; expected {allowed}") from None
+    if not math.isfinite(value) or value <= 0 or value > MAX_TTFT_TARGET_MS:
         raise TriggerError(key, f"{shown(raw)} is out of range; expected {allowed}")
     return value
 
@@ -245,4 +269,7 @@ def parse_trigger(meta: Mapping[str, str], default_namespace: str = "") -> Trigg
         drain_surge=_bool(meta, "drainSurge", True),
         queue_stale_after_s=_seconds(meta, "queueStaleAfter", 15.0, 0.1),
         util_stale_after_s=_seconds(meta, "utilStaleAfter", 60.0, 0.1),
+        kv_cache_util_target=_percent(meta, "kvCacheUtilTarget", 0.0, strictly_above_low=True),
+        ttft_p90_target_ms=_milliseconds(meta, "ttftP90TargetMs"),
+        load_stale_after_s=_seconds(meta, "loadStaleAfter", 15.0, 0.1),
     )

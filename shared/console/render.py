@@ -65,7 +65,8 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
             model += f" -> {r.to_version} preparing ({len(r.ready)} ready, {len(r.failed)} failed)"
         elif r is not None:
             model += f" (rollout {r.from_version} -> {r.to_version} {r.phase})"
-        deployments.add_row(f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, model, dep.why)
+        why = f"by {dep.scaler_signal}: {dep.why}" if dep.scaler_signal else dep.why
+        deployments.add_row(f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, model, why)
     total = status.sessions_total if status.sessions_total is not None else len(status.sessions)
     moving = f", {status.sessions_moving} moving" if status.sessions_moving else ""
     sessions = Table(title=f"sessions ({total}{moving})", title_justify="left")

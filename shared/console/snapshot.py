@@ -100,6 +100,9 @@ class DeploymentView(msgspec.Struct, kw_only=True):
     desired: int
     """What the deployment asks for now (its spec's replica count)."""
     scaler_desired: int | None = None
+    scaler_signal: str = ""
+    """What set the newest scale decision's count: ``queue``, ``gpu``, ``kv``, ``ttft``, ``queue+gpu``, or a later
+    step (``maxReplicas``, ``held``, ``stabilisation``, ...: services/scaler/decision.py); empty without one."""
     why: str = ""
     """The newest scale decision's reason, or what else explains the count."""
     pods: list[str] = msgspec.field(default_factory=list)
@@ -313,6 +316,7 @@ async def take(
                 )
         if isinstance(decision, ScaleDecision):
             view.scaler_desired = decision.desired_replicas
+            view.scaler_signal = decision.signal
             view.why = decision.reason
         elif running < dep.replicas:
             view.why = f"{dep.replicas - running} pod(s) starting or waiting for a GPU"

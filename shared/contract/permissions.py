@@ -87,7 +87,7 @@ HEARS: dict[str, tuple[str, ...]] = {
     "driver": ("driver.install.command", "driver.validate.command", "driver.versions.command"),  # its node agent
     "device": (),
     "metrics": ("metrics.gpu.sample",),  # the bus aggregator hears every node's samples
-    "scaler": ("metrics.deployment.utilisation", "requests.inference"),  # utilisation; queue arrivals
+    "scaler": ("metrics.deployment.utilisation", "requests.inference", "kv.pod.load"),  # + pods' KV cache, TTFT
     "checkpoint": (
         "checkpoint.agent.sessions",  # announcements (answered)
         "kv.session.where",  # a gateway's (or the CLI's) question
@@ -135,6 +135,7 @@ AGENT_PUBLISHES: tuple[str, ...] = (
     "checkpoint.save.report",
     "checkpoint.save.progress",
     "model.prepare.report",
+    "kv.pod.load",  # its pod's KV pool and time to first token, which the scaler hears (HEARS)
 )
 AGENT_REQUESTS: tuple[str, ...] = AGENT_VERBS
 

@@ -32,6 +32,7 @@ from shared.contract.driver import (
     ReadDriverVersions,
     ValidateDriver,
 )
+from shared.contract.load import PodLoad
 from shared.contract.metrics import DeploymentUtilisation, GpuSample
 from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, ServingQuery
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, NodeCordoned, NodeUncordoned
@@ -82,6 +83,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     SessionsPage,
     FleetQuery,
     FleetSummary,
+    PodLoad,
     PrepareModel,
     ModelPrepared,
     ServingQuery,

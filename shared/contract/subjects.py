@@ -125,6 +125,11 @@ ROUTES: dict[str, Route] = {
     "kv.session.where": Route(
         "cmd.checkpoint.where", Delivery.CORE, "Request/reply: which pod holds a session's KV cache now?"
     ),
+    "kv.pod.load": Route(
+        "kvagent.{pod}.load",
+        Delivery.CORE,
+        "A pod's load every few seconds: KV blocks used of its pool, time to first token (p90) of its requests.",
+    ),
     "model.prepare.command": Route(
         "cmd.kvagent.{pod}.prepare",
         Delivery.CORE,

@@ -717,6 +717,7 @@ class Bus:
         await self.ensure_stream(spec.stream)
         await self.ensure_stream(self.subjects.deadletter_stream)
         await self._ensure_consumer(spec)
+        self.telemetry.dead_letters.labels(spec.durable)  # its series exists from the start, at 0 (rates need it)
         consumer = Consumer(spec=spec)
         await self.watch_exhausted(spec)
         consumer.task = asyncio.create_task(self._consume_loop(spec, handler, consumer), name=spec.durable)

@@ -72,3 +72,10 @@ class Telemetry:
         self.connection_up = Gauge(
             "gpuwarden_connection_up", "1 while the connection to a dependency is up", ["dependency"], registry=r
         )
+        self.info = Gauge(
+            "gpuwarden_service_info",
+            "1, labelled with the service this process runs (rules join on it)",
+            ["service"],
+            registry=r,
+        )
+        self.info.labels(service).set(1)

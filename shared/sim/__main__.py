@@ -29,6 +29,7 @@ from shared.ports.cluster import ClusterError
 from shared.sim.cluster import SimCluster
 from shared.sim.exporter import PodRef, SimExporter, exporter_url_key
 from shared.sim.faults import serve_faults
+from shared.sim.gauges import WorkloadCollector
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import SimSpec, load_spec
 from shared.sim.workload import SimWorkload, publish_requests
@@ -72,6 +73,7 @@ class Simulation:
         self.workload = SimWorkload(ctx.bus, cluster, store, self.spec, gpus=gpus)
         await self.workload.start()
         ctx.status["simulation"] = self.workload.status
+        ctx.telemetry.registry.register(WorkloadCollector(self.workload))
         for name, port in gpus.items():  # a dcgm-exporter page per node, announced in Redis for the metrics service
             exporter = SimExporter(port, pods=self._pods_of(name))
             await exporter.start(ctx.settings.http_host)

@@ -14,6 +14,11 @@ neither prompt nor new tokens closes one (as SGLang's ``close_session`` does), a
 the model's ``max_model_len`` ends it (an engine refuses such a request), and one idle for ``session_idle_s`` is
 dropped. An ended session leaves its pod, so the agent's next announcement takes it out of the registry.
 
+Each pod reports its load every ``load_interval_s`` as an inference server does (``shared.kv.load.LoadReporter``,
+``kv.pod.load``): its pool's blocks used and in all, and the 90th percentile of its requests' time to first token,
+from the request's publication to the end of the engine step that serves it (the simulated engines prefill and
+decode in one step, so this is an upper bound of the first token's time).
+
 A pod that turns Terminating runs its preStop: a final save recorded by the checkpoint service, then it tells
 the cluster it is done. A pod that vanishes without that (a crash, a grace period overrun) loses what its last
 checkpoint did not hold. Everything here is simulated except NATS, Redis and the store.
@@ -37,6 +42,7 @@ from shared.contract.models import RolloutState
 from shared.contract.requests import InferenceRequest
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.endpoint import AgentEndpoint, SessionHeld
+from shared.kv.load import LoadReporter
 from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
 from shared.plumbing.bus import Bus, ConsumerSpec
@@ -80,6 +86,8 @@ class PodRuntime:
     engines: dict[str, PodEngine]
     """The pod's engine per model version it holds: the serving one, and during a rollout the next one (prepared)
     or the previous one (its sessions finish on it)."""
+    load: LoadReporter | None = None
+    """The pod's ``kv.pod.load`` reports: its pool's blocks used and its requests' time to first token."""
     gpu_uuid: str = ""
     gpu_memory_mib: float = 0.0
     served: int = 0
@@ -148,6 +156,7 @@ class SimWorkload:
         *,
         gpus: dict[str, Any] | None = None,
         announce_s: float = 2.0,
+        load_interval_s: float = 2.0,
         tick_s: float = 0.2,
         session_idle_s: float = SESSION_IDLE_S,
         clock: Callable[[], float] = time.monotonic,
@@ -158,6 +167,7 @@ class SimWorkload:
         self.spec = spec
         self.gpus = gpus or {}
         self.announce_s = announce_s
+        self.load_interval_s = load_interval_s
         self.tick_s = tick_s
         self.session_idle_s = session_idle_s
         self.clock = clock
@@ -314,7 +324,17 @@ class SimWorkload:
                     if device.index == first:
                         gpu_uuid, memory = device.uuid, float(device.memory_total_mib)
         capacity = max(deployment.kv_capacity(memory), deployment.model.max_len_blocks)
-        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, BlockPool(capacity), engines, gpu_uuid, memory)
+        pool = BlockPool(capacity)
+        load = LoadReporter(
+            self.bus.publish,
+            lambda: (pool.used, pool.capacity),
+            pod=pod.name,
+            node=pod.node,
+            namespace=pod.namespace,
+            deployment=pod.deployment,
+            interval_s=self.load_interval_s,
+        )
+        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, pool, engines, load, gpu_uuid, memory)
         await endpoint.start()  # asks for the serving version first: a pod started after a switch serves it
         log.info(
             "SIMULATED pod serving",
@@ -337,8 +357,12 @@ class SimWorkload:
         self._wake.set()
 
     async def _report_load(self) -> None:
+        """Each pod's ``kv.pod.load`` when its interval has passed, and its GPU's utilisation, memory and power (from
+        the requests served since the last tick) to the simulated GPUs."""
         window = max(self.tick_s, 0.2)
-        for runtime in self.runtimes.values():
+        for runtime in list(self.runtimes.values()):
+            if runtime.load is not None and not runtime.stopping:
+                await runtime.load.tick()
             gpus = self.gpus.get(runtime.info.node)
             if gpus is None or not runtime.gpu_uuid:
                 continue
@@ -407,6 +431,8 @@ class SimWorkload:
                 blocks = math.ceil(tokens / runtime.agent.layout.block_tokens)
                 self._preempt(runtime, runtime.pool.reserve(sid, blocks))
                 await engine.serve(sid, request.prompt_tokens, request.max_new_tokens)
+            if runtime.load is not None:  # the engines prefill and decode in one step: its end is the first token
+                runtime.load.first_token(time.time() - request.occurred_at.timestamp())
             runtime.served += 1
             self.stats.served += 1
             self.stats.served_by_version[version] = self.stats.served_by_version.get(version, 0) + 1

@@ -105,6 +105,7 @@ async def test_a_redis_pause_mid_retention_leaves_no_recorded_checkpoint_without
         for sid in pod.agent.sessions():
             assert len(await mesh.store.checkpoints(sid)) == len(await mesh.service.registry.checkpoints(sid)) == 1
         await mesh.check()
+        await mesh.evict(pod)
         other = await mesh.add_pod("llama-2", "node-2")
         for sid in pod.agent.sessions():
             assert [bytes(b) for b in (await other.endpoint.restore(sid)).blocks] == expected(sid, 4)
