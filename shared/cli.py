@@ -145,6 +145,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     settings = _settings()
 
     async def main() -> int:
+        from shared.console import operations
         from shared.plumbing.bus import Bus
 
         bus: Bus = await _connect(settings, "cli")
@@ -161,12 +162,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
                     subjects.pattern("node.drain.completed", node=args.node), on_verdict, (DrainCompleted,)
                 )
                 await bus.subscribe(subjects.pattern("node.drain.failed", node=args.node), on_verdict, (DrainFailed,))
+            since = await operations.stream_end(bus) if args.wait else 0
             await bus.publish(event)
             print(json.dumps({"drain_requested": args.node, "drain_id": drain_id}))
             if not args.wait:
                 return 0
             try:
-                result = await asyncio.wait_for(verdict, timeout=args.deadline + 30)
+                result = await operations.wait_verdict(bus, args.node, drain_id, verdict, args.deadline + 30, since)
             except TimeoutError:
                 print(json.dumps({"drain_id": drain_id, "verdict": "no verdict in time"}))
                 return 1

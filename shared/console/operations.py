@@ -44,6 +44,7 @@ from shared.contract.node import (
 )
 from shared.contract.registry import codec
 from shared.contract.requests import InferenceRequest
+from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
 from shared.ports.cluster import ClusterConflict, EvictionOutcome
 
@@ -194,13 +195,13 @@ async def drain(
         await mesh.bus.subscribe(s.pattern("requests.inference"), on_request, (InferenceRequest,)),
     ]
     try:
-        since = await _stream_end(mesh)
+        since = await stream_end(mesh.bus)
         await cordon(mesh, node, drain_id)
         report("cordoned", {"sessions": len(before)})
         await mesh.bus.publish(request)
         report("saving", {"sessions": len(before)})
         try:
-            event = await wait_verdict(mesh, node, drain_id, verdict, min(timeout, deadline_s + 30), since)
+            event = await wait_verdict(mesh.bus, node, drain_id, verdict, min(timeout, deadline_s + 30), since)
         except TimeoutError:
             result.reason = f"no drain verdict from the checkpoint service within {min(timeout, deadline_s + 30):g}s"
             return result
@@ -241,19 +242,19 @@ async def drain(
 
 
 async def wait_verdict(
-    mesh: MeshClient, node: str, drain_id: str, heard: asyncio.Future[Any], timeout: float, since_seq: int = 0
+    bus: Bus, node: str, drain_id: str, heard: asyncio.Future[Any], timeout: float, since_seq: int = 0
 ) -> DrainCompleted | DrainFailed:
     """The drain's verdict: as heard on the bus (``heard``), or as stored in the events stream after sequence
     ``since_seq``. A verdict published while this client's connection was failing over to another server is not
     heard (core NATS does not keep it), so the stream is read every second too, from where the last read ended."""
-    s = mesh.subjects
+    s = bus.subjects
     cursors = {s.pattern(kind, node=node): since_seq + 1 for kind in ("node.drain.completed", "node.drain.failed")}
     end = time.monotonic() + timeout
     while True:
         with contextlib.suppress(TimeoutError):
             return await asyncio.wait_for(asyncio.shield(heard), timeout=max(0.0, min(1.0, end - time.monotonic())))
         for subject in cursors:
-            found = await _stored_verdict(mesh, subject, drain_id, cursors)
+            found = await _stored_verdict(bus, subject, drain_id, cursors)
             if found is not None:
                 return found
         if time.monotonic() >= end:
@@ -261,14 +262,14 @@ async def wait_verdict(
 
 
 async def _stored_verdict(
-    mesh: MeshClient, subject: str, drain_id: str, cursors: dict[str, int]
+    bus: Bus, subject: str, drain_id: str, cursors: dict[str, int]
 ) -> DrainCompleted | DrainFailed | None:
     """The verdict of ``drain_id`` among the messages stored on ``subject`` (one node's verdicts) from the cursor on;
     the cursor moves past what was read. None when there is none yet, or the stream cannot be read now."""
-    stream = mesh.subjects.events_stream.name
+    stream = bus.subjects.events_stream.name
     while True:
         try:
-            raw = await mesh.bus.js.get_msg(stream, seq=cursors[subject], subject=subject, next=True)
+            raw = await bus.js.get_msg(stream, seq=cursors[subject], subject=subject, next=True)
         except Exception:  # none after the cursor, or the stream not answering now: read again next time
             return None
         cursors[subject] = (raw.seq or cursors[subject]) + 1
@@ -278,10 +279,10 @@ async def _stored_verdict(
                 return event
 
 
-async def _stream_end(mesh: MeshClient) -> int:
+async def stream_end(bus: Bus) -> int:
     """The events stream's last sequence now (0 when it cannot be read): what is stored later is newer."""
     try:
-        info = await mesh.bus.js.stream_info(mesh.subjects.events_stream.name)
+        info = await bus.js.stream_info(bus.subjects.events_stream.name)
     except Exception:
         return 0
     return int(info.state.last_seq or 0)

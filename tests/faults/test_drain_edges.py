@@ -126,7 +126,7 @@ async def test_a_request_out_of_range_from_another_system_gets_its_failed_verdic
             assert "deadline_s" in verdict.reason, verdict.reason
             # what `drain --wait` waits with finds the verdict even when it was published before it listened
             never: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-            found = await operations.wait_verdict(f.mesh, "node-1", drain_id, never, timeout=10)
+            found = await operations.wait_verdict(f.mesh.bus, "node-1", drain_id, never, timeout=10)
             assert isinstance(found, DrainFailed) and found.drain_id == drain_id
         node = await f.cluster.node("node-1")
         assert node is not None and node.schedulable  # nobody cordoned it on the request's behalf
@@ -136,7 +136,19 @@ async def test_a_request_out_of_range_from_another_system_gets_its_failed_verdic
         await f.talk(sessions)  # the sessions on node-1 are served where they were
         assert f.workload.stats.restored == 0
         f.sessions_intact(sessions)
-        await f.check(drains=list(drains))
+        # and a deadline in range, from the CLI, is run and waited for
+        saved = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "shared.cli", "checkpoint", "node-1", "--deadline", "5", "--wait"],
+            env=cli_env(f.settings, tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert saved.returncode == 0, saved.stdout + saved.stderr
+        asked, answered = (msgspec.json.decode(line) for line in saved.stdout.splitlines())
+        assert answered["kind"] == "node.drain.completed" and answered["drain_id"] == asked["drain_id"]
+        await f.check(drains=[*drains, asked["drain_id"]])
 
 
 async def test_draining_every_node_during_a_rollout_and_a_driver_upgrade_deadlocks_nothing(
