@@ -178,7 +178,7 @@ async def test_a_drain_with_an_impossible_deadline_is_dead_lettered(
     )
     await bus.publish(DrainRequested(node="node-1", drain_id="bad", deadline_s=60, grace_period_s=30))
     await eventually(lambda: letters)
-    assert "must be positive and shorter than grace_period_s=30" in letters[0].reason
+    assert "beyond the pods' grace period (grace_period_s=30)" in letters[0].reason
     await asyncio.sleep(0)
 
 

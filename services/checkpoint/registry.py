@@ -706,32 +706,47 @@ class SessionRegistry:
         """Record a committed checkpoint when ``pod`` holds the session's current generation; else return why
         not (and record nothing). With the reason (empty when recorded) comes the session's new location, when
         this recorded the checkpoint for the first time."""
-        summary = {
-            "session_id": committed.session_id,
-            "checkpoint_id": committed.checkpoint_id,
-            "generation": committed.generation,
-            "sequence": committed.sequence,
-            "bytes_total": committed.bytes_total,
-            "bytes_written": committed.bytes_written,
-            "token_count": committed.token_count,
-            "store": store,
-            "pod": pod,
-            "node": node,
-            "recorded_at": time.time(),
-        }
-        refused, location = await self._record(
-            keys=[self._key("generation", committed.session_id)],
-            args=[
-                self.subjects.root,
-                committed.session_id,
-                committed.checkpoint_id,
-                committed.generation,
-                pod,
-                json.dumps(summary),
-                checkpoint_score(committed.generation, committed.sequence),
-            ],
-        )
-        return _text(refused), (_location(location) if location else None)
+        return (await self.record_checkpoints([committed], store, pod, node))[0]
+
+    @_redis_may_be_down
+    async def record_checkpoints(
+        self, committed: Sequence[CommittedCheckpoint], store: str, pod: str, node: str
+    ) -> list[tuple[str, SessionLocation | None]]:
+        """``record_checkpoint`` for each of a report's checkpoints, in one round trip (each its own atomic
+        script, fenced on its own)."""
+        if not committed:
+            return []
+        now = time.time()
+        async with self.client.pipeline(transaction=False) as pipe:
+            for c in committed:
+                summary = {
+                    "session_id": c.session_id,
+                    "checkpoint_id": c.checkpoint_id,
+                    "generation": c.generation,
+                    "sequence": c.sequence,
+                    "bytes_total": c.bytes_total,
+                    "bytes_written": c.bytes_written,
+                    "token_count": c.token_count,
+                    "store": store,
+                    "pod": pod,
+                    "node": node,
+                    "recorded_at": now,
+                }
+                await self._record(
+                    keys=[self._key("generation", c.session_id)],
+                    args=[
+                        self.subjects.root,
+                        c.session_id,
+                        c.checkpoint_id,
+                        c.generation,
+                        pod,
+                        json.dumps(summary),
+                        checkpoint_score(c.generation, c.sequence),
+                    ],
+                    client=pipe,
+                )
+            replies = await pipe.execute()
+        return [(_text(refused), (_location(location) if location else None)) for refused, location in replies]
 
     @_redis_may_be_down
     async def repair_checkpoints(

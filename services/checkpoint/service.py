@@ -63,7 +63,7 @@ from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter
 from shared.contract.device import DeviceHealthChanged
 from shared.contract.models import ServingQuery
-from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, SessionFailure
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, SessionFailure, deadline_problem
 from shared.contract.registry import codec
 from shared.contract.sessions import (
     FleetQuery,
@@ -526,11 +526,9 @@ class CheckpointService:
         """Idempotent on ``drain_id``: a drain with a verdict is answered with it again (the recorded event,
         under a new event id) and not run again; a drain being run elsewhere is retried later, and resumed by
         the next delivery if its runner died (its lease lapses within ``drain_lease_s``)."""
-        if event.deadline_s <= 0 or event.deadline_s > event.grace_period_s:
-            raise PermanentError(
-                f"drain {event.drain_id}: deadline_s={event.deadline_s} must be positive and shorter than "
-                f"grace_period_s={event.grace_period_s}"
-            )
+        problem = deadline_problem(event.deadline_s, event.grace_period_s)
+        if problem:
+            raise PermanentError(f"drain {event.drain_id}: {problem}")
         if await self._answer_again(event.drain_id):
             return
         lease_s = self.settings.drain_lease_s
@@ -762,11 +760,17 @@ class CheckpointService:
         failed = list(report.failed)
         total = 0
         manifests: list[tuple[CommittedCheckpoint, CheckpointManifest]] = []
-        for c in report.committed:
-            try:
-                manifests.append((c, await self.store.manifest(c.session_id, c.checkpoint_id)))
-            except StoreError as exc:
-                failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=f"not in store: {exc}"))
+        read = await asyncio.gather(
+            *(self.store.manifest(c.session_id, c.checkpoint_id) for c in report.committed), return_exceptions=True
+        )
+        for c, manifest in zip(report.committed, read, strict=True):
+            if isinstance(manifest, StoreError):
+                reason = f"not in store: {manifest}"
+                failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason))
+            elif isinstance(manifest, BaseException):
+                raise manifest
+            else:
+                manifests.append((c, manifest))
         try:
             packs = await self.store.pack_sizes({ref.pack for _, m in manifests for ref in m.blocks})
         except StoreError as exc:
@@ -776,19 +780,29 @@ class CheckpointService:
                 failed + [SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason) for c, _ in manifests],
                 0,
             )
-        events: list[Event] = []
+        problems: dict[str, str] = {}
         for c, manifest in manifests:
-            problem = ""
             if manifest.bytes_total != c.bytes_total or len(manifest.blocks) != c.chunks:
-                problem = "manifest differs from the agent's report"
+                problems[c.checkpoint_id] = "manifest differs from the agent's report"
             elif (manifest.generation, manifest.sequence, manifest.pod) != (c.generation, c.sequence, report.pod):
-                problem = "manifest's generation, sequence or pod differs from the agent's report"
+                problems[c.checkpoint_id] = "manifest's generation, sequence or pod differs from the agent's report"
             for ref in manifest.blocks:
                 if ref.pack not in packs or packs[ref.pack] < ref.offset + ref.length:
-                    problem = f"pack {ref.pack} missing or short"
+                    problems[c.checkpoint_id] = f"pack {ref.pack} missing or short"
                     break
+        sound = [c for c, _ in manifests if c.checkpoint_id not in problems]
+        recorded = dict(
+            zip(
+                (c.checkpoint_id for c in sound),
+                await self.registry.record_checkpoints(sound, report.store, report.pod, report.node),
+                strict=True,
+            )
+        )
+        events: list[Event] = []
+        for c, manifest in manifests:
+            problem = problems.get(c.checkpoint_id, "")
             if not problem:
-                refused, location = await self.registry.record_checkpoint(c, report.store, report.pod, report.node)
+                refused, location = recorded[c.checkpoint_id]
                 if refused:
                     self.m_refused.labels("save").inc()
                     problem = f"refused: pod {report.pod} saved generation {c.generation}, but {refused}"
