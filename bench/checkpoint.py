@@ -244,6 +244,7 @@ async def drain_figure(url: str, directory: Path, sessions: dict[str, list[Any]]
     from shared.plumbing.devservers import RedisServer
     from shared.plumbing.runner import start_service
     from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
+    from shared.wiring import Wiring
 
     redis_server = RedisServer().start()
     subjects = Subjects("drainbench" + uuid.uuid4().hex[:6])
@@ -252,7 +253,7 @@ async def drain_figure(url: str, directory: Path, sessions: dict[str, list[Any]]
     )
     store = FileStore(directory)
     service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     bus = await Bus.connect(settings.nats, subjects, "bench")
     endpoints: list[AgentEndpoint] = []
     verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
