@@ -364,7 +364,8 @@ class TransformersCase:
     Each round tracks every cache into a new agent's blocks (``hf_track_gbps``: the adapter's copy, which an
     engine makes after every turn, a few blocks at a time), saves them as at a drain (``hf_save_gbps``: the blocks
     into a committed checkpoint; ``hf_cache_to_checkpoint_gbps``: both back to back), then restores each session
-    into a new cache through ``restore_cache`` (``hf_restore_gbps``: read, verify, rebuild). torch runs one
+    into a new cache through ``restore_cache`` (``hf_restore_gbps``: read, verify, and the cache's tensors made from
+    the blocks, which a first forward would otherwise do in the concatenation it makes anyway). torch runs one
     intra-op thread, as the conversation engine does (on a shared machine a second one only adds contention)."""
 
     def __init__(self, device: str, sessions_n: int, session_bytes: int) -> None:
@@ -436,6 +437,7 @@ class TransformersCase:
         started_restore = time.perf_counter()
         for sid in self.caches:
             rebuilt, _ = await restore_cache(restorer, self.engine, sid)
+            self.engine.layers_of(rebuilt)  # its tensors made (else the first forward makes them, copying no more)
             first = rebuilt if first is None else first
         self._sync()
         restored = time.perf_counter()

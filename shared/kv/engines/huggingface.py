@@ -11,9 +11,11 @@ batch size 1.
 
 Copies are bulk: the blocks that filled since the last ``track`` are one new tensor (the full ones; the tail is a
 tensor of its own, as it is replaced when it grows), written by one strided copy per layer for K and for V, however
-many blocks or positions that is. A rebuild allocates the cache's tensors at their final size once and fills them
-with one copy per block, or with one strided copy in all when the blocks are consecutive views of one tensor (as
-``restore_targets`` makes them); it never grows a cache by concatenation.
+many blocks or positions that is. A restore reads straight into blocks the engine allocated as one tensor
+(``restore_targets``); a dynamic cache rebuilt from them copies nothing until its first forward, which gathers
+the blocks into the one new tensor per layer that ``DynamicLayer`` makes on every update anyway. Otherwise a
+rebuild allocates the cache's tensors at their final size once and fills them with one strided copy, or one copy
+per block from separate arrays; it never grows a cache by concatenation.
 
 Only full-attention layers are supported: a sliding-window layer keeps only the last positions, which would not
 map to a session's token positions.
@@ -22,7 +24,7 @@ map to a session's token positions.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +66,73 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
         count *= size
     flat = np.empty(count * dtype.itemsize, dtype=np.uint8)
     return torch.from_numpy(flat).view(dtype).reshape(shape)
+
+
+class RestoredLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose positions still sit in the restored blocks until first needed. ``DynamicLayer``
+    concatenates into a new tensor on every update, so the first forward after a restore makes that one tensor
+    straight from the blocks (and the new positions): the restore itself copies nothing. Reading ``keys`` or
+    ``values`` before that gathers them first; either way the blocks are read once and the layer is then an
+    ordinary ``DynamicLayer``."""
+
+    def __init__(self, gather: Callable[[torch.Tensor, int], None], length: int, like: torch.Tensor) -> None:
+        self._pending: tuple[Callable[[torch.Tensor, int], None], int] | None = None
+        super().__init__()
+        self.lazy_initialization(like, like)
+        self._like = like  # [1, kv_heads, 0, head_dim] of the cache's dtype, on its device
+        self._pending = (gather, length)
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        self._gather()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._keys = value
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        self._gather()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._values = value
+
+    def _gather(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+        """The positions from the blocks, then ``keys``/``values`` (new positions) after them, as the layer's
+        tensors; nothing when already gathered."""
+        if self.__dict__.get("_pending") is None:
+            return
+        gather, length = self._pending  # type: ignore[misc]
+        self._pending = None
+        extra = 0 if keys is None else keys.shape[-2]
+        like = self._like
+        assert values is None or keys is not None
+        both = _empty((2, 1, like.shape[1], length + extra, like.shape[-1]), like.dtype, like.device)
+        gather(both[:, 0], length)
+        if keys is not None and values is not None:
+            both[0, :, :, length:].copy_(keys)
+            both[1, :, :, length:].copy_(values)
+        self._keys, self._values = both[0], both[1]
+
+    def get_seq_length(self) -> int:
+        pending = self.__dict__.get("_pending")
+        return pending[1] if pending is not None else super().get_seq_length()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.__dict__.get("_pending") is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._gather(key_states, value_states)
+        assert self._keys is not None and self._values is not None
+        return self._keys, self._values
+
+
+FULL_LAYERS = (DynamicLayer, StaticLayer, RestoredLayer)
+"""The layer kinds whose positions are a session's (subclasses such as sliding-window layers keep only the last)."""
 
 
 class TransformersEngine:
@@ -131,7 +200,7 @@ class TransformersEngine:
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {lay.layers}")
         out = []
         for i, layer in enumerate(cache.layers):
-            if not isinstance(layer, DynamicLayer | StaticLayer) or type(layer) not in (DynamicLayer, StaticLayer):
+            if not isinstance(layer, DynamicLayer | StaticLayer) or type(layer) not in FULL_LAYERS:
                 raise ValueError(
                     f"layer {i} of the cache is a {type(layer).__name__}, not a DynamicLayer or StaticLayer"
                 )
@@ -254,8 +323,10 @@ class TransformersEngine:
             dst[..., k * bt : end, :].copy_(block[..., : end - k * bt, :])
 
     def rebuild(self, blocks: Sequence[Any], token_count: int) -> Cache:
-        """The engine's cache of ``token_count`` positions from restored blocks, its tensors allocated once at their
-        final size on the model's device (a dynamic cache: exactly ``token_count`` positions, contiguous; a static
+        """The engine's cache of ``token_count`` positions from restored blocks, on the model's device. A dynamic
+        cache from blocks in one tensor (``restore_targets``, or any on another device) is made of ``RestoredLayer``s:
+        its first forward gathers the blocks into the tensors it makes anyway. Otherwise the cache's tensors are
+        allocated once at their final size (a dynamic cache: exactly ``token_count`` positions, contiguous; a static
         one: its own ``max_cache_len``) and filled in one pass over the blocks."""
         bt = self._layout.block_tokens
         if len(blocks) != blocks_for(token_count, bt):
@@ -279,6 +350,15 @@ class TransformersEngine:
             source = tensors
         lay = self._layout
         empty = torch.empty((1, lay.kv_heads, 0, lay.head_dim), dtype=self.dtype, device=device)
+        if self.max_cache_len is None and isinstance(source, torch.Tensor):
+            joined_source = source
+            for i in range(lay.layers):
+
+                def gather(dst: torch.Tensor, count: int, i: int = i) -> None:
+                    self._fill(dst, joined_source[:, i], count)  # K and V: [2, kv_heads, positions, head_dim]
+
+                cache.layers[i] = RestoredLayer(gather, token_count, empty)
+            return cache
         if self.max_cache_len is None:
             kv = _empty((lay.layers, 2, lay.kv_heads, token_count, lay.head_dim), self.dtype, device)
             self._fill(kv, source, token_count)
