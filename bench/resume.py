@@ -6,7 +6,7 @@ count are in the report), once as the drained pod's model and once more, with th
 the pod a conversation moves to. Conversations of 1k, 4k and 8k tokens of context are prefilled on the first,
 their greedy reply token picked, and each ``DynamicCache`` tracked through ``TransformersEngine`` into a KV agent
 and saved to a file store (with the digest of its tokens), as the product does at a drain. Then, in every round,
-alternating which goes first, for each conversation:
+for each conversation (which goes first alternating between rounds, and within each pair of resume and floor):
 
 - **resume**: the second pod's agent, which does not hold the conversation, restores its newest checkpoint from
   the store (manifest and every chunk digest verified) and the engine rebuilds the cache (``restore_cache``), then
@@ -19,10 +19,11 @@ alternating which goes first, for each conversation:
 
 Every read is from the disk, not the page cache: the store's files and the floor's file are dropped from it
 (fsync, ``posix_fadvise(DONTNEED)``) before each read. Resume and recompute must continue alike: the same greedy
-tokens for a few steps (``resume_exact``), and the report says whether their logits were identical too. Figures are
-medians over the rounds; ratios are of the medians. torch runs ``--threads`` intra-op threads (default 1, as the
-conversation engine runs). With ``--device cuda`` the models run in bfloat16 on the GPU and the floor includes the
-copy of the bytes to the GPU.
+tokens for a few steps (``resume_exact``), and the report says whether their logits were identical too. Times are
+medians over every sample (one recompute per round, ``--pairs`` resumes and floors); ``resume_vs_recompute`` is the
+ratio of the medians, ``resume_vs_floor`` the median of each resume's ratio to the floor measured beside it. torch
+runs ``--threads`` intra-op threads (default 1, as the conversation engine runs). With ``--device cuda`` the models
+run in bfloat16 on the GPU and the floor includes the copy of the bytes to the GPU.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ class ResumeBench:
             self.store, pod="serving", node="node-2", namespace="bench", deployment="llama", layout=self.serving.layout
         )
         """The serving pod's agent, up before any conversation moves to it (its staging buffer for a GPU is
-        reused, as a running pod's is); it forgets each conversation after its resume, so each resume is new."""
+        reused, as a running pod's is); it forgets a conversation before each resume of it, so that each resume
+        starts with nothing of it held."""
 
     @property
     def model_params(self) -> int:
@@ -264,49 +266,66 @@ class ResumeBench:
         return seconds
 
 
-async def measure(bench: ResumeBench, rounds: int, progress: bool = True) -> dict[str, Any]:
+async def measure(bench: ResumeBench, rounds: int, pairs: int = 3, progress: bool = True) -> dict[str, Any]:
+    """Each round, for each conversation: one recompute (before the resumes in even rounds, after them in odd
+    ones) and ``pairs`` resumes each next to a floor (which of the two goes first alternates). Times are medians
+    over every sample; ``resume_vs_floor`` is the median of the paired ratios (a resume against the floor measured
+    right beside it: on a shared machine the disk and the cores drift between seconds, less within one pair)."""
     import torch
 
     await bench.prepare()
-    per_round: list[dict[str, float]] = []
+    per_round: list[dict[str, Any]] = []
     exact = True
     logits_identical = True
     mismatches: list[str] = []
+    samples: dict[str, dict[str, list[float]]] = {
+        t.label: {"resume": [], "floor": [], "recompute": [], "ratio": []} for t in bench.conversations
+    }
     for index in range(rounds):
-        figures: dict[str, float] = {}
+        figures: dict[str, Any] = {}
         for talk in bench.conversations:
-            order = ["resume", "recompute", "floor"]
-            order = order[index % 3 :] + order[: index % 3]
-            steps: dict[str, Step] = {}
-            for way in order:
-                if way == "resume":
-                    steps[way] = await bench.resume(talk)
-                elif way == "recompute":
-                    steps[way] = bench.recompute(talk)
+            got = samples[talk.label]
+            recomputed: Step | None = bench.recompute(talk) if index % 2 == 0 else None
+            resumed: list[Step] = []
+            floors: list[float] = []
+            for k in range(pairs):
+                if (index + k) % 2 == 0:
+                    resumed.append(await bench.resume(talk))
+                    floors.append(bench.floor(talk))
                 else:
-                    figures[f"floor_s_{talk.label}"] = bench.floor(talk)
-            resumed, recomputed = steps["resume"], steps["recompute"]
-            figures[f"resume_s_{talk.label}"] = resumed.seconds
-            figures[f"recompute_s_{talk.label}"] = recomputed.seconds
-            if resumed.tokens != recomputed.tokens:
-                exact = False
-                mismatches.append(f"round {index} {talk.label}: {resumed.tokens} vs {recomputed.tokens}")
-            logits_identical = logits_identical and bool(torch.equal(resumed.logits, recomputed.logits))
+                    floors.append(bench.floor(talk))
+                    resumed.append(await bench.resume(talk))
+            if recomputed is None:
+                recomputed = bench.recompute(talk)
+            for step in resumed:
+                if step.tokens != recomputed.tokens:
+                    exact = False
+                    mismatches.append(f"round {index} {talk.label}: {step.tokens} vs {recomputed.tokens}")
+                logits_identical = logits_identical and bool(torch.equal(step.logits, recomputed.logits))
+            got["recompute"].append(recomputed.seconds)
+            got["resume"] += [r.seconds for r in resumed]
+            got["floor"] += floors
+            got["ratio"] += [r.seconds / f for r, f in zip(resumed, floors, strict=True)]
+            figures[talk.label] = {
+                "recompute_s": recomputed.seconds,
+                "resume_s": [round(r.seconds, 4) for r in resumed],
+                "floor_s": [round(f, 4) for f in floors],
+            }
             if progress:
+                resumes = ", ".join(f"{r.seconds:.3f}" for r in resumed)
                 print(
-                    f"  round {index} {talk.label:>3}: resume {resumed.seconds:.3f} s, recompute "
-                    f"{recomputed.seconds:.3f} s, floor {figures[f'floor_s_{talk.label}']:.3f} s",
+                    f"  round {index} {talk.label:>3}: recompute {recomputed.seconds:.3f} s; resume {resumes} s; "
+                    f"floor {', '.join(f'{f:.3f}' for f in floors)} s",
                     flush=True,
                 )
         per_round.append(figures)
     results: dict[str, Any] = {"model_params": bench.model_params}
     for talk in bench.conversations:
-        lab = talk.label
-        for key in (f"resume_s_{lab}", f"recompute_s_{lab}", f"floor_s_{lab}"):
-            results[key] = median([r[key] for r in per_round])
-        # ratios of the medians: each way's median is its typical time, whatever round it came from
+        lab, got = talk.label, samples[talk.label]
+        for way in ("resume", "recompute", "floor"):
+            results[f"{way}_s_{lab}"] = median(got[way])
         results[f"resume_vs_recompute_{lab}"] = results[f"recompute_s_{lab}"] / results[f"resume_s_{lab}"]
-        results[f"resume_vs_floor_{lab}"] = results[f"resume_s_{lab}"] / results[f"floor_s_{lab}"]
+        results[f"resume_vs_floor_{lab}"] = median(got["ratio"])
         results[f"kv_bytes_{lab}"] = talk.kv_bytes
         results[f"resume_gbps_{lab}"] = talk.kv_bytes / results[f"resume_s_{lab}"] / 1e9
     results["resume_exact"] = 1 if exact else 0
@@ -330,6 +349,7 @@ def run(
     device: str = "cpu",
     contexts: Sequence[int] = CONTEXTS,
     rounds: int = 3,
+    pairs: int = 3,
     threads: int = 1,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -337,15 +357,15 @@ def run(
     run (the process's setting is put back after)."""
     import torch
 
-    if rounds < 1 or threads < 1:
-        raise ValueError("at least one round and one thread")
+    if rounds < 1 or pairs < 1 or threads < 1:
+        raise ValueError("at least one round, one pair and one thread")
     shape = TINY if options.quick else FULL
     directory = Path(tempfile.mkdtemp(prefix="gw-resume-", dir=os.environ.get("GPUWARDEN_BENCH_DIR") or None))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         bench = ResumeBench(shape, contexts, device, directory)
-        results = asyncio.run(measure(bench, rounds, progress))
+        results = asyncio.run(measure(bench, rounds, pairs, progress))
     finally:
         torch.set_num_threads(before)
         shutil.rmtree(directory, ignore_errors=True)
@@ -357,6 +377,7 @@ def run(
         "block_tokens": 16,
         "contexts": list(contexts),
         "rounds": rounds,
+        "pairs_per_round": pairs,
         "threads": threads,
         "probe_steps": PROBE_STEPS,
         "store": "file store (shared.kv.filestore) in a temporary directory; GPUWARDEN_BENCH_DIR chooses where",
@@ -369,7 +390,8 @@ def run(
 def main(argv: Sequence[str] | None = None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    extra.add_argument("--rounds", type=int, default=3, help="rounds (medians over them; at least 3 for the figures)")
+    extra.add_argument("--rounds", type=int, default=3, help="rounds, one recompute each (at least 3 for the figures)")
+    extra.add_argument("--pairs", type=int, default=3, help="resume and floor pairs per conversation and round")
     extra.add_argument(
         "--threads",
         type=int,
@@ -382,7 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     known, rest = extra.parse_known_args(argv)
     options = parse_args("resume", __doc__.splitlines()[0] if __doc__ else "", rest)
     contexts = [int(c) for c in known.contexts.split(",") if c.strip()]
-    report = run(options, device=known.device, contexts=contexts, rounds=known.rounds, threads=known.threads)
+    report = run(
+        options, device=known.device, contexts=contexts, rounds=known.rounds, pairs=known.pairs, threads=known.threads
+    )
     return exit_code(options, report)
 
 

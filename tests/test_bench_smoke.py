@@ -156,14 +156,15 @@ RESUME_KEYS = (
 
 
 def test_bench_resume_compares_resume_recompute_and_the_floor_on_a_tiny_model(tmp_path: Path) -> None:
-    """The quick run: a tiny Llama, the same three contexts, three rounds; resumed and recomputed conversations go
-    on with the same tokens."""
+    """The quick run: a tiny Llama, the same three contexts, three rounds of a recompute and two resumes beside two
+    floors; resumed and recomputed conversations go on with the same tokens."""
     out = tmp_path / "resume.json"
     options = BenchOptions("resume", quick=True, nats_url=None, out=out)
-    report = bench_resume.run(options, progress=False)
+    report = bench_resume.run(options, pairs=2, progress=False)
     data = written(out, report, "resume", RESUME_KEYS)
     assert data["resume_exact"] == 1 and data["resume_logits_identical"] == 1
     assert data["model_params"] > 0 and data["params"]["model"]["kv_heads"] < data["params"]["model"]["heads"]
     assert data["kv_bytes_8k"] == 2 * data["kv_bytes_4k"] and "fadvise" in data["floor"]
     assert len(data["rounds_detail"]) == 3 and data["params"]["contexts"] == [1024, 4096, 8192]
+    assert all(len(r["4k"]["resume_s"]) == len(r["4k"]["floor_s"]) == 2 for r in data["rounds_detail"])
     assert {t["key"] for t in data["targets"]} == {"resume_vs_recompute_4k", "resume_vs_floor_4k", "resume_exact"}
