@@ -116,7 +116,6 @@ CHECKPOINT_KEYS = (
     "hf_bytes",
     "hf_track_gbps",
     "hf_save_gbps",
-    "hf_cache_to_checkpoint_gbps",
     "hf_restore_gbps",
     "hf_save_vs_raw_path",
     "hf_restore_vs_raw_path",
