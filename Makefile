@@ -74,6 +74,7 @@ bench: install
 	$(BIN)/python -m bench.scaler $(BENCH_ARGS)
 	$(BIN)/python -m bench.metrics $(BENCH_ARGS)
 	$(BIN)/python -m bench.failover $(BENCH_ARGS)
+	$(BIN)/python -m bench.resume $(BENCH_ARGS)
 
 # The embedded default left running (10 minutes; BENCH_ARGS="--seconds 120" for less) with drains and a rolling
 # driver upgrade: memory of every process, lost sessions, drain verdicts. Not part of `make bench`.

@@ -8,10 +8,12 @@ The same blocks (Llama-3-8B shape: 2 MiB per 16-token block, deterministic conte
 - a second checkpoint after 10% of the blocks changed (``incremental_save_gbps``, logical bytes per second);
 - the NATS object store through our adapter and through nats-py's own object store (``objstore_*``, ``raw_objstore_*``);
 - a drain of a whole simulated node through the checkpoint service (``drain_seconds``);
-- real cache tensors: a Llama-shaped transformers model (random weights from a seed, no download) prefills each
-  session, its ``DynamicCache`` goes into blocks (``hf_track_gbps``), through the agent into the file store
-  (``hf_save_gbps``) and back into a new ``DynamicCache`` (``hf_restore_gbps``: read, verify, rebuild), and the
-  next token's logits from the restored cache must equal the original's bit for bit (``hf_resume_exact``).
+- real cache tensors, as many bytes in as many sessions, in the same rounds: a Llama-shaped transformers model
+  (random weights from a seed, no download) prefills a session; each ``DynamicCache`` goes into blocks
+  (``hf_track_gbps``), through the agent into the file store (``hf_save_gbps``: the blocks tracked beforehand, as
+  after every turn) and back into a new ``DynamicCache`` (``hf_restore_gbps``: read, verify, ready to use),
+  against the agent's raw-block path of the same round (``hf_save_vs_raw_path``, ``hf_restore_vs_raw_path``); the
+  next token's logits from a restored cache must equal the original's bit for bit (``hf_resume_exact``).
 
 Reads are from the disk, not the page cache: every file read is dropped from the cache first
 (``posix_fadvise(DONTNEED)`` after fsync), for our files and the peers' alike.
@@ -37,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import BenchOptions, Target, finish, machine_info, nats_server
+from bench.common import BenchOptions, Target, drop_cache, finish, machine_info, nats_server
 from shared.kv.agent import KvAgent
 from shared.kv.filestore import FileStore
 from shared.kv.presets import LLAMA_3_8B
@@ -46,15 +48,15 @@ from shared.sim.engines import expected_block
 LAYOUT = LLAMA_3_8B  # 128 KiB per token, 2 MiB per block
 
 
-def drop_cache(directory: Path) -> None:
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+def remove(directory: Path) -> None:
+    """The folder gone, and its deletion committed (the parent fsynced): on a filesystem mounted with ``discard``
+    the freed blocks are trimmed at the journal commit, which would otherwise slow whichever way writes next."""
+    shutil.rmtree(directory, ignore_errors=True)
+    fd = os.open(directory.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def make_sessions(count: int, blocks: int, device: str) -> dict[str, list[Any]]:
@@ -244,6 +246,7 @@ async def drain_figure(url: str, directory: Path, sessions: dict[str, list[Any]]
     from shared.plumbing.devservers import RedisServer
     from shared.plumbing.runner import start_service
     from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
+    from shared.wiring import Wiring
 
     redis_server = RedisServer().start()
     subjects = Subjects("drainbench" + uuid.uuid4().hex[:6])
@@ -252,7 +255,7 @@ async def drain_figure(url: str, directory: Path, sessions: dict[str, list[Any]]
     )
     store = FileStore(directory)
     service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
-    running = await start_service(service, settings)
+    running = await start_service(service, settings, Wiring)
     bus = await Bus.connect(settings.nats, subjects, "bench")
     endpoints: list[AgentEndpoint] = []
     verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -305,14 +308,17 @@ async def measure(
         host_sessions = make_sessions(sessions_n, blocks_n, "cpu") if device == "cuda" else sessions
         per_round: list[dict[str, float]] = []
         agent: KvAgent | None = None
+        # the transformers case moves as many bytes, in as many sessions, as the raw-block path it is compared with
+        hf = TransformersCase(device, sessions_n, total // sessions_n, root / "hf-setup")
+        hf_rebuilt: Any = None
         for index in range(rounds):
             # The three ways take turns going first: the disk's state drifts, and a paired comparison per round
             # (then the median over rounds) is what survives that.
             figures: dict[str, float] = {}
-            order = ["raw", "ours", "safetensors"]
-            order = order[index % 3 :] + order[: index % 3]
+            order = ["raw", "ours", "safetensors", "hf"]
+            order = order[index % 4 :] + order[: index % 4]
             for way in order:
-                shutil.rmtree(root / way, ignore_errors=True)
+                remove(root / way)
                 if way == "raw":
                     figures["raw_write_gbps"] = total / raw_write(root / way, sessions) / 1e9
                     figures["raw_read_gbps"] = total / raw_read(root / way, sessions) / 1e9
@@ -322,15 +328,20 @@ async def measure(
                     drop_cache(root / way)
                     figures["save_gbps"] = total / save_s / 1e9
                     figures["restore_gbps"] = total / await agent_restore(store, sessions, device) / 1e9
-                else:
+                elif way == "safetensors":
                     figures["safetensors_save_gbps"] = total / safetensors_save(root / way, host_sessions) / 1e9
                     figures["safetensors_load_gbps"] = total / safetensors_load(root / way, sessions) / 1e9
+                else:
+                    hf_figures, hf_rebuilt = await hf.round(root / way)
+                    figures |= hf_figures
                 if way != "ours":
-                    shutil.rmtree(root / way, ignore_errors=True)
+                    remove(root / way)
             figures["save_vs_raw"] = figures["save_gbps"] / figures["raw_write_gbps"]
             figures["restore_vs_raw"] = figures["restore_gbps"] / figures["raw_read_gbps"]
             figures["save_vs_safetensors"] = figures["save_gbps"] / figures["safetensors_save_gbps"]
             figures["restore_vs_safetensors"] = figures["restore_gbps"] / figures["safetensors_load_gbps"]
+            figures["hf_save_vs_raw_path"] = figures["hf_save_gbps"] / figures["save_gbps"]
+            figures["hf_restore_vs_raw_path"] = figures["hf_restore_gbps"] / figures["restore_gbps"]
             per_round.append(figures)
         assert agent is not None
         inc_s, inc_logical, inc_written = await incremental(agent, sessions)
@@ -348,78 +359,136 @@ async def measure(
             results["objstore_save_vs_raw_put"] = results["objstore_save_gbps"] / results["raw_objstore_put_gbps"]
             results["drain_seconds"] = await drain_figure(url, root / "drain", sessions, pods)
         results["drain_limit_seconds"] = 1.3 * total / (results["raw_write_gbps"] * 1e9) + 1.0
-        results |= await transformers_figures(root / "hf", device, sessions_n, 64 * blocks_n)
+        results["hf_bytes"] = hf.bytes
+        results["hf_tokens_per_session"] = hf.tokens
+        results["hf_resume_exact"] = hf.resume_exact(hf_rebuilt)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return results
 
 
-async def transformers_figures(directory: Path, device: str, sessions_n: int, tokens: int) -> dict[str, float]:
-    """The transformers case: real cache tensors of a Llama-shaped model, end to end through the engine adapter."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+class TransformersCase:
+    """The transformers case: real cache tensors of a Llama-shaped model, end to end through the engine adapter.
 
-    from shared.kv.engines import restore_cache
-    from shared.kv.engines.huggingface import TransformersEngine
+    One session is prefilled by the model; the others hold its cache plus the session's number (other bytes, the
+    same shapes: what the path costs does not depend on the values, and nothing is deduplicated across sessions).
+    The caches are tracked into blocks once beforehand, as an engine tracks after every turn. Each round saves
+    those blocks through a new agent as at a drain (``hf_save_gbps``), restores each session into a new cache
+    through ``restore_cache`` (``hf_restore_gbps``: read and verify into the engine's blocks, until the cache is
+    ready for ``model(...)``; its first forward gathers the blocks into the tensors that forward makes on any
+    ``DynamicCache``, at the cost it has on any: bench.resume times that step too), then tracks every cache again
+    into a new agent (``hf_track_gbps``: the adapter's copy alone, all of it at once; an engine makes it a few
+    blocks per turn). torch runs one intra-op thread, as the conversation engine does."""
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-    )  # 8 layers x 4 KV heads x 64 x 2 (K, V): 16 KiB per token in float32, 8 KiB in float16
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
-    engine = TransformersEngine(model, block_tokens=16)
-    gen = torch.Generator().manual_seed(1)
-    caches, nexts = {}, {}
-    with torch.no_grad():
-        for s in range(sessions_n):
-            ids = torch.randint(0, config.vocab_size, (1, tokens + 1), generator=gen).to(device)
-            cache = engine.new_cache()
-            model(ids[:, :-1], cache=cache, use_cache=True)
-            caches[f"hf-{s}"], nexts[f"hf-{s}"] = cache, ids[:, -1:]
-    store = FileStore(directory)
-    agent = KvAgent(store, pod="hf-0", node="node-1", namespace="bench", deployment="llama", layout=engine.layout)
-    started = time.perf_counter()
-    for sid, cache in caches.items():
-        agent.register_session(sid)
-        engine.track(agent, sid, cache)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    track_s = time.perf_counter() - started
-    total = sum(agent.session_bytes(sid) for sid in caches)
-    started = time.perf_counter()
-    report = await agent.save()
-    save_s = time.perf_counter() - started
-    assert not report.failed, report.failed
-    drop_cache(directory)
-    restorer = KvAgent(store, pod="hf-1", node="node-2", namespace="bench", deployment="llama", layout=engine.layout)
-    started = time.perf_counter()
-    rebuilt = {sid: (await restore_cache(restorer, engine, sid))[0] for sid in caches}
-    if device == "cuda":
-        torch.cuda.synchronize()
-    restore_s = time.perf_counter() - started
-    sid = next(iter(caches))
-    with torch.no_grad():
-        resumed = model(nexts[sid], cache=rebuilt[sid]).logits
-        original = model(nexts[sid], cache=caches[sid]).logits
-    return {
-        "hf_bytes": total,
-        "hf_tokens_per_session": tokens,
-        "hf_track_gbps": total / track_s / 1e9,
-        "hf_save_gbps": total / save_s / 1e9,
-        "hf_restore_gbps": total / restore_s / 1e9,
-        "hf_resume_exact": float(torch.equal(resumed, original)),
-    }
+    def __init__(self, device: str, sessions_n: int, session_bytes: int, directory: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from shared.kv.engines.huggingface import TransformersEngine
+
+        dtype = torch.float16 if device == "cuda" else torch.float32
+        tokens = session_bytes // (8 * 2 * 4 * 64 * dtype.itemsize)  # 8 layers x 2 x 4 KV heads x 64
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=1024,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=max(4096, tokens + 16),
+        )  # 8 layers x 4 KV heads x 64 x 2 (K, V): 16 KiB per token in float32, 8 KiB in float16
+        self.device = device
+        self.model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
+        per_token = 8 * 2 * 4 * 64 * dtype.itemsize
+        # blocks of the raw path's size (2 MiB: 128 positions here in float32), so that the comparison is of the
+        # adapter's copies, not of how many blocks the agent handles
+        self.engine = TransformersEngine(self.model, block_tokens=LAYOUT.block_bytes // per_token)
+        self.tokens = tokens
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, config.vocab_size, (1, tokens + 1), generator=gen).to(device)
+        first = self.engine.new_cache()
+        with torch.no_grad():
+            self.model(ids[:, :-1], cache=first, use_cache=True, logits_to_keep=1)
+        self.next_id = ids[:, -1:]
+        self.caches = {"hf-0": first}
+        for s in range(1, sessions_n):
+            cache = self.engine.new_cache()
+            for i, (keys, values) in enumerate(self.engine.layers_of(first)):
+                cache.update(keys + s, values + s, i)
+            self.caches[f"hf-{s}"] = cache
+        self.bytes = sessions_n * tokens * self.engine.layout.block_bytes // self.engine.layout.block_tokens
+        serving = self._agent(FileStore(directory), "hf-serving")
+        for sid, cache in self.caches.items():
+            serving.register_session(sid)
+            self.engine.track(serving, sid, cache)
+        self.blocks = {sid: serving.blocks(sid) for sid in self.caches}
+        """Each session's blocks, as the engine tracked them turn by turn before the drain."""
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def _agent(self, store: FileStore, pod: str) -> KvAgent:
+        layout = self.engine.layout
+        return KvAgent(store, pod=pod, node="node-1", namespace="bench", deployment="llama", layout=layout)
+
+    async def round(self, directory: Path) -> tuple[dict[str, float], Any]:
+        """One save and restore of every session; returns the figures and the first session's rebuilt cache."""
+        from shared.kv.engines import restore_cache
+
+        store = FileStore(directory)
+        agent = self._agent(store, "hf-0")
+        bt = self.engine.layout.block_tokens
+        for sid, blocks in self.blocks.items():
+            agent.register_session(sid)
+            for index, block in enumerate(blocks):
+                agent.append_block(sid, block, tokens=min((index + 1) * bt, self.tokens))
+        assert sum(agent.session_bytes(sid) for sid in self.caches) == self.bytes
+        started_save = time.perf_counter()
+        report = await agent.save()
+        saved = time.perf_counter()
+        assert not report.failed, report.failed
+        del agent
+        drop_cache(directory)
+        restorer = self._agent(store, "hf-1")
+        first = None
+        started_restore = time.perf_counter()
+        for sid in self.caches:
+            rebuilt, _ = await restore_cache(restorer, self.engine, sid)
+            first = rebuilt if first is None else first
+        self._sync()
+        restored = time.perf_counter()
+        tracker = self._agent(store, "hf-2")
+        started_track = time.perf_counter()
+        for sid, cache in self.caches.items():
+            tracker.register_session(sid)
+            self.engine.track(tracker, sid, cache)
+        self._sync()
+        tracked = time.perf_counter()
+        return {
+            "hf_track_gbps": self.bytes / (tracked - started_track) / 1e9,
+            "hf_save_gbps": self.bytes / (saved - started_save) / 1e9,
+            "hf_restore_gbps": self.bytes / (restored - started_restore) / 1e9,
+        }, first
+
+    def resume_exact(self, rebuilt: Any) -> float:
+        """1.0 when the next token's logits from a restored cache equal the original cache's bit for bit."""
+        import copy
+
+        import torch
+
+        with torch.no_grad():
+            resumed = self.model(self.next_id, cache=rebuilt).logits
+            original = self.model(self.next_id, cache=copy.deepcopy(self.caches["hf-0"])).logits
+        return float(torch.equal(resumed, original))
 
 
 def cuda_copy_figures(sessions: dict[str, list[Any]]) -> dict[str, float]:
-    """torch's own device-to-host copy rate into pinned memory, next to the agent's staging path."""
+    """torch's own copy rates between the GPU and pinned host memory, both ways, next to the agent's staging path
+    (``Staging.device_to_host``, ``Staging.host_to_device``) over the same blocks."""
     import torch
 
     from shared.kv.buffers import Staging, as_block
@@ -427,19 +496,35 @@ def cuda_copy_figures(sessions: dict[str, list[Any]]) -> dict[str, float]:
     blocks = [as_block(b) for bs in sessions.values() for b in bs]
     nbytes = sum(b.nbytes for b in blocks)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
+    offsets = []
     offset = 0
     for b in blocks:
-        pinned[offset : offset + b.nbytes].copy_(b.device, non_blocking=True)
+        offsets.append(offset)
         offset += b.nbytes
     torch.cuda.synchronize()
-    torch_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for b, at in zip(blocks, offsets, strict=True):
+        pinned[at : at + b.nbytes].copy_(b.device, non_blocking=True)
+    torch.cuda.synchronize()
+    torch_d2h_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for b, at in zip(blocks, offsets, strict=True):
+        b.device.copy_(pinned[at : at + b.nbytes], non_blocking=True)
+    torch.cuda.synchronize()
+    torch_h2d_s = time.perf_counter() - started
     staging = Staging(nbytes)
     started = time.perf_counter()
     staging.device_to_host(blocks)
-    ours_s = time.perf_counter() - started
-    return {"torch_d2h_gbps": nbytes / torch_s / 1e9, "agent_d2h_gbps": nbytes / ours_s / 1e9}
+    ours_d2h_s = time.perf_counter() - started
+    started = time.perf_counter()
+    staging.host_to_device(list(zip(offsets, blocks, strict=True)))
+    ours_h2d_s = time.perf_counter() - started
+    return {
+        "torch_d2h_gbps": nbytes / torch_d2h_s / 1e9,
+        "agent_d2h_gbps": nbytes / ours_d2h_s / 1e9,
+        "torch_h2d_gbps": nbytes / torch_h2d_s / 1e9,
+        "agent_h2d_gbps": nbytes / ours_h2d_s / 1e9,
+    }
 
 
 TARGETS = [
@@ -450,8 +535,51 @@ TARGETS = [
     Target("objstore_restore_vs_raw_get", ">=", 5.0, "object store restore >= 5x nats-py object store get"),
     Target("objstore_save_vs_raw_put", ">=", 1.5, "object store save >= 1.5x nats-py object store put"),
     Target("incremental_vs_full", ">=", 5.0, "incremental save >= 5x full save in logical bytes/s"),
+    Target("hf_save_vs_raw_path", ">=", 0.7, "transformers blocks to checkpoint >= 0.7x the raw-block save"),
+    Target("hf_restore_vs_raw_path", ">=", 0.7, "checkpoint to transformers cache >= 0.7x the raw-block restore"),
     Target("hf_resume_exact", ">=", 1.0, "a restored transformers cache gives the original's logits bit for bit"),
 ]
+
+
+def run(
+    options: BenchOptions,
+    *,
+    device: str = "cpu",
+    sessions_n: int | None = None,
+    blocks_n: int | None = None,
+    pods: int | None = None,
+    rounds: int | None = None,
+) -> dict[str, Any]:
+    """Measure, write the report to ``options.out`` and print it; sizes default to the quick or full run's."""
+    quick = (8, 4, 2, 1)
+    full = (16, 32, 4, 3)
+    defaults = quick if options.quick else full
+    sessions_n = sessions_n or defaults[0]
+    blocks_n = blocks_n or defaults[1]
+    pods = pods or defaults[2]
+    rounds = rounds or defaults[3]
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the transformers case's, as the conversation engine runs
+    try:
+        results = asyncio.run(measure(options, sessions_n, blocks_n, device, pods, rounds))
+    finally:
+        torch.set_num_threads(threads)
+    results["device"] = device
+    targets = [
+        *TARGETS,
+        Target("drain_margin", ">=", 0.0, "node drain within 1.3x raw write time + 1 s (limit minus measured)"),
+    ]
+    results["drain_margin"] = results["drain_limit_seconds"] - results["drain_seconds"]
+    params = {
+        "sessions": sessions_n,
+        "blocks_per_session": blocks_n,
+        "block_bytes": LAYOUT.block_bytes,
+        "pods": pods,
+        "rounds": rounds,
+    }
+    return finish(options, results, targets, params, machine_info())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -463,17 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.common import exit_code, parse_args
 
     options = parse_args("checkpoint", __doc__.splitlines()[0] if __doc__ else "", rest)
-    sessions_n, blocks_n, pods = (8, 4, 2) if options.quick else (16, 32, 4)
-    results = asyncio.run(measure(options, sessions_n, blocks_n, known.device, pods, 1 if options.quick else 3))
-    results["device"] = known.device
-    targets = [
-        *TARGETS,
-        Target("drain_margin", ">=", 0.0, "node drain within 1.3x raw write time + 1 s (limit minus measured)"),
-    ]
-    results["drain_margin"] = results["drain_limit_seconds"] - results["drain_seconds"]
-    params = {"sessions": sessions_n, "blocks_per_session": blocks_n, "block_bytes": LAYOUT.block_bytes, "pods": pods}
-    report = finish(options, results, targets, params, machine_info())
-    return exit_code(options, report)
+    return exit_code(options, run(options, device=known.device))
 
 
 if __name__ == "__main__":

@@ -81,6 +81,19 @@ def nats_server(url: str | None = None) -> Iterator[str]:
         server.cleanup()
 
 
+def drop_cache(path: Path) -> None:
+    """Every file under ``path`` (or the file itself) out of the page cache, so that the next read comes from the
+    disk: fsync, then ``posix_fadvise(DONTNEED)``, which needs no privilege for files one can open."""
+    files = [str(path)] if path.is_file() else [os.path.join(r, n) for r, _, names in os.walk(path) for n in names]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 # -- statistics -------------------------------------------------------------------------------------------------
 def percentile(values: Sequence[float], p: float) -> float:
     """The ``p``-th percentile (0..100) with linear interpolation between closest ranks (numpy's default)."""

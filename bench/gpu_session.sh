@@ -3,7 +3,9 @@
 #   here:  make gpu-kit            # wheels of bench/gpu_requirements.txt for the machine's Python, in .gpu-kit/
 #   there: bash bench/gpu_session.sh   with .gpu-kit carried; results in $OUT (at most 8 files)
 # It runs, in order: nvidia-smi; the NVML adapter on the real GPU (make gpu-check, JSON); the KV agent's CUDA tests;
-# bench.checkpoint with CUDA tensors, quick then full (each bounded); the vLLM connector (bench.vllm_session: a
+# bench.checkpoint with CUDA tensors, quick then full (each bounded; with the agent's device-to-host and
+# host-to-device copy rates beside torch's own); bench.resume on the GPU (a drained conversation's next token from
+# its checkpoint against a re-prefill and against the disk's floor, bounded); the vLLM connector (bench.vllm_session: a
 # conversation saved by one vLLM process continues in a second, compared token for token with a reference run) when
 # vLLM is importable there or its wheels were carried in .gpu-kit/vllm (make gpu-kit GPU_KIT_VLLM=1), else it is
 # recorded as skipped in vllm-session.log. A step that fails is recorded and the rest still run; the exit status
@@ -13,6 +15,7 @@ OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
 VENV=${GPU_VENV:-/tmp/gpuwarden-venv}
 FULL_BENCH_S=${FULL_BENCH_S:-300}
+RESUME_S=${RESUME_S:-240}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 failed=()
 
@@ -40,10 +43,12 @@ step "nvidia-smi" nvidia-smi.txt nvidia-smi
 step "gpu-check (NVML adapter on the real GPU)" gpu-check.json "$PYBIN" -m tools.gpu_check --json
 step "KV agent tests with CUDA tensors" pytest.log "$PYBIN" -m pytest -q -p no:cacheprovider -rs \
     tests/test_kv_torch.py tests/test_kv_agent.py
-step "bench.checkpoint --device cuda --quick" checkpoint.log "$PYBIN" -m bench.checkpoint --device cuda \
-    --quick --out "$OUT/checkpoint-cuda-quick.json"
-step "bench.checkpoint --device cuda (full, at most ${FULL_BENCH_S}s)" checkpoint.log timeout "$FULL_BENCH_S" \
+step "bench.checkpoint --device cuda --quick" bench.log "$PYBIN" -m bench.checkpoint --device cuda \
+    --quick --out /tmp/gpuwarden-checkpoint-cuda-quick.json  # its table is in bench.log: $OUT holds 8 files
+step "bench.checkpoint --device cuda (full, at most ${FULL_BENCH_S}s)" bench.log timeout "$FULL_BENCH_S" \
     "$PYBIN" -m bench.checkpoint --device cuda --out "$OUT/checkpoint-cuda.json"
+step "bench.resume --device cuda (at most ${RESUME_S}s)" bench.log timeout "$RESUME_S" \
+    "$PYBIN" -m bench.resume --device cuda --out "$OUT/resume-cuda.json"
 VLLM_S=${VLLM_S:-900}
 if [ -d .gpu-kit/vllm ]; then
     step "install vLLM (offline, from .gpu-kit/vllm)" vllm-session.log "$PYBIN" -m pip install --no-index \

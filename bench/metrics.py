@@ -23,11 +23,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Target, exit_code, finish, machine_info, parse_args
+from bench.common import BenchOptions, Target, exit_code, finish, machine_info, parse_args
 from services.metrics.aggregate import Aggregator
 from services.metrics.samples import observation
 from shared.adapters.exposition import ExpositionParser
@@ -226,17 +226,37 @@ def page_server(pages: list[tuple[str, str]]) -> Iterator[str]:
             proc.wait(5)
 
 
-def main() -> int:
-    options = parse_args("metrics", __doc__.splitlines()[0] if __doc__ else "")
-    nodes = 100 if options.quick else 1000
-    seconds = 3.0 if options.quick else 10.0
+@contextlib.contextmanager
+def one_core() -> Iterator[None]:
+    """This process on one core, as the target says (the page server has the other); as it was afterwards."""
+    before: set[int] | None = None
+    with contextlib.suppress(AttributeError, OSError):
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(before)})
+    try:
+        yield
+    finally:
+        if before is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, before)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse_args("metrics", __doc__.splitlines()[0] if __doc__ else "", argv)
+    return exit_code(options, run(options))
+
+
+def run(
+    options: BenchOptions, nodes: int | None = None, seconds: float | None = None, reference_pages: int | None = None
+) -> dict[str, Any]:
+    """Measure, write the report to ``options.out`` and print it; sizes default to the quick or full run's."""
+    nodes = nodes or (100 if options.quick else 1000)
+    seconds = seconds or (3.0 if options.quick else 10.0)
     pages = [(f"node-{n:04d}-{v}", node_page(n, v)) for n in range(nodes) for v in (0, 1)]
-    with page_server(pages) as base:
-        with contextlib.suppress(AttributeError, OSError):  # one core, as the target says; the server has the other
-            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    with page_server(pages) as base, one_core():  # the server started first: it runs on the other core
         results = asyncio.run(ingest_http(base, nodes, seconds))
-    results.update(ingest_parsed(pages, seconds))
-    reference_ms = reference_cost(pages, 20 if options.quick else 100)
+        results.update(ingest_parsed(pages, seconds))
+        reference_ms = reference_cost(pages, reference_pages or (20 if options.quick else 100))
     results["reference_parse_ms_per_page"] = round(reference_ms, 3)
     results["reference_cpu_fraction_est"] = round(reference_ms * nodes / 1000.0, 3)
     targets = [
@@ -259,8 +279,7 @@ def main() -> int:
         "page_bytes": len(pages[0][1]),
         "series_per_page": pages[0][1].count("\n") - 2 * pages[0][1].count("# TYPE"),
     }
-    report = finish(options, results, targets, params, machine_info())
-    return exit_code(options, report)
+    return finish(options, results, targets, params, machine_info())
 
 
 if __name__ == "__main__":

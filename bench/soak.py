@@ -61,6 +61,8 @@ class SoakPlan:
     upgrade_at: float
     sample_every: float
     rate: float
+    spec: str | None = None
+    """A simulation spec file (``GPUWARDEN_SIM_SPEC``) instead of the embedded default: a smaller mesh."""
 
 
 @dataclass
@@ -252,6 +254,8 @@ async def soak(plan: SoakPlan, home: Path, nats_url: str, redis_url: str, server
     )
     for inherited in ("GPUWARDEN_SIM_SPEC", "GPUWARDEN_CHECKPOINT_STORE", "GPUWARDEN_NODE", "GPUWARDEN_HTTP_ADDR"):
         env.pop(inherited, None)  # the embedded default, its store in the temporary folder
+    if plan.spec:
+        env["GPUWARDEN_SIM_SPEC"] = plan.spec
     proc, log = launch(plan, env, home)
     obs = Observations()
     bus: Bus | None = None
@@ -462,6 +466,7 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, SoakPlan, bool]:
     parser.add_argument("--upgrade-at", type=float, default=None, help="when the driver upgrade starts (default run/5)")
     parser.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS samples")
     parser.add_argument("--rate", type=float, default=2.0, help="simulated requests per second (gpuwarden run --rate)")
+    parser.add_argument("--spec", default=None, help="a simulation spec file instead of the embedded default")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, checkpoints)")
     parser.add_argument("--out", type=Path, default=None, help="where the JSON goes (default bench/results/soak.json)")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")
@@ -477,6 +482,7 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, SoakPlan, bool]:
         upgrade_at=args.upgrade_at if args.upgrade_at is not None else seconds / 5,
         sample_every=args.sample_every,
         rate=args.rate,
+        spec=str(Path(args.spec).resolve()) if args.spec else None,
     )
     out = args.out or (Path(__file__).resolve().parent / "results" / "soak.json")
     return BenchOptions("soak", args.quick, None, out, args.strict), plan, args.keep
@@ -504,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "upgrade_at_s": plan.upgrade_at,
         "sample_every_s": plan.sample_every,
         "rate": plan.rate,
+        "spec": plan.spec or "embedded default",
         "new_driver": NEW_DRIVER,
         "home": str(home) if keep else None,
     }

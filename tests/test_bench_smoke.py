@@ -1,14 +1,20 @@
-"""The benchmarks run end to end on tiny sizes and write the report they promise. No timing is asserted."""
+"""The benchmarks run end to end on tiny sizes and write the report they promise (every key a reader of the JSON
+relies on), so a benchmark cannot break silently between two ``make bench``. No timing is asserted.
+(``bench.scaler`` and ``bench.soak`` have theirs in tests/test_scaler_bench.py and tests/test_soak_bench.py.)"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench import bus as bench_bus
-from bench.common import Target, default_out, parse_args, percentile
+from bench import checkpoint as bench_checkpoint
+from bench import metrics as bench_metrics
+from bench import resume as bench_resume
+from bench.common import BenchOptions, Target, default_out, parse_args, percentile
 
 REQUIRED_BUS_KEYS = (
     "core_msgs_per_s",
@@ -72,3 +78,92 @@ def test_command_line_defaults_to_a_private_server_and_the_results_folder() -> N
     assert default_out("bus").parts[-3:] == ("bench", "results", "bus.json")
     options = parse_args("bus", argv=["--quick", "--nats-url", "nats://h:1", "--out", "x.json", "--strict"])
     assert options.quick and options.nats_url == "nats://h:1" and options.out == Path("x.json") and options.strict
+
+
+def written(out: Path, report: dict[str, Any], name: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The JSON at ``out``: the report returned, the benchmark's name, a number (not NaN) for every key, and each
+    target naming the figure it checked."""
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(report))
+    assert data["benchmark"] == name and data["mode"] == "quick"
+    for key in keys:
+        value = data[key]
+        assert isinstance(value, int | float) and not isinstance(value, bool) and value == value, key
+    for target in data["targets"]:
+        assert target["key"] in data and target["measured"] == data[target["key"]]
+        assert isinstance(target["passed"], bool)
+    assert data["machine"]["cpu_count"] and data["params"]
+    return data
+
+
+CHECKPOINT_KEYS = (
+    "bytes",
+    "raw_write_gbps",
+    "raw_read_gbps",
+    "save_gbps",
+    "restore_gbps",
+    "safetensors_save_gbps",
+    "safetensors_load_gbps",
+    "save_vs_raw",
+    "restore_vs_raw",
+    "incremental_save_gbps",
+    "incremental_vs_full",
+    "objstore_save_gbps",
+    "objstore_restore_gbps",
+    "objstore_restore_vs_raw_get",
+    "drain_seconds",
+    "drain_margin",
+    "hf_bytes",
+    "hf_track_gbps",
+    "hf_save_gbps",
+    "hf_restore_gbps",
+    "hf_save_vs_raw_path",
+    "hf_restore_vs_raw_path",
+    "hf_resume_exact",
+)
+
+
+def test_bench_checkpoint_runs_every_way_at_a_tiny_size(tmp_path: Path) -> None:
+    """Every way once (plain files, the file store, safetensors, the transformers case, the object store on a
+    private NATS server, a drain through the checkpoint service with its backends), on 8 MiB."""
+    out = tmp_path / "checkpoint.json"
+    options = BenchOptions("checkpoint", quick=True, nats_url=None, out=out)
+    report = bench_checkpoint.run(options, sessions_n=2, blocks_n=2, pods=1, rounds=1)
+    data = written(out, report, "checkpoint", CHECKPOINT_KEYS)
+    assert data["bytes"] == data["hf_bytes"] == 2 * 2 * bench_checkpoint.LAYOUT.block_bytes  # the same bytes
+    assert data["hf_resume_exact"] == 1.0 and data["device"] == "cpu" and len(data["rounds"]) == 1
+    assert {"hf_save_vs_raw_path", "hf_restore_vs_raw_path", "drain_margin"} <= {t["key"] for t in data["targets"]}
+
+
+def test_bench_metrics_ingests_every_sample_at_a_tiny_size(tmp_path: Path) -> None:
+    out = tmp_path / "metrics.json"
+    options = BenchOptions("metrics", quick=True, nats_url=None, out=out)
+    report = bench_metrics.run(options, nodes=4, seconds=1.0, reference_pages=2)
+    keys = ("cpu_fraction", "max_lag_s", "samples_per_s", "samples_ingested_fraction", "parse_cpu_fraction")
+    data = written(out, report, "metrics", (*keys, "reference_parse_ms_per_page"))
+    assert data["params"]["nodes"] == 4 and data["scrape_errors"] == 0 and data["problems"] == 0
+    assert {t["key"] for t in data["targets"]} == {"cpu_fraction", "max_lag_s", "samples_ingested_fraction"}
+
+
+RESUME_FIGURES = ("resume_s", "recompute_s", "floor_s", "resume_vs_recompute", "resume_vs_floor", "kv_bytes")
+RESUME_KEYS = (
+    *(f"{figure}_{size}" for size in ("1k", "4k", "8k") for figure in RESUME_FIGURES),
+    "model_params",
+    "resume_exact",
+    "resume_logits_identical",
+)
+
+
+def test_bench_resume_compares_resume_recompute_and_the_floor_on_a_tiny_model(tmp_path: Path) -> None:
+    """The quick run: a tiny Llama, the same three contexts, three rounds of a recompute and two resumes beside two
+    floors; resumed and recomputed conversations go on with the same tokens."""
+    out = tmp_path / "resume.json"
+    options = BenchOptions("resume", quick=True, nats_url=None, out=out)
+    report = bench_resume.run(options, pairs=2, progress=False)
+    data = written(out, report, "resume", RESUME_KEYS)
+    assert data["resume_exact"] == 1 and data["resume_logits_identical"] == 1
+    assert data["model_params"] > 0 and data["params"]["model"]["kv_heads"] < data["params"]["model"]["heads"]
+    assert data["kv_bytes_8k"] == 2 * data["kv_bytes_4k"] and "fadvise" in data["floor"]
+    assert len(data["rounds_detail"]) == 3 and data["params"]["contexts"] == [1024, 4096, 8192]
+    assert all(len(r["4k"]["resume_s"]) == len(r["4k"]["floor_s"]) == 2 for r in data["rounds_detail"])
+    assert {t["key"] for t in data["targets"]} == {"resume_vs_recompute_4k", "resume_vs_floor_4k", "resume_exact"}

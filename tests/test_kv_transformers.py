@@ -7,21 +7,23 @@ kernels on the same shapes; both processes use one thread so that no reduction i
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import PreTrainedTokenizerFast
+from transformers import DynamicCache, PreTrainedTokenizerFast
 
 from shared.kv.agent import KvAgent
 from shared.kv.engines import restore_cache
-from shared.kv.engines.huggingface import TransformersEngine, weights_digest
+from shared.kv.engines.huggingface import RestoredLayer, TransformersEngine, weights_digest
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import (
     IncompatibleCheckpoint,
@@ -238,3 +240,102 @@ def test_an_older_manifest_still_decodes_verifies_and_means_one_unsharded_rank()
     sharded = msgspec.structs.replace(manifest.layout, tp_rank=1, tp_size=2)
     with pytest.raises(IncompatibleCheckpoint, match="tp_rank: checkpoint has 0, this pod has 1; tp_size"):
         check_compatible(manifest, sharded)
+
+
+def reference_block(cache: DynamicCache, engine: TransformersEngine, start: int, end: int) -> torch.Tensor:
+    """Positions ``start:end`` of the cache as a block, position by position (zeros past ``end``)."""
+    block = torch.zeros(engine.block_shape, dtype=engine.dtype)
+    for i, layer in enumerate(cache.layers):
+        for p in range(start, end):
+            block[i, 0, :, p - start] = layer.keys[0, :, p]
+            block[i, 1, :, p - start] = layer.values[0, :, p]
+    return block
+
+
+def test_one_track_copies_many_blocks_in_bulk_exactly_as_the_cache_holds_them(tmp_path: Path) -> None:
+    engine = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS)
+    cache = engine.new_cache()
+    with torch.no_grad():
+        engine.model(tokens(8, 45), cache=cache, use_cache=True)  # 5 full blocks of 8 and a tail of 5
+    agent = make_agent(FileStore(tmp_path / "store"), engine.layout)
+    agent.register_session("s")
+    engine.track(agent, "s", cache)
+    blocks = agent.blocks("s")
+    assert len(blocks) == 6 and agent.tokens("s") == 45
+    for index, block in enumerate(blocks):
+        start = index * BLOCK_TOKENS
+        assert torch.equal(block, reference_block(cache, engine, start, min(start + BLOCK_TOKENS, 45))), index
+    full = {b.untyped_storage().data_ptr() for b in blocks[:5]}
+    assert len(full) == 1 and blocks[5].untyped_storage().data_ptr() not in full  # one tensor; the tail its own
+    with pytest.raises(ValueError, match="blocks start on a multiple of 8"):
+        engine.blocks_of(engine.layers_of(cache), 3, 20)
+
+
+@pytest.mark.parametrize("static", [False, True])
+async def test_a_rebuild_from_one_tensor_or_from_separate_blocks_is_the_same_cache(
+    tmp_path: Path, static: bool
+) -> None:
+    """``restore_cache`` reads into the engine's ``restore_targets`` (consecutive views of one tensor, one copy to
+    rebuild); blocks restored one array each (as ``AgentEndpoint.restore`` returns them) rebuild the same."""
+    kind = {"max_cache_len": 64} if static else {}
+    engine = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS, **kind)  # type: ignore[arg-type]
+    cache = engine.new_cache()
+    greedy(engine.model, tokens(9, 30), cache, 6)  # 35 positions: a partial last block
+    agent = make_agent(FileStore(tmp_path / "store"), engine.layout)
+    agent.register_session("s")
+    engine.track(agent, "s", cache)
+    assert not (await agent.save()).failed
+
+    other = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS, **kind)  # type: ignore[arg-type]
+    step = torch.tensor([[7]])
+    with torch.no_grad():
+        want = engine.model(step, cache=copy.deepcopy(cache)).logits
+    if not static:  # a dynamic cache's positions are gathered by its first forward, into the tensor it makes anyway
+        lazy, _ = await restore_cache(make_agent(agent.store, other.layout, "llama-3"), other, "s")
+        assert all(type(layer) is RestoredLayer for layer in lazy.layers) and lazy.get_seq_length() == 35
+        with torch.no_grad():
+            assert torch.equal(other.model(step, cache=lazy).logits, want)
+        assert type(lazy.layers[0]) is RestoredLayer and lazy.get_seq_length() == 36
+        (k, v), (rk, rv) = engine.layers_of(cache)[0], other.layers_of(lazy)[0]
+        assert torch.equal(rk[:, :, :35], k) and torch.equal(rv[:, :, :35], v) and rk.is_contiguous()
+    joined, restored = await restore_cache(make_agent(agent.store, other.layout, "llama-1"), other, "s")
+    first = restored.blocks[0]
+    assert isinstance(first, torch.Tensor) and all(
+        b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for b in restored.blocks
+    )  # read straight into the engine's blocks
+    separate = await make_agent(agent.store, other.layout, "llama-2").restore("s")
+    assert all(isinstance(b, np.ndarray) for b in separate.blocks)
+    apart = other.rebuild(separate.blocks, 35)
+    for rebuilt in (joined, apart):
+        assert int(rebuilt.get_seq_length()) == 35 and type(rebuilt) is type(cache)
+        for mine, theirs in zip(engine.layers_of(cache), other.layers_of(rebuilt), strict=True):
+            assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
+    with torch.no_grad():
+        assert torch.equal(other.model(step, cache=joined).logits, want)
+        assert torch.equal(other.model(step, cache=apart).logits, want)
+
+
+async def test_a_corrupt_newest_checkpoint_falls_back_when_restored_into_the_engines_blocks(tmp_path: Path) -> None:
+    engine = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS)
+    cache = engine.new_cache()
+    ids, _ = greedy(engine.model, tokens(10, 12), cache, 5)  # 16 positions
+    store = FileStore(tmp_path / "store")
+    agent = make_agent(store, engine.layout)
+    agent.register_session("s")
+    engine.track(agent, "s", cache)
+    older = (await agent.save()).committed[0]
+    kept = [(k.clone(), v.clone()) for k, v in engine.layers_of(cache)]
+    greedy(engine.model, ids, cache, 4)  # 20 positions: a new tail block, in a new pack
+    engine.track(agent, "s", cache)
+    newest = (await agent.save()).committed[0]
+    pack = store.packs_dir / f"{newest.blocks[-1].pack}.pack"
+    data = bytearray(pack.read_bytes())
+    data[newest.blocks[-1].offset] ^= 0xFF
+    pack.write_bytes(bytes(data))
+
+    other = TransformersEngine(tiny_llama(), block_tokens=BLOCK_TOKENS)
+    rebuilt, restored = await restore_cache(make_agent(store, other.layout, "llama-1"), other, "s")
+    assert restored.manifest.checkpoint_id == older.checkpoint_id and int(rebuilt.get_seq_length()) == 16
+    assert len(restored.fell_back_from) == 1 and newest.checkpoint_id in restored.fell_back_from[0]
+    for (k, v), (rk, rv) in zip(kept, other.layers_of(rebuilt), strict=True):
+        assert torch.equal(k, rk) and torch.equal(v, rv)

@@ -261,6 +261,63 @@ async def test_nan_and_missing_series_are_unknown_never_zero() -> None:
     assert partial is not None and partial.missing == []
 
 
+class GpuSampleBefore(msgspec.Struct, frozen=True, kw_only=True, tag="metrics.gpu.sample", tag_field="kind"):
+    """``GpuSample`` as a reader from before values could be null decodes it: 0.0 defaults, ``missing`` beside."""
+
+    node: str
+    gpu_uuid: str
+    gpu_util: float
+    mem_copy_util: float = 0.0
+    mem_used_mib: float = 0.0
+    mem_free_mib: float = 0.0
+    power_w: float = 0.0
+    temperature_c: float = 0.0
+    xid: int = 0
+    missing: list[str] = []
+
+
+def test_a_value_the_source_lacks_is_null_in_samples_and_deployment_figures_never_zero() -> None:
+    bare = ExpositionParser().parse(
+        f"DCGM_FI_DEV_GPU_UTIL{{{L0}}} 55\nDCGM_FI_DEV_POWER_USAGE{{{L0}}} NaN\nDCGM_FI_DEV_FB_USED{{{L0}}} 7\n",
+        read_at=5,
+    )
+    sample = gpu_sample(by_key(bare)[U0], "node-a", 5.0)
+    assert sample is not None and sample.gpu_util == 55.0 and sample.mem_used_mib == 7.0
+    assert (sample.power_w, sample.temperature_c, sample.mem_free_mib, sample.mem_copy_util, sample.xid) == (
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+    wire = msgspec.json.encode(sample)
+    fields = msgspec.json.decode(wire)
+    assert not {"power_w", "temperature_c", "mem_free_mib", "mem_copy_util", "xid"} & set(fields)  # none made up
+    again = msgspec.json.decode(wire, type=GpuSample)
+    assert again.power_w is None and again.mem_free_mib is None and again.mem_used_mib == 7.0
+    older = msgspec.json.decode(wire, type=GpuSampleBefore)  # a reader from before: 0.0, with the flag beside it
+    assert older.power_w == 0.0 and {"power_w", "temperature_c", "mem_free_mib"} <= set(older.missing)
+
+    from services.metrics.samples import deployment_event, observation, observation_of_sample, record
+
+    agg = Aggregator(window_s=60, stale_after_s=15)
+    agg.observe(observation_of_sample(again))  # FB_FREE absent: no memory pressure can be said
+    deployment = next(a for a in agg.aggregates(now=6.0) if a.scope == "deployment")
+    event = deployment_event(deployment)
+    assert event is not None and event.mean_util == 55.0 and event.mem_pressure is None
+    assert "mem_pressure" not in msgspec.json.decode(msgspec.json.encode(event))
+    assert msgspec.json.decode(msgspec.json.encode(event), type=DeploymentUtilisation).mem_pressure is None
+    assert record(deployment, 6.0).mem_pressure is None
+    agg.observe(observation(by_key(page_read())[U0], 7.0))  # a page with both: a pressure, measured
+    assert deployment_event(next(a for a in agg.aggregates(now=8.0) if a.scope == "deployment")).mem_pressure == (
+        pytest.approx(0.75)
+    )
+
+
+def page_read() -> SourceRead:
+    return ExpositionParser("cached").parse(page(), read_at=1000.0)
+
+
 def test_staleness_follows_time_and_old_points_are_refused() -> None:
     agg = Aggregator(window_s=30, stale_after_s=10)
     obs = Observation(key="g", t=100.0, util=50.0, mem_used_mib=1, mem_free_mib=3, pod="p-0", namespace="ns")
@@ -458,6 +515,29 @@ async def test_scrape_cli_prints_per_gpu_and_per_pod_json(
     assert derive(ExpositionParser().parse(""))["gpus"] == {}
 
 
+async def test_scrape_cli_json_says_null_for_a_nan_or_absent_value(capsys: pytest.CaptureFixture[str]) -> None:
+    text = (
+        f"DCGM_FI_DEV_GPU_UTIL{{{L0}}} 12\nDCGM_FI_DEV_POWER_USAGE{{{L0}}} NaN\nDCGM_FI_DEV_GPU_TEMP{{{L0}}} +Inf\n"
+        f"DCGM_FI_DEV_FB_USED{{{L0}}} 100\nDCGM_FI_DEV_GPU_UTIL{{{L1}}} NaN\n"
+    )
+    server = PageServer(body=text)
+    await server.start()
+    try:
+        assert await asyncio.to_thread(scrape_main, [f"{server.url}/metrics", "--json"]) == 0
+    finally:
+        await server.stop()
+    raw = capsys.readouterr().out
+    out = json.loads(raw, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))  # strict JSON
+    g0, g1 = out["gpus"][U0], out["gpus"][U1]
+    assert g0["gpu_util"] == 12.0 and g0["mem_used_mib"] == 100.0
+    assert g0["power_w"] is None and g0["temperature_c"] is None and g0["mem_free_mib"] is None
+    assert g0["invalid"] == ["power_w", "temperature_c"]
+    assert g1["gpu_util"] is None and g1["invalid"] == ["gpu_util"]
+    pod = out["pods"]["llm/llama-7d9c8b6f5-x2x4q"]
+    assert pod["mean_util"] == 12.0 and pod["mem_pressure"] is None  # no FB_FREE: no pressure, not 0
+    assert out["pods"]["llm/llama-7d9c8b6f5-k8p2m"]["mean_util"] is None
+
+
 # -- configuration --------------------------------------------------------------------------------------------------
 def test_configuration_errors_name_the_variable() -> None:
     assert metrics_config.load({}).source == "nvml"
@@ -509,7 +589,7 @@ async def test_service_publishes_samples_and_deployment_utilisation_and_keeps_th
         await eventually(lambda: {e.gpu_uuid for e in samples} >= {U0, U1, U3, U2})
         mig = next(e for e in samples if e.gpu_instance_id == "2")
         assert (mig.mig_profile, mig.gpu_util, mig.pod, mig.namespace) == ("1g.10gb", 90.0, "mistral-0", "chat")
-        assert "mem_copy_util" in mig.missing  # no copy utilisation for a MIG slice: said, not zeroed
+        assert "mem_copy_util" in mig.missing and mig.mem_copy_util is None  # no copy utilisation for a MIG slice
         g0 = next(e for e in samples if e.gpu_uuid == U0)
         assert (g0.node, g0.gpu_util, g0.mem_used_mib, g0.power_w, g0.xid) == ("node-a", 80.0, 60000.0, 612.5, 0)
         llama = await eventually(lambda: next((e for e in deployments if e.deployment == "llama"), None))

@@ -1,13 +1,14 @@
-"""bench.soak's arithmetic and report on made-up observations; the soak itself runs the whole mesh for minutes
-(``make soak``), which is not a test. No timing is asserted."""
+"""bench.soak's arithmetic and report on made-up observations, and the soak itself for a few seconds on a one-node
+mesh (the real one runs the embedded default for minutes: ``make soak``). No timing is asserted."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from bench.soak import DrainRecord, Observations, SoakPlan, parse, slope_per_min, summarise
+from bench.soak import DrainRecord, Observations, SoakPlan, main, parse, slope_per_min, summarise
 
 
 def test_growth_is_the_least_squares_slope_in_mb_per_minute() -> None:
@@ -48,3 +49,31 @@ def test_the_report_names_growth_losses_and_verdicts(tmp_path: Path) -> None:
     assert report["verdict_max_s"] == pytest.approx(1.0) and report["verdict_p50_s"] == pytest.approx(0.75)
     assert report["upgrade_seconds"] == 50.0 and report["lost_sessions"] == 0 and report["preemptions"] == 7
     assert report["sim_tracked_end"] == {"home": 4} and report["checkpoint_store_mb"] == 0.0
+
+
+ONE_NODE = """
+nodes:
+  - {name: node-1, gpus: [{count: 1}]}
+deployments:
+  - name: llama
+    namespace: llm
+    replicas: 1
+    kv_blocks: 16
+    model: {engine: synthetic, max_model_len: 256}
+"""
+
+
+def test_a_soak_of_a_few_seconds_on_one_node_writes_its_report(tmp_path: Path) -> None:
+    """``gpuwarden run`` on a one-node synthetic spec, two drains and the rolling upgrade started: the JSON has
+    every figure the soak promises, and no session is lost."""
+    spec = tmp_path / "one-node.yaml"
+    spec.write_text(ONE_NODE)
+    out = tmp_path / "soak.json"
+    argv = ["--spec", str(spec), "--seconds", "5", "--drain-every", "2", "--upgrade-at", "3", "--sample-every", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "soak" and data["params"]["spec"] == str(spec)
+    for key in ("sim_rss_max_mb", "all_rss_max_mb", "lost_sessions", "drains", "drains_completed", "requests"):
+        assert isinstance(data[key], int | float) and not isinstance(data[key], bool), key
+    assert data["drains"] >= 2 and data["drains_without_verdict"] == 0 and data["lost_sessions"] == 0
+    assert data["requests"] > 0 and {t["key"] for t in data["targets"]} >= {"lost_sessions", "drains_without_verdict"}

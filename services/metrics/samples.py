@@ -39,12 +39,12 @@ def gpu_sample(reading: GpuReading, node: str, read_at: float) -> GpuSample | No
         node=node,
         gpu_uuid=reading.uuid,
         gpu_util=util,
-        mem_copy_util=v.get("mem_copy_util", 0.0),
-        mem_used_mib=v.get("mem_used_mib", 0.0),
-        mem_free_mib=v.get("mem_free_mib", 0.0),
-        power_w=v.get("power_w", 0.0),
-        temperature_c=v.get("temperature_c", 0.0),
-        xid=int(v.get("xid", 0.0)),
+        mem_copy_util=v.get("mem_copy_util"),
+        mem_used_mib=v.get("mem_used_mib"),
+        mem_free_mib=v.get("mem_free_mib"),
+        power_w=v.get("power_w"),
+        temperature_c=v.get("temperature_c"),
+        xid=None if (xid := v.get("xid")) is None else int(xid),
         pod=reading.pod,
         namespace=reading.namespace,
         sampled_at=datetime.fromtimestamp(at, UTC),
@@ -55,6 +55,8 @@ def gpu_sample(reading: GpuReading, node: str, read_at: float) -> GpuSample | No
 
 
 def observation_of_sample(event: GpuSample) -> Observation:
+    """A published sample as a point; a value it lacks stays unknown (None, or named in ``missing`` by a
+    publisher from before values could be None)."""
     missing = set(event.missing)
     t = (event.sampled_at or event.occurred_at).timestamp()
     key = f"{event.gpu_uuid}/gi{event.gpu_instance_id}" if event.gpu_instance_id else event.gpu_uuid
@@ -99,7 +101,7 @@ def deployment_event(a: Aggregate) -> DeploymentUtilisation | None:
         window_s=a.window_s,
         mean_util=a.mean_util,
         max_util=a.max_util,
-        mem_pressure=a.mem_pressure or 0.0,
+        mem_pressure=a.mem_pressure,
         gpus=a.gpus - a.stale_gpus,
         sampled_at=None if a.sampled_at is None else datetime.fromtimestamp(a.sampled_at, UTC),
         pods=a.pods,

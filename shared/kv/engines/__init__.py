@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.kv.agent import KvAgent, RestoredSession
-from shared.kv.manifest import KvLayout
+from shared.kv.manifest import CheckpointManifest, KvLayout
+from shared.kv.store import StoreError
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,48 @@ def blocks_for(token_count: int, block_tokens: int) -> int:
     return -(-token_count // block_tokens)
 
 
+async def _newest(agent: KvAgent, session_id: str, restore: dict[str, Any]) -> CheckpointManifest | None:
+    """The manifest ``KvAgent.restore`` would try first with these arguments (None: none to read)."""
+    candidates = restore.get("candidates")
+    checkpoint_id = candidates[0] if candidates else restore.get("checkpoint_id")
+    try:
+        if not checkpoint_id:
+            ids = await agent.store.checkpoints(session_id)
+            checkpoint_id = ids[0] if ids else None
+        return await agent.store.manifest(session_id, checkpoint_id) if checkpoint_id else None
+    except (StoreError, ValueError):
+        return None
+
+
 async def restore_cache(
     agent: KvAgent, engine: EngineCache, session_id: str, **restore: Any
 ) -> tuple[Any, RestoredSession]:
     """Restore a session through ``agent`` (``restore`` is passed on to ``KvAgent.restore``: checkpoint id,
     candidates, generation) and rebuild the engine's cache object from it. A checkpoint of another model,
-    weights, tokenizer, dtype or layout is refused by the agent, naming each field that differs."""
+    weights, tokenizer, dtype or layout is refused by the agent, naming each field that differs.
+
+    An engine with ``restore_targets(block_count)`` has the newest checkpoint read straight into blocks it
+    allocated (so its rebuild is one bulk copy); if that checkpoint is unusable, the agent's own restore passes
+    over it to an older one as always, and says why."""
     if agent.layout != engine.layout:
         raise ValueError(
             f"the agent of pod {agent.pod} serves layout {agent.layout}, the engine computes {engine.layout}"
         )
+    targets = getattr(engine, "restore_targets", None)
+    if targets is not None and restore.get("into") is None:
+        newest = await _newest(agent, session_id, restore)
+        if newest is not None:
+            try:
+                restored = await agent.restore(
+                    session_id,
+                    into=targets(len(newest.blocks)),
+                    candidates=[newest.checkpoint_id],
+                    fall_back=False,
+                    generation=restore.get("generation", 0),
+                )
+            except StoreError:
+                pass
+            else:
+                return engine.rebuild(restored.blocks, restored.manifest.token_count), restored
     restored = await agent.restore(session_id, **restore)
     return engine.rebuild(restored.blocks, restored.manifest.token_count), restored
