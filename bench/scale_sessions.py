@@ -385,6 +385,7 @@ async def fleet_figures(
         periodic_round_p50_s=round(sorted(durations)[len(durations) // 2], 3) if durations else None,
         periodic_gaps=len(gaps),
         periodic_gaps_off=len(late),
+        periodic_gaps_off_s=sorted(round(g, 2) for g in late)[:20],
         periodic_interval_kept=bool(gaps) and not late,
     )
     out["lost_sessions"] = await bench.lost(pods)
