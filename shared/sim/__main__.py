@@ -23,11 +23,11 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.contract.subjects import Subjects
-from shared.plumbing.configsync import redis_client
+from shared.plumbing.configsync import redis_client, warm_pool
 from shared.plumbing.runner import ServiceContext, run
 from shared.ports.cluster import ClusterError
-from shared.sim.cluster import SimCluster
-from shared.sim.exporter import PodRef, SimExporter, exporter_url_key
+from shared.sim.cluster import SharedSimCluster, SimCluster
+from shared.sim.exporter import PodRef, SimExporter, SimExporterHost
 from shared.sim.faults import serve_faults
 from shared.sim.gauges import WorkloadCollector
 from shared.sim.gpus import SimGpus
@@ -35,6 +35,12 @@ from shared.sim.spec import SimSpec, load_spec
 from shared.sim.workload import SimWorkload, publish_requests
 
 log = logging.getLogger(__name__)
+
+REDIS_CONNECTIONS = 64
+"""The simulation's one Redis pool: a fleet's exporter pages scraped at once wait for a connection, never fail for
+want of one."""
+ATTACH_AT_ONCE = 64
+"""Simulated nodes whose GPUs are attached at once at start (a fleet of a thousand attaches in a few rounds)."""
 
 
 class Simulation:
@@ -55,30 +61,36 @@ class Simulation:
         self.new = new
         self.max_turns = max_turns
         self.workload: SimWorkload | None = None
-        self.exporters: list[SimExporter] = []
+        self.exporters: SimExporterHost | None = None
 
     async def start(self, ctx: ServiceContext) -> None:
         from shared.kv.stores import open_store
 
-        client = redis_client(ctx.settings.redis)
-        cluster = await SimCluster.create(client, ctx.subjects, self.spec)
+        client = redis_client(ctx.settings.redis, max_connections=REDIS_CONNECTIONS)
+        await warm_pool(client, REDIS_CONNECTIONS)
+        cluster = await SharedSimCluster.create(client, ctx.subjects, self.spec)
+        assert isinstance(cluster, SharedSimCluster)
+        cluster.start()  # the workload's reads and watch come from one informer, not from Redis on every tick
+        ctx.on_stop(cluster.close)
         ctx.spawn(lambda: self._keep_world(client, ctx.subjects), "sim-world")
-        gpus: dict[str, Any] = {}
-        for node in self.spec.nodes:
-            port = SimGpus(client, ctx.subjects, self.spec, node.name)
-            await port.attach()
-            gpus[node.name] = port
+        gpus: dict[str, Any] = {n.name: SimGpus(client, ctx.subjects, self.spec, n.name) for n in self.spec.nodes}
+        ports = list(gpus.values())
+        for start in range(0, len(ports), ATTACH_AT_ONCE):
+            await asyncio.gather(*(port.attach() for port in ports[start : start + ATTACH_AT_ONCE]))
         await serve_faults(ctx.bus, client, ctx.subjects, self.spec)
         store = open_store(self.store_url, ctx.bus.nc)
         self.workload = SimWorkload(ctx.bus, cluster, store, self.spec, gpus=gpus)
         await self.workload.start()
         ctx.status["simulation"] = self.workload.status
         ctx.telemetry.registry.register(WorkloadCollector(self.workload))
-        for name, port in gpus.items():  # a dcgm-exporter page per node, announced in Redis for the metrics service
-            exporter = SimExporter(port, pods=self._pods_of(name))
-            await exporter.start(ctx.settings.http_host)
-            self.exporters.append(exporter)
-        ctx.status["exporters"] = {e.node: e.url for e in self.exporters}
+        # a dcgm-exporter page per node, all on one port, each announced in Redis for the metrics service
+        exporters = SimExporterHost(
+            (SimExporter(port, pods=self._pods_of(name)) for name, port in gpus.items()), client, ctx.subjects
+        )
+        await exporters.start(ctx.settings.http_host)
+        ctx.on_stop(exporters.stop)
+        self.exporters = exporters
+        ctx.status["exporters"] = {"nodes": len(exporters.exporters), "url": exporters.url("<node>")}
         if self.rate > 0:
 
             async def load() -> None:
@@ -106,8 +118,8 @@ class Simulation:
                 again = await SimCluster.create(client, subjects, self.spec)
                 if again.created:
                     log.warning("SIMULATED cluster was gone from Redis (restarted empty?); made again from the spec")
-                for exporter in self.exporters:
-                    await client.set(exporter_url_key(subjects, exporter.node), exporter.url, nx=True)
+                if self.exporters is not None:
+                    await self.exporters.announce(only_missing=True)
             except (ClusterError, redis.exceptions.RedisError, OSError):
                 continue
 

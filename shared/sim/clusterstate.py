@@ -83,7 +83,7 @@ class SimPod(msgspec.Struct, kw_only=True):
 
 
 class ClusterState(msgspec.Struct, kw_only=True):
-    """The whole simulated cluster.
+    """The whole simulated cluster. An operation that refuses (raises) does so before it changes anything.
 
     After ``reconcile(now)``: each deployment has exactly ``replicas`` pods that are not Terminating; no node holds
     more GPUs (Running plus Terminating pods) than it has; every Pending pod fits on no ready, schedulable node; no
@@ -297,10 +297,15 @@ class ClusterState(msgspec.Struct, kw_only=True):
 
     def _schedule(self) -> list[ClusterChange]:
         changes: list[ClusterChange] = []
-        free = {n.name: n.gpus - self.allocated_gpus(n.name) for n in self.nodes.values() if n.ready and n.schedulable}
-        for pod in sorted(self.pods.values(), key=lambda p: p.created_seq):
-            if pod.phase != "Pending":
-                continue
+        pending = sorted((p for p in self.pods.values() if p.phase == "Pending"), key=lambda p: p.created_seq)
+        if not pending:
+            return changes
+        allocated: dict[str, int] = {}  # allocated_gpus of every node, in one pass over the pods
+        for placed in self.pods.values():
+            if placed.node:
+                allocated[placed.node] = allocated.get(placed.node, 0) + placed.gpus
+        free = {n.name: n.gpus - allocated.get(n.name, 0) for n in self.nodes.values() if n.ready and n.schedulable}
+        for pod in pending:
             fitting = [name for name, gpus in free.items() if gpus >= pod.gpus]
             if not fitting:
                 continue

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,6 +201,24 @@ def mig_values(u: GpuUtilisation, slices: int, slice_gb: int, total_mib: float) 
     }
 
 
+XID_EVENTS = 100
+"""Newest health events a page looks through for each GPU's last XID."""
+
+
+def _last_xids(newest: list[Any]) -> dict[str, int]:
+    """Each GPU's last XID, from health entries newest first."""
+    found: dict[str, int] = {}
+    for _id, fields in newest:
+        values = {(k.decode() if isinstance(k, bytes) else k): v for k, v in (fields or {}).items()}
+        uuid = values.get("uuid", b"")
+        uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        raw = values.get("xid", b"0")
+        if uuid and uuid not in found:
+            with contextlib.suppress(ValueError):
+                found[uuid] = int(raw)
+    return found
+
+
 def exporter_url_key(subjects: Subjects, node: str) -> str:
     return subjects.redis_key("sim", "exporter", node)
 
@@ -236,9 +254,8 @@ class SimExporter:
         return self.gpus.node
 
     async def render(self) -> str:
-        state = await self.gpus.state()
-        loads = await self.gpus.store.loads(self.node)
-        xids = await self._last_xids()
+        state, loads, newest = await self.gpus.page_view(XID_EVENTS)
+        xids = _last_xids(newest)
         now = self.clock()
         dt = 0.0 if self._last is None else max(now - self._last, 0.0)
         self._last = now
@@ -275,19 +292,6 @@ class SimExporter:
                 )
         return render_page(entities)
 
-    async def _last_xids(self) -> dict[str, int]:
-        newest: Any = await self.gpus.client.xrevrange(self.gpus.store.health_key(self.node), count=100)
-        found: dict[str, int] = {}
-        for _id, fields in newest or ():
-            values = {(k.decode() if isinstance(k, bytes) else k): v for k, v in (fields or {}).items()}
-            uuid = values.get("uuid", b"")
-            uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-            raw = values.get("xid", b"0")
-            if uuid and uuid not in found:
-                with contextlib.suppress(ValueError):
-                    found[uuid] = int(raw)
-        return found
-
     # -- HTTP -------------------------------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve, and announce the URL in Redis (``<root>:sim:exporter:<node>``) for metrics services in sim mode,
@@ -310,8 +314,57 @@ class SimExporter:
     async def _route(self, method: str, path: str) -> Response:
         if method != "GET" or path != "/metrics":
             return "404 Not Found", "text/plain", b"try GET /metrics\n"
+        return await self.page()
+
+    async def page(self) -> Response:
+        """The page as an HTTP answer: 200 with the text, or 500 with why it could not be read."""
         try:
             return "200 OK", CONTENT_TYPE, (await self.render()).encode()
         except Exception as exc:
             log.warning("SIMULATED exporter page failed", extra={"node": self.node, "error": str(exc)})
             return "500 Internal Server Error", "text/plain", f"{exc}\n".encode()
+
+
+class SimExporterHost:
+    """One HTTP server for the SIMULATED dcgm-exporter pages of many nodes: ``GET /nodes/<node>/metrics`` is the
+    page that node's ``SimExporter`` renders, as its own server would serve it on ``/metrics``. A simulated fleet
+    takes one port, not one per node; each node's URL is announced in Redis where a metrics service in sim mode
+    looks for its node's exporter."""
+
+    def __init__(self, exporters: Iterable[SimExporter], client: aioredis.Redis, subjects: Subjects) -> None:
+        self.exporters = {e.node: e for e in exporters}
+        self.client = client
+        self.subjects = subjects
+        self.http = SmallHttpServer(self._route)
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve every page and announce every node's URL."""
+        self.port = await self.http.start(host, port)
+        await self.announce()
+        log.info(
+            "SIMULATED dcgm-exporters serving",
+            extra={"nodes": len(self.exporters), "url": self.url("<node>"), "simulated": True},
+        )
+        return self.port
+
+    def url(self, node: str) -> str:
+        return f"http://127.0.0.1:{self.port}/nodes/{node}/metrics"
+
+    async def announce(self, *, only_missing: bool = False) -> None:
+        """Write every node's URL in one round trip (``only_missing``: where none is announced, as after Redis
+        came back empty)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for node in self.exporters:
+                pipe.set(exporter_url_key(self.subjects, node), self.url(node), nx=only_missing)
+            await pipe.execute()
+
+    async def stop(self) -> None:
+        await self.http.stop()
+
+    async def _route(self, method: str, path: str) -> Response:
+        parts = path.strip("/").split("/")
+        exporter = self.exporters.get(parts[1]) if len(parts) == 3 and parts[0] == "nodes" else None
+        if method != "GET" or exporter is None or parts[2] != "metrics":
+            return "404 Not Found", "text/plain", b"try GET /nodes/<node>/metrics\n"
+        return await exporter.page()

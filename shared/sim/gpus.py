@@ -427,6 +427,17 @@ class SimGpuStore:
         raw = await self.client.hgetall(self.load_key(node))
         return {_text(k): _load_decoder.decode(v) for k, v in raw.items()}
 
+    async def page_view(self, node: str, events: int) -> tuple[SimNodeState | None, dict[str, SimLoad], list[Any]]:
+        """What an exporter page shows, in one round trip: the node's state (None when gone), its loads and its
+        newest ``events`` health entries (newest first)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.get(self.state_key(node))
+            pipe.hgetall(self.load_key(node))
+            pipe.xrevrange(self.health_key(node), count=events)
+            raw, loads, newest = await pipe.execute()
+        state = None if raw is None else _state_decoder.decode(raw)
+        return state, {_text(k): _load_decoder.decode(v) for k, v in loads.items()}, list(newest or ())
+
 
 def health_event(fields: dict[Any, Any]) -> GpuHealthEvent:
     values = {_text(k): _text(v) for k, v in fields.items()}
@@ -453,6 +464,95 @@ def _redis_errors(node: str) -> Iterator[None]:
         raise GpuError(f"simulated GPUs of {node}: Redis did not answer: {type(exc).__name__}: {exc}") from exc
 
 
+# -- one reader for many nodes' health streams --------------------------------------------------------------------
+HealthEntry = tuple[str, GpuHealthEvent]
+"""A health event and its stream id."""
+
+
+class SimHealthFeed:
+    """The health streams of many simulated nodes followed by one loop, for the ``SimGpus`` of a process that
+    hosts many nodes (the hollow host): one blocking ``XREAD`` over every stream followed, instead of one per
+    node, each entry handed to its node's queue. Idle, it costs one command per ``block_ms`` whatever the
+    number of nodes.
+
+    ``follow(node, cursor)`` starts (or starts again, from an older cursor after a reader restarted) reading after
+    ``cursor``; a read answered for a cursor that was replaced meanwhile is dropped for that node, so nothing is
+    skipped and nothing is handed twice from the feed's side."""
+
+    def __init__(self, client: aioredis.Redis, subjects: Subjects, *, block_ms: int = 1000, batch: int = 100) -> None:
+        self.client = client
+        self.store = SimGpuStore(client, subjects)
+        self.block_ms = block_ms
+        self.batch = batch
+        self._cursors: dict[str, str] = {}
+        self._queues: dict[str, asyncio.Queue[HealthEntry | None]] = {}
+        self._generation: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._followed = asyncio.Event()
+
+    def follow(self, node: str, cursor: str) -> asyncio.Queue[HealthEntry | None]:
+        key = self.store.health_key(node)
+        queue: asyncio.Queue[HealthEntry | None] = asyncio.Queue()
+        previous = self._queues.get(key)
+        if previous is not None:
+            previous.put_nowait(None)
+        self._queues[key] = queue
+        self._cursors[key] = cursor
+        self._generation[key] = self._generation.get(key, 0) + 1
+        self._followed.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="sim-health-feed")
+        return queue
+
+    def unfollow(self, node: str, queue: asyncio.Queue[HealthEntry | None]) -> None:
+        key = self.store.health_key(node)
+        if self._queues.get(key) is queue:
+            del self._queues[key]
+            del self._cursors[key]
+            self._generation[key] = self._generation.get(key, 0) + 1
+        queue.put_nowait(None)
+
+    @property
+    def following(self) -> int:
+        return len(self._queues)
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            if not self._cursors:
+                self._followed.clear()
+                await self._followed.wait()
+                continue
+            cursors = dict(self._cursors)
+            generation = dict(self._generation)
+            try:
+                reply: Any = await self.client.xread(cursors, count=self.batch, block=self.block_ms)  # type: ignore[arg-type]
+                raise_if_cancelled()
+                failures = 0
+            except (redis.exceptions.RedisError, OSError) as exc:
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    log.warning("SIMULATED GPU health streams unreadable; retrying", extra={"error": str(exc)})
+                await asyncio.sleep(min(0.1 * failures, 2.0))
+                continue
+            streams = reply.items() if isinstance(reply, dict) else (reply or ())
+            for stream, entries in streams:
+                key = _text(stream)
+                queue = self._queues.get(key)
+                if queue is None or self._generation.get(key) != generation.get(key):
+                    continue  # no longer followed, or followed again from another cursor meanwhile
+                for entry_id, fields in entries:
+                    queue.put_nowait((_text(entry_id), health_event(fields)))
+                    self._cursors[key] = _text(entry_id)
+
+    async def close(self) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(None)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
 # -- the adapter --------------------------------------------------------------------------------------------------
 class SimGpus:
     """The GPU port for one simulated node (``simulated = True``).
@@ -461,7 +561,8 @@ class SimGpus:
     marks the end of the health stream. ``health_events()`` reads after the port's cursor: the end of the stream
     at attach time, moved on as events are handled. So a service that reads its devices at start and then starts
     its health loop misses nothing in between, and a health loop restarted after a crash sees again the event it
-    was handling.
+    was handling. With a ``feed`` (``SimHealthFeed``) the stream is read by the feed's one loop for every node of
+    the process, with the same cursor rules.
     """
 
     simulated = True
@@ -476,6 +577,7 @@ class SimGpus:
         owns_client: bool = False,
         poll_s: float = 0.1,
         block_ms: int = 1000,
+        feed: SimHealthFeed | None = None,
     ) -> None:
         check_spec(spec)
         self.client = client
@@ -487,6 +589,8 @@ class SimGpus:
         self._owns_client = owns_client
         self._poll_s = poll_s
         self._block_ms = block_ms
+        self._feed = feed
+        self._queue: asyncio.Queue[HealthEntry | None] | None = None
         self._attached = False
         self._cursor = "0-0"
         self._closed = False
@@ -549,6 +653,15 @@ class SimGpus:
                 self.node, uuid, SimLoad(util=util, mem_used_mib=mem_used_mib, copy_util=copy_util)
             )
 
+    async def page_view(self, events: int = 100) -> tuple[SimNodeState, dict[str, SimLoad], list[Any]]:
+        """The state, loads and newest health entries an exporter page shows, read in one round trip."""
+        await self.attach()
+        with _redis_errors(self.node):
+            state, loads, newest = await self.store.page_view(self.node, events)
+        if state is None:
+            state = await self.state()
+        return state, loads, newest
+
     async def copy_slowdown(self, uuid: str) -> float:
         """How many times slower than normal device-to-host copies on this GPU run (1.0: normal)."""
         return (await self.state()).visible(uuid).copy_slowdown
@@ -556,6 +669,10 @@ class SimGpus:
     # -- health ---------------------------------------------------------------------------------------------------
     async def health_events(self) -> AsyncIterator[GpuHealthEvent]:
         await self.attach()
+        if self._feed is not None:
+            async for event in self._fed():
+                yield event
+            return
         cursor = self._cursor
         failures = 0
         key = self.store.health_key(self.node)
@@ -578,6 +695,21 @@ class SimGpus:
                     cursor = _text(entry_id)
                     if _stream_id(cursor) > _stream_id(self._cursor):
                         self._cursor = cursor
+
+    async def _fed(self) -> AsyncIterator[GpuHealthEvent]:
+        assert self._feed is not None
+        queue = self._queue = self._feed.follow(self.node, self._cursor)
+        try:
+            while not self._closed:
+                entry = await queue.get()
+                if entry is None:
+                    return
+                entry_id, event = entry
+                yield event
+                if _stream_id(entry_id) > _stream_id(self._cursor):
+                    self._cursor = entry_id
+        finally:
+            self._feed.unfollow(self.node, queue)
 
     # -- MIG ------------------------------------------------------------------------------------------------------
     async def mig_profiles(self, uuid: str) -> list[MigProfile]:
@@ -642,6 +774,8 @@ class SimGpus:
 
     async def close(self) -> None:
         self._closed = True
+        if self._feed is not None and self._queue is not None:
+            self._feed.unfollow(self.node, self._queue)
         if self._owns_client:
             with contextlib.suppress(Exception):
                 await self.client.aclose()

@@ -8,6 +8,9 @@ nodes:
     labels: {pool: a100}
     gpus:
       - {model: NVIDIA H100 80GB HBM3, memory_mib: 81559, count: 2, mig_profiles: ["1g.10gb", "3g.40gb"]}
+fleets:                            # many nodes alike: node-4, node-5, ... node-1003 (no entry each)
+  - {count: 1000, name_prefix: node-, first: 4, gpus: [{count: 8}]}
+hollow: false                      # true: `gpuwarden up` runs all nodes' agents in one process per service kind
 deployments:
   - {name: llama, namespace: llm, replicas: 3, gpus_per_pod: 1, max_unavailable: 1,
      gpu_memory_utilization: 0.9,   # or kv_blocks: 128 (the pool's size in blocks, set outright)
@@ -26,6 +29,7 @@ the spec, unless ``kv_blocks`` sets it outright. Either way the pool must hold o
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -38,6 +42,7 @@ from shared.kv.presets import LLAMA_3_8B, LLAMA_3_8B_MAX_MODEL_LEN, LLAMA_3_8B_W
 Name = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 MIB = 2**20
+_NAME_RE = re.compile(TOKEN_PATTERN)
 
 
 DOCUMENTED: dict[str, str] = {
@@ -70,6 +75,34 @@ class NodeSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     @property
     def gpu_count(self) -> int:
         return sum(g.count for g in self.gpus)
+
+
+class FleetSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``count`` nodes alike, named ``<name_prefix><n>`` for ``n`` from ``first`` on: a simulated fleet of a
+    thousand nodes without a thousand entries. Each becomes a ``NodeSpec`` of ``nodes`` (after the listed ones)."""
+
+    count: Positive
+    name_prefix: str = "node-"
+    first: Annotated[int, msgspec.Meta(ge=0)] = 1
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    gpus: list[GpuSpec] = msgspec.field(default_factory=lambda: [GpuSpec(count=8)])
+    driver_version: str = ""
+    numa_nodes: Positive = 1
+
+    def names(self) -> list[str]:
+        return [f"{self.name_prefix}{n}" for n in range(self.first, self.first + self.count)]
+
+    def expand(self) -> list[NodeSpec]:
+        return [
+            NodeSpec(
+                name=name,
+                labels=dict(self.labels),
+                gpus=list(self.gpus),
+                driver_version=self.driver_version,
+                numa_nodes=self.numa_nodes,
+            )
+            for name in self.names()
+        ]
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -175,18 +208,34 @@ class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class SimSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     driver_version: str = "550.54.15"
     cuda_version: str = "12.4"
-    nodes: list[NodeSpec]
+    nodes: list[NodeSpec] = msgspec.field(default_factory=list)
+    fleets: list[FleetSpec] = msgspec.field(default_factory=list)
+    """Generated nodes; once the spec is read they are in ``nodes`` and this list is empty."""
     deployments: list[DeploymentSpec] = msgspec.field(default_factory=list)
+    hollow: bool = False
+    """``gpuwarden up`` runs every node's driver, device and metrics agents in one process per service kind
+    (hollow nodes) instead of one process per service and node; ``up --hollow`` asks for it too."""
 
     def node(self, name: str) -> NodeSpec:
         for n in self.nodes:
             if n.name == name:
                 return n
-        raise SpecError(f"node {name!r} is not in the spec (nodes: {', '.join(n.name for n in self.nodes)})")
+        names = [n.name for n in self.nodes]
+        shown = ", ".join(names[:10]) + (f", ... ({len(names)} nodes)" if len(names) > 10 else "")
+        raise SpecError(f"node {name!r} is not in the spec (nodes: {shown})")
 
     def __post_init__(self) -> None:
+        if self.fleets:
+            generated: list[NodeSpec] = []
+            for i, fleet in enumerate(self.fleets):
+                for name in fleet.names():
+                    if not _NAME_RE.match(name):
+                        raise SpecError(f"$.fleets[{i}].name_prefix: {name!r} is not a valid node name")
+                generated += fleet.expand()
+            msgspec.structs.force_setattr(self, "nodes", [*self.nodes, *generated])
+            msgspec.structs.force_setattr(self, "fleets", [])
         if not self.nodes:
-            raise SpecError("$.nodes: at least one node is needed")
+            raise SpecError("$.nodes: at least one node is needed (or a fleet in $.fleets)")
         seen: set[str] = set()
         for i, n in enumerate(self.nodes):
             if n.name in seen:
