@@ -5,10 +5,16 @@ the kubelet; ``sim`` gets the simulation's GPUs, cluster and lookups (``shared.s
 hands ``Wiring`` to the runner (``run(service, Wiring)``), which builds it once the bus is up and gives it to the
 service as ``ctx.backends`` (the ``shared.ports.backends.Backends`` Protocol). Services never import this module or
 ``shared.sim`` (an import-linter contract holds them to it); tests hand it, or ports of their own, the same way.
+
+``HollowWiring`` is the same choice for a process that hosts many simulated nodes (``shared.plumbing.hollow``):
+each node's ports are the ones ``Wiring`` gives, built over what the nodes share: one Redis pool, one informer of
+the simulated cluster (``SharedSimCluster``: each node's watch sees its own node's changes), one reader of every
+node's GPU health stream (``SimHealthFeed``) and one answer to fault requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -20,10 +26,10 @@ from shared.ports.backends import PortUnavailable
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuPort
 from shared.ports.pods import GpuPods, PodOwners
-from shared.sim.cluster import SimCluster
+from shared.sim.cluster import SharedSimCluster, SimCluster
 from shared.sim.exporter import find_exporter
 from shared.sim.faults import serve_faults
-from shared.sim.gpus import SimGpus
+from shared.sim.gpus import SimGpus, SimHealthFeed
 from shared.sim.lookups import SimGpuPods, SimPodOwners
 from shared.sim.spec import SpecError, load_spec
 
@@ -102,3 +108,79 @@ class Wiring:
                 "or set GPUWARDEN_METRICS_URL)"
             )
         return url
+
+
+class HollowWiring:
+    """The ports of every node of a hollow host (``shared.plumbing.hollow.HostBackends``), SIMULATED: what the
+    nodes share is built once, here, and closed after they have all stopped."""
+
+    def __init__(self, settings: Settings, subjects: Subjects, bus: Bus) -> None:
+        if settings.backend != "sim":
+            raise SpecError("hollow nodes are simulated nodes: GPUWARDEN_BACKEND=sim")
+        self.settings = settings
+        self.subjects = subjects
+        self.bus = bus
+        self.spec = load_spec()
+        self.client = redis_client(settings.redis)  # over the host's one pool (share_redis_pool)
+        self.health = SimHealthFeed(self.client, subjects)
+        self.cluster = SharedSimCluster(self.client, subjects)
+        self.cluster.start()
+        self._created = False
+        self._creating = asyncio.Lock()
+        self._faults_served = False
+
+    def for_node(self, settings: Settings, bus: Bus) -> HollowNodeWiring:
+        return HollowNodeWiring(self, settings, bus)
+
+    async def created_cluster(self) -> SharedSimCluster:
+        """The host's informer, once the simulated cluster exists (created from the spec if absent, as
+        ``Wiring.cluster`` does)."""
+        async with self._creating:
+            if not self._created:
+                await self.cluster.ensure(self.spec)
+                self._created = True
+        return self.cluster
+
+    async def serve_faults_once(self) -> None:
+        """Fault requests name their node: one answer for every node of the host."""
+        if not self._faults_served:
+            self._faults_served = True
+            await serve_faults(self.bus, self.client, self.subjects, self.spec)
+
+    async def close(self) -> None:
+        await self.cluster.close()
+        await self.health.close()
+
+
+class HollowNodeWiring(Wiring):
+    """One node's ``Backends`` in a hollow host: ``Wiring``'s ports over what ``HollowWiring`` shares. A port a
+    node's service closes closes nothing shared."""
+
+    def __init__(self, host: HollowWiring, settings: Settings, bus: Bus) -> None:
+        super().__init__(settings, host.subjects, bus)
+        self.host = host
+
+    def gpus(self) -> GpuPort:
+        node = self.settings.node
+        try:
+            self.host.spec.node(node)
+        except SpecError as exc:
+            raise SpecError(f"hollow node {node}: {exc}; the spec (GPUWARDEN_SIM_SPEC) must list it") from None
+        return SimGpus(self.host.client, self.subjects, self.host.spec, node, feed=self.host.health)
+
+    async def cluster(
+        self, *, watch_kinds: Iterable[Literal["node", "pod"]] | None = None, watch_node: str | None = None
+    ) -> ClusterPort:
+        return (await self.host.created_cluster()).view(watch_kinds, watch_node)
+
+    def attached_cluster(self) -> SimCluster:
+        return self.host.cluster.view()
+
+    async def serve_faults(self, gpus: GpuPort) -> bool:
+        if not isinstance(gpus, SimGpus):
+            return False
+        await self.host.serve_faults_once()
+        return True
+
+    def pod_owners(self) -> PodOwners:
+        return SimPodOwners(self.host.client, self.subjects)

@@ -52,7 +52,7 @@ from shared.contract.configdocs import MigConfig, MigDeviceGroup
 from shared.contract.device import GpuDevice, MigConfigChanged, MigConfigState
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.subjects import Subjects
-from shared.plumbing.bus import ConsumerSpec
+from shared.plumbing.bus import ConsumerSpec, node_consumer
 from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.drains import Drain, DrainClient
 from shared.plumbing.runner import ServiceContext
@@ -228,14 +228,13 @@ def drain_failure(verdict: DrainFailed) -> str:
 
 def drain_verdicts(subjects: Subjects, node: str) -> ConsumerSpec:
     """The controller's consumer of its node's drain verdicts (durable, per node)."""
-    return ConsumerSpec(
-        durable=subjects.durable("device", "mig-drains", node),
-        filter_subjects=(
-            subjects.pattern("node.drain.completed", node=node),
-            subjects.pattern("node.drain.failed", node=node),
-        ),
-        accepts=(DrainCompleted, DrainFailed),
-        stream=subjects.events_stream,
+    return node_consumer(
+        subjects,
+        "device",
+        "mig-drains",
+        node,
+        ("node.drain.completed", "node.drain.failed"),
+        (DrainCompleted, DrainFailed),
     )
 
 

@@ -26,7 +26,7 @@ import msgspec
 
 from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuDevice, GpuXid
 from shared.contract.node import NodeCordoned, NodeUncordoned
-from shared.plumbing.bus import ConsumerSpec
+from shared.plumbing.bus import node_consumer
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
@@ -95,14 +95,8 @@ class DeviceService:
         ctx.status["node_labels"] = self.labeller.describe
         s = ctx.subjects
         await ctx.consume(
-            ConsumerSpec(
-                durable=s.durable("device", "cordon", ctx.node),
-                filter_subjects=(
-                    s.pattern("node.cordoned", node=ctx.node),
-                    s.pattern("node.uncordoned", node=ctx.node),
-                ),
-                accepts=(NodeCordoned, NodeUncordoned),
-                stream=s.events_stream,
+            node_consumer(
+                s, "device", "cordon", ctx.node, ("node.cordoned", "node.uncordoned"), (NodeCordoned, NodeUncordoned)
             ),
             self.on_cordon,
         )

@@ -22,7 +22,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from shared.contract.base import is_token
 from shared.contract.device import DeviceInventory
 from shared.contract.metrics import GpuSample, UtilisationRecord
-from shared.plumbing.bus import ConsumerSpec
+from shared.plumbing.bus import node_consumer
 from shared.plumbing.runner import ServiceContext
 from shared.ports.metrics import MetricsSource, MetricsSourceError, SourceRead
 
@@ -117,12 +117,7 @@ class MetricsService:
         self.telemetry = MetricsTelemetry(ctx.telemetry.registry)
         s = ctx.subjects
         await ctx.consume(
-            ConsumerSpec(
-                durable=s.durable("metrics", "inventory", ctx.node),
-                filter_subjects=(s.pattern("device.inventory", node=ctx.node),),
-                accepts=(DeviceInventory,),
-                stream=s.events_stream,
-            ),
+            node_consumer(s, "metrics", "inventory", ctx.node, ("device.inventory",), (DeviceInventory,)),
             self.on_inventory,
         )
         if self.settings.aggregate != "off":

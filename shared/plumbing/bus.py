@@ -162,6 +162,19 @@ class PublishFailed(RuntimeError):
 
 
 @dataclass(frozen=True)
+class NodeScope:
+    """What makes a durable consumer one node's: the node, the route kinds it follows (each route has a
+    ``{node}`` field) and the consumer's name without the node (``family``). One node's process consumes exactly
+    the spec's ``durable`` and ``filter_subjects``; a process hosting many nodes' agents (the hollow host,
+    ``shared.plumbing.hollow``) consumes each family once for all of them and hands every event to the handler of
+    the node it names, so its cost does not grow with the nodes it hosts."""
+
+    node: str
+    family: str
+    kinds: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ConsumerSpec:
     """A durable pull consumer and how its loop behaves.
 
@@ -185,6 +198,30 @@ class ConsumerSpec:
     """Called with (subject, payload, reason) before a message is dead-lettered as bad input (undecodable,
     invalid, a subject its body contradicts, or refused by the handler as permanent), so the service can still
     answer whoever waits on it (a drain request gets its failed verdict). Never raises into the loop."""
+    node_scope: NodeScope | None = None
+    """Set when the consumer follows one node's events (``node_consumer`` builds such specs)."""
+
+
+def node_consumer(
+    subjects: Subjects,
+    service: str,
+    purpose: str,
+    node: str,
+    kinds: tuple[str, ...],
+    accepts: tuple[type[Event], ...],
+    **options: Any,
+) -> ConsumerSpec:
+    """The durable consumer of one node's events of ``kinds`` (routes with a ``{node}`` field, on the events
+    stream): named ``<service>-<purpose>-<node>``, filtered to that node's subjects, and scoped (``NodeScope``) so
+    that a host of many nodes can share one consumer among them. ``options`` are other ``ConsumerSpec`` fields."""
+    return ConsumerSpec(
+        durable=subjects.durable(service, purpose, node),
+        filter_subjects=tuple(subjects.pattern(kind, node=node) for kind in kinds),
+        accepts=accepts,
+        stream=options.pop("stream", subjects.events_stream),
+        node_scope=NodeScope(node=node, family=subjects.durable(service, purpose), kinds=kinds),
+        **options,
+    )
 
 
 @dataclass
@@ -271,9 +308,12 @@ class Bus:
         telemetry: Telemetry,
         replicas: int = 1,
         publish_deadline: float = 30.0,
+        *,
+        owns_connection: bool = True,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
+        self.owns_connection = owns_connection
         self.subjects = subjects
         self.source = source
         self.telemetry = telemetry
@@ -373,6 +413,24 @@ class Bus:
         bus.relinks = relinks
         return bus
 
+    def view(self, source: str, telemetry: Telemetry | None = None) -> Bus:
+        """This bus's connection under another ``source`` (the events it publishes name it): what each node's
+        agent gets in a process that hosts many nodes on one connection. Closing the view stops what was started
+        through it (consumers, subscriptions), never the connection."""
+        view = Bus(
+            self.nc,
+            self.subjects,
+            source,
+            telemetry or self.telemetry,
+            self.replicas,
+            self.publish_deadline,
+            owns_connection=False,
+        )
+        view.js = self.js
+        view._streams_ready = self._streams_ready
+        view._refused = self._refused
+        return view
+
     @property
     def connected(self) -> bool:
         return bool(self.nc.is_connected)
@@ -382,6 +440,8 @@ class Bus:
         for sub in self._subscriptions:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        if not self.owns_connection:
+            return
         if self.nc.is_connected:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -59,7 +60,51 @@ class SentinelManagedRedis(aioredis.Redis):
                 await client.aclose()
 
 
-def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: int = 3) -> aioredis.Redis:
+RECONNECTS = 3
+"""How many times a client sends a command again over a fresh connection (``redis_client``)."""
+
+
+@dataclass(frozen=True)
+class _SharedPool:
+    settings: RedisSettings
+    client: aioredis.Redis
+
+
+_SHARED: contextvars.ContextVar[_SharedPool | None] = contextvars.ContextVar("gpuwarden_redis_pool", default=None)
+
+
+def share_redis_pool(settings: RedisSettings, max_connections: int) -> aioredis.Redis:
+    """From now on in the current context, and in every task started from it (asyncio copies the context into
+    each new task), ``redis_client(settings)`` gives a client over one pool of at most ``max_connections``
+    connections: the process's one pool however many agents ask for a client. The hollow host calls it in a task
+    of its own, which every node's tasks descend from. Closing a client over it closes nothing shared; the
+    client returned owns the pool (``aclose`` it last)."""
+    client = redis_client(settings, max_connections=max_connections)
+    _SHARED.set(_SharedPool(settings, client))
+    return client
+
+
+async def warm_pool(client: aioredis.Redis, connections: int) -> int:
+    """Open up to ``connections`` connections of the client's pool now, one after another, and put them back: a
+    process about to start many agents at once connects while it is quiet, not while each connect competes with
+    the agents for the event loop. Returns how many are open; stops at the first that fails (Redis down: the
+    agents connect later, as usual)."""
+    pool = client.connection_pool
+    opened: list[Any] = []
+    try:
+        for _ in range(connections):
+            opened.append(await pool.get_connection())
+    except (redis.exceptions.RedisError, OSError):
+        pass
+    finally:
+        for connection in opened:
+            await pool.release(connection)
+    return len(opened)
+
+
+def redis_client(
+    settings: RedisSettings, timeout: float = 2.0, *, reconnects: int = RECONNECTS, max_connections: int | None = None
+) -> aioredis.Redis:
     """A client with short timeouts: a service must notice quickly that Redis is gone and fall back.
 
     A command that finds its connection dead (Redis restarted since the connection was last used) connects again
@@ -71,7 +116,15 @@ def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: i
     Behind Sentinel (``redis+sentinel://`` in the URL) every new connection asks the Sentinels which server is
     the primary now, so after a failover the next command reaches the promoted replica; while none is named
     (the failover is under way) commands raise ``ConnectionError`` (``MasterNotFoundError``), as for a Redis
-    that is down. This is the one place Redis clients are made."""
+    that is down. This is the one place Redis clients are made.
+
+    ``max_connections``: a pool of at most that many connections, shared by everything the process runs (the
+    hollow host's nodes): a burst of commands waits for a free connection instead of opening one each (behind
+    Sentinel, redis-py's pool does not wait: the cap is left to it). Called after ``share_redis_pool`` for the
+    same settings (and the default ``reconnects``), the client is one over that pool."""
+    shared = _SHARED.get()
+    if shared is not None and shared.settings == settings and reconnects == RECONNECTS and max_connections is None:
+        return aioredis.Redis(connection_pool=shared.client.connection_pool)
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -94,6 +147,11 @@ def redis_client(settings: RedisSettings, timeout: float = 2.0, *, reconnects: i
         options["username"] = username
     if password:
         options["password"] = password.reveal()
+    if address is None and max_connections is not None:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.url, max_connections=max_connections, timeout=max(timeout, 5.0), **options
+        )
+        return aioredis.Redis.from_pool(pool)
     if address is None:
         return aioredis.Redis.from_url(settings.url, **options)
     if address.tls:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import sys
@@ -9,6 +10,10 @@ import time
 from typing import Any
 
 _RESERVED = set(vars(logging.makeLogRecord({})))
+
+NODE: contextvars.ContextVar[str] = contextvars.ContextVar("gpuwarden_log_node", default="")
+"""The node a line is about when the record does not say: set by a process that hosts many nodes (the hollow
+host) in each node's tasks, so every line an agent writes names its node."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -30,6 +35,8 @@ class JsonFormatter(logging.Formatter):
         for key, value in vars(record).items():
             if key not in _RESERVED and not key.startswith("_"):
                 entry[key] = value
+        if "node" not in entry and (node := NODE.get()):
+            entry["node"] = node
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)

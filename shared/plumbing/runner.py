@@ -24,7 +24,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -39,6 +39,9 @@ from shared.plumbing.http import Response, Route, SmallHttpServer
 from shared.plumbing.settings import Settings, load_settings
 from shared.plumbing.telemetry import Telemetry
 from shared.ports.backends import Backends
+
+if TYPE_CHECKING:
+    from shared.plumbing.hollow import HollowPlan
 
 log = logging.getLogger(__name__)
 
@@ -295,14 +298,28 @@ async def start_service(
     return RunningService(ctx, http)
 
 
-def main(name: str, make: Callable[[], Service], backends: BackendsFactory | None = None) -> int:
+def main(
+    name: str, make: Callable[[], Service], backends: BackendsFactory | None = None, hollow: HollowPlan | None = None
+) -> int:
     """A service's ``__main__``: build the service (its own settings are read there) and ``run`` it. Bad settings,
-    shared or the service's own, are one line on stderr and exit status 2, never a traceback."""
+    shared or the service's own, are one line on stderr and exit status 2, never a traceback.
+
+    A node-scoped service hands ``hollow`` too: with ``GPUWARDEN_HOLLOW_NODES`` set, it runs once per node named
+    there, every instance in this process (``shared.plumbing.hollow``)."""
+    import os
+
+    from shared.plumbing.hollow import hollow_nodes, run_hollow
+
     try:
         service = make()
+        nodes = hollow_nodes(os.environ)
+        if nodes and hollow is None:
+            raise SettingsError("GPUWARDEN_HOLLOW_NODES: this service runs once per cluster, not once per node")
     except SettingsError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
+    if nodes and hollow is not None:
+        return run_hollow(name, nodes, hollow, os.environ)
     return run(service, backends)
 
 
