@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/*.proto)
 
-.PHONY: install run test faults check format lint types layers rules bench soak schemas envdoc metricsdoc proto gpu-check gpu-kit clean
+.PHONY: install run test faults check format lint types layers rules bench bench-scale soak schemas envdoc metricsdoc proto gpu-check gpu-kit clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -75,6 +75,12 @@ bench: install
 	$(BIN)/python -m bench.metrics $(BENCH_ARGS)
 	$(BIN)/python -m bench.failover $(BENCH_ARGS)
 	$(BIN)/python -m bench.resume $(BENCH_ARGS)
+	$(BIN)/python -m bench.scale --quick
+
+# A simulated fleet (default 1,000 nodes x 8 GPUs, hollow nodes) of its own: memory, idle CPU per process, time to
+# come up, a drain in the fleet (bench/results/scale.json; BENCH_ARGS="--nodes 200" for less). Minutes.
+bench-scale: install
+	$(BIN)/python -m bench.scale $(BENCH_ARGS)
 
 # The embedded default left running (10 minutes; BENCH_ARGS="--seconds 120" for less) with drains and a rolling
 # driver upgrade: memory of every process, lost sessions, drain verdicts. Not part of `make bench`.

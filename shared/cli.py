@@ -258,8 +258,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if not args.detach:
         return process.run_foreground(args)
-    argv = ["--nodes", args.nodes, "--rate", str(args.rate)]
+    argv = ["--nodes", args.nodes, "--rate", str(args.rate), "--gpus-per-node", str(args.gpus_per_node)]
     argv += ["--nats-port", str(args.nats_port), "--redis-port", str(args.redis_port)]
+    if args.hollow:
+        argv.append("--hollow")
     if args.seconds is not None:
         argv += ["--seconds", str(args.seconds)]
     return process.run_detached(args, argv)
@@ -753,7 +755,19 @@ def build_parser() -> argparse.ArgumentParser:
         "up", aliases=["run"], help="servers, the five services and the simulated cluster and workload (run: the same)"
     )
     p.add_argument("--detach", action="store_true", help="run in the background; `gpuwarden down` stops it")
-    p.add_argument("--nodes", default="", help="comma-separated node names (default: the simulation spec's nodes)")
+    p.add_argument(
+        "--nodes",
+        default="",
+        help="N: a simulated fleet of N nodes, node-1..node-N, of --gpus-per-node GPUs each (the spec's deployments "
+        "on it); or comma-separated node names of the spec (default: the simulation spec's nodes)",
+    )
+    p.add_argument("--gpus-per-node", type=int, default=8, help="--nodes N: GPUs of each node (default 8)")
+    p.add_argument(
+        "--hollow",
+        action="store_true",
+        help="hollow nodes: every node's driver, device and metrics agents in one process per service kind (as "
+        "the spec's `hollow: true` asks), not one process per service and node",
+    )
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--rate", type=float, default=2.0, help="simulated inference requests per second")
     p.add_argument("--nats-port", type=int, default=0, help="port of the NATS server it starts (default: a free one)")

@@ -167,3 +167,36 @@ def test_bench_resume_compares_resume_recompute_and_the_floor_on_a_tiny_model(tm
     assert len(data["rounds_detail"]) == 3 and data["params"]["contexts"] == [1024, 4096, 8192]
     assert all(len(r["4k"]["resume_s"]) == len(r["4k"]["floor_s"]) == 2 for r in data["rounds_detail"])
     assert {t["key"] for t in data["targets"]} == {"resume_vs_recompute_4k", "resume_vs_floor_4k", "resume_exact"}
+
+
+REQUIRED_SCALE_KEYS = (
+    "fleet_nodes",
+    "fleet_gpus",
+    "up_s",
+    "rss_mb_max",
+    "idle_cpu_cores_total",
+    "fleet_drain_verdict_s",
+)
+
+
+@pytest.mark.timeout(300)
+def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: Path) -> None:
+    from bench import scale
+
+    out = tmp_path / "scale.json"
+    argv = ["--quick", "--nodes", "4", "--idle-seconds", "2", "--sessions", "4", "--out", str(out)]
+    assert scale.main(argv) == 0
+
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "scale" and data["mode"] == "quick"
+    for key in REQUIRED_SCALE_KEYS:
+        value = data[key]
+        assert isinstance(value, int | float) and not isinstance(value, bool) and value > 0, key
+    assert data["fleet_nodes"] == 4 and data["fleet_gpus"] == 32 and data["fleet_hollow"] is True
+    # one process per service kind, not per node: 3 hollow hosts, scaler, checkpoint, sim, the run, NATS, Redis
+    assert data["fleet_processes"] == 9, data["rss_mb_by_process"]
+    assert {"driver@hollow", "device@hollow", "metrics@hollow", "nats", "redis"} <= set(data["idle_cpu_cores"])
+    assert set(data["hollow_start_s"]) == {"driver@hollow", "device@hollow", "metrics@hollow"}
+    assert data["fleet_drain_verdict"] == "completed" and data["fleet_drain_committed"] == data["fleet_drain_sessions"]
+    assert {t["key"] for t in data["targets"]} >= {"fleet_nodes", "idle_cpu_cores_total", "rss_mb_max"}
+    assert data["params"]["figures"] == list(scale.FIGURES)

@@ -5,7 +5,10 @@ separate processes (``python -m services.<name>``; the node-scoped ones once per
 and workload, and keeps them running: a process that exits is started again. Each process's HTTP port is bound
 by ``up`` itself when it plans the process and handed down as a listening socket (``GPUWARDEN_HTTP_FD``): the
 port is held for the whole run, so a restarted process finds it still its own and never loops on a port another
-program took meanwhile. ``$GPUWARDEN_HOME/run.json`` says
+program took meanwhile. With hollow nodes (``--hollow``, or ``hollow: true`` in the spec) each node-scoped service
+is one process for every node (``GPUWARDEN_HOLLOW_NODES``, ``shared.plumbing.hollow``), so a fleet of a thousand
+simulated nodes is five service processes, not 3,002; ``--nodes N`` makes such a fleet (``node-1``..``node-N``)
+from the spec's deployments. ``$GPUWARDEN_HOME/run.json`` says
 where everything is: the URLs, every health URL, and the pid of every process the run started, which is what
 ``down`` stops and then checks. ``up --detach`` starts the same run in a session of its own, waits until every
 process answers ``/readyz``, prints where things are and returns.
@@ -110,17 +113,8 @@ def run_foreground(args: argparse.Namespace) -> int:
         load_settings(env)
     except SettingsError as exc:
         raise CommandError(str(exc)) from None
-    nodes = [n for n in args.nodes.split(",") if n]
-    if not nodes and env["GPUWARDEN_BACKEND"] == "sim":
-        from shared.sim.spec import SpecError, load_spec
-
-        try:
-            nodes = [n.name for n in load_spec(env.get("GPUWARDEN_SIM_SPEC")).nodes]
-        except SpecError as exc:
-            raise CommandError(str(exc)) from None
-    if not nodes:
-        raise CommandError("--nodes: at least one node name")
     base = home(env)
+    nodes, hollow = _fleet(args, env, base)
     path = state_file(env)
     other = live_pid(path)
     if other is not None:
@@ -134,11 +128,65 @@ def run_foreground(args: argparse.Namespace) -> int:
     owned: list[Any] = []
     try:
         _start_servers(env, base, owned, args)
-        return _run_mesh(args, env, nodes, base, path, log_dir, owned)
+        return _run_mesh(args, env, nodes, base, path, log_dir, owned, hollow)
     finally:
         for server in owned:
             server.cleanup()  # the Redis data folder stays for the next run
         path.unlink(missing_ok=True)
+
+
+FLEET_SPEC = "fleet-spec.json"
+"""The spec ``up --nodes N`` writes under ``GPUWARDEN_HOME`` (and hands every process as ``GPUWARDEN_SIM_SPEC``)."""
+QUICK_METRICS_UP_TO = 50
+"""Up to this many nodes the metrics services read their exporters every 2 s (``gpuwarden status`` hears every GPU
+soon); a larger simulated fleet reads every 15 s, as Prometheus scrapes dcgm-exporter."""
+
+
+def _fleet(args: argparse.Namespace, env: dict[str, str], base: Path) -> tuple[list[str], bool]:
+    """The nodes of the run and whether they are hollow. ``--nodes N`` writes a spec of N nodes (the spec's
+    deployments, driver and CUDA versions kept) and points ``GPUWARDEN_SIM_SPEC`` at it."""
+    raw = str(args.nodes).strip()
+    simulated = env["GPUWARDEN_BACKEND"] == "sim"
+    hollow = bool(getattr(args, "hollow", False))
+    if not simulated:
+        if hollow or raw.isdigit():
+            raise CommandError("--hollow and --nodes N make a simulated fleet: GPUWARDEN_BACKEND=sim")
+        nodes = [n for n in raw.split(",") if n]
+        if not nodes:
+            raise CommandError("--nodes: at least one node name")
+        return nodes, False
+    import msgspec
+
+    from shared.sim.spec import FleetSpec, GpuSpec, SpecError, load_spec
+
+    try:
+        spec = load_spec(env.get("GPUWARDEN_SIM_SPEC"))
+    except SpecError as exc:
+        raise CommandError(str(exc)) from None
+    hollow = hollow or spec.hollow
+    if raw.isdigit():
+        count = int(raw)
+        if count < 1 or args.gpus_per_node < 1:
+            raise CommandError("--nodes N and --gpus-per-node: at least 1")
+        fleet = FleetSpec(count=count, gpus=[GpuSpec(count=args.gpus_per_node)])
+        written = {
+            "driver_version": spec.driver_version,
+            "cuda_version": spec.cuda_version,
+            "fleets": [msgspec.to_builtins(fleet)],
+            "deployments": msgspec.to_builtins(spec.deployments),
+            "hollow": hollow,
+        }
+        base.mkdir(parents=True, exist_ok=True)
+        target = base / FLEET_SPEC
+        target.write_text(json.dumps(written, indent=1))
+        env["GPUWARDEN_SIM_SPEC"] = str(target)
+        try:
+            load_spec(str(target))  # the deployments must still fit the fleet's GPUs
+        except SpecError as exc:
+            raise CommandError(str(exc)) from None
+        return fleet.names(), hollow
+    nodes = [n for n in raw.split(",") if n] or [n.name for n in spec.nodes]
+    return nodes, hollow
 
 
 def _start_servers(env: dict[str, str], base: Path, owned: list[Any], args: argparse.Namespace) -> None:
@@ -166,9 +214,12 @@ def _run_mesh(
     path: Path,
     log_dir: Path,
     servers: list[Any],
+    hollow: bool = False,
 ) -> int:
     """Start the plan's processes and keep them, and the servers this run started, running until stopped: a
     process or server that exits is started again (a server on its own port and folder)."""
+    from shared.plumbing.hollow import node_list
+
     checkpoints = f"file://{base / 'checkpoints'}"
     plan: list[tuple[str, str, dict[str, str]]] = []
     listeners: dict[str, socket.socket] = {}
@@ -179,9 +230,12 @@ def _run_mesh(
         return {"GPUWARDEN_HTTP_ADDR": f"127.0.0.1:{sock.getsockname()[1]}", "GPUWARDEN_HTTP_FD": str(sock.fileno())}
 
     for name in SERVICES:
-        for node in nodes if name in NODE_SCOPED else [nodes[0]]:
-            label = f"{name}@{node}" if name in NODE_SCOPED else name
+        hosted = name in NODE_SCOPED and hollow
+        for node in nodes if name in NODE_SCOPED and not hollow else [nodes[0]]:
+            label = f"{name}@hollow" if hosted else f"{name}@{node}" if name in NODE_SCOPED else name
             child = dict(env, GPUWARDEN_NODE=node, **http(label))
+            if hosted:
+                child["GPUWARDEN_HOLLOW_NODES"] = node_list(nodes)
             child.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
             # one machine's disk, every writer on it: packs nothing references go after a minute, not ten
             child.setdefault("GPUWARDEN_CHECKPOINT_GC_S", "30")
@@ -190,7 +244,8 @@ def _run_mesh(
             if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters
                 child.setdefault("GPUWARDEN_METRICS_SOURCE", "dcgm")
                 child.setdefault("GPUWARDEN_METRICS_AGGREGATE", "bus" if node == nodes[0] else "off")
-                child.setdefault("GPUWARDEN_METRICS_INTERVAL_S", "2")  # `gpuwarden status` hears every GPU soon
+                quick = len(nodes) <= QUICK_METRICS_UP_TO  # `gpuwarden status` hears every GPU soon
+                child.setdefault("GPUWARDEN_METRICS_INTERVAL_S", "2" if quick else "15")
             plan.append((label, f"services.{name}", child))
     if env["GPUWARDEN_BACKEND"] == "sim":
         sim_env = dict(env, GPUWARDEN_NODE=nodes[0], **http("sim"))
@@ -203,6 +258,8 @@ def _run_mesh(
         "redis_url": env["GPUWARDEN_REDIS_URL"],
         "root": env["GPUWARDEN_ROOT"],
         "simulated": env["GPUWARDEN_BACKEND"] == "sim",
+        "nodes": len(nodes),
+        "hollow": hollow,
         "services": {label: "http://" + child["GPUWARDEN_HTTP_ADDR"] + "/healthz" for label, _, child in plan},
         "logs": str(log_dir),
         "pids": {},
