@@ -9,7 +9,8 @@ service as ``ctx.backends`` (the ``shared.ports.backends.Backends`` Protocol). S
 ``HollowWiring`` is the same choice for a process that hosts many simulated nodes (``shared.plumbing.hollow``):
 each node's ports are the ones ``Wiring`` gives, built over what the nodes share: one Redis pool, one informer of
 the simulated cluster (``SharedSimCluster``: each node's watch sees its own node's changes), one reader of every
-node's GPU health stream (``SimHealthFeed``) and one answer to fault requests.
+node's GPU health stream (``SimHealthFeed``), the nodes' GPU states read together (``SimGpuStore``) and one
+answer to fault requests.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from shared.ports.pods import GpuPods, PodOwners
 from shared.sim.cluster import SharedSimCluster, SimCluster
 from shared.sim.exporter import find_exporter
 from shared.sim.faults import serve_faults
-from shared.sim.gpus import SimGpus, SimHealthFeed
+from shared.sim.gpus import SimGpus, SimGpuStore, SimHealthFeed
 from shared.sim.lookups import SimGpuPods, SimPodOwners
 from shared.sim.spec import SpecError, load_spec
 
@@ -123,6 +124,7 @@ class HollowWiring:
         self.spec = load_spec()
         self.client = redis_client(settings.redis)  # over the host's one pool (share_redis_pool)
         self.health = SimHealthFeed(self.client, subjects)
+        self.gpu_store = SimGpuStore(self.client, subjects, batch_reads=True)
         self.cluster = SharedSimCluster(self.client, subjects)
         self.cluster.start()
         self._created = False
@@ -166,7 +168,8 @@ class HollowNodeWiring(Wiring):
             self.host.spec.node(node)
         except SpecError as exc:
             raise SpecError(f"hollow node {node}: {exc}; the spec (GPUWARDEN_SIM_SPEC) must list it") from None
-        return SimGpus(self.host.client, self.subjects, self.host.spec, node, feed=self.host.health)
+        host = self.host
+        return SimGpus(host.client, self.subjects, host.spec, node, feed=host.health, store=host.gpu_store)
 
     async def cluster(
         self, *, watch_kinds: Iterable[Literal["node", "pod"]] | None = None, watch_node: str | None = None

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -20,20 +24,22 @@ from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from services.device.__main__ import hollow_instance as device_instance
 from services.driver.__main__ import hollow_instance as driver_instance
+from services.driver.service import DriverService
 from services.driver.upgrade import ORDER, STATE_LABEL
 from services.metrics.__main__ import hollow_instance as metrics_instance
+from services.metrics.service import MetricsService
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.device import DeviceInventory
 from shared.contract.driver import DriverUpgradeStateChanged
-from shared.contract.node import DrainCompleted, DrainFailed
+from shared.contract.node import DrainCompleted, DrainFailed, NodeCordoned
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
 from shared.kv.filestore import FileStore
-from shared.plumbing.bus import Bus
+from shared.plumbing.bus import Bus, ConsumerSpec, node_consumer
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.hollow import HollowHost, HollowPlan, node_list, parse_nodes
-from shared.plumbing.runner import start_service
+from shared.plumbing.runner import ServiceContext, start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.exporter import PodRef, SimExporter, SimExporterHost
@@ -71,6 +77,127 @@ def test_node_lists_name_every_node_once() -> None:
     ):
         with pytest.raises(SettingsError, match=words):
             parse_nodes(bad)
+
+
+class Recorder:
+    """A node-scoped service for the host's own tests: it consumes its node's cordons (one consumer per node, as the
+    device service does) and the verdicts every instance shares by name; ``fail_first`` fails its first start."""
+
+    name = "recorder"
+    config_names: tuple[str, ...] = ()
+    failing: dict[str, int] = {}
+
+    def __init__(self, first: bool) -> None:
+        self.first = first
+        self.cordons: list[str] = []
+        self.verdicts: list[str] = []
+
+    async def start(self, ctx: ServiceContext) -> None:
+        if Recorder.failing.get(ctx.node, 0) > 0:
+            Recorder.failing[ctx.node] -= 1
+            raise RuntimeError(f"{ctx.node} is not ready yet")
+        self.node = ctx.node
+        s = ctx.subjects
+        await ctx.consume(
+            node_consumer(s, "recorder", "cordon", ctx.node, ("node.cordoned",), (NodeCordoned,)), self.on_cordon
+        )
+        await ctx.consume(
+            ConsumerSpec(
+                durable=s.durable("recorder", "verdicts"),
+                filter_subjects=(s.pattern("node.drain.completed"),),
+                accepts=(DrainCompleted,),
+                stream=s.events_stream,
+            ),
+            self.on_verdict,
+        )
+        ctx.status["cordons"] = self.cordons
+
+    async def on_cordon(self, event: NodeCordoned) -> None:
+        assert event.node == self.node
+        self.cordons.append(event.node)
+
+    async def on_verdict(self, event: DrainCompleted) -> None:
+        self.verdicts.append(event.drain_id)
+
+
+class NoPorts:
+    """``HostBackends`` of a service that asks for no port."""
+
+    def for_node(self, settings: Settings, bus: Bus) -> Wiring:
+        return Wiring(settings, bus.subjects, bus)
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_one_consumer_per_family_hands_each_event_to_its_node(
+    settings: Settings, subjects: Subjects, bus: Bus
+) -> None:
+    nodes = [f"node-{i}" for i in range(1, 7)]
+    Recorder.failing = {"node-5": 2}
+    host = HollowHost.of("recorder", nodes, HollowPlan(Recorder, lambda *_: NoPorts()), settings)
+    await host.start()
+    try:
+        assert not host.nodes["node-5"].started and "not ready yet" in host.nodes["node-5"].status()
+        health = await _get(f"http://127.0.0.1:{host.http_port}/healthz")
+        assert health["status"] == "degraded" and health["nodes_ok"] == 5 and list(health["not_ok"]) == ["node-5"]
+        await eventually(lambda: host.nodes["node-5"].started, timeout=10)  # started again, with a growing delay
+        assert host.nodes["node-5"].failures == 2
+        assert set((await _get(f"http://127.0.0.1:{host.http_port}/nodes")).values()) == {"ok"}
+
+        for node in ("node-2", "node-99", "node-5", "node-2"):  # node-99 is not this host's
+            await bus.publish(NodeCordoned(node=node))
+        await bus.publish(DrainCompleted(node="node-3", drain_id="d-1", sessions_committed=0))
+        services = {node: run.service for node, run in host.nodes.items()}
+        assert all(isinstance(service, Recorder) for service in services.values())
+        recorders = {node: service for node, service in services.items() if isinstance(service, Recorder)}
+        await eventually(lambda: recorders["node-2"].cordons == ["node-2", "node-2"], timeout=10)
+        await eventually(lambda: recorders["node-5"].cordons == ["node-5"], timeout=10)
+        await eventually(lambda: recorders["node-1"].verdicts == ["d-1"], timeout=10)
+        assert all(not r.cordons for n, r in recorders.items() if n not in ("node-2", "node-5"))
+        assert all(not r.verdicts for n, r in recorders.items() if n != "node-1"), "one instance takes a shared one"
+        await eventually(lambda: host.families["recorder-cordon"].foreign == 1, timeout=10)
+        names = {c.name for c in await bus.js.consumers_info(subjects.events_stream.name)}
+        assert names == {f"recorder-cordon-{host.name}", "recorder-verdicts"}, names
+        one = await _get(f"http://127.0.0.1:{host.http_port}/nodes/node-2/healthz")
+        assert one["node"] == "node-2" and one["cordons"] == ["node-2", "node-2"] and one["hollow_host"] == host.name
+        assert f"recorder-cordon-{host.name}" in one["components"]["consumers"]
+        missing = await _get_status(f"http://127.0.0.1:{host.http_port}/nodes/node-77/healthz")
+        assert missing == 404
+        assert host.next_tick(5.0) is host.next_tick(5.0), "loops of one period share one timer"
+        node3 = host.nodes["node-3"].ctx
+        assert node3 is not None and node3.bus.nc is host.bus.nc and node3.bus.source == "recorder/node-3"
+    finally:
+        await host.stop(grace=1)
+    assert host.bus.nc.is_closed
+
+
+async def _get_status(url: str) -> int:
+    def get() -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    return await asyncio.to_thread(get)
+
+
+def test_a_hollow_list_for_a_service_that_runs_once_per_cluster_is_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    for module, nodes, words in (
+        ("services.scaler", "node-1", "runs once per cluster"),
+        ("services.device", "node-[2-1]", "counts down"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", module],
+            env={**env, "GPUWARDEN_HOLLOW_NODES": nodes},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 async def _get(url: str) -> Any:
@@ -167,11 +294,11 @@ async def test_a_hollow_fleet_upgrades_one_node_through_its_drain(
         assert {len(inv.gpus) for inv in inventories.values()} == {8}
         metrics = hosts["metrics"]
 
-        def metrics_know_every_node() -> bool:
-            return all(run.service is not None and run.node in run.service.gpus for run in metrics.nodes.values())  # type: ignore[attr-defined]
-
-        await eventually(metrics_know_every_node, timeout=30)
-        await eventually(lambda: all(r.service.reads > 0 for r in metrics.nodes.values()), timeout=30)  # type: ignore[attr-defined]
+        agents = [run.service for run in metrics.nodes.values()]
+        readers = [agent for agent in agents if isinstance(agent, MetricsService)]
+        assert len(readers) == NODES
+        await eventually(lambda: all(r.ctx is not None and r.ctx.node in r.gpus for r in readers), timeout=30)
+        await eventually(lambda: all(r.reads > 0 for r in readers), timeout=30)
         names = {c.name for c in await bus.js.consumers_info(subjects.events_stream.name)}
         assert not [n for n in names if n.endswith(tuple(f"-{node}" for node in nodes))], names
         assert {f"device-cordon-{hosts['device'].name}", f"metrics-inventory-{hosts['metrics'].name}"} <= names
@@ -231,8 +358,9 @@ async def test_a_hollow_fleet_upgrades_one_node_through_its_drain(
         assert workload.stats.lost == 0 and workload.stats.restored >= len(moving)
         found = await check_invariants(store, client, subjects, drains=[completed[0].drain_id])
         assert found, found.problems
-        coordinators = [r for r in hosts["driver"].nodes.values() if r.service.coordinator is not None]  # type: ignore[attr-defined]
-        assert [r.node for r in coordinators] == [nodes[0]], "one coordinator candidate per host: its first node"
+        drivers = [run.service for run in hosts["driver"].nodes.values()]
+        coordinating = [d.ctx.node for d in drivers if isinstance(d, DriverService) and d.coordinator is not None]
+        assert coordinating == [nodes[0]], "one coordinator candidate per host: its first node"
     finally:
         for host in hosts.values():
             if host.ready.is_set():

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -237,3 +238,41 @@ def test_a_restarted_service_keeps_its_port_however_busy_the_machine(home_env: d
     assert "address already in use" not in log.lower()
     down = gpuwarden(env, "down", timeout=90)
     assert down.returncode == 0, down.stderr
+
+
+def test_a_hollow_fleet_up_drain_down(home_env: dict[str, str]) -> None:
+    """``up --nodes 24 --hollow``: one process per node-scoped service for all 24 nodes (not 72); every hollow node
+    answers ok; a node's drain runs through them as through the default mesh."""
+    env = dict(home_env, GPUWARDEN_SIM_SPEC=str(Path(__file__).resolve().parents[1] / "deploy" / "sim" / "fleet.yaml"))
+    up = gpuwarden(env, "up", "--detach", "--nodes", "24", "--hollow", "--rate", "3", timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "driver@hollow" in up.stdout and "driver@node-1" not in up.stdout
+    state = json.loads((Path(env["GPUWARDEN_HOME"]) / "run.json").read_text())
+    assert state["hollow"] is True and state["nodes"] == 24
+    assert len(state["pids"]) == 8  # 3 hollow hosts, scaler, checkpoint, the sim, NATS, Redis
+    hollow = {label: url for label, url in state["services"].items() if label.endswith("@hollow")}
+    assert set(hollow) == {"driver@hollow", "device@hollow", "metrics@hollow"}
+
+    def every_node_ok() -> bool:
+        bodies = [json.loads(urllib.request.urlopen(url, timeout=5).read()) for url in hollow.values()]
+        return all(b["nodes"] == 24 and b["nodes_ok"] == 24 and b["status"] == "ok" for b in bodies)
+
+    until(every_node_ok, 60, "every hollow node ok")
+
+    def busy_node() -> str:
+        now = status(env)
+        held = [s["node"] for s in now["sessions"] if s["state"] == "held" and s["node"]]
+        return max(set(held), key=held.count) if held and now["simulation"]["served"] > 0 else ""
+
+    node = until(busy_node, 90, "sessions on a node")
+    drained = gpuwarden(env, "drain", node, "--wait", "--timeout", "90", "--json", timeout=150)
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    result = json.loads(drained.stdout)
+    assert result["ok"] and result["verdict"] == "completed" and result["pods_evicted"], result
+    final = status(env)
+    assert len(final["nodes"]) == 24 and set(final["services"].values()) == {"ok"}
+    assert final["simulation"]["lost"] == 0
+    assert next(n for n in final["nodes"] if n["name"] == node)["pods"] == []
+
+    down = gpuwarden(env, "down", timeout=90)
+    assert down.returncode == 0 and down.stdout.strip().endswith("none left"), down.stdout + down.stderr

@@ -208,8 +208,9 @@ class DeviceService:
 
     async def watch_inventory(self) -> None:
         """Level-triggered: reads the GPUs every ``inventory_s`` and re-publishes when anything changed."""
+        assert self.ctx is not None
         while True:
-            await asyncio.sleep(self.settings.inventory_s)
+            await self.ctx.sleep(self.settings.inventory_s)
             try:
                 await self.recover_quiet_gpus()
                 await self.refresh_inventory()

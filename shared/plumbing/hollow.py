@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import signal
 import sys
@@ -180,6 +181,10 @@ class HollowNodeContext(ServiceContext):
         assert self.host is not None
         return await self.host.consume(self, spec, handler)
 
+    async def sleep(self, period: float) -> None:
+        assert self.host is not None
+        await asyncio.shield(self.host.next_tick(period))
+
     def health(self) -> dict[str, Any]:
         found = super().health()
         if self.host is not None:
@@ -270,6 +275,7 @@ class HollowHost:
     _http: SmallHttpServer | None = None
     _pool: Any = None
     _retries: set[asyncio.Task[None]] = field(default_factory=set)
+    _ticks: dict[float, asyncio.Future[None]] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -381,6 +387,16 @@ class HollowHost:
                 await family.open()
 
     # -- what a node's context asks of the host -------------------------------------------------------------------
+    def next_tick(self, period: float) -> asyncio.Future[None]:
+        """Done at the next multiple of ``period`` on the loop's clock: one timer for every node's loop of that
+        period (``HollowNodeContext.sleep``)."""
+        tick = self._ticks.get(period)
+        if tick is None or tick.done():
+            loop = asyncio.get_running_loop()
+            tick = self._ticks[period] = loop.create_future()
+            loop.call_at((math.floor(loop.time() / period) + 1) * period, _done, tick)
+        return tick
+
     async def consume(self, ctx: HollowNodeContext, spec: ConsumerSpec, handler: Handler) -> Consumer:
         """A node-scoped consumer joins its family (opened once the host has started its nodes); any other is
         consumed once per host, by the first instance that asks for it."""
@@ -493,6 +509,11 @@ class HollowHost:
         if self._pool is not None:
             with contextlib.suppress(Exception):
                 await self._pool.aclose()
+
+
+def _done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def redis_connections(env: Mapping[str, str]) -> int:

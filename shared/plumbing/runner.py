@@ -122,6 +122,13 @@ class ServiceContext:
             except Exception as exc:
                 log.warning("stop hook failed", extra={"hook": name, "error": f"{type(exc).__name__}: {exc}"})
 
+    async def sleep(self, period: float) -> None:
+        """Wait between two rounds of a periodic loop that runs every ``period`` seconds. One node's process
+        sleeps ``period``; a process hosting many nodes (``shared.plumbing.hollow``) wakes the loops of all its
+        nodes with the same period together, on one timer, at the next multiple of the period (the first wait may
+        be shorter), so that a thousand nodes' rounds are one wakeup and their reads can share round trips."""
+        await asyncio.sleep(period)
+
     def spawn(self, factory: Callable[[], Awaitable[Any]], name: str) -> asyncio.Task[Any]:
         """Run a background loop for the service's lifetime. A loop that crashes is logged and started again
         from ``factory`` with a growing delay: a service never dies of one bad iteration. So a loop closes

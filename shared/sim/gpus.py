@@ -344,11 +344,20 @@ def _text(raw: Any) -> str:
 
 # -- the Redis layout ---------------------------------------------------------------------------------------------
 class SimGpuStore:
-    """The Redis keys of the simulated GPUs, shared by the adapter and by fault injection."""
+    """The Redis keys of the simulated GPUs, shared by the adapter and by fault injection.
 
-    def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
+    With ``batch_reads`` (one store for the many nodes of a process), the nodes' states read in the same turn of
+    the event loop are fetched by one ``MGET``: a thousand nodes whose loops wake together read their GPUs in one
+    round trip."""
+
+    MGET_KEYS = 512
+
+    def __init__(self, client: aioredis.Redis, subjects: Subjects, *, batch_reads: bool = False) -> None:
         self.client = client
         self.subjects = subjects
+        self.batch_reads = batch_reads
+        self._waiting: dict[str, list[asyncio.Future[Any]]] = {}
+        self.batches = 0
 
     def state_key(self, node: str) -> str:
         return self.subjects.redis_key("sim", "gpus", node)
@@ -364,8 +373,41 @@ class SimGpuStore:
         return self.subjects.redis_key("sim", "gpu-nodes")
 
     async def read(self, node: str) -> SimNodeState | None:
-        raw = await self.client.get(self.state_key(node))
+        raw = await (self._read_together(node) if self.batch_reads else self.client.get(self.state_key(node)))
         return None if raw is None else _state_decoder.decode(raw)
+
+    def _read_together(self, node: str) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not self._waiting:
+            loop.call_soon(self._fetch_waiting)
+        self._waiting.setdefault(node, []).append(future)
+        return future
+
+    def _fetch_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        nodes = list(waiting)
+        for start in range(0, len(nodes), self.MGET_KEYS):
+            chunk = {node: waiting[node] for node in nodes[start : start + self.MGET_KEYS]}
+            asyncio.ensure_future(self._fetch(chunk))
+
+    async def _fetch(self, waiting: dict[str, list[asyncio.Future[Any]]]) -> None:
+        nodes = list(waiting)
+        try:
+            values = await self.client.mget([self.state_key(node) for node in nodes])
+            self.batches += 1
+        except BaseException as exc:
+            for futures in waiting.values():
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for node, value in zip(nodes, values, strict=True):
+            for future in waiting[node]:
+                if not future.done():
+                    future.set_result(value)
 
     async def ensure(self, state: SimNodeState) -> tuple[SimNodeState, bool]:
         """The stored state of ``state.node``, created from ``state`` when absent; says whether it was created."""
@@ -578,13 +620,14 @@ class SimGpus:
         poll_s: float = 0.1,
         block_ms: int = 1000,
         feed: SimHealthFeed | None = None,
+        store: SimGpuStore | None = None,
     ) -> None:
         check_spec(spec)
         self.client = client
         self.subjects = subjects
         self.spec = spec
         self.node = node
-        self.store = SimGpuStore(client, subjects)
+        self.store = store or SimGpuStore(client, subjects)
         self._initial = initial_state(spec, node, subjects.root)
         self._owns_client = owns_client
         self._poll_s = poll_s
