@@ -12,7 +12,12 @@ Redis, so a ``make run`` already running is never touched. It measures
 - ``idle_cpu_cores``: the CPU each process used with no traffic at all, in cores, over ``--idle-seconds`` once the
   fleet has settled (``idle_cpu_cores_total`` for the mesh);
 - ``fleet_drain_verdict_s``: a drain of the node whose pods hold the most sessions, from ``node.drain.requested`` to
-  its verdict, after ``--sessions`` conversations were started (``fleet_drain_sessions`` were on that node).
+  its verdict, after ``--sessions`` conversations were started (``fleet_drain_sessions`` were on that node;
+  ``fleet_lost_sessions``: what the simulation lost, none expected).
+
+``per_node`` runs the same services one process per service and node (``--no-hollow``, as a real cluster and
+``make run`` run them) at 10 nodes: what each of those processes holds and uses idle (``per_node_agent_rss_mb``,
+``per_node_agent_idle_cpu_cores``), the cost hollow nodes avoid.
 
 ``--quick`` runs the same at a few nodes (a smoke run; the fleet targets are missed by design). Session-scale
 figures (restores, periodic checkpoints, status, Redis calls per session) are separate figures of this registry.
@@ -60,10 +65,11 @@ class ScaleOptions:
     sessions: int = 32
     sample_every: float = 2.0
     up_timeout_s: float = 900.0
+    per_node_nodes: int = 10
 
 
 QUICK = ScaleOptions(
-    nodes=6, gpus_per_node=8, idle_s=5.0, settle_s=3.0, sessions=8, sample_every=1.0, up_timeout_s=180.0
+    nodes=6, idle_s=5.0, settle_s=3.0, sessions=8, sample_every=1.0, up_timeout_s=180.0, per_node_nodes=2
 )
 
 
@@ -149,7 +155,7 @@ async def started_mesh(
     began = time.monotonic()
     try:
         args = ["up", "--detach", "--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node), "--rate", "0"]
-        args += ["--ready-timeout", str(timeout)] + (["--hollow"] if hollow else [])
+        args += ["--ready-timeout", str(timeout), "--hollow" if hollow else "--no-hollow"]
         done = await asyncio.to_thread(mesh.cli, *args, timeout=timeout + 60)
         if done.returncode != 0:
             raise RuntimeError(f"gpuwarden up failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -229,6 +235,33 @@ async def fleet(options: ScaleOptions) -> dict[str, Any]:
     }
 
 
+@figure("per_node")
+async def per_node(options: ScaleOptions) -> dict[str, Any]:
+    """The same services as one process per service and node (``--no-hollow``: how a real cluster runs them, and
+    how ``make run`` runs its 3 nodes), at ``per_node_nodes`` nodes: what a node costs that way, for comparison."""
+    nodes = options.per_node_nodes
+    async with started_mesh(nodes, options.gpus_per_node, hollow=False, timeout=options.up_timeout_s) as (mesh, up_s):
+        await asyncio.sleep(options.settle_s)
+        procs = mesh.processes()
+        before = cpu_seconds(procs)
+        started = time.monotonic()
+        await asyncio.sleep(options.idle_s)
+        after = cpu_seconds(procs)
+        spent = time.monotonic() - started
+        mesh.sample_rss()
+    idle = {label: (after[label] - before[label]) / spent for label in before if label in after}
+    agents = [label for label in idle if "@" in label]
+    return {
+        "per_node_nodes": nodes,
+        "per_node_processes": len(mesh.peaks),
+        "per_node_up_s": round(up_s, 2),
+        "per_node_rss_mb_max": round(mesh.total_peak, 1),
+        "per_node_idle_cpu_cores_total": round(sum(idle.values()), 4),
+        "per_node_agent_rss_mb": round(sum(mesh.peaks[a] for a in agents) / max(len(agents), 1), 1),
+        "per_node_agent_idle_cpu_cores": round(sum(idle[a] for a in agents) / max(len(agents), 1), 4),
+    }
+
+
 async def drain_busiest_node(mesh: Mesh, sessions: int) -> dict[str, Any]:
     """Start ``sessions`` conversations, then drain the node whose pods hold the most: request -> verdict."""
     subjects = Subjects(mesh.env["GPUWARDEN_ROOT"])
@@ -273,7 +306,9 @@ async def drain_busiest_node(mesh: Mesh, sessions: int) -> dict[str, Any]:
         if drain_id not in verdicts:
             return {"fleet_drain_node": node, "fleet_drain_sessions": by_node[node], "fleet_drain_verdict": "none"}
         at, verdict = verdicts[drain_id]
+        sim = (await asyncio.to_thread(http_json, sim_url)).get("simulation", {})
         return {
+            "fleet_lost_sessions": int(sim.get("lost", -1)),
             "fleet_drain_node": node,
             "fleet_drain_sessions": by_node[node],
             "fleet_drain_verdict": "completed" if isinstance(verdict, DrainCompleted) else "failed",
@@ -323,6 +358,7 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, ScaleOptions, list[
         sessions=args.sessions if args.sessions is not None else base.sessions,
         sample_every=base.sample_every,
         up_timeout_s=base.up_timeout_s,
+        per_node_nodes=base.per_node_nodes,
     )
     out = args.out or default_out("scale")
     return BenchOptions("scale", args.quick, None, out, args.strict), sizes, list(args.only or FIGURES)

@@ -260,8 +260,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         return process.run_foreground(args)
     argv = ["--nodes", args.nodes, "--rate", str(args.rate), "--gpus-per-node", str(args.gpus_per_node)]
     argv += ["--nats-port", str(args.nats_port), "--redis-port", str(args.redis_port)]
-    if args.hollow:
-        argv.append("--hollow")
+    if args.hollow is not None:
+        argv.append("--hollow" if args.hollow else "--no-hollow")
     if args.seconds is not None:
         argv += ["--seconds", str(args.seconds)]
     return process.run_detached(args, argv)
@@ -764,9 +764,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8, help="--nodes N: GPUs of each node (default 8)")
     p.add_argument(
         "--hollow",
-        action="store_true",
-        help="hollow nodes: every node's driver, device and metrics agents in one process per service kind (as "
-        "the spec's `hollow: true` asks), not one process per service and node",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hollow nodes: every node's driver, device and metrics agents in one process per service kind, not "
+        "one process per service and node (default: as the spec's `hollow` says)",
     )
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--rate", type=float, default=2.0, help="simulated inference requests per second")

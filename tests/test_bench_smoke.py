@@ -198,5 +198,9 @@ def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: 
     assert {"driver@hollow", "device@hollow", "metrics@hollow", "nats", "redis"} <= set(data["idle_cpu_cores"])
     assert set(data["hollow_start_s"]) == {"driver@hollow", "device@hollow", "metrics@hollow"}
     assert data["fleet_drain_verdict"] == "completed" and data["fleet_drain_committed"] == data["fleet_drain_sessions"]
+    assert data["fleet_lost_sessions"] == 0
+    # the same services one process per node, for comparison: 3 agents a node
+    assert data["per_node_nodes"] == 2 and data["per_node_processes"] == 12
+    assert data["per_node_agent_rss_mb"] > 0 and data["per_node_agent_idle_cpu_cores"] >= 0
     assert {t["key"] for t in data["targets"]} >= {"fleet_nodes", "idle_cpu_cores_total", "rss_mb_max"}
     assert data["params"]["figures"] == list(scale.FIGURES)

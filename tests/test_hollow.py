@@ -164,6 +164,7 @@ async def test_one_consumer_per_family_hands_each_event_to_its_node(
         assert f"recorder-cordon-{host.name}" in one["components"]["consumers"]
         missing = await _get_status(f"http://127.0.0.1:{host.http_port}/nodes/node-77/healthz")
         assert missing == 404
+        assert await _get_status(f"http://127.0.0.1:{host.http_port}/nodes/node-2/metrics") == 200
         assert host.next_tick(5.0) is host.next_tick(5.0), "loops of one period share one timer"
         node3 = host.nodes["node-3"].ctx
         assert node3 is not None and node3.bus.nc is host.bus.nc and node3.bus.source == "recorder/node-3"

@@ -150,15 +150,23 @@ class UpgradeCoordinator:
         if stamped > token:
             await self._give_up(f"the lease's token {token} is older than token {stamped} stamped on a node")
         views = list(await asyncio.gather(*(self._view(info) for info in infos)))
+        cluster = ClusterView.of(views)
         for index in upgrade_order(views):
-            views[index] = await self._advance(views[index], views, policy)
+            before = views[index]
+            views[index] = await self._advance(before, views, policy, cluster)
+            if views[index] is not before:  # a step was taken: the slots are counted again, not for every node
+                cluster = ClusterView.of(views)
         self.states = {v.name: self._state_of(v) for v in views}
         return True
 
-    async def _advance(self, view: NodeView, views: list[NodeView], policy: DriverPolicy) -> NodeView:
-        for _ in range(_MAX_STEPS_PER_NODE):
+    async def _advance(
+        self, view: NodeView, views: list[NodeView], policy: DriverPolicy, cluster: ClusterView
+    ) -> NodeView:
+        """``cluster`` is ``ClusterView.of(views)`` as ``views`` are on entry; counted again after each step."""
+        for step in range(_MAX_STEPS_PER_NODE):
             await self._republish_drain(view)
-            cluster = ClusterView.of(views)
+            if step:
+                cluster = ClusterView.of(views)
             action = next_step(view, policy, cluster, self.clock())
             if action.kind == "wait":
                 return view

@@ -147,9 +147,9 @@ def _fleet(args: argparse.Namespace, env: dict[str, str], base: Path) -> tuple[l
     deployments, driver and CUDA versions kept) and points ``GPUWARDEN_SIM_SPEC`` at it."""
     raw = str(args.nodes).strip()
     simulated = env["GPUWARDEN_BACKEND"] == "sim"
-    hollow = bool(getattr(args, "hollow", False))
+    asked: bool | None = getattr(args, "hollow", None)
     if not simulated:
-        if hollow or raw.isdigit():
+        if asked or raw.isdigit():
             raise CommandError("--hollow and --nodes N make a simulated fleet: GPUWARDEN_BACKEND=sim")
         nodes = [n for n in raw.split(",") if n]
         if not nodes:
@@ -163,7 +163,7 @@ def _fleet(args: argparse.Namespace, env: dict[str, str], base: Path) -> tuple[l
         spec = load_spec(env.get("GPUWARDEN_SIM_SPEC"))
     except SpecError as exc:
         raise CommandError(str(exc)) from None
-    hollow = hollow or spec.hollow
+    hollow = spec.hollow if asked is None else asked
     if raw.isdigit():
         count = int(raw)
         if count < 1 or args.gpus_per_node < 1:

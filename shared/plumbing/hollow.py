@@ -17,7 +17,8 @@ same subjects with the same protocol. What the instances share is the process's:
 - the ports its backends build for all (``HostBackends``; in simulation one cluster informer and one reader of
   every node's GPU health stream, ``shared.wiring.HollowWiring``);
 - one HTTP endpoint: ``/healthz`` sums the nodes up and names those not ok, ``/nodes`` gives each node's status,
-  ``/nodes/<node>/healthz`` one node's health as its own process would answer it.
+  ``/nodes/<node>/healthz`` and ``/nodes/<node>/metrics`` one node's health and metrics as its own process would
+  answer them (``/metrics`` is the host's: its connection, consumers and configuration).
 
 So an idle node costs what its own loops do, and nothing per node is polled every second by the host. The host's
 first node (``HollowPlan.instance(first=True)``) takes the work one instance does for the whole host (the driver's
@@ -458,9 +459,10 @@ class HollowHost:
             return "405 Method Not Allowed", "text/plain", b"GET only\n"
         if path == "/healthz":
             return "200 OK", "application/json", json.dumps(self.health()).encode()
-        if path == "/readyz":
+        if path == "/readyz":  # cheap: asked often, while a thousand nodes start
             ok = self.ready.is_set() and self.bus.connected
-            body = json.dumps({"ready": ok, "status": self.health()["status"]}).encode()
+            started = sum(1 for run in self.nodes.values() if run.started)
+            body = json.dumps({"ready": ok, "nodes": len(self.nodes), "started": started}).encode()
             return ("200 OK" if ok else "503 Service Unavailable"), "application/json", body
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.telemetry.registry)
@@ -475,10 +477,13 @@ class HollowHost:
             rest = "/" + parts[3]
             if rest == "/healthz":
                 return "200 OK", "application/json", json.dumps(run.ctx.health()).encode()
+            if rest == "/metrics":
+                return "200 OK", CONTENT_TYPE_LATEST, generate_latest(run.ctx.telemetry.registry)
             for prefix, route in run.ctx._routes.items():
                 if rest.startswith(prefix):
                     return await route(method, rest)
-        return "404 Not Found", "text/plain", b"try /healthz, /readyz, /metrics, /nodes, /nodes/<node>/healthz\n"
+        known = "/healthz, /readyz, /metrics, /nodes, /nodes/<node>/healthz, /nodes/<node>/metrics"
+        return "404 Not Found", "text/plain", f"try {known}\n".encode()
 
     # -- stopping -------------------------------------------------------------------------------------------------
     async def stop(self, grace: float = 10.0) -> None:

@@ -19,10 +19,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 import redis.exceptions
 
-from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client, warm_pool
 from shared.plumbing.runner import ServiceContext, run
 from shared.ports.cluster import ClusterError
@@ -72,7 +70,7 @@ class Simulation:
         assert isinstance(cluster, SharedSimCluster)
         cluster.start()  # the workload's reads and watch come from one informer, not from Redis on every tick
         ctx.on_stop(cluster.close)
-        ctx.spawn(lambda: self._keep_world(client, ctx.subjects), "sim-world")
+        ctx.spawn(lambda: self._keep_world(cluster), "sim-world")
         gpus: dict[str, Any] = {n.name: SimGpus(client, ctx.subjects, self.spec, n.name) for n in self.spec.nodes}
         ports = list(gpus.values())
         for start in range(0, len(ports), ATTACH_AT_ONCE):
@@ -107,7 +105,7 @@ class Simulation:
 
             ctx.spawn(load, "sim-load")
 
-    async def _keep_world(self, client: aioredis.Redis, subjects: Subjects) -> None:
+    async def _keep_world(self, cluster: SimCluster) -> None:
         """Runs for the simulation's lifetime. Redis may come back empty (a restart without persistence, a
         flush): the cluster is made again from the spec and the exporters are announced again, so the workload,
         the services and the CLI find the simulated world where they look. (The GPUs' state is made again by
@@ -115,10 +113,10 @@ class Simulation:
         while True:
             await asyncio.sleep(self.reseed_s)
             try:
-                again = await SimCluster.create(client, subjects, self.spec)
-                if again.created:
+                created = not await cluster.present() and await cluster.ensure(self.spec)
+                if created:
                     log.warning("SIMULATED cluster was gone from Redis (restarted empty?); made again from the spec")
-                if self.exporters is not None:
+                if self.exporters is not None and (created or not await self.exporters.announced()):
                     await self.exporters.announce(only_missing=True)
             except (ClusterError, redis.exceptions.RedisError, OSError):
                 continue

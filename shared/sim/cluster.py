@@ -122,6 +122,13 @@ class SimCluster:
             raise
         return cluster
 
+    async def present(self) -> bool:
+        """Whether Redis holds the cluster (one cheap command, nothing decoded)."""
+        try:
+            return bool(await self._client.exists(self._state_key))
+        except _REDIS_DOWN as exc:
+            raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
+
     async def ensure(self, spec: SimSpec) -> bool:
         """Create the cluster from ``spec`` unless one exists (kept as it is); says whether it was created."""
         self.created = await self._transact(functools.partial(_create_step, spec))

@@ -359,6 +359,13 @@ class SimExporterHost:
                 pipe.set(exporter_url_key(self.subjects, node), self.url(node), nx=only_missing)
             await pipe.execute()
 
+    async def announced(self) -> bool:
+        """Whether the first and the last node's URLs are still in Redis (one round trip: what a Redis that came
+        back empty lacks)."""
+        nodes = list(self.exporters)
+        keys = {exporter_url_key(self.subjects, node) for node in (nodes[:1] + nodes[-1:])}
+        return not keys or int(await self.client.exists(*keys)) == len(keys)
+
     async def stop(self) -> None:
         await self.http.stop()
 

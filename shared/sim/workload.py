@@ -91,6 +91,8 @@ class PodRuntime:
     gpu_uuid: str = ""
     gpu_memory_mib: float = 0.0
     served: int = 0
+    reported: tuple[float, float, float] | None = None
+    """The load last written on the pod's GPU (written again only when it changes)."""
     stopping: bool = False
     gone: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -369,9 +371,13 @@ class SimWorkload:
             held = sum(runtime.agent.session_bytes(s) for s in runtime.agent.sessions())
             util = min(100.0, runtime.served / window * 10.0)
             runtime.served = 0
+            memory = runtime.gpu_memory_mib or held / 2**20
+            load = (util, min(held / 2**20, memory), min(100.0, util / 4))
+            if load == runtime.reported:
+                continue
             with contextlib.suppress(Exception):
-                memory = runtime.gpu_memory_mib or held / 2**20
-                await gpus.set_load(runtime.gpu_uuid, util, min(held / 2**20, memory), min(100.0, util / 4))
+                await gpus.set_load(runtime.gpu_uuid, *load)
+                runtime.reported = load
 
     # -- requests -------------------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
