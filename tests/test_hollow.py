@@ -184,16 +184,22 @@ async def _get_status(url: str) -> int:
     return await asyncio.to_thread(get)
 
 
-def test_a_hollow_list_for_a_service_that_runs_once_per_cluster_is_one_line(tmp_path: Path) -> None:
+def test_what_hollow_nodes_cannot_be_is_one_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    for module, nodes, words in (
-        ("services.scaler", "node-1", "runs once per cluster"),
-        ("services.device", "node-[2-1]", "counts down"),
+    for module, more, words in (
+        ("services.scaler", {}, "runs once per cluster"),
+        ("services.device", {"GPUWARDEN_HOLLOW_NODES": "node-[2-1]"}, "counts down"),
+        (
+            "services.device",
+            {"GPUWARDEN_DEVICE_PLUGIN": "on", "GPUWARDEN_DEVICE_PLUGIN_DIR": str(tmp_path)},
+            "no kubelet",
+        ),
+        ("services.driver", {"GPUWARDEN_BACKEND": "real"}, "hollow nodes are simulated nodes"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", module],
-            env={**env, "GPUWARDEN_HOLLOW_NODES": nodes},
+            env={**env, "GPUWARDEN_HOLLOW_NODES": "node-1", **more},
             capture_output=True,
             text=True,
             timeout=60,

@@ -318,10 +318,10 @@ def main(
     from shared.plumbing.hollow import hollow_nodes, run_hollow
 
     try:
-        service = make()
         nodes = hollow_nodes(os.environ)
         if nodes and hollow is None:
             raise SettingsError("GPUWARDEN_HOLLOW_NODES: this service runs once per cluster, not once per node")
+        service = hollow.instance(True) if nodes and hollow is not None else make()
     except SettingsError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
