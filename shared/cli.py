@@ -773,7 +773,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=2.0, help="simulated inference requests per second")
     p.add_argument("--nats-port", type=int, default=0, help="port of the NATS server it starts (default: a free one)")
     p.add_argument("--redis-port", type=int, default=0, help="port of the Redis server it starts (default: a free one)")
-    p.add_argument("--ready-timeout", type=float, default=90.0, help="--detach: seconds to wait for /readyz")
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=None,
+        help="--detach: seconds to wait for /readyz (default 90, and 0.2 more per node past 100)",
+    )
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_up)
 

@@ -372,6 +372,14 @@ def _last_words(log: Path) -> str:
     return "no output"
 
 
+def ready_timeout(nodes: str) -> float:
+    """How long ``up --detach`` waits by default: 90 s, and 0.2 s more per node past 100 (``--nodes``: a count, or
+    names)."""
+    raw = nodes.strip()
+    count = int(raw) if raw.isdigit() else len([n for n in raw.split(",") if n])
+    return 90.0 + 0.2 * max(0, count - 100)
+
+
 def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``gpuwarden up`` (without ``--detach``) in a session of its own, wait until every process it lists
     answers ``/readyz``, print where things are."""
@@ -394,7 +402,8 @@ def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
             stderr=out,
             start_new_session=True,
         )
-    deadline = time.monotonic() + args.ready_timeout
+    timeout = args.ready_timeout if args.ready_timeout is not None else ready_timeout(str(args.nodes))
+    deadline = time.monotonic() + timeout
     state: dict[str, Any] = {}
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -407,7 +416,7 @@ def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
         time.sleep(0.3)
     else:
         stop(env, quiet=True)
-        raise CommandError(f"the mesh was not ready within {args.ready_timeout:g}s (log: {log}); stopped it again")
+        raise CommandError(f"the mesh was not ready within {timeout:g}s (log: {log}); stopped it again")
     print(banner(state, base))
     print(f"  pid {proc.pid}; `gpuwarden down` stops everything", flush=True)
     return 0
