@@ -81,26 +81,29 @@ def test_node_lists_name_every_node_once() -> None:
 
 class Recorder:
     """A node-scoped service for the host's own tests: it consumes its node's cordons (one consumer per node, as the
-    device service does) and the verdicts every instance shares by name; ``fail_first`` fails its first start."""
+    device service does) and the verdicts every instance shares by name; a node named in ``failing`` fails its start
+    that many times, after it asked for its consumer."""
 
     name = "recorder"
     config_names: tuple[str, ...] = ()
     failing: dict[str, int] = {}
+    made: list[Recorder] = []
 
     def __init__(self, first: bool) -> None:
         self.first = first
         self.cordons: list[str] = []
         self.verdicts: list[str] = []
+        Recorder.made.append(self)
 
     async def start(self, ctx: ServiceContext) -> None:
-        if Recorder.failing.get(ctx.node, 0) > 0:
-            Recorder.failing[ctx.node] -= 1
-            raise RuntimeError(f"{ctx.node} is not ready yet")
         self.node = ctx.node
         s = ctx.subjects
         await ctx.consume(
             node_consumer(s, "recorder", "cordon", ctx.node, ("node.cordoned",), (NodeCordoned,)), self.on_cordon
         )
+        if Recorder.failing.get(ctx.node, 0) > 0:
+            Recorder.failing[ctx.node] -= 1
+            raise RuntimeError(f"{ctx.node} is not ready yet")
         await ctx.consume(
             ConsumerSpec(
                 durable=s.durable("recorder", "verdicts"),
@@ -134,25 +137,28 @@ async def test_one_consumer_per_family_hands_each_event_to_its_node(
     settings: Settings, subjects: Subjects, bus: Bus
 ) -> None:
     nodes = [f"node-{i}" for i in range(1, 7)]
-    Recorder.failing = {"node-5": 2}
+    Recorder.failing, Recorder.made = {"node-5": 2}, []
     host = HollowHost.of("recorder", nodes, HollowPlan(Recorder, lambda *_: NoPorts()), settings)
     await host.start()
     try:
         assert not host.nodes["node-5"].started and "not ready yet" in host.nodes["node-5"].status()
+        await bus.publish(NodeCordoned(node="node-5"))  # while node-5 is down: kept for the instance that starts
         health = await _get(f"http://127.0.0.1:{host.http_port}/healthz")
         assert health["status"] == "degraded" and health["nodes_ok"] == 5 and list(health["not_ok"]) == ["node-5"]
         await eventually(lambda: host.nodes["node-5"].started, timeout=10)  # started again, with a growing delay
         assert host.nodes["node-5"].failures == 2
         assert set((await _get(f"http://127.0.0.1:{host.http_port}/nodes")).values()) == {"ok"}
 
-        for node in ("node-2", "node-99", "node-5", "node-2"):  # node-99 is not this host's
+        for node in ("node-2", "node-99", "node-2"):  # node-99 is not this host's
             await bus.publish(NodeCordoned(node=node))
         await bus.publish(DrainCompleted(node="node-3", drain_id="d-1", sessions_committed=0))
         services = {node: run.service for node, run in host.nodes.items()}
         assert all(isinstance(service, Recorder) for service in services.values())
         recorders = {node: service for node, service in services.items() if isinstance(service, Recorder)}
         await eventually(lambda: recorders["node-2"].cordons == ["node-2", "node-2"], timeout=10)
-        await eventually(lambda: recorders["node-5"].cordons == ["node-5"], timeout=10)
+        await eventually(lambda: recorders["node-5"].cordons == ["node-5"], timeout=20)
+        failed = [r for r in Recorder.made if r.node == "node-5" and r is not recorders["node-5"]]
+        assert len(failed) == 2 and not any(r.cordons for r in failed), "an instance that failed to start hears nothing"
         await eventually(lambda: recorders["node-1"].verdicts == ["d-1"], timeout=10)
         assert all(not r.cordons for n, r in recorders.items() if n not in ("node-2", "node-5"))
         assert all(not r.verdicts for n, r in recorders.items() if n != "node-1"), "one instance takes a shared one"

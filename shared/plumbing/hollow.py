@@ -363,10 +363,13 @@ class HollowHost:
         ctx._backends = self.backends.for_node(settings, ctx.bus)
         try:
             await service.start(ctx)
-        except Exception as exc:
+        except Exception as exc:  # undo what it started: its loops, ports, subscriptions, its family handlers
             for task in list(ctx._tasks):
                 task.cancel()
             await ctx.run_stop_hooks()
+            await ctx.bus.close(1.0)
+            for family in self.families.values():
+                family.handlers.pop(run.node, None)
             run.failures += 1
             run.last_error = f"{type(exc).__name__}: {exc}"
             delay = min(RETRY_FIRST_S * 2 ** (run.failures - 1), RETRY_MAX_S)
