@@ -429,6 +429,7 @@ class Bus:
         view.js = self.js
         view._streams_ready = self._streams_ready
         view._refused = self._refused
+        view.relinks = self.relinks
         return view
 
     @property

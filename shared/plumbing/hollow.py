@@ -321,7 +321,7 @@ class HollowHost:
         await self.config.start()
         self.backends = self.plan.backends(settings, self.subjects, self.bus)
         self._http = SmallHttpServer(self._route)
-        await self._http.start(settings.http_host, settings.http_port)
+        await self._http.start(settings.http_host, settings.http_port, settings.http_fd)
         slots = asyncio.Semaphore(START_AT_ONCE)
 
         async def start_one(run: NodeRun, service: Service | None) -> None:
