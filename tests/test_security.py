@@ -191,6 +191,12 @@ def test_every_durable_consumer_a_service_creates_is_in_the_contract() -> None:
                     service, purpose = (a.value for a in args[:2])  # type: ignore[attr-defined]
                     if service != "workload":  # the request queues' consumers: the inference servers', not ours
                         found.add((service, purpose, len(args) > 2))
+            # node_consumer(subjects, service, purpose, node, ...): one node's consumer (shared.plumbing.bus)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "node_consumer":
+                args = node.args
+                if len(args) >= 3 and all(isinstance(a, ast.Constant) for a in args[1:3]):
+                    service, purpose = (a.value for a in args[1:3])  # type: ignore[attr-defined]
+                    found.add((service, purpose, True))
     table = {(d.service, d.purpose, d.per_node) for d in DURABLES}
     assert found == table
 
