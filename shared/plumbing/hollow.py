@@ -13,7 +13,7 @@ same subjects with the same protocol. What the instances share is the process's:
 - one durable consumer per family of node-scoped consumers (``NodeScope``): the thousand ``device-cordon-<node>``
   consumers of a thousand nodes are one consumer of every node's cordons, each event handed to the instance of
   the node it names; a consumer every instance would share by name (the driver's drain verdicts) is taken once,
-  by the first instance that asks;
+  by the host's first node's instance (it starts before the others);
 - the ports its backends build for all (``HostBackends``; in simulation one cluster informer and one reader of
   every node's GPU health stream, ``shared.wiring.HollowWiring``);
 - one HTTP endpoint: ``/healthz`` sums the nodes up and names those not ok, ``/nodes`` gives each node's status,
@@ -329,7 +329,8 @@ class HollowHost:
                 await self._start_node(run, service)
 
         runs = list(self.nodes.values())
-        await asyncio.gather(*(start_one(run, first if run.first else None) for run in runs))
+        await start_one(runs[0], first)  # alone: the consumers every instance shares are its, and its work for all
+        await asyncio.gather(*(start_one(run, None) for run in runs[1:]))
         for family in self.families.values():
             await family.open()
         self.started_s = time.monotonic() - began
@@ -403,7 +404,8 @@ class HollowHost:
 
     async def consume(self, ctx: HollowNodeContext, spec: ConsumerSpec, handler: Handler) -> Consumer:
         """A node-scoped consumer joins its family (opened once the host has started its nodes); any other is
-        consumed once per host, by the first instance that asks for it."""
+        consumed once per host, by the first instance that asks for it: the host's first node's, which starts
+        before the others."""
         scope = spec.node_scope
         if scope is None:
             found = self.shared.get(spec.durable)
