@@ -66,10 +66,26 @@ class ScaleOptions:
     sample_every: float = 2.0
     up_timeout_s: float = 900.0
     per_node_nodes: int = 10
+    fleet_sessions: int = 100_000
+    """Sessions held in the fleet for the session figures (``bench.scale_sessions``), 50 a pod; 0: none."""
+    periodic_interval_s: float = 60.0
+    periodic_rounds: int = 3
+    extra_replicas: int = 2
+    """Checkpoint service replicas joining the one the fleet runs."""
 
 
 QUICK = ScaleOptions(
-    nodes=6, idle_s=5.0, settle_s=3.0, sessions=8, sample_every=1.0, up_timeout_s=180.0, per_node_nodes=2
+    nodes=6,
+    idle_s=5.0,
+    settle_s=3.0,
+    sessions=8,
+    sample_every=1.0,
+    up_timeout_s=180.0,
+    per_node_nodes=2,
+    fleet_sessions=200,
+    periodic_interval_s=2.0,
+    periodic_rounds=2,
+    extra_replicas=1,
 )
 
 
@@ -215,6 +231,7 @@ async def fleet(options: ScaleOptions) -> dict[str, Any]:
             spent = time.monotonic() - started
             idle = {label: round((after[label] - before[label]) / spent, 4) for label in before if label in after}
             drain = await drain_busiest_node(mesh, options.sessions)
+            sessions = await fleet_sessions(mesh, options) if options.fleet_sessions else {}
         finally:
             stop.set()
             await sampler
@@ -232,7 +249,30 @@ async def fleet(options: ScaleOptions) -> dict[str, Any]:
         "idle_cpu_cores_total": round(sum(idle.values()), 4),
         "idle_cpu_cores_max_process": round(max(idle.values(), default=0.0), 4),
         **drain,
+        **sessions,
     }
+
+
+async def fleet_sessions(mesh: Mesh, options: ScaleOptions) -> dict[str, Any]:
+    """The session figures (``bench.scale_sessions``) in the same run: pods on the fleet's nodes holding
+    ``fleet_sessions`` sessions, saved to the fleet's store and recorded by its checkpoint service, which
+    ``extra_replicas`` more replicas join."""
+    from bench import scale_sessions
+
+    return await scale_sessions.run(
+        mesh.state["nats_url"],
+        mesh.state["redis_url"],
+        quick=options is QUICK or options.fleet_sessions < 1000,
+        sessions=options.fleet_sessions,
+        nodes=options.nodes,
+        replicas=options.extra_replicas,
+        interval_s=options.periodic_interval_s,
+        rounds=options.periodic_rounds,
+        root=mesh.env["GPUWARDEN_ROOT"],
+        store=mesh.home / "checkpoints",
+        node_names=[f"node-{i + 1}" for i in range(options.nodes)],
+        replicas_running=1,
+    )
 
 
 @figure("per_node")
@@ -325,6 +365,12 @@ TARGETS = (
     Target("idle_cpu_cores_total", "<=", 1.0, "the whole idle fleet uses at most half of this 2-core machine"),
     Target("rss_mb_max", "<=", 12_000, "the whole fleet fits in half of this 24 GiB machine"),
     Target("fleet_drain_verdict_s", "<=", 10.0, "a node's drain in the fleet answers within seconds"),
+    Target("fleet_sessions", ">=", 100_000, "sessions held in the same run"),
+    Target("lost_sessions", "<=", 0, "no session lost"),
+    Target("restore_growth_5000_vs_1000", "<=", 6.0, "restoring 5x the sessions on one pod takes at most 6x"),
+    Target("idle_redis_calls_per_session_s", "<=", 0.05, "idle registry load per held session"),
+    Target("periodic_gaps_off", "<=", 0, "every pod's periodic saves kept their interval within 10%"),
+    Target("status_ratio_large_vs_small", "<=", 2.0, "status at 100,000 sessions at most twice status at 1,000"),
 )
 
 
@@ -346,6 +392,10 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, ScaleOptions, list[
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs of each node (default 8)")
     parser.add_argument("--idle-seconds", type=float, default=None, help="the idle CPU window (default 60)")
     parser.add_argument("--sessions", type=int, default=None, help="conversations before the drain (default 32)")
+    parser.add_argument(
+        "--fleet-sessions", type=int, default=None, help="sessions held in the fleet (default 100000; 0: none)"
+    )
+    parser.add_argument("--periodic-interval", type=float, default=None, help="seconds (default 60; quick: 2)")
     parser.add_argument("--out", type=Path, default=None, help="where the JSON goes (default bench/results/scale.json)")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")
     args = parser.parse_args(argv)
@@ -359,6 +409,10 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, ScaleOptions, list[
         sample_every=base.sample_every,
         up_timeout_s=base.up_timeout_s,
         per_node_nodes=base.per_node_nodes,
+        fleet_sessions=args.fleet_sessions if args.fleet_sessions is not None else base.fleet_sessions,
+        periodic_interval_s=args.periodic_interval or base.periodic_interval_s,
+        periodic_rounds=base.periodic_rounds,
+        extra_replicas=base.extra_replicas,
     )
     out = args.out or default_out("scale")
     return BenchOptions("scale", args.quick, None, out, args.strict), sizes, list(args.only or FIGURES)

@@ -115,11 +115,18 @@ class SessionBench:
     """A checkpoint mesh at scale: replicas, a store, and pods hosted on one connection."""
 
     def __init__(
-        self, nats_url: str, redis_url: str, home: Path, replicas: int, announce_s: float = 5.0, root: str = ROOT
+        self,
+        nats_url: str,
+        redis_url: str,
+        home: Path,
+        replicas: int,
+        announce_s: float = 5.0,
+        root: str = ROOT,
+        store: Path | None = None,
     ) -> None:
         self.root = root
         self.home = home
-        store = home / "store"
+        store = store or home / "store"
         self.nats_url = nats_url
         self.redis_url = redis_url
         self.store_dir = store
@@ -132,6 +139,8 @@ class SessionBench:
         self.bus: Bus | None = None
         self.redis = aioredis.Redis.from_url(redis_url)
         self.block = np.zeros(LAYOUT.block_bytes, dtype=np.uint8)
+        self.node_names = ["node-1", "node-2", "node-3"]
+        """Nodes the cluster has (a drain of another is refused): the default simulation's three."""
 
     async def start(self) -> None:
         env = dict(
@@ -306,7 +315,7 @@ async def one_pod_figures(bench: SessionBench, sizes: tuple[int, int]) -> dict[s
     for its nominal size."""
     out: dict[str, Any] = {}
     for n, name in zip(sizes, NOMINAL, strict=True):
-        pod = await bench.add_pod(f"solo-{n}", "node-1")  # a node the cluster has: the drain is real
+        pod = await bench.add_pod(f"solo-{n}", bench.node_names[0])  # a node the cluster has: the drain is real
         sids = [f"solo-{n}-s{i}" for i in range(n)]
         before = await redis_commands(bench.redis)
         await bench.start_sessions(pod, sids)
@@ -317,7 +326,7 @@ async def one_pod_figures(bench: SessionBench, sizes: tuple[int, int]) -> dict[s
             out[f"drain_verdict_ok_{name}"] = isinstance(verdict, DrainCompleted) and verdict.sessions_committed == n
         committed = await bench.save_all(pod)
         await bench.leave(pod)
-        target = await bench.add_pod(f"solo-{n}-new", "node-2")
+        target = await bench.add_pod(f"solo-{n}-new", bench.node_names[1 % len(bench.node_names)])
         started = time.monotonic()
         await bench.restore_all(target, sids)
         out[f"restore_s_{name}"] = round(time.monotonic() - started, 3)
@@ -328,14 +337,14 @@ async def one_pod_figures(bench: SessionBench, sizes: tuple[int, int]) -> dict[s
 
 
 async def fleet_figures(
-    bench: SessionBench, sessions: int, per_pod: int, nodes: int, interval_s: float, rounds: int
+    bench: SessionBench, sessions: int, per_pod: int, interval_s: float, rounds: int
 ) -> dict[str, Any]:
-    """``sessions`` held by pods of ``per_pod`` spread over ``nodes``: idle load, periodic saves with 10% changing
-    per interval, and status."""
+    """``sessions`` held by pods of ``per_pod`` spread over the bench's nodes: idle load, periodic saves with 10%
+    changing per interval, and status."""
     pods: list[HostedPod] = []
     count = (sessions + per_pod - 1) // per_pod
     for i in range(count):
-        pods.append(await bench.add_pod(f"pod-{i}", f"node-{i % nodes + 1}"))
+        pods.append(await bench.add_pod(f"pod-{i}", bench.node_names[i % len(bench.node_names)]))
     started_at = time.monotonic()
     await bounded(
         [
@@ -403,22 +412,29 @@ async def run(
     interval_s: float = 60.0,
     rounds: int = 3,
     root: str = ROOT,
+    store: Path | None = None,
+    node_names: list[str] | None = None,
+    replicas_running: int = 0,
 ) -> dict[str, Any]:
+    """Every figure. Against a mesh already running (a fleet of ``node_names`` under ``root``, with its own
+    checkpoint service and ``store``), ``replicas`` more replicas join the ``replicas_running`` it has."""
     with tempfile.TemporaryDirectory(prefix="gw-scale-") as home:
-        bench = SessionBench(nats_url, redis_url, Path(home), replicas, root=root)
+        bench = SessionBench(nats_url, redis_url, Path(home), replicas, root=root, store=store)
+        bench.node_names = node_names or [f"node-{i + 1}" for i in range(max(3, nodes))]
         try:
             await bench.start()
             sizes = (20, 100) if quick else NOMINAL
             out = await one_pod_figures(bench, sizes)
             out["one_pod_sizes"] = list(sizes)
-            small = await bench.add_pod("small", "node-3")
+            small = await bench.add_pod("small", bench.node_names[2 % len(bench.node_names)])
             await bench.start_sessions(small, [f"small-s{i}" for i in range(NOMINAL[0] // (50 if quick else 1))])
             out["status_s_small"] = round(min([await bench.status() for _ in range(3)]), 3)
             out["status_sessions_small"] = await bench.held()  # every session the registry places
             await bench.leave(small)
-            out.update(await fleet_figures(bench, sessions, 50, nodes, interval_s, rounds))
+            out.update(await fleet_figures(bench, sessions, 50, interval_s, rounds))
             out["status_sessions_large"] = await bench.held()
-            out["checkpoint_replicas"] = replicas
+            out["status_ratio_large_vs_small"] = round(out["status_s_large"] / out["status_s_small"], 2)
+            out["checkpoint_replicas"] = replicas + replicas_running
             a, b = NOMINAL
             if out.get(f"restore_s_{a}"):
                 out[f"restore_growth_{b}_vs_{a}"] = round(out[f"restore_s_{b}"] / out[f"restore_s_{a}"], 2)

@@ -199,6 +199,13 @@ def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: 
     assert set(data["hollow_start_s"]) == {"driver@hollow", "device@hollow", "metrics@hollow"}
     assert data["fleet_drain_verdict"] == "completed" and data["fleet_drain_committed"] == data["fleet_drain_sessions"]
     assert data["fleet_lost_sessions"] == 0
+    # the session figures in the same run: pods on the fleet's nodes, its checkpoint service and one more replica
+    for key in ("restore_s_1000", "restore_s_5000", "restore_growth_5000_vs_1000", "drain_verdict_s_1000"):
+        assert isinstance(data[key], int | float) and data[key] > 0, key
+    assert data["fleet_sessions"] == 200 and data["lost_sessions"] == 0 and data["checkpoint_replicas"] == 2
+    for key in ("idle_redis_calls_per_session_s", "periodic_round_s", "status_s_small", "status_s_large"):
+        assert isinstance(data[key], int | float), key
+    assert isinstance(data["periodic_interval_kept"], bool)
     # the same services one process per node, for comparison: 3 agents a node
     assert data["per_node_nodes"] == 2 and data["per_node_processes"] == 12
     assert data["per_node_agent_rss_mb"] > 0 and data["per_node_agent_idle_cpu_cores"] >= 0
