@@ -323,7 +323,8 @@ async def one_pod_figures(bench: SessionBench, sizes: tuple[int, int]) -> dict[s
         if name == NOMINAL[0]:
             took, verdict = await bench.drain(pod.node, f"drain-{n}")
             out[f"drain_verdict_s_{name}"] = round(took, 3)
-            out[f"drain_verdict_ok_{name}"] = isinstance(verdict, DrainCompleted) and verdict.sessions_committed == n
+            # the node may hold other pods' sessions too (in a fleet): all of these at least were committed
+            out[f"drain_verdict_ok_{name}"] = isinstance(verdict, DrainCompleted) and verdict.sessions_committed >= n
         committed = await bench.save_all(pod)
         await bench.leave(pod)
         target = await bench.add_pod(f"solo-{n}-new", bench.node_names[1 % len(bench.node_names)])

@@ -353,6 +353,11 @@ end
 return added
 """
 
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -475,6 +480,7 @@ class SessionRegistry:
         self._where = client.register_script(_WHERE)
         self._replicas = client.register_script(_REPLICAS)
         self._repair = client.register_script(_REPAIR)
+        self._release = client.register_script(_RELEASE)
 
     def _key(self, *parts: str) -> str:
         return self.subjects.redis_key("kv", *parts)
@@ -864,6 +870,11 @@ class SessionRegistry:
         if await self.client.set(key, owner, nx=True, px=max(1, int(interval_s * 1000))):
             return 0
         return max(1, int(await self.client.pttl(key)))
+
+    @_redis_may_be_down
+    async def release_turn(self, what: str, pod: str, owner: str) -> None:
+        """Give back a turn ``owner`` took (its work did not happen): the next caller may take it at once."""
+        await self._release(keys=[self._key("turn", what, pod)], args=[owner])
 
     @_redis_may_be_down
     async def take_turn(self, what: str, pod: str, owner: str, interval_s: float) -> bool:

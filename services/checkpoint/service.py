@@ -32,6 +32,7 @@ change; ``kv.session.where`` over the bus and ``GET /sessions/<id>`` on the HTTP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -508,18 +509,27 @@ class CheckpointService:
                 )
         except TemporaryError as exc:
             log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": str(exc)})
+            self._retry_soon(pod, interval_s)
             return False
         finally:
             self._periodic_running.discard(pod)
         if isinstance(outcome, str):
             self.m_periodic_missed.inc()
             log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": outcome})
+            with contextlib.suppress(TemporaryError):  # the turn goes back: the pod is asked again soon
+                await self.registry.release_turn("periodic", pod, self.owner)
+            self._retry_soon(pod, interval_s)
             return False
         self.m_periodic.observe(time.monotonic() - started)
         if outcome.committed or outcome.failed:
             await self._record_report(outcome, "")
             return True
         return False
+
+    def _retry_soon(self, pod: str, interval_s: float) -> None:
+        """A periodic save that did not happen is tried again within a tenth of the interval (5 s at most), not
+        an interval later."""
+        self._periodic_due[pod] = time.monotonic() + min(5.0, interval_s / 10)
 
     # -- drains -----------------------------------------------------------------------------------------------------
     async def on_drain_requested(self, event: DrainRequested) -> None:

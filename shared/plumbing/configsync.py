@@ -102,6 +102,10 @@ async def warm_pool(client: aioredis.Redis, connections: int) -> int:
     return len(opened)
 
 
+DEFAULT_CONNECTIONS = 256
+"""A client's connections at most (commands beyond wait for one), unless the caller caps its pool lower."""
+
+
 def redis_client(
     settings: RedisSettings, timeout: float = 2.0, *, reconnects: int = RECONNECTS, max_connections: int | None = None
 ) -> aioredis.Redis:
@@ -147,13 +151,12 @@ def redis_client(
         options["username"] = username
     if password:
         options["password"] = password.reveal()
-    if address is None and max_connections is not None:
+    if address is None:
+        # a burst waits for a free connection: redis-py's plain pool fails the command past 100 connections
         pool = aioredis.BlockingConnectionPool.from_url(
-            settings.url, max_connections=max_connections, timeout=max(timeout, 5.0), **options
+            settings.url, max_connections=max_connections or DEFAULT_CONNECTIONS, timeout=max(timeout, 5.0), **options
         )
         return aioredis.Redis.from_pool(pool)
-    if address is None:
-        return aioredis.Redis.from_url(settings.url, **options)
     if address.tls:
         options["ssl"] = True
     # one try per Sentinel and question: the connection's own retries above ask them all again (redis-py's

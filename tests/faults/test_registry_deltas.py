@@ -160,3 +160,37 @@ async def test_a_live_pod_keeps_its_sessions_until_it_leaves(mesh: Mesh) -> None
     restored = await other.endpoint.restore("s1")
     assert [bytes(b) for b in restored.blocks] == expected("s1", 3)
     await mesh.check()
+
+
+async def test_a_periodic_save_that_did_not_happen_is_asked_again_soon_not_an_interval_later(mesh: Mesh) -> None:
+    from shared.contract.configdocs import CheckpointPolicy
+    from shared.plumbing.configsync import ConfigStore
+    from shared.plumbing.errors import PermanentError
+
+    pod = await mesh.add_pod("llama-1", "node-1", ["s1"])
+    asked: list[str] = []
+    answer = pod.endpoint.on_save
+
+    async def refuse_once(command: SaveSessions) -> SaveSessionsReport:
+        asked.append(command.reason)
+        if len(asked) == 1:
+            raise PermanentError("not now")  # answered at once with a refusal: the save did not happen
+        return await answer(command)
+
+    assert pod.endpoint._serving is not None  # the pod answers its save commands with refuse_once from now on
+    await pod.endpoint._serving.unsubscribe()
+    subject = mesh.subjects.for_event(SaveSessions(pod="llama-1"))
+    pod.endpoint._serving = await pod.bus.serve(subject, refuse_once, (SaveSessions,))
+    current = await ConfigStore(mesh.client, mesh.subjects).read("checkpoint")
+    assert current is not None
+    await ConfigStore(mesh.client, mesh.subjects).write(
+        "checkpoint", CheckpointPolicy(periodic_interval_s=120), current.version, "test"
+    )
+    # asked again within a tenth of the interval (at most 5 s), long before the interval would come round
+    await eventually(lambda: len(asked) >= 2, timeout=30)
+    await eventually(lambda: _recorded(mesh, "s1"), timeout=30)
+    await mesh.check()
+
+
+async def _recorded(mesh: Mesh, sid: str) -> bool:
+    return bool(await mesh.service.registry.checkpoints(sid))
