@@ -132,7 +132,7 @@ def plugin_dir() -> Iterator[Path]:
 @pytest.fixture
 async def kubelet(plugin_dir: Path) -> AsyncIterator[Any]:
     """A kubelet's Registration service on ``plugin_dir/kubelet.sock`` (tests/test_device_plugin.py FakeKubelet)."""
-    from tests.test_device_plugin import FakeKubelet
+    from tests.fake_kubelet import FakeKubelet
 
     fake = FakeKubelet(plugin_dir)
     await fake.start()

@@ -1,8 +1,11 @@
-"""Small helpers tests share: settings pointed elsewhere, and waiting for a condition without blind sleeps."""
+"""Small helpers tests share: settings pointed elsewhere, waiting for a condition without blind sleeps, and a
+service's HTTP routes read."""
 
 from __future__ import annotations
 
 import asyncio
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -33,3 +36,15 @@ async def eventually(
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(interval)
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+async def fetch(port: int, path: str) -> tuple[int, bytes]:
+    return await asyncio.get_running_loop().run_in_executor(None, get, port, path)

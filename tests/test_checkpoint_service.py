@@ -29,7 +29,7 @@ from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
 from tests.helpers import eventually
-from tests.test_kv_agent import LAYOUT, block_content
+from tests.kvkit import LAYOUT, block_content
 
 
 @dataclass

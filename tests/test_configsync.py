@@ -58,15 +58,19 @@ async def test_invalid_documents_are_refused_at_write_and_ignored_at_read(
     assert await store.read("driver") is None
     await store.write("driver", DriverPolicy(desired_version="550.54.15"), 0, "admin")
     watcher = ConfigWatcher(settings.redis, subjects, ["driver"], reread_s=0.2)
+    applied: list[int] = []
+    watcher.on_change(lambda found: applied.append(found.version))
     await watcher.start()
     try:
         assert watcher.current("driver").version == 1  # type: ignore[union-attr]
         # something bypasses the store and writes garbage as version 2: never applied
         await redis_client.hset(subjects.config_key("driver"), mapping={"version": 2, "doc": b'{"bad": 1}'})
         await redis_client.publish(subjects.config_channel, "driver 2")
-        await asyncio.sleep(0.6)
-        assert watcher.current("driver").version == 1  # type: ignore[union-attr]
-        assert watcher.current("driver").doc.desired_version == "550.54.15"  # type: ignore[union-attr]
+        # a valid version 3 written after it is applied, so the watcher has surely read (and refused) version 2
+        await store.write("driver", DriverPolicy(desired_version="560.35.03"), 2, "admin")
+        await eventually(lambda: watcher.current("driver").version == 3)  # type: ignore[union-attr]
+        assert 2 not in applied
+        assert watcher.current("driver").doc.desired_version == "560.35.03"  # type: ignore[union-attr]
     finally:
         await watcher.stop()
 

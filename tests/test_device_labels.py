@@ -41,7 +41,7 @@ from shared.sim.spec import default_spec
 from shared.wiring import Wiring
 from tests.fake_kube_api import Access, FakeKubeApi, node
 from tests.helpers import eventually
-from tests.test_kube_adapter import allowed, shipped_rules
+from tests.rbackit import allowed, shipped_rules
 
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 H100 = "NVIDIA H100 80GB HBM3"

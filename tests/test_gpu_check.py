@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_nvml_adapter import EventData, FakeNvml, NVMLError
+from tests.fake_nvml import EventData, FakeNvml, NVMLError
 from tools.gpu_check import SKIPPED, main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from shared.adapters.kube import ClusterWatch, KubeApiError, KubeCluster
 from shared.ports.cluster import (
@@ -20,10 +18,10 @@ from shared.ports.cluster import (
     NodeInfo,
 )
 from tests.fake_kube_api import PDB_VIOLATION, Access, FakeKubeApi, deployment, node, pdb, pod
+from tests.rbackit import allowed, shipped_rules
 
 NS = "inference"
 WAIT_S = 5.0
-RBAC = Path(__file__).resolve().parent.parent / "deploy" / "rbac"
 
 
 @pytest.fixture
@@ -450,24 +448,6 @@ async def test_lease_create_conflict(cluster: KubeCluster, api: FakeKubeApi) -> 
 
 
 # -- RBAC ---------------------------------------------------------------------------------------------------------
-def shipped_rules(role: str) -> set[Access]:
-    """What the (Cluster)Roles bound to ``gpuwarden-<role>`` allow, as (verb, group, resource, namespace) with
-    namespace "" for a ClusterRole and the Role's namespace otherwise."""
-    allowed: set[Access] = set()
-    for doc in yaml.safe_load_all((RBAC / f"{role}.yaml").read_text()):
-        if not doc or doc.get("kind") not in ("ClusterRole", "Role"):
-            continue
-        namespace = doc["metadata"].get("namespace", "") if doc["kind"] == "Role" else "*"
-        for rule in doc.get("rules") or []:
-            for group in rule.get("apiGroups", [""]):
-                for resource in rule["resources"]:
-                    for verb in rule["verbs"]:
-                        allowed.add(Access(verb, group, resource, namespace))
-    return allowed
-
-
-def allowed(access: Access, rules: set[Access]) -> bool:
-    return Access(access.verb, access.group, access.resource, "*") in rules or access in rules
 
 
 async def driver_work(kube: KubeCluster, api: FakeKubeApi) -> None:

@@ -8,12 +8,10 @@ import os
 import resource
 import signal
 import subprocess
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
 
@@ -21,28 +19,8 @@ from shared.kv.agent import KvAgent
 from shared.kv.crypto import ChunkCipher, cipher_from_env
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
-from shared.kv.presets import LLAMA_3_8B
 from shared.kv.store import ChunkCorrupt
-
-LAYOUT = msgspec.structs.replace(LLAMA_3_8B, layers=2, kv_heads=2, head_dim=64)
-# 16 tokens x 2 x 2 x 64 x 2 x 2 B = 16 KiB per block
-
-
-def block_content(session_id: str, index: int, nbytes: int) -> np.ndarray:
-    seed = int.from_bytes(uuid.uuid5(uuid.NAMESPACE_URL, f"{session_id}/{index}").bytes[:8], "little")
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def make_agent(store: FileStore, pod: str = "llama-1", cipher: ChunkCipher | None = None) -> KvAgent:
-    return KvAgent(store, pod=pod, node="node-1", namespace="llm", deployment="llama", layout=LAYOUT, cipher=cipher)
-
-
-def fill(agent: KvAgent, session_id: str, blocks: int) -> list[np.ndarray]:
-    agent.register_session(session_id)
-    arrays = [block_content(session_id, i, LAYOUT.block_bytes).reshape(2, -1) for i in range(blocks)]
-    for a in arrays:
-        agent.append_block(session_id, a)
-    return arrays
+from tests.kvkit import LAYOUT, block_content, fill, flip_byte, make_agent
 
 
 @pytest.fixture
@@ -138,15 +116,6 @@ async def test_partial_last_block_is_copied_before_hashing(any_store: Any) -> No
     agent.set_tokens("s1", 20)  # block 1 is partial: the engine may still write it
     manifest = (await agent.save()).committed[0]
     assert manifest.token_count == 20 and len(manifest.blocks) == 2
-
-
-def flip_byte(store: FileStore, pack: str, offset: int) -> None:
-    path = store.packs_dir / f"{pack}.pack"
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 async def test_bit_flip_is_detected_names_the_block_and_falls_back(store: FileStore) -> None:

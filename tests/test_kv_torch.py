@@ -10,7 +10,7 @@ import torch
 from shared.kv.agent import KvAgent
 from shared.kv.buffers import as_block
 from shared.kv.filestore import FileStore
-from tests.test_kv_agent import LAYOUT
+from tests.kvkit import LAYOUT
 
 CUDA = torch.cuda.is_available()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -47,6 +48,26 @@ def until(check: Any, timeout: float, what: str) -> Any:
             return last
         time.sleep(0.5)
     raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
+
+
+def read_until(proc: subprocess.Popen[str], text: str, timeout: float) -> str:
+    """What ``proc`` printed on its stdout until ``text`` appeared (read from the pipe itself, below the text
+    wrapper's buffer, so that ``communicate`` reads on from there)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    seen = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while text.encode() not in seen:
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(timeout=left):
+                raise AssertionError(f"{text!r} not printed within {timeout}s: {seen[-2000:]!r}")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"{text!r} not printed before the command ended: {seen[-2000:]!r}")
+            seen += chunk
+    return seen.decode()
 
 
 @pytest.fixture
@@ -124,13 +145,16 @@ def test_up_drain_upgrade_status_down(home_env: dict[str, str]) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(4)  # both connected and printing (the feed subscribes before it returns its first page)
+    # the table is printing; the feed prints the uncordon whether it reads it in its first page or as it follows
+    # (it subscribes before it reads that page), so nothing here waits for it to be "ready"
+    watched = read_until(watcher, "nodes (SIMULATED)", 60)
     assert gpuwarden(env, "uncordon", "node-2").stdout.strip() == "node-2 uncordoned"
-    time.sleep(2)
+    followed = read_until(follower, '"node-2"', 60)
     for proc in (follower, watcher):
         proc.send_signal(signal.SIGINT)
-    followed, follow_err = follower.communicate(timeout=30)
-    watched, watch_err = watcher.communicate(timeout=30)
+    followed_rest, follow_err = follower.communicate(timeout=30)
+    watched_rest, watch_err = watcher.communicate(timeout=30)
+    followed, watched = followed + followed_rest, watched + watched_rest
     assert follower.returncode == 0 and "Traceback" not in follow_err, follow_err
     assert [json.loads(line)["node"] for line in followed.splitlines()] == ["node-2"]
     assert watcher.returncode == 0 and "Traceback" not in watch_err, watch_err

@@ -57,9 +57,9 @@ from shared.sim.faults import FaultError, MigChangeFault, apply_fault, fault_cli
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import parse_spec
 from shared.wiring import Wiring
+from tests.fake_kubelet import FakeKubelet, listed, plugin_stub, read
 from tests.helpers import eventually
-from tests.test_device_plugin import FakeKubelet, listed, plugin_stub, read
-from tests.test_kv_agent import LAYOUT, block_content
+from tests.kvkit import LAYOUT, block_content
 
 H100 = "NVIDIA H100 80GB HBM3"
 PROFILES = [

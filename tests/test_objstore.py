@@ -25,8 +25,8 @@ from shared.kv.objstore import NatsObjectStore, decode_sequences, encode_sequenc
 from shared.kv.store import ChunkCorrupt, StoreError
 from shared.kv.stores import open_store, parse_store_url
 from tests.helpers import eventually
+from tests.kvkit import LAYOUT, block_content, fill
 from tests.servers import NatsServer
-from tests.test_kv_agent import LAYOUT, block_content, fill
 
 
 def make_agent(store: Any, pod: str = "llama-1", cipher: ChunkCipher | None = None) -> KvAgent:

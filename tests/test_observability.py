@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.promkit import RULES, promql
 from tools import metricsdoc
 
-ROOT = Path(__file__).resolve().parents[1]
-RULES = ROOT / "deploy" / "prometheus"
 _VENV_PROMTOOL = Path(sys.prefix) / "bin" / "promtool"
 PROMTOOL = (
     os.environ.get("GPUWARDEN_PROMTOOL_BIN")
@@ -33,14 +32,6 @@ needs_promtool = pytest.mark.skipif(
     reason="no promtool (make install fetches Debian's prometheus package where apt-get works; "
     "or set GPUWARDEN_PROMTOOL_BIN)",
 )
-GRAFANA_RANGES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
-
-
-def promql(expr: str) -> str:
-    """A dashboard query as Prometheus takes it: Grafana's range variables filled in."""
-    for variable, value in GRAFANA_RANGES.items():
-        expr = expr.replace(variable, value)
-    return expr
 
 
 def promtool(*args: str, cwd: Path = RULES) -> subprocess.CompletedProcess[str]:

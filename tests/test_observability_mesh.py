@@ -30,7 +30,7 @@ import yaml
 
 from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
-from tests.test_observability import ROOT, RULES, promql
+from tests.promkit import ROOT, RULES, promql
 from tools import metricsdoc
 
 _VENV_BINARY = Path(sys.prefix) / "bin" / "prometheus"

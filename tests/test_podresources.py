@@ -41,7 +41,7 @@ from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec, default_
 from shared.sim.workload import SimWorkload
 from shared.wiring import Wiring
 from tests.helpers import eventually
-from tests.test_kv_agent import LAYOUT, block_content
+from tests.kvkit import LAYOUT, block_content
 from tools import protogen
 
 MIG_A = [MigInstance(uuid="MIG-a0", profile="1g.10gb"), MigInstance(uuid="MIG-a1", profile="1g.10gb")]

@@ -14,7 +14,7 @@ from shared.kv.filestore import FileStore
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
-from tests.test_kv_agent import fill, make_agent
+from tests.kvkit import fill, make_agent
 
 records = st.lists(
     st.builds(

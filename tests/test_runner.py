@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,20 +30,8 @@ from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.runner import ServiceContext, start_service
 from shared.plumbing.settings import Settings, load_settings
 from shared.wiring import Wiring
-from tests.helpers import eventually, with_redis
+from tests.helpers import eventually, fetch, get, with_redis
 from tests.servers import RedisServer, free_port
-
-
-def get(port: int, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-async def fetch(port: int, path: str) -> tuple[int, bytes]:
-    return await asyncio.get_running_loop().run_in_executor(None, get, port, path)
 
 
 async def health_status(port: int) -> str:

@@ -12,7 +12,7 @@ import datetime as dt
 import ipaddress
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from nats.js import api as js_api
 
 from services.scaler.config import ScalerSettings, ScalerTls
 from services.scaler.gen import externalscaler_pb2 as pb
@@ -42,27 +41,8 @@ from shared.wiring import Wiring
 from tests.fake_kube_api import FakeKubeApi
 from tests.fake_kube_api import pod as kube_pod
 from tests.helpers import eventually
-from tests.test_kube_adapter import allowed, shipped_rules
-
-NS, DEP = "llm", "chat"
-
-
-class StaticPlacement:
-    """The ``Placement`` port, answered from a dict the test sets."""
-
-    def __init__(self) -> None:
-        self.pods: dict[tuple[str, str], dict[str, int]] = {}
-
-    async def pods_by_node(self, namespace: str, deployment: str) -> Mapping[str, int]:
-        return self.pods.get((namespace, deployment), {})
-
-
-class ShiftedClock:
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.time() + self.offset
+from tests.rbackit import allowed, shipped_rules
+from tests.scalerkit import DEP, NS, ShiftedClock, StaticPlacement, ref, serving_consumer, start_scaler
 
 
 @dataclass
@@ -76,19 +56,6 @@ class Harness:
     extra: list[Any] = field(default_factory=list)
 
 
-async def start_scaler(
-    settings: Settings, refresh_s: float = 0.1, tls: ScalerTls | None = None
-) -> tuple[ScalerService, RunningService, StaticPlacement, ShiftedClock]:
-    placement, clock = StaticPlacement(), ShiftedClock()
-    service = ScalerService(
-        ScalerSettings(host="127.0.0.1", port=0, refresh_s=refresh_s, tls=tls or ScalerTls()),
-        placement=placement,
-        clock=clock,
-    )
-    running = await start_service(service, settings, Wiring)
-    return service, running, placement, clock
-
-
 @pytest.fixture
 async def scaler(settings: Settings) -> AsyncIterator[Harness]:
     service, running, placement, clock = await start_scaler(settings)
@@ -98,31 +65,12 @@ async def scaler(settings: Settings) -> AsyncIterator[Harness]:
     await running.stop(grace=1)
 
 
-def ref(name: str = "so", namespace: str = NS, **metadata: str) -> pb.ScaledObjectRef:
-    meta = {"scalerAddress": "gpuwarden-scaler:9090", "deployment": DEP, "namespace": NS, **metadata}
-    return pb.ScaledObjectRef(name=name, namespace=namespace, scalerMetadata=meta)
-
-
 async def value(stub: pb_grpc.ExternalScalerStub, so: pb.ScaledObjectRef) -> float:
     reply = await stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=so, metricName="s0-gpuwarden-llm-chat"))
     assert len(reply.metricValues) == 1
     metric = reply.metricValues[0]
     assert metric.metricValue == int(metric.metricValueFloat)
     return float(metric.metricValueFloat)
-
-
-async def serving_consumer(bus: Bus, namespace: str = NS, deployment: str = DEP) -> None:
-    """The workload's durable consumer on the queue, created and never consumed: pending grows."""
-    s = bus.subjects
-    await bus.ensure_stream(s.requests_stream)
-    await bus.js.add_consumer(
-        s.requests_stream.name,
-        js_api.ConsumerConfig(
-            durable_name=s.durable("workload", namespace, deployment),
-            filter_subject=s.pattern("requests.inference", namespace=namespace, deployment=deployment),
-            ack_policy=js_api.AckPolicy.EXPLICIT,
-        ),
-    )
 
 
 async def fill(bus: Bus, n: int, namespace: str = NS, deployment: str = DEP) -> None:

@@ -71,7 +71,7 @@ from shared.sim.cluster import SimCluster
 from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec
 from shared.wiring import Wiring
 from tests.helpers import eventually
-from tests.test_kv_agent import LAYOUT, block_content
+from tests.kvkit import LAYOUT, block_content
 
 _FIELD_RE = re.compile(r"\{(\w+)\}")
 

@@ -498,12 +498,16 @@ class CheckpointService:
         """The pod's periodic save, if this replica takes its turn (one per interval and pod across replicas
         and restarts): only sessions with something new are written. Says whether anything was saved."""
         try:
-            held_ms = await self.registry.take_turn_or_wait("periodic", pod, self.owner, interval_s * 0.95)
-            if held_ms:  # another replica saved it this interval: due when its turn lapses, not an interval on
-                self._periodic_due[pod] = time.monotonic() + held_ms / 1000
-                return False
-            started = time.monotonic()
+            # the turn is taken, and the next save made due, when this save can start (a slot free), not when it
+            # was queued: with many pods due at once, a save that waited for its slot would otherwise be followed
+            # by the next one less than an interval later
             async with self._save_slots:
+                held_ms = await self.registry.take_turn_or_wait("periodic", pod, self.owner, interval_s * 0.95)
+                if held_ms:  # another replica saved it this interval: due when its turn lapses, not an interval on
+                    self._periodic_due[pod] = time.monotonic() + held_ms / 1000
+                    return False
+                started = time.monotonic()
+                self._periodic_due[pod] = started + interval_s
                 outcome = await self._command_save(
                     pod, max(1.0, min(interval_s, 60.0) * 0.8), "periodic", changed_only=True
                 )

@@ -34,10 +34,9 @@ from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants
-from tests.helpers import eventually, with_redis
+from tests.helpers import eventually, get, with_redis
+from tests.kvkit import LAYOUT, block_content
 from tests.servers import ReplicatedRedis
-from tests.test_kv_agent import LAYOUT, block_content
-from tests.test_runner import get
 
 
 @dataclass

@@ -16,7 +16,7 @@ from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.settings import NatsSettings
-from tests.test_kv_agent import LAYOUT, block_content
+from tests.kvkit import LAYOUT, block_content
 
 
 async def main(url: str, root: str, store_dir: str, pod: str, node: str, session: str) -> None:

@@ -14,8 +14,7 @@ from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import codec
 from shared.kv.store import InvalidId
 from tests.faults.conftest import Mesh, expected
-from tests.helpers import eventually
-from tests.test_runner import fetch
+from tests.helpers import eventually, fetch
 
 
 def forged(event: Event, **fields: object) -> bytes:

@@ -58,7 +58,7 @@ from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants
 from tests.faults.conftest import Pod
 from tests.helpers import eventually
-from tests.test_kv_agent import LAYOUT
+from tests.kvkit import LAYOUT
 
 SPEC = SimSpec(  # one GPU per node: llama-1 on node-1, llama-2 on node-2, a third pod would stay Pending
     nodes=[NodeSpec(name="node-1", gpus=[GpuSpec(count=1)]), NodeSpec(name="node-2", gpus=[GpuSpec(count=1)])],

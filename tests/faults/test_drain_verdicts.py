@@ -26,7 +26,7 @@ from shared.plumbing.settings import Settings
 from tests.faults.checker import check_invariants
 from tests.faults.conftest import Mesh, Runner
 from tests.helpers import eventually
-from tests.test_kv_agent import LAYOUT, block_content
+from tests.kvkit import LAYOUT, block_content
 
 
 async def test_a_runner_killed_mid_drain_hands_the_drain_on_and_it_gets_one_verdict(

@@ -15,7 +15,7 @@ from shared.kv.manifest import CheckpointManifest
 from shared.kv.store import ChunkCorrupt, ManifestCorrupt
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
-from tests.test_kv_agent import fill, flip_byte, make_agent
+from tests.kvkit import fill, flip_byte, make_agent
 
 
 async def two_checkpoints(store: FileStore) -> tuple[KvAgent, CheckpointManifest, CheckpointManifest]:

@@ -20,9 +20,8 @@ from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.settings import Settings
 from tests.faults.checker import check_invariants
 from tests.faults.conftest import Runner
-from tests.helpers import eventually
-from tests.test_kv_agent import LAYOUT, block_content
-from tests.test_runner import fetch
+from tests.helpers import eventually, fetch
+from tests.kvkit import LAYOUT, block_content
 
 INTERVAL_S = 1.5
 PODS = 12

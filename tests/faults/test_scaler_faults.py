@@ -34,7 +34,7 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.runner import RunningService
 from shared.plumbing.settings import Settings
 from tests.helpers import eventually
-from tests.test_scaler import ref, serving_consumer, start_scaler
+from tests.scalerkit import ref, serving_consumer, start_scaler
 
 REFRESH_S = 0.25
 STREAMS = 200  # ScaledObjects on external-push, one stream each

@@ -18,8 +18,7 @@ from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.registry import codec
 from shared.contract.sessions import SessionLocation, WhereIsSession
 from tests.faults.conftest import Mesh, expected
-from tests.helpers import eventually
-from tests.test_runner import fetch
+from tests.helpers import eventually, fetch
 
 
 class Router:
