@@ -367,6 +367,7 @@ TARGETS = (
     Target("fleet_drain_verdict_s", "<=", 10.0, "a node's drain in the fleet answers within seconds"),
     Target("fleet_sessions", ">=", 100_000, "sessions held in the same run"),
     Target("lost_sessions", "<=", 0, "no session lost"),
+    Target("checker_problems", "<=", 0, "the fault suite's invariant checker finds nothing after the run"),
     Target("restore_growth_5000_vs_1000", "<=", 6.0, "restoring 5x the sessions on one pod takes at most 6x"),
     Target("idle_redis_calls_per_session_s", "<=", 0.05, "idle registry load per held session"),
     Target("periodic_gaps_off", "<=", 0, "every pod's periodic saves kept their interval within 10%"),

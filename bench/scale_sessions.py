@@ -141,6 +141,8 @@ class SessionBench:
         self.block = np.zeros(LAYOUT.block_bytes, dtype=np.uint8)
         self.node_names = ["node-1", "node-2", "node-3"]
         """Nodes the cluster has (a drain of another is refused): the default simulation's three."""
+        self.drain_ids: list[str] = []
+        """Every drain this bench asked for (the checker expects one verdict each)."""
 
     async def start(self) -> None:
         env = dict(
@@ -237,6 +239,7 @@ class SessionBench:
             await self.bus.subscribe(self.subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,)),
         ]
         started = time.monotonic()
+        self.drain_ids.append(drain_id)
         await self.bus.publish(DrainRequested(node=node, drain_id=drain_id, deadline_s=25, grace_period_s=30))
         event = await asyncio.wait_for(verdict, 120)
         took = time.monotonic() - started
@@ -402,6 +405,22 @@ async def fleet_figures(
     return out
 
 
+async def checked(bench: SessionBench) -> dict[str, Any]:
+    """The fault suite's invariant checker over what the run left (every recorded checkpoint of every session read
+    back and verified, node and pod indexes, generations, every drain's verdict), once the run is quiet."""
+    from tests.faults.checker import check_invariants
+
+    started = time.monotonic()
+    found = await check_invariants(bench.store, bench.redis, bench.subjects, drains=bench.drain_ids)
+    return {
+        "checker_problems": len(found.problems),
+        "checker_first_problems": found.problems[:5],
+        "checker_checkpoints": found.recorded,
+        "checker_bytes": found.verified_bytes,
+        "checker_s": round(time.monotonic() - started, 1),
+    }
+
+
 async def run(
     nats_url: str,
     redis_url: str,
@@ -439,6 +458,7 @@ async def run(
             a, b = NOMINAL
             if out.get(f"restore_s_{a}"):
                 out[f"restore_growth_{b}_vs_{a}"] = round(out[f"restore_s_{b}"] / out[f"restore_s_{a}"], 2)
+            out.update(await checked(bench))
             return out
         finally:
             await bench.close()

@@ -27,6 +27,8 @@ KEYS = {
     "checkpoint_replicas",
     "fleet_sessions",
     "lost_sessions",
+    "checker_problems",
+    "checker_checkpoints",
 }
 
 
@@ -54,3 +56,5 @@ async def test_the_session_figures_at_a_tiny_size(servers: Servers, root: str) -
     assert out["drain_verdict_ok_1000"] is True
     assert out["fleet_sessions"] == 120 and out["lost_sessions"] == 0
     assert out["checkpoint_replicas"] == 2 and out["periodic_saves"] > 0
+    assert out["checker_problems"] == 0, out["checker_first_problems"]
+    assert out["checker_checkpoints"] >= 120  # every session saved at least once, each checkpoint read back

@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -116,6 +117,15 @@ VERDICT_TTL_S = 7 * 24 * 3600.0
 
 RESTORE_CANDIDATES = 16
 """Checkpoints a restore is offered, newest first."""
+
+
+def periodic_slot(pod: str, interval_s: float, after: float) -> float:
+    """The first of the pod's periodic save times (wall clock, seconds) after ``after``. Each pod's saves fall at a
+    fixed point of every interval, taken from its name: the same on every replica (a pod that moves to another
+    keeps its times) and spread evenly over the interval (a fleet's pods are not all due at once)."""
+    digest = hashlib.blake2b(pod.encode(), digest_size=8).digest()
+    phase = int.from_bytes(digest, "big") / 2**64 * interval_s
+    return phase + (math.floor((after - phase) / interval_s) + 1) * interval_s
 
 
 @dataclass(frozen=True)
@@ -444,8 +454,8 @@ class CheckpointService:
     # -- periodic checkpoints ---------------------------------------------------------------------------------------
     async def _periodic_loop(self) -> None:
         """Every pod of this replica's share is asked to save what changed once per ``periodic_interval_s``, on
-        time: a pod's next save is due one interval after its last one started, checked every twentieth of the
-        interval (at most a second), and never more than one save of a pod runs at once."""
+        time: at its own point of every interval (``periodic_slot``), checked every twentieth of the interval (at
+        most a second), and never more than one save of a pod runs at once."""
         while True:
             interval = self.policy().periodic_interval_s
             await asyncio.sleep(min(1.0, max(0.05, interval / 20)) if interval > 0 else 1.0)
@@ -472,14 +482,16 @@ class CheckpointService:
         return [pod for pod in live if share_of(pod, replicas) == self.owner]
 
     async def _periodic_tick(self, interval_s: float) -> None:
-        now = time.monotonic()
+        now = time.time()
         mine = await self._my_pods(REPLICA_LEASE_S)
         self._periodic_share = len(mine)
         for pod in mine:
-            if pod in self._periodic_running or self._periodic_due.get(pod, 0.0) > now:
+            if pod not in self._periodic_due:  # new to this replica: its first save at its own time
+                self._periodic_due[pod] = periodic_slot(pod, interval_s, now)
+            if pod in self._periodic_running or self._periodic_due[pod] > now:
                 continue
-            self.m_periodic_late.inc(1 if now - self._periodic_due.get(pod, now) > 5.0 else 0)
-            self._periodic_due[pod] = now + interval_s
+            self.m_periodic_late.inc(1 if now - self._periodic_due[pod] > 5.0 else 0)
+            self._periodic_due[pod] = now + interval_s  # until the save starts and sets its next time
             self._periodic_running.add(pod)
             task = asyncio.create_task(self._periodic_save(pod, interval_s), name=f"periodic-{pod}")
             self._periodic_tasks.add(task)
@@ -504,10 +516,12 @@ class CheckpointService:
             async with self._save_slots:
                 held_ms = await self.registry.take_turn_or_wait("periodic", pod, self.owner, interval_s * 0.95)
                 if held_ms:  # another replica saved it this interval: due when its turn lapses, not an interval on
-                    self._periodic_due[pod] = time.monotonic() + held_ms / 1000
+                    self._periodic_due[pod] = time.time() + held_ms / 1000
                     return False
                 started = time.monotonic()
-                self._periodic_due[pod] = started + interval_s
+                # the next save at the pod's next own time, one interval after this one's (however late this one
+                # started): a delay is not carried into the next interval
+                self._periodic_due[pod] = periodic_slot(pod, interval_s, time.time() + interval_s / 2)
                 outcome = await self._command_save(
                     pod, max(1.0, min(interval_s, 60.0) * 0.8), "periodic", changed_only=True
                 )
@@ -533,7 +547,7 @@ class CheckpointService:
     def _retry_soon(self, pod: str, interval_s: float) -> None:
         """A periodic save that did not happen is tried again within a tenth of the interval (5 s at most), not
         an interval later."""
-        self._periodic_due[pod] = time.monotonic() + min(5.0, interval_s / 10)
+        self._periodic_due[pod] = time.time() + min(5.0, interval_s / 10)
 
     # -- drains -----------------------------------------------------------------------------------------------------
     async def on_drain_requested(self, event: DrainRequested) -> None:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -25,6 +26,9 @@ from shared.contract.subjects import Subjects
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import digest
 from shared.kv.store import CheckpointStore, StoreError
+
+CONCURRENCY = 32
+"""Sessions checked at once."""
 
 
 @dataclass
@@ -50,8 +54,8 @@ async def check_invariants(
     damaged = set(corrupted)
     key = lambda *parts: subjects.redis_key("kv", *parts)  # noqa: E731
     prefix = key("checkpoints", "")
-    async for raw in client.scan_iter(match=prefix + "*"):
-        sid = raw.decode()[len(prefix) :]
+
+    async def check_session(sid: str) -> None:
         counter = int(await client.get(key("generation", sid)) or 0)
         for cid_raw in await client.zrange(key("checkpoints", sid), 0, -1):
             cid = cid_raw.decode()
@@ -79,6 +83,17 @@ async def check_invariants(
                 )
             if manifest.generation > counter:
                 found.problems.append(f"checkpoint {cid} of {sid} has generation {manifest.generation} > {counter}")
+
+    # sessions checked CONCURRENCY at a time (a scale run's store holds 100,000+ of them)
+    pending: set[asyncio.Task[None]] = set()
+    async for raw in client.scan_iter(match=prefix + "*", count=1000):
+        if len(pending) >= CONCURRENCY:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a failure of the checker itself is raised, not lost
+        pending.add(asyncio.create_task(check_session(_text(raw)[len(prefix) :])))
+    for task in asyncio.as_completed(pending):
+        await task
     node_prefix = key("onnode", "")
     async for raw in client.scan_iter(match=node_prefix + "*"):
         node = raw.decode()[len(node_prefix) :]
@@ -105,3 +120,7 @@ async def check_invariants(
                 if name.startswith(".tmp-") and os.stat(path).st_mtime < cutoff:
                     found.problems.append(f"temporary file left behind: {path}")
     return found
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
