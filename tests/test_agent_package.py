@@ -132,7 +132,8 @@ print("restored byte for byte")
 
 def _run(*command: str | Path, cwd: Path | None = None) -> str:
     done = subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(map(str, command))}:\n{done.stdout}\n{done.stderr}"
+    shown = " ".join(str(c) if len(str(c)) < 200 else "<script>" for c in command)
+    assert done.returncode == 0, f"{shown}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 
@@ -194,7 +195,10 @@ def test_the_wheel_holds_what_its_modules_import_and_nothing_of_the_services(whe
     sources = _sources(wheel)
     shipped = set(sources)
     needed = _with_parents(
-        name for source in sources.values() for name in _imported(source) if name.startswith("shared.") and _is_module(name)
+        name
+        for source in sources.values()
+        for name in _imported(source)
+        if name.startswith("shared.") and _is_module(name)
     )
     assert not needed - shipped, f"imported but not shipped (add links under agent/shared/): {sorted(needed - shipped)}"
     plumbing = {m for m in shipped if m.startswith("shared.plumbing.")}
@@ -221,7 +225,9 @@ def test_the_wheel_depends_on_exactly_what_its_modules_import(wheel: Path) -> No
     imported = {canonicalize_name(d) for t in third_party for d in by_package[t]}
     _, requires = _metadata(wheel)
     declared = {canonicalize_name(Requirement(r).name) for r in requires}
-    assert declared == imported, f"declared only: {sorted(declared - imported)}; imported only: {sorted(imported - declared)}"
+    assert declared == imported, (
+        f"declared only: {sorted(declared - imported)}; imported only: {sorted(imported - declared)}"
+    )
 
 
 def test_the_agent_is_versioned_with_gpuwarden(wheel: Path) -> None:
