@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from shared.contract.base import Event
 from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
 from shared.contract.registry import codec
 from shared.kv.endpoint import connect_bus
+from shared.plumbing.errors import SettingsError
 
 
 def prestop_command(pod: str, deadline_s: float) -> SaveSessions:
@@ -48,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pod", default=os.environ.get("GPUWARDEN_POD_NAME", ""), help="default $GPUWARDEN_POD_NAME")
     parser.add_argument("--deadline", type=float, default=25.0, help="seconds the save may take (default 25)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="gpuwarden-kv-prestop: %(name)s: %(message)s")  # no chatter
+    if not args.pod:
+        parser.error("no pod: pass --pod or set GPUWARDEN_POD_NAME")
     try:
         command = prestop_command(args.pod, args.deadline)
     except ValueError as exc:
@@ -56,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         reply = asyncio.run(final_save(command))
     except TimeoutError:
         print(f"gpuwarden-kv-prestop: pod {command.pod}'s KV agent did not answer", file=sys.stderr)
+        return 1
+    except (ConnectionError, SettingsError) as exc:  # NATS unreachable (it names the URL), or a setting is wrong
+        print(f"gpuwarden-kv-prestop: {exc}", file=sys.stderr)
         return 1
     print(codec.encode(reply).decode())
     return 0 if isinstance(reply, SaveSessionsReport) and not reply.failed else 1
