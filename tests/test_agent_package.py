@@ -1,7 +1,8 @@
 """The KV agent as a library an inference server installs alone: the ``gpuwarden-kv-agent`` distribution
 (``agent/pyproject.toml``, docs/agent.md).
 
-Its wheel is built once (no build isolation where setuptools is at hand, so nothing is fetched for it), then:
+Its wheel is built once (without build isolation where this environment has the setuptools it needs, so nothing is
+fetched for it), then:
 
 - it holds every module its own modules import, and of ``shared.plumbing`` only those (a failure names the link to
   add or remove under ``agent/shared/``); nothing of the services, the simulation, the CLI or the adapters;
@@ -137,13 +138,26 @@ def _run(*command: str | Path, cwd: Path | None = None) -> str:
     return done.stdout
 
 
+def _can_build_here() -> bool:
+    """Whether this environment holds what ``agent/pyproject.toml`` builds with (else pip fetches it)."""
+    for line in tomllib.loads((AGENT / "pyproject.toml").read_text())["build-system"]["requires"]:
+        requirement = Requirement(line)
+        try:
+            installed = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            return False
+        if not requirement.specifier.contains(installed, prereleases=True):
+            return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("agent")
     # The links under agent/shared/ followed: the copy holds the sources themselves, and the build writes nothing
     # into the checkout.
     shutil.copytree(AGENT, work / "source", ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
-    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    isolation = ["--no-build-isolation"] if _can_build_here() else []
     _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation, "-w", work / "dist", work / "source")
     (built,) = (work / "dist").glob("*.whl")
     return built
