@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -31,11 +31,13 @@ from shared.contract.checkpoint import (
 )
 from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, ServingQuery
 from shared.contract.node import SessionFailure
+from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent, RestoredSession, SaveReport
 from shared.kv.manifest import KvLayout
 from shared.kv.store import CheckpointNotFound, ChunkCorrupt
 from shared.plumbing.bus import Bus, Subscription
 from shared.plumbing.errors import PermanentError
+from shared.plumbing.settings import load_settings
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,14 @@ class SessionHeld(RuntimeError):
         super().__init__(f"session {session_id!r}: {reason}")
         self.session_id = session_id
         self.holder = holder
+
+
+async def connect_bus(source: str, env: Mapping[str, str] | None = None) -> Bus:
+    """The bus an inference pod's agent talks on, from gpuwarden's own settings read from ``env`` (default: the
+    process's environment; ``load_settings``: the NATS servers, credentials and TLS files, the subject root).
+    ``source`` names the connection (``<server>/<pod>``). No stream is looked up: the agent's NATS user may not."""
+    settings = load_settings(env)
+    return await Bus.connect(settings.nats, Subjects(settings.root), source)
 
 
 def report_event(agent: KvAgent, report: SaveReport) -> SaveSessionsReport:

@@ -105,13 +105,10 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
         from shared.kv.stores import open_store
 
         if self.config.nats:
-            from shared.contract.subjects import Subjects
-            from shared.plumbing.bus import Bus
-            from shared.plumbing.settings import load_settings
+            from shared.kv.endpoint import connect_bus
 
-            settings = load_settings()
             role = "worker" if self.is_worker else "scheduler"
-            self.bus = await Bus.connect(settings.nats, Subjects(settings.root), f"vllm-{role}/{self.config.pod}")
+            self.bus = await connect_bus(f"vllm-{role}/{self.config.pod}")
         return open_store(self.config.store, self.bus.nc if self.bus is not None else None)
 
     def _lookup(self, session: str) -> int:

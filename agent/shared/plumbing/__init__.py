@@ -1,0 +1,1 @@
+../../../shared/plumbing/__init__.py

@@ -1,0 +1,1 @@
+../../../shared/plumbing/errors.py
