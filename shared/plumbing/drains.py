@@ -1,14 +1,16 @@
 """The one drain client: how anything in gpuwarden asks the checkpoint service to save every session on a node, and
-learns its answer. The CLI (``gpuwarden drain`` and ``gpuwarden checkpoint``, through ``shared.console.operations``),
-the driver's upgrade coordinator and the device service's MIG controller all drain through it; nothing else names
-a drain, publishes ``DrainRequested`` or reads a verdict.
+learns its answer. The CLI (``gpuwarden drain`` in ``shared.console.operations``, ``gpuwarden checkpoint`` in
+``shared.cli``, the drains of ``gpuwarden status``), the driver's upgrade coordinator and the device service's MIG
+controller all drain through it; nothing else in gpuwarden names a drain, publishes ``DrainRequested`` or looks a
+verdict up (the benchmarks and tests publish requests of their own, as any other system may).
 
 A drain's life, as the caller sees it:
 
-1. **Name it** (``new_id``): ``<what asks>-<node>[-<detail>...]-<unique>``, e.g. ``drain-node-1-3f9a0c12`` (the
-   CLI), ``upgrade-node-1-7-1700000000000`` (the driver: its fencing token and the time), ``mig-node-1-all-1g-v3-
-   5d1e22ab`` (the MIG controller). A service writes the name where a restart finds it (a node annotation)
-   *before* asking, so a process that dies in between asks the same drain again instead of a second one.
+1. **Name it** (``new_id``): ``<what asks>-<node>[-<detail>...]-<unique>``, such as ``drain-node-1-3f9a0c12``
+   (the CLI), ``upgrade-node-1-7-1700000000000`` (the driver: its fencing token, then the time) or
+   ``mig-node-1-all-1g_10gb-v3-5d1e22ab`` (the MIG controller: the layout and the document's version). A service
+   writes the name where a restart finds it (a node annotation) *before* asking, so a process that dies in
+   between asks the same drain again instead of a second one.
 2. **Check it** (``drain_request``, for a command): the request as the checkpoint service would take it, refused
    (``InvalidDrain``) before anything is cordoned or published.
 3. **Listen** (``watch``, for a command; a service consumes ``node.drain.completed`` / ``node.drain.failed``
@@ -16,7 +18,8 @@ A drain's life, as the caller sees it:
 4. **Ask** (``ask``): publish ``DrainRequested``. The checkpoint service runs a drain id once and answers a decided
    one with its verdict again, so asking again is harmless; ``asked`` says whether this process has sent it.
 5. **Wait for the verdict**: ``DrainCompleted`` or ``DrainFailed``, handed in with ``settle`` (by the watch, or by
-   the service's consumer); ``waited_s`` says for how long. A watch also reads the verdicts stored in the events
+   the MIG controller's consumer; the driver's replicas share theirs in the driver's verdict book, read each
+   pass); ``waited_s`` says for how long. A watch also reads the verdicts stored in the events
    stream since it began, so one published while the connection failed over is not missed (``wait_verdict``).
 6. **Ask again after a restart**: a drain found named but not ``asked`` by this process is asked again (the
    caller calls ``ask`` whenever ``asked`` is false).
