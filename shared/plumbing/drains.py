@@ -191,8 +191,9 @@ class VerdictWatch:
 
         s = self.bus.subjects
         try:
-            for kind, accepts in zip(VERDICT_KINDS, ((DrainCompleted,), (DrainFailed,)), strict=True):
-                self._subs.append(await self.bus.subscribe(s.pattern(kind, node=self.node), on_verdict, accepts))
+            completed, failed = (s.pattern(kind, node=self.node) for kind in VERDICT_KINDS)
+            self._subs.append(await self.bus.subscribe(completed, on_verdict, (DrainCompleted,)))
+            self._subs.append(await self.bus.subscribe(failed, on_verdict, (DrainFailed,)))
             self.since_seq = await stream_end(self.bus)
         except BaseException:
             await self._close()
