@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from shared.console.process import DEFAULT_HOME, NODE_SCOPED, SERVICES, home, st
 from shared.console.rollout import add_rollout_parser
 from shared.console.state import CommandError, read_state
 from shared.contract.deadletter import DeadLetter
-from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.node import DrainCompleted
 from shared.contract.registry import BY_KIND, codec
 from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import Subjects
@@ -128,52 +127,35 @@ def _check_deadline(deadline_s: float) -> None:
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     """Save every session on the node (a drain request, as the checkpoint service takes it): no cordon, no
-    eviction. ``--wait`` prints the verdict."""
+    eviction. ``--wait`` prints the verdict. Named, asked and waited for by the one drain client."""
+    from shared.plumbing.drains import DrainClient, InvalidDrain, drain_request
+
     _check_deadline(args.deadline)
-    drain_id = args.drain_id or f"drain-{uuid.uuid4().hex[:12]}"
+    drain_id = args.drain_id or DrainClient.new_id(f"drain-{args.node}")
     try:
-        event = DrainRequested(
-            node=args.node,
-            drain_id=drain_id,
-            reason=args.reason,
-            requested_by=args.requested_by,
-            deadline_s=args.deadline,
-        )
-        msgspec.json.decode(codec.encode(event), type=DrainRequested)  # same validation as any consumer
-    except msgspec.ValidationError as exc:
+        drain_request(args.node, drain_id, args.reason, args.requested_by, args.deadline)
+    except InvalidDrain as exc:
         raise UsageError(f"checkpoint: {exc}") from None
     settings = _settings()
 
     async def main() -> int:
-        from shared.console import operations
         from shared.plumbing.bus import Bus
 
         bus: Bus = await _connect(settings, "cli")
-        verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        drains = DrainClient(bus.publish, args.requested_by)
         try:
-            if args.wait:
-                subjects = bus.subjects
-
-                async def on_verdict(ev: DrainCompleted | DrainFailed) -> None:
-                    if ev.drain_id == drain_id and not verdict.done():
-                        verdict.set_result(ev)
-
-                await bus.subscribe(
-                    subjects.pattern("node.drain.completed", node=args.node), on_verdict, (DrainCompleted,)
-                )
-                await bus.subscribe(subjects.pattern("node.drain.failed", node=args.node), on_verdict, (DrainFailed,))
-            since = await operations.stream_end(bus) if args.wait else 0
-            await bus.publish(event)
-            print(json.dumps({"drain_requested": args.node, "drain_id": drain_id}))
-            if not args.wait:
-                return 0
-            try:
-                result = await operations.wait_verdict(bus, args.node, drain_id, verdict, args.deadline + 30, since)
-            except TimeoutError:
-                print(json.dumps({"drain_id": drain_id, "verdict": "no verdict in time"}))
-                return 1
-            print(codec.encode(result).decode())
-            return 0 if isinstance(result, DrainCompleted) else 1
+            async with drains.watch(bus, drain_id, args.node) if args.wait else contextlib.nullcontext() as verdict:
+                await drains.ask(drain_id, args.node, args.reason, args.deadline)
+                print(json.dumps({"drain_requested": args.node, "drain_id": drain_id}))
+                if verdict is None:
+                    return 0
+                try:
+                    result = await verdict.wait(args.deadline + 30)
+                except TimeoutError:
+                    print(json.dumps({"drain_id": drain_id, "verdict": "no verdict in time"}))
+                    return 1
+                print(codec.encode(result).decode())
+                return 0 if isinstance(result, DrainCompleted) else 1
         finally:
             await bus.close(1)
 

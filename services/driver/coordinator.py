@@ -36,7 +36,8 @@ from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged, UpgradeState
 from shared.plumbing.drains import DrainClient
-from shared.ports.cluster import ClusterConflict, ClusterError, ClusterPort, EvictionOutcome, NodeInfo
+from shared.plumbing.evictions import PdbBackoff, evict_pods
+from shared.ports.cluster import ClusterConflict, ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError
 
 from .ports import (
@@ -74,7 +75,6 @@ log = logging.getLogger(__name__)
 Publish = Callable[[Event], Awaitable[None]]
 Clock = Callable[[], float]
 _MAX_STEPS_PER_NODE = 12
-_MAX_BACKOFF_S = 60.0
 _DRAIN_DEADLINE_S = 25.0
 
 
@@ -359,17 +359,12 @@ class UpgradeCoordinator:
                 await self._request_drain(view.name, drain_id, self.policy(), "driver-upgrade")
 
     async def _evict(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
-        blocked = False
-        for namespace, pod in action.pods:
-            outcome = await self.cluster.evict(namespace, pod)
-            if outcome is EvictionOutcome.BLOCKED_BY_PDB:
-                blocked = True
-                log.info("eviction refused by a PodDisruptionBudget; backing off", extra={"pod": pod})
-            elif outcome is EvictionOutcome.EVICTED:
-                log.info("pod evicted", extra={"node": view.name, "pod": f"{namespace}/{pod}"})
-        if blocked:
-            delay, _ = self._backoff.get(view.name, (policy.eviction_backoff_s / 2, 0.0))
-            delay = min(delay * 2, _MAX_BACKOFF_S)
+        """One round of evictions (``shared.plumbing.evictions``); a round a PodDisruptionBudget refused sets when
+        the node may be tried again (``NodeView.evict_after``), later after each refused round in a row."""
+        done = await evict_pods(self.cluster, view.name, action.pods)
+        if done.blocked:
+            previous = self._backoff.get(view.name)
+            delay = PdbBackoff(policy.eviction_backoff_s).after(previous[0] if previous else None)
             self._backoff[view.name] = (delay, self.clock() + delay)
         else:
             self._backoff.pop(view.name, None)

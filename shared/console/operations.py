@@ -2,12 +2,14 @@
 
 ``drain`` does what ``kubectl drain`` users expect, plus the step gpuwarden exists for: it cordons the node (naming
 its drain on the node, so the driver service asks for no second one), asks the checkpoint service to commit every
-session there and waits for the verdict, evicts the node's pods through the Eviction API (a PodDisruptionBudget
-refusal is retried), waits until the node is empty, and with ``--wait`` follows each session to the pod that takes
-it until that pod has restored it and verified every digest (its ``checkpoint.restored`` event, published by the
-KV agent only after the check, for a generation newer than the one drained). A session whose conversation ends
-in between (its client closes it: an inference request with neither prompt nor new tokens) has nothing left to
-restore and is counted as ended, not as lost.
+session there and waits for the verdict (through the one drain client, ``shared.plumbing.drains``), evicts the
+node's pods through the Eviction API (the one eviction routine, ``shared.plumbing.evictions``: a
+PodDisruptionBudget refusal is retried with backoff), waits until the node is empty, and with ``--wait`` follows
+each session to the pod that takes it until that pod has restored it and verified every digest (its
+``checkpoint.restored`` event, published by the KV agent only after the check, for a generation newer than the one
+drained; heard by subscription: ``SessionMoves``). A session whose conversation ends in between (its client closes
+it: an inference request with neither prompt nor new tokens) has nothing left to restore and is counted as ended,
+not as lost.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -34,19 +35,12 @@ from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.device import DeviceInventory
 from shared.contract.driver import UpgradeState
-from shared.contract.node import (
-    DrainCompleted,
-    DrainFailed,
-    DrainRequested,
-    NodeCordoned,
-    NodeUncordoned,
-    deadline_problem,
-)
-from shared.contract.registry import codec
+from shared.contract.node import DrainFailed, NodeCordoned, NodeUncordoned
 from shared.contract.requests import InferenceRequest
-from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
-from shared.ports.cluster import ClusterConflict, EvictionOutcome
+from shared.plumbing.drains import DrainClient, InvalidDrain, drain_request
+from shared.plumbing.evictions import COMMAND_BACKOFF, COMMAND_POLL_S, evict_pods
+from shared.ports.cluster import ClusterConflict
 
 Report = Callable[[str, dict[str, Any]], None]
 """Progress: a phase name and what it has done so far; the command draws it (a bar, or plain lines)."""
@@ -160,48 +154,28 @@ async def drain(
     drain_id: str = "",
     report: Report = lambda phase, done: None,
 ) -> DrainResult:
-    drain_id = drain_id or f"drain-{node}-{uuid.uuid4().hex[:8]}"
-    problem = deadline_problem(deadline_s)
-    if problem:
-        raise CommandError(problem)
+    """Cordon, save (the drain client: ``shared.plumbing.drains``), evict (``shared.plumbing.evictions``) and,
+    with ``wait``, follow the sessions to the pods that restore them (see the module)."""
+    drains = DrainClient(mesh.bus.publish, requested_by)
+    drain_id = drain_id or drains.new_id(f"drain-{node}")
     try:
-        request = DrainRequested(
-            node=node, drain_id=drain_id, reason=reason, requested_by=requested_by, deadline_s=deadline_s
-        )
-        msgspec.json.decode(codec.encode(request), type=DrainRequested)
-    except msgspec.ValidationError as exc:
-        raise CommandError(f"{exc}") from None
+        drain_request(node, drain_id, reason, requested_by, deadline_s)
+    except InvalidDrain as exc:
+        raise CommandError(str(exc)) from None
     await _known_node(mesh, node)
     started = time.monotonic()
     result = DrainResult(node=node, drain_id=drain_id)
     before = await read_sessions(mesh, node=node)
     result.sessions = [MovedSession(s.id, s.pod, s.generation) for s in before]
-    verdict: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
-        if event.drain_id == drain_id and not verdict.done():
-            verdict.set_result(event)
-
-    closed: set[str] = set()
-
-    async def on_request(event: InferenceRequest) -> None:
-        if event.prompt_tokens == 0 and event.max_new_tokens == 0:
-            closed.add(event.session_id)
-
-    s = mesh.subjects
-    subs = [
-        await mesh.bus.subscribe(s.pattern("node.drain.completed", node=node), on_verdict, (DrainCompleted,)),
-        await mesh.bus.subscribe(s.pattern("node.drain.failed", node=node), on_verdict, (DrainFailed,)),
-        await mesh.bus.subscribe(s.pattern("requests.inference"), on_request, (InferenceRequest,)),
-    ]
-    try:
-        since = await stream_end(mesh.bus)
+    async with contextlib.AsyncExitStack() as listening:
+        moves = await listening.enter_async_context(SessionMoves(mesh, node, result.sessions)) if wait else None
+        verdict = await listening.enter_async_context(drains.watch(mesh.bus, drain_id, node))
         await cordon(mesh, node, drain_id)
         report("cordoned", {"sessions": len(before)})
-        await mesh.bus.publish(request)
+        await drains.ask(drain_id, node, reason, deadline_s)
         report("saving", {"sessions": len(before)})
         try:
-            event = await wait_verdict(mesh.bus, node, drain_id, verdict, min(timeout, deadline_s + 30), since)
+            event = await verdict.wait(min(timeout, deadline_s + 30))
         except TimeoutError:
             result.reason = f"no drain verdict from the checkpoint service within {min(timeout, deadline_s + 30):g}s"
             return result
@@ -224,8 +198,8 @@ async def drain(
             result.reason = f"pods still on {node} after {timeout:g}s (a PodDisruptionBudget, or a slow preStop)"
             return result
         result.pods_evicted = evicted
-        if wait:
-            moved = await _follow(mesh, node, result.sessions, closed, end, report)
+        if moves is not None:
+            moved = await moves.follow(end, report)
             result.move_s = time.monotonic() - started - result.save_s - result.evict_s
             if not moved:
                 waiting = [m.id for m in result.sessions if not m.outcome]
@@ -236,114 +210,152 @@ async def drain(
                 return result
         result.ok = True
         return result
-    finally:
-        for sub in subs:
-            await sub.unsubscribe()
-
-
-async def wait_verdict(
-    bus: Bus, node: str, drain_id: str, heard: asyncio.Future[Any], timeout: float, since_seq: int = 0
-) -> DrainCompleted | DrainFailed:
-    """The drain's verdict: as heard on the bus (``heard``), or as stored in the events stream after sequence
-    ``since_seq``. A verdict published while this client's connection was failing over to another server is not
-    heard (core NATS does not keep it), so the stream is read every second too, from where the last read ended."""
-    s = bus.subjects
-    cursors = {s.pattern(kind, node=node): since_seq + 1 for kind in ("node.drain.completed", "node.drain.failed")}
-    end = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(TimeoutError):
-            return await asyncio.wait_for(asyncio.shield(heard), timeout=max(0.0, min(1.0, end - time.monotonic())))
-        for subject in cursors:
-            found = await _stored_verdict(bus, subject, drain_id, cursors)
-            if found is not None:
-                return found
-        if time.monotonic() >= end:
-            raise TimeoutError(drain_id)
-
-
-async def _stored_verdict(
-    bus: Bus, subject: str, drain_id: str, cursors: dict[str, int]
-) -> DrainCompleted | DrainFailed | None:
-    """The verdict of ``drain_id`` among the messages stored on ``subject`` (one node's verdicts) from the cursor on;
-    the cursor moves past what was read. None when there is none yet, or the stream cannot be read now."""
-    stream = bus.subjects.events_stream.name
-    while True:
-        try:
-            raw = await bus.js.get_msg(stream, seq=cursors[subject], subject=subject, next=True)
-        except Exception:  # none after the cursor, or the stream not answering now: read again next time
-            return None
-        cursors[subject] = (raw.seq or cursors[subject]) + 1
-        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
-            event = codec.decode(raw.data or b"")
-            if isinstance(event, DrainCompleted | DrainFailed) and event.drain_id == drain_id:
-                return event
-
-
-async def stream_end(bus: Bus) -> int:
-    """The events stream's last sequence now (0 when it cannot be read): what is stored later is newer."""
-    try:
-        info = await bus.js.stream_info(bus.subjects.events_stream.name)
-    except Exception:
-        return 0
-    return int(info.state.last_seq or 0)
 
 
 async def _evict_all(mesh: MeshClient, node: str, end: float, report: Report) -> list[str] | None:
-    """Evict every pod on ``node`` (retrying PodDisruptionBudget refusals) and wait until none is left there.
-    The pods evicted, or None when some are still there at ``end``."""
+    """Evict every pod on ``node`` (PodDisruptionBudget refusals tried again with ``COMMAND_BACKOFF``) and wait
+    until none is left there. The pods evicted, or None when some are still there at ``end``."""
     cluster = mesh.need_cluster()
     evicted: list[str] = []
-    backoff = 0.5
+
+    def on_evicted(namespace: str, name: str) -> None:
+        evicted.append(name)
+        report("evicted", {"pod": name})
+
+    delay: float | None = None
     while time.monotonic() < end:
         pods = await cluster.pods(node=node)
         if not pods:
             return evicted
-        blocked = False
-        for pod in pods:
-            if pod.phase == "Terminating":
-                continue
-            outcome = await cluster.evict(pod.namespace, pod.name)
-            if outcome is EvictionOutcome.EVICTED:
-                evicted.append(pod.name)
-                report("evicted", {"pod": pod.name})
-            elif outcome is EvictionOutcome.BLOCKED_BY_PDB:
-                blocked = True
+        leaving = [(pod.namespace, pod.name) for pod in pods if pod.phase != "Terminating"]
+        done = await evict_pods(cluster, node, leaving, on_evicted)
         report("evicting", {"pods_left": len(pods)})
-        await asyncio.sleep(backoff if blocked else 0.2)
-        backoff = min(backoff * 2, 5.0) if blocked else 0.5
+        delay = COMMAND_BACKOFF.after(delay) if done.blocked else None
+        await asyncio.sleep(COMMAND_POLL_S if delay is None else delay)
     return None
 
 
-async def _follow(
-    mesh: MeshClient,
-    node: str,
-    sessions: list[MovedSession],
-    closed: set[str],
-    end: float,
-    report: Report,
-) -> bool:
-    """Until each session is restored (and verified) on a pod off ``node`` under a newer generation, or ended by
-    its client; False at ``end`` with some still waiting."""
-    s = mesh.subjects
-    while True:
-        for moved in sessions:
+class SessionMoves:
+    """Where the sessions drained from ``node`` went: entered before the node is cordoned, it hears every
+    ``checkpoint.restored`` event (published by a KV agent only once every digest checked out, and stored) and
+    every session its client closes (an inference request with neither prompt nor new tokens). A session is
+    ``restored`` once a pod off the node restored it under a generation newer than the drained one, ``ended`` once
+    its client closed it without that. What happened before the subscription began (between the read of the
+    sessions and the cordon), or while this connection was failing over to another server and heard nothing, is
+    looked up in the events stream: once per session still waiting when ``follow`` begins, after each reconnect,
+    and at the end, never on a timer."""
+
+    LOOKUPS_AT_ONCE = 64
+    """Stored events read at once in a lookup: bounded, so a node of thousands of sessions does not flood NATS."""
+
+    def __init__(self, mesh: MeshClient, node: str, sessions: list[MovedSession]) -> None:
+        self.mesh = mesh
+        self.node = node
+        self.sessions = {m.id: m for m in sessions}
+        self.restored: dict[str, SessionRestored] = {}
+        self.closed: set[str] = set()
+        self._changed = asyncio.Event()
+        self._subs: list[Any] = []
+
+    async def __aenter__(self) -> SessionMoves:
+        s = self.mesh.subjects
+        bus = self.mesh.bus
+        try:
+            self._subs.append(
+                await bus.subscribe(s.pattern("checkpoint.restored"), self._on_restored, (SessionRestored,))
+            )
+            self._subs.append(
+                await bus.subscribe(s.pattern("requests.inference"), self._on_request, (InferenceRequest,))
+            )
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+
+    def _note_restored(self, event: SessionRestored) -> None:
+        moved = self.sessions.get(event.session_id)
+        if moved is None or event.generation <= moved.generation or event.node == self.node:
+            return
+        known = self.restored.get(event.session_id)
+        if known is None or event.generation >= known.generation:
+            self.restored[event.session_id] = event
+            self._changed.set()
+
+    async def _on_restored(self, event: SessionRestored) -> None:
+        self._note_restored(event)
+
+    async def _on_request(self, event: InferenceRequest) -> None:
+        if event.prompt_tokens == 0 and event.max_new_tokens == 0 and event.session_id in self.sessions:
+            self.closed.add(event.session_id)
+            self._changed.set()
+
+    async def _look_up(self) -> None:
+        """The newest stored ``checkpoint.restored`` of each session still waiting (bounded: see the class)."""
+        s = self.mesh.subjects
+        waiting = [m.id for m in self.sessions.values() if not m.outcome and m.id not in self.restored]
+        for at in range(0, len(waiting), self.LOOKUPS_AT_ONCE):
+            batch = waiting[at : at + self.LOOKUPS_AT_ONCE]
+            found = await asyncio.gather(
+                *(self.mesh.last_event(s.pattern("checkpoint.restored", session_id=sid)) for sid in batch)
+            )
+            for event in found:
+                if isinstance(event, SessionRestored):
+                    self._note_restored(event)
+
+    def _judge(self) -> int:
+        """Decide what can be decided; the number of sessions with an outcome."""
+        for moved in self.sessions.values():
             if moved.outcome:
                 continue
-            event = await mesh.last_event(s.pattern("checkpoint.restored", session_id=moved.id))
-            if isinstance(event, SessionRestored) and event.generation > moved.generation and event.node != node:
+            event = self.restored.get(moved.id)
+            if event is not None:
                 moved.outcome = "restored"
                 moved.new_pod, moved.new_node = event.pod, event.node
                 moved.checkpoint_id = event.checkpoint_id
                 moved.fell_back_from = list(event.fell_back_from)
-            elif moved.id in closed:
+            elif moved.id in self.closed:
                 moved.outcome = "ended"
-        done = sum(1 for m in sessions if m.outcome)
-        report("moving", {"done": done, "total": len(sessions)})
-        if done == len(sessions):
-            return True
-        if time.monotonic() >= end:
-            return False
-        await asyncio.sleep(0.3)
+        return sum(1 for m in self.sessions.values() if m.outcome)
+
+    async def follow(self, end: float, report: Report) -> bool:
+        """Until every session is restored elsewhere or ended (True); False at ``end`` (a monotonic time) with
+        some still waiting."""
+        await self._look_up()
+        relinked = self.mesh.bus.relinks.next()
+        total = len(self.sessions)
+        last_look = False
+        while True:
+            self._changed.clear()
+            done = self._judge()
+            report("moving", {"done": done, "total": total})
+            if done == total:
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                if last_look:
+                    return False
+                last_look = True
+                await self._look_up()  # a last look at what was stored but not heard
+                continue
+            changed = asyncio.ensure_future(self._changed.wait())
+            reconnected = asyncio.ensure_future(relinked.wait())
+            try:
+                await asyncio.wait((changed, reconnected), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                reconnected.cancel()
+            if relinked.is_set():  # what was published while the connection failed over was not heard
+                relinked = self.mesh.bus.relinks.next()
+                await self._look_up()
 
 
 # -- driver upgrades ------------------------------------------------------------------------------------------------

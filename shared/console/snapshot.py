@@ -9,7 +9,7 @@
 - sessions and their counts: asked of the checkpoint service (``kv.fleet.query`` for the counts per node, pod and
   deployment, ``kv.sessions.query`` for a page of sessions, of one node with ``--node``): what it costs follows the
   pods and the page, never the number of sessions in the fleet;
-- drains: the checkpoint service's records in Redis (read only);
+- drains: each node's newest ``node.drain.requested`` and its verdict in the events stream (JetStream);
 - whether a session was verified after a restore: its newest ``checkpoint.restored`` event, which a KV agent
   publishes only after every chunk digest and the manifest were checked, for the pod and generation that hold it.
 
@@ -32,9 +32,11 @@ from shared.contract.configdocs import ModelVersions
 from shared.contract.deadletter import DeadLetter
 from shared.contract.device import DeviceInventory
 from shared.contract.metrics import GpuSample
+from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.scaler import ScaleDecision
 from shared.contract.sessions import FleetQuery, FleetSummary, SessionRecord, SessionsPage, SessionsQuery
 from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.drains import StoredDrain, newest_drain
 from shared.plumbing.rollouts import read_models
 from shared.ports.cluster import NodeInfo, PodInfo
 
@@ -46,6 +48,8 @@ CORDON_DRAIN_ANNOTATION = "gpuwarden.io/cordon-drain-id"
 UPGRADE_WAS_CORDONED_ANNOTATION = "gpuwarden.io/driver-upgrade-was-cordoned"
 """``true``: a person wants the node cordoned whatever the driver upgrade does; the upgrade leaves it cordoned
 when done (``services/driver/upgrade.py``, ``WAS_CORDONED_ANNOTATION``)."""
+DRAIN_READS_AT_ONCE = 64
+"""Nodes whose newest drain is read from the events stream at once (a fleet of 1,000 nodes is read 64 at a time)."""
 _DRIVER_LABELS = ("nvidia.com/cuda.driver.major", "nvidia.com/cuda.driver.minor", "nvidia.com/cuda.driver.rev")
 
 
@@ -142,7 +146,7 @@ class DrainView(msgspec.Struct, kw_only=True):
     id: str
     node: str
     state: str
-    """running, completed or failed (the checkpoint service's record of the saves)."""
+    """running (asked, no verdict yet), completed or failed: the checkpoint service's verdict on the saves."""
     started_at: float | None = None
     duration_s: float | None = None
     sessions_committed: int = 0
@@ -171,10 +175,6 @@ class MeshStatus(msgspec.Struct, kw_only=True):
     """Each service the run's state file lists -> ok, degraded or unreachable."""
     simulation: dict[str, Any] | None = None
     """The simulated workload's own counters (requests, restored, lost, ...), when it runs."""
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def driver_from_labels(labels: dict[str, str]) -> str:
@@ -399,10 +399,6 @@ async def read_model_versions(mesh: MeshClient) -> ModelVersions:
     return models
 
 
-async def _scan(redis: Any, pattern: str) -> list[str]:
-    return [_text(k) async for k in redis.scan_iter(match=pattern, count=500)]
-
-
 async def _ask(mesh: MeshClient, subject: str, question: Event, timeout: float = 10.0) -> Event:
     try:
         answer = await mesh.bus.request(subject, question, timeout)
@@ -468,40 +464,47 @@ async def read_sessions(
 async def read_drains(
     mesh: MeshClient, infos: list[NodeInfo], pods: list[PodInfo], sessions_by_node: dict[str, int]
 ) -> list[DrainView]:
-    """Drains the registry records that are running, or whose node is still cordoned (its pods and sessions on
-    the way out): the drains in flight, with what is left on their node."""
-    s = mesh.subjects
-    prefix = s.redis_key("kv", "drain", "")
-    keys = [k for k in await _scan(mesh.redis, prefix + "*") if ":" not in k[len(prefix) :]]
+    """The newest drain of each node, as the events stream holds its request and verdict (the drain client's
+    ``newest_drain``), when it is still running (asked, no verdict yet) or its node is still cordoned (its pods
+    and sessions on the way out): the drains in flight, with what is left on their node. A few reads per node,
+    whatever the number of sessions; nothing of the checkpoint service's own records is read."""
     cordoned = {n.name for n in infos if not n.schedulable}
+    at_once = asyncio.Semaphore(DRAIN_READS_AT_ONCE)
+
+    async def newest(node: str) -> StoredDrain | None:
+        async with at_once:
+            return await newest_drain(mesh.bus, node)
+
+    found = await asyncio.gather(*(newest(info.name) for info in infos))
     out = []
-    for key in keys:
-        fields = {_text(k): _text(v) for k, v in (await mesh.redis.hgetall(key)).items()}
-        node = fields.get("node", "")
-        state = fields.get("state", "")
-        if state != "running" and node not in cordoned:
+    for info, stored in zip(infos, found, strict=True):
+        if stored is None:
             continue
+        request, verdict = stored.request, stored.verdict
+        if verdict is not None and info.name not in cordoned:
+            continue
+        asked_at = request.occurred_at.timestamp()
         view = DrainView(
-            id=key[len(prefix) :],
-            node=node,
-            state=state,
-            started_at=float(fields["started"]) if fields.get("started") else None,
-            duration_s=float(fields["duration_s"]) if fields.get("duration_s") else None,
-            pods_left=sum(1 for p in pods if p.node == node),
-            sessions_left=sessions_by_node.get(node, 0),
-            cordoned=node in cordoned,
+            id=request.drain_id,
+            node=info.name,
+            state="running",
+            started_at=asked_at,
+            pods_left=sum(1 for p in pods if p.node == info.name),
+            sessions_left=sessions_by_node.get(info.name, 0),
+            cordoned=info.name in cordoned,
         )
-        verdict = fields.get("verdict")
-        if verdict:
-            with contextlib.suppress(ValueError, msgspec.DecodeError):
-                decoded = msgspec.json.decode(verdict)
-                view.sessions_committed = int(decoded.get("sessions_committed", 0))
-                view.reason = str(decoded.get("reason", ""))
+        match verdict:
+            case DrainCompleted():
+                view.state = "completed"
+                view.duration_s = verdict.duration_s
+                view.sessions_committed = verdict.sessions_committed
+            case DrainFailed():
+                view.state = "failed"
+                view.duration_s = max(0.0, verdict.occurred_at.timestamp() - asked_at)
+                view.sessions_committed = verdict.sessions_committed
+                view.reason = verdict.reason
         out.append(view)
-    latest: dict[str, DrainView] = {}
-    for view in sorted(out, key=lambda d: d.started_at or 0.0):
-        latest[view.node] = view  # the newest drain of each node
-    return sorted(latest.values(), key=lambda d: d.node)
+    return sorted(out, key=lambda d: d.node)
 
 
 def to_json(status: MeshStatus) -> bytes:

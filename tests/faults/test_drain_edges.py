@@ -23,6 +23,7 @@ from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.drains import wait_verdict
 from shared.plumbing.rollouts import begin_rollout, deployment_key, read_models
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
@@ -126,7 +127,7 @@ async def test_a_request_out_of_range_from_another_system_gets_its_failed_verdic
             assert "deadline_s" in verdict.reason, verdict.reason
             # what `drain --wait` waits with finds the verdict even when it was published before it listened
             never: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-            found = await operations.wait_verdict(f.mesh.bus, "node-1", drain_id, never, timeout=10)
+            found = await wait_verdict(f.mesh.bus, "node-1", drain_id, never, timeout=10)
             assert isinstance(found, DrainFailed) and found.drain_id == drain_id
         node = await f.cluster.node("node-1")
         assert node is not None and node.schedulable  # nobody cordoned it on the request's behalf
