@@ -70,6 +70,10 @@ from .saves import Saves
 
 
 class CheckpointService:
+    """A store or cluster handed here (tests) is used as is and left open; otherwise both come from
+    ``ctx.backends``, as does the Redis client of the registry, and are closed at stop. The handlers below are
+    the service's surface (the bus, the HTTP endpoint and tests call them); each is its part's own."""
+
     name = "checkpoint"
     config_names: tuple[str, ...] = ("checkpoint", "models")
 
