@@ -114,7 +114,7 @@ class CheckpointService:
         self.ctx = ctx
         ports = await open_ports(ctx, self._settings, self._store, self.cluster)
         self.registry: SessionRegistry = ports.registry
-        self.cluster = ports.cluster
+        self._store, self.cluster = ports.store, ports.cluster  # a restart of this object uses them again
         metrics = CheckpointMetrics(ctx.telemetry.registry)
         replica = self._replica = Replica(
             ctx, self._settings, ports.store, ports.registry, ports.cluster, metrics, self.owner
