@@ -1,7 +1,8 @@
 """The composition root: the one place that chooses real or SIMULATED adapters for the ports, from the settings.
 
 ``GPUWARDEN_BACKEND=real`` gets NVML (``shared.adapters.nvml``), the Kubernetes API (``shared.adapters.kube``) and
-the kubelet; ``sim`` gets the simulation's GPUs, cluster and lookups (``shared.sim``). Each service's ``__main__``
+the kubelet; ``sim`` gets the simulation's GPUs, cluster and lookups (``shared.sim``); either way the checkpoint
+store a URL names and Redis clients over the process's pool are opened here. Each service's ``__main__``
 hands ``Wiring`` to the runner (``run(service, Wiring)``), which builds it once the bus is up and gives it to the
 service as ``ctx.backends`` (the ``shared.ports.backends.Backends`` Protocol). Services never import this module or
 ``shared.sim`` (an import-linter contract holds them to it); tests hand it, or ports of their own, the same way.
@@ -19,7 +20,11 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import Literal
 
+import redis.asyncio as aioredis
+
 from shared.contract.subjects import Subjects
+from shared.kv.store import CheckpointStore
+from shared.kv.stores import open_store
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
@@ -94,6 +99,12 @@ class Wiring:
         if not self.simulated:
             return None
         return SimPodOwners(redis_client(self.settings.redis), self.subjects)
+
+    def checkpoint_store(self, url: str) -> CheckpointStore:
+        return open_store(url, self.bus.nc if self.bus is not None else None)
+
+    def redis(self) -> aioredis.Redis:
+        return redis_client(self.settings.redis)
 
     async def exporter_url(self) -> str | None:
         if not self.simulated:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.checkpoint.service import periodic_slot
+from services.checkpoint.periodic import periodic_slot
 
 pods = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=40)
 intervals = st.floats(min_value=0.5, max_value=3600)

@@ -47,7 +47,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -379,7 +379,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _redis_may_be_down(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+def _redis_may_be_down(method: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """Redis unreachable is a temporary failure of the caller (retried, or answered "temporary"), said in one
     line rather than a stack trace per announcement while it is down."""
 

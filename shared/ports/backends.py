@@ -8,7 +8,7 @@ is decided in ``shared.wiring`` alone. A port a service asks for is its own: the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuPort
@@ -47,6 +47,18 @@ class Backends(Protocol):
     def pod_owners(self) -> PodOwners | None:
         """Which deployment owns each pod where the cluster can tell cheaply (the simulated cluster); None: owners
         come from pod names."""
+        ...
+
+    def checkpoint_store(self, url: str) -> Any:
+        """The checkpoint store ``url`` names (the checkpoint service's setting: ``file://`` a directory,
+        ``nats://`` a JetStream object store bucket over this process's bus connection): a
+        ``shared.kv.store.CheckpointStore``, named here in words only (the ports sit below the KV layer). Raises
+        ``ValueError`` for a URL that names no store."""
+        ...
+
+    def redis(self) -> Any:
+        """A Redis client (``redis.asyncio.Redis``, over this process's pool: ``shared.plumbing.configsync.
+        redis_client``) for a service's own records; typed loosely, as the ports import no transport."""
         ...
 
     async def exporter_url(self) -> str | None:

@@ -1,0 +1,179 @@
+"""A pod's save, and whether what it reports is committed: the command that has its KV agent save (drains,
+periodic saves, failing GPUs), and each checkpoint of its report verified in the store, fenced by the session's
+generation and recorded (``record``), or refused with the reason. PreStop saves that agents report on their own
+(``on_record``) are recorded the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from shared.contract.base import Event
+from shared.contract.checkpoint import CheckpointSaved, CommittedCheckpoint, SaveSessions, SaveSessionsReport
+from shared.contract.deadletter import DeadLetter
+from shared.contract.node import SessionFailure
+from shared.contract.sessions import SessionLocation
+from shared.kv.manifest import CheckpointManifest
+from shared.kv.store import StoreError
+
+from .replica import Replica
+
+log = logging.getLogger(__name__)
+
+
+class Saves:
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+
+    async def command(
+        self,
+        pod: str,
+        deadline_s: float,
+        reason: str,
+        drain_id: str = "",
+        generations: dict[str, int] | None = None,
+        timeout: float | None = None,
+        changed_only: bool = False,
+    ) -> SaveSessionsReport | str:
+        """Have one pod's agent save; its report, or why there is none. With ``generations`` the pod saves those
+        sessions, each only under the generation named (a session it holds under another is refused); without,
+        all it holds (what it no longer owns is then refused when recorded). ``changed_only``: sessions with
+        nothing new since their last checkpoint write nothing."""
+        command = SaveSessions(
+            pod=pod,
+            drain_id=drain_id,
+            deadline_s=deadline_s,
+            reason=reason,
+            generations=generations or {},
+            changed_only=changed_only,
+        )
+        ctx = self.replica.ctx
+        try:
+            reply = await ctx.bus.request(ctx.subjects.for_event(command), command, timeout=timeout or deadline_s + 5)
+        except TimeoutError as exc:
+            within = "within the drain deadline" if drain_id else "in time"
+            return f"pod {pod}'s KV agent did not answer {within} ({exc})"
+        if isinstance(reply, DeadLetter):
+            return f"pod {pod}'s KV agent refused the save: {reply.reason}"
+        if not isinstance(reply, SaveSessionsReport):
+            return f"pod {pod}'s KV agent answered {reply.kind}, not a save report"
+        return reply
+
+    async def record(self, report: SaveSessionsReport, drain_id: str) -> tuple[set[str], list[SessionFailure], int]:
+        """Verify each committed checkpoint in the store (manifest present, verified and as reported, every pack
+        it references present and long enough), record it if the pod still owns the session's generation, and
+        publish ``checkpoint.saved``. A checkpoint of a pod that no longer owns the session is refused: not
+        recorded, its manifest removed, reported as failed. What it reads and writes follows the report, never
+        the store. Idempotent: recording the same checkpoint twice writes the same records.
+
+        Drains and preStop hooks both save a pod's sessions, often one right after the other: each report is
+        recorded on its own, and the newer checkpoint (by generation, sequence) is the one restores take."""
+        store = self.replica.store
+        metrics = self.replica.metrics
+        ok: set[str] = set()
+        failed = list(report.failed)
+        total = 0
+        manifests: list[tuple[CommittedCheckpoint, CheckpointManifest]] = []
+        read = await asyncio.gather(
+            *(store.manifest(c.session_id, c.checkpoint_id) for c in report.committed), return_exceptions=True
+        )
+        for c, manifest in zip(report.committed, read, strict=True):
+            if isinstance(manifest, StoreError):
+                reason = f"not in store: {manifest}"
+                failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason))
+            elif isinstance(manifest, BaseException):
+                raise manifest
+            else:
+                manifests.append((c, manifest))
+        try:
+            packs = await store.pack_sizes({ref.pack for _, m in manifests for ref in m.blocks})
+        except StoreError as exc:
+            reason = f"store unreadable: {exc}"
+            return (
+                set(),
+                failed + [SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason) for c, _ in manifests],
+                0,
+            )
+        problems: dict[str, str] = {}
+        for c, manifest in manifests:
+            if manifest.bytes_total != c.bytes_total or len(manifest.blocks) != c.chunks:
+                problems[c.checkpoint_id] = "manifest differs from the agent's report"
+            elif (manifest.generation, manifest.sequence, manifest.pod) != (c.generation, c.sequence, report.pod):
+                problems[c.checkpoint_id] = "manifest's generation, sequence or pod differs from the agent's report"
+            for ref in manifest.blocks:
+                if ref.pack not in packs or packs[ref.pack] < ref.offset + ref.length:
+                    problems[c.checkpoint_id] = f"pack {ref.pack} missing or short"
+                    break
+        sound = [c for c, _ in manifests if c.checkpoint_id not in problems]
+        recorded = dict(
+            zip(
+                (c.checkpoint_id for c in sound),
+                await self.replica.registry.record_checkpoints(sound, report.store, report.pod, report.node),
+                strict=True,
+            )
+        )
+        events: list[Event] = []
+        for c, manifest in manifests:
+            problem = problems.get(c.checkpoint_id, "")
+            if not problem:
+                refused, location = recorded[c.checkpoint_id]
+                if refused:
+                    metrics.refused.labels("save").inc()
+                    problem = f"refused: pod {report.pod} saved generation {c.generation}, but {refused}"
+                    try:
+                        await store.delete_checkpoint(c.session_id, c.checkpoint_id)
+                    except StoreError as exc:
+                        log.warning("refused checkpoint not removed", extra={"error": str(exc)})
+                    log.warning("stale save refused", extra={"session": c.session_id, "reason": problem})
+            if problem:
+                failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=problem))
+                continue
+            metrics.bytes.labels("logical").inc(c.bytes_total)
+            metrics.bytes.labels("written").inc(c.bytes_written)
+            metrics.sessions.labels("committed").inc()
+            events.append(
+                CheckpointSaved(
+                    session_id=c.session_id,
+                    checkpoint_id=c.checkpoint_id,
+                    node=report.node,
+                    pod=report.pod,
+                    deployment=manifest.deployment,
+                    bytes_total=c.bytes_total,
+                    bytes_written=c.bytes_written,
+                    chunks=c.chunks,
+                    drain_id=drain_id,
+                )
+            )
+            if location is not None:
+                events.append(location)
+            ok.add(c.session_id)
+            total += c.bytes_total
+        await self._publish_recorded(events)
+        return ok, failed, total
+
+    async def _publish_recorded(self, events: Sequence[Event]) -> None:
+        """``checkpoint.saved`` and the locations that changed, in one batch of acknowledgements. What is
+        recorded stands even when the events cannot be published now (counted and logged)."""
+        if not events:
+            return
+        locations = self.replica.metrics.locations
+        try:
+            await self.replica.ctx.bus.publish_many(events)
+        except Exception as exc:
+            lost = sum(1 for e in events if isinstance(e, SessionLocation))
+            locations.labels("lost").inc(lost)
+            log.warning("recorded checkpoints' events not published", extra={"events": len(events), "error": str(exc)})
+            return
+        locations.labels("published").inc(sum(1 for e in events if isinstance(e, SessionLocation)))
+
+    async def on_record(self, report: SaveSessionsReport) -> SaveSessionsReport:
+        """PreStop saves reported by agents: verified, fenced and recorded like a drain's."""
+        ok, failed, _ = await self.record(report, "")
+        return SaveSessionsReport(
+            pod=report.pod,
+            node=report.node,
+            store=report.store,
+            committed=[c for c in report.committed if c.session_id in ok],
+            failed=failed,
+        )
