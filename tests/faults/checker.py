@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -52,15 +53,16 @@ async def check_invariants(
 ) -> Findings:
     found = Findings()
     damaged = set(corrupted)
+    r: Any = client  # redis-py types its replies as unions; these keys hold bytes
     key = lambda *parts: subjects.redis_key("kv", *parts)  # noqa: E731
     prefix = key("checkpoints", "")
 
     async def check_session(sid: str) -> None:
-        counter = int(await client.get(key("generation", sid)) or 0)
-        for cid_raw in await client.zrange(key("checkpoints", sid), 0, -1):
+        counter = int(await r.get(key("generation", sid)) or 0)
+        for cid_raw in await r.zrange(key("checkpoints", sid), 0, -1):
             cid = cid_raw.decode()
             found.recorded += 1
-            summary = json.loads(await client.get(key("checkpoint", cid)) or b"{}")
+            summary = json.loads(await r.get(key("checkpoint", cid)) or b"{}")
             try:
                 manifest = await store.manifest(sid, cid)
                 buffers = [memoryview(bytearray(ref.length)) for ref in manifest.blocks]
@@ -86,30 +88,30 @@ async def check_invariants(
 
     # sessions checked CONCURRENCY at a time (a scale run's store holds 100,000+ of them)
     pending: set[asyncio.Task[None]] = set()
-    async for raw in client.scan_iter(match=prefix + "*", count=1000):
+    async for raw in r.scan_iter(match=prefix + "*", count=1000):
         if len(pending) >= CONCURRENCY:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a failure of the checker itself is raised, not lost
         pending.add(asyncio.create_task(check_session(_text(raw)[len(prefix) :])))
-    for task in asyncio.as_completed(pending):
-        await task
+    for finished in asyncio.as_completed(pending):
+        await finished
     node_prefix = key("onnode", "")
-    async for raw in client.scan_iter(match=node_prefix + "*"):
+    async for raw in r.scan_iter(match=node_prefix + "*"):
         node = raw.decode()[len(node_prefix) :]
-        for sid_raw, pod_raw in (await client.hgetall(raw)).items():
+        for sid_raw, pod_raw in (await r.hgetall(raw)).items():
             sid, pod = sid_raw.decode(), pod_raw.decode()
-            held = await client.hgetall(key("session", sid))
+            held = await r.hgetall(key("session", sid))
             if (held.get(b"node", b"").decode(), held.get(b"pod", b"").decode()) != (node, pod):
                 found.problems.append(
                     f"node {node} lists session {sid} on {pod}, whose record says {held or 'nothing'}"
                 )
-            elif int(held.get(b"generation", b"0")) > int(await client.get(key("generation", sid)) or 0):
+            elif int(held.get(b"generation", b"0")) > int(await r.get(key("generation", sid)) or 0):
                 found.problems.append(f"session {sid} is held under a generation never handed out")
-            elif await client.hget(key("held", pod), sid) is None:
+            elif await r.hget(key("held", pod), sid) is None:
                 found.problems.append(f"session {sid} is on node {node} but not in pod {pod}'s index")
     for drain_id in drains:
-        record = await client.hgetall(key("drain", drain_id))
+        record = await r.hgetall(key("drain", drain_id))
         if not record.get(b"verdict"):
             found.problems.append(f"drain {drain_id} has no verdict ({record.get(b'state', b'never taken')!r})")
     if temp_grace_s is not None and isinstance(store, FileStore):
