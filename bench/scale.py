@@ -215,6 +215,18 @@ def figure(name: str) -> Callable[[Figure], Figure]:
     return register
 
 
+async def idle_cores(mesh: Mesh, options: ScaleOptions) -> dict[str, float]:
+    """Cores each of the mesh's processes used, idle, over ``idle_s`` once it has settled for ``settle_s``."""
+    await asyncio.sleep(options.settle_s)
+    procs = mesh.processes()
+    before = cpu_seconds(procs)
+    started = time.monotonic()
+    await asyncio.sleep(options.idle_s)
+    after = cpu_seconds(procs)
+    spent = time.monotonic() - started
+    return {label: (after[label] - before[label]) / spent for label in before if label in after}
+
+
 @figure("fleet")
 async def fleet(options: ScaleOptions) -> dict[str, Any]:
     """Nodes, GPUs, time to come up, memory, idle CPU per process, and one node's drain in the fleet."""
@@ -222,14 +234,7 @@ async def fleet(options: ScaleOptions) -> dict[str, Any]:
         stop = asyncio.Event()
         sampler = asyncio.create_task(mesh.sample_until(stop, options.sample_every))
         try:
-            await asyncio.sleep(options.settle_s)
-            procs = mesh.processes()
-            before = cpu_seconds(procs)
-            started = time.monotonic()
-            await asyncio.sleep(options.idle_s)
-            after = cpu_seconds(procs)
-            spent = time.monotonic() - started
-            idle = {label: round((after[label] - before[label]) / spent, 4) for label in before if label in after}
+            idle = {label: round(cores, 4) for label, cores in (await idle_cores(mesh, options)).items()}
             drain = await drain_busiest_node(mesh, options.sessions)
             sessions = await fleet_sessions(mesh, options) if options.fleet_sessions else {}
         finally:
@@ -281,15 +286,8 @@ async def per_node(options: ScaleOptions) -> dict[str, Any]:
     how ``make run`` runs its 3 nodes), at ``per_node_nodes`` nodes: what a node costs that way, for comparison."""
     nodes = options.per_node_nodes
     async with started_mesh(nodes, options.gpus_per_node, hollow=False, timeout=options.up_timeout_s) as (mesh, up_s):
-        await asyncio.sleep(options.settle_s)
-        procs = mesh.processes()
-        before = cpu_seconds(procs)
-        started = time.monotonic()
-        await asyncio.sleep(options.idle_s)
-        after = cpu_seconds(procs)
-        spent = time.monotonic() - started
+        idle = await idle_cores(mesh, options)
         mesh.sample_rss()
-    idle = {label: (after[label] - before[label]) / spent for label in before if label in after}
     agents = [label for label in idle if "@" in label]
     return {
         "per_node_nodes": nodes,
