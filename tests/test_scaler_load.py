@@ -168,8 +168,12 @@ async def test_the_count_follows_kv_pressure_of_the_simulated_pods_where_gpu_uti
                 return await replicas(scaler_on.stub, ref) >= 3
 
             await eventually(pressed, timeout=30)
-            kv = [d for d in scaler_on.decisions if d.desired_replicas >= 3 and d.signal == "kv"]
-            assert kv, [(d.desired_replicas, d.signal, d.reason) for d in scaler_on.decisions]
+
+            def kv_decisions() -> list[ScaleDecision]:  # the decision event follows the answer over the bus
+                return [d for d in scaler_on.decisions if d.desired_replicas >= 3 and d.signal == "kv"]
+
+            await eventually(lambda: bool(kv_decisions()), timeout=10)
+            kv = kv_decisions()
             assert kv[-1].signal_replicas["gpu"] == 1  # GPU utilisation alone: one replica
             assert kv[-1].kv_cache_util is not None and kv[-1].kv_cache_util >= 0.6
             assert any(e.ttft_p90_s is not None and e.requests > 0 for e in heard)  # first tokens were measured
