@@ -15,7 +15,10 @@ runner around it) runs in a child process on a private NATS server; the callers 
    and ``load_pods`` pods of its deployment each publish a ``kv.pod.load`` report every ``load_interval_s`` (500
    reports/s by default, what a 2,500-pod fleet reporting every 5 s sends; from a process of their own), which the
    scaler takes and aggregates while it answers; ``load_reports_taken`` counts what it took and
-   ``decision_signal`` says what set its count.
+   ``decision_signal`` says what set its count. Each pod reports at its own phase of the interval, as
+   ``LoadReporter`` does from its pod's start (the target is on this: ``getmetrics_*``); then the same calls
+   again with every pod reporting at the same instant, 500 reports in one burst a second, the worst case of pods
+   started together (``getmetrics_burst_*``, reported beside it, no target).
 2. Activation through ``StreamIsActive`` (trigger ``external-push``): per trial a fresh, empty queue; the stream's
    first answer (false) is read, then one ``InferenceRequest`` is published to JetStream; latency = publish start
    -> ``true`` received. p50/p99 over the trials.
@@ -103,7 +106,7 @@ LOADED = "metrics"
 
 def report_load(nats_url: str, root: str, sizes: Sizes, conn: Connection) -> None:
     """The pods, in a process of their own (as they are, elsewhere): report until told to stop, then say how many
-    reports went out and over how long."""
+    reports went out and over how long. Told ``burst``, every pod reports at the same instant from then on."""
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(_report_load(nats_url, root, sizes, conn))
 
@@ -111,24 +114,48 @@ def report_load(nats_url: str, root: str, sizes: Sizes, conn: Connection) -> Non
 async def _report_load(nats_url: str, root: str, sizes: Sizes, conn: Connection) -> None:
     bus = await Bus.connect(NatsSettings(servers=(nats_url,)), Subjects(root), "bench-pods")
     stop = asyncio.Event()
+    burst = asyncio.Event()
     loop = asyncio.get_running_loop()
-    waiting = loop.run_in_executor(None, conn.recv)
-    waiting.add_done_callback(lambda _: loop.call_soon_threadsafe(stop.set))
+
+    def listen() -> None:
+        while True:
+            said = conn.recv()
+            if said == "burst":
+                loop.call_soon_threadsafe(burst.set)
+            else:
+                loop.call_soon_threadsafe(stop.set)
+                return
+
+    listening = loop.run_in_executor(None, listen)
     conn.send("started")
     started = time.perf_counter()
-    sent = await publish_load(bus, sizes, stop)
+    sent = await publish_load(bus, sizes, stop, burst)
     conn.send((sent, time.perf_counter() - started))
+    await listening
     await bus.close(grace=1.0)
 
 
-async def publish_load(bus: Bus, sizes: Sizes, stop: asyncio.Event) -> int:
-    """``load_pods`` pods of the measured deployment report their load every ``load_interval_s`` until ``stop``."""
+async def publish_load(bus: Bus, sizes: Sizes, stop: asyncio.Event, burst: asyncio.Event | None = None) -> int:
+    """``load_pods`` pods of the measured deployment report their load every ``load_interval_s`` until ``stop``.
+
+    Each pod at its own phase of the interval, spread evenly, as ``shared.kv.load.LoadReporter`` does (it reports
+    every interval from its pod's start, and pods start at different times); once ``burst`` is set, all of them
+    at the same instant instead: the worst case, every pod started together."""
     rng = random.Random(5)
+    total = 2048
+    n = sizes.load_pods
     sent = 0
-    while not stop.is_set() and sizes.load_pods > 0:
-        started = time.perf_counter()
-        for i in range(sizes.load_pods):
-            total = 2048
+    cycle = time.perf_counter()
+    while not stop.is_set() and n > 0:
+        together = burst is not None and burst.is_set()
+        due = [cycle] * n if together else [cycle + sizes.load_interval_s * (i + 0.5) / n for i in range(n)]
+        for i in range(n):
+            wait = due[i] - time.perf_counter()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait)
+                if stop.is_set():
+                    return sent
             await bus.publish(
                 PodLoad(
                     pod=f"{LOADED}-{i}",
@@ -143,8 +170,10 @@ async def publish_load(bus: Bus, sizes: Sizes, stop: asyncio.Event) -> int:
                 )
             )
             sent += 1
+        cycle += sizes.load_interval_s
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, sizes.load_interval_s - (time.perf_counter() - started)))
+            await asyncio.wait_for(stop.wait(), max(0.0, cycle - time.perf_counter()))
+        cycle = max(cycle, time.perf_counter() - sizes.load_interval_s)  # a late cycle is not made up in a rush
     return sent
 
 
@@ -281,6 +310,8 @@ async def measure(nats_url: str, sizes: Sizes) -> dict[str, Any]:
                 raise RuntimeError("the reporting pods' process did not start")
             pods.recv()
             getmetrics = await measure_getmetrics(stub, sizes)
+            pods.send("burst")
+            getmetrics_burst = await measure_getmetrics(stub, sizes)
             saturated, saturated_wall = await measure_saturation(stub, sizes)
             pods.send("stop")
             load_sent, load_wall = await loop.run_in_executor(None, pods.recv)
@@ -305,6 +336,7 @@ async def measure(nats_url: str, sizes: Sizes) -> dict[str, Any]:
     results: dict[str, Any] = {
         **latency_summary(getmetrics, "getmetrics"),
         "getmetrics_offered_calls_per_s": round(sizes.callers / sizes.caller_interval_s, 1),
+        **latency_summary(getmetrics_burst, "getmetrics_burst"),
         **latency_summary(saturated, "getmetrics_saturated"),
         "getmetrics_max_calls_per_s": round(len(saturated) / saturated_wall, 1),
         **latency_summary(push, "activation"),

@@ -2,8 +2,9 @@
 and the compare-and-set on each node's revision), failures that stop the rollout, PodDisruptionBudget refusals
 retried with backoff, jobs waited for, installs and validations that hang or meet no agent at all. Every node's
 GPUs are reached the real way: the coordinator asks each node's driver agent over NATS, and each agent answers with
-that node's simulated GPUs. The checkpoint service is stood in for by a verdict book that answers each drain (the
-full drain with live sessions is in tests/test_driver_rollout.py)."""
+that node's simulated GPUs. The checkpoint service is stood in for by a responder on the same bus that answers
+each drain's verdict query from what the test decided (the full drain with live sessions is in
+tests/test_driver_rollout.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from services.driver.agent import DriverAgent, bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
 from services.driver.gauges import UpgradeCollector
-from services.driver.lease import RedisDrainVerdicts, RedisLeaderLease
+from services.driver.lease import RedisLeaderLease
 from services.driver.ports import StaleLeader
 from services.driver.upgrade import (
     FAILURE_ANNOTATION,
@@ -30,12 +31,13 @@ from services.driver.upgrade import (
     STATE_LABEL,
     WAS_CORDONED_ANNOTATION,
 )
+from services.driver.verdicts import BusDrainVerdicts
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstallFailed, DriverUpgradeStateChanged
-from shared.contract.node import DrainRequested
+from shared.contract.node import DrainCompleted, DrainFailed, DrainQuery, DrainRequested, DrainState
 from shared.contract.subjects import Subjects
-from shared.plumbing.bus import Bus
+from shared.plumbing.bus import Bus, Subscription
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterConflict, EvictionOutcome
 from shared.ports.gpu import DriverValidation, GpuPort
@@ -93,8 +95,11 @@ class Harness:
         self.spec = spec
         self.policy = policy
         self.events: list[Event] = []
-        self.verdicts = RedisDrainVerdicts(client, self.subjects)
+        self.verdicts = BusDrainVerdicts(bus)
+        self.recorded: dict[str, DrainCompleted | DrainFailed] = {}
+        """What the stand-in checkpoint service answers, by drain id."""
         self.answer = "completed"
+        self.responder: Subscription | None = None
         self.kill_at = ""
         self.clock: Callable[[], float] = time.time
         self.generation = 0
@@ -102,6 +107,10 @@ class Harness:
         self.agents: dict[str, tuple[DriverAgent, Bus]] = {}
 
     async def setup(self) -> None:
+        async def on_query(query: DrainQuery) -> DrainState:
+            return DrainState(drain_id=query.drain_id, verdict=self.recorded.get(query.drain_id))
+
+        self.responder = await self.bus.serve(self.subjects.command("checkpoint", "drain"), on_query, (DrainQuery,))
         created = await CountingCluster.create(self.client, self.subjects, self.spec)
         assert isinstance(created, CountingCluster)
         self.cluster = created
@@ -126,6 +135,8 @@ class Harness:
     async def close(self) -> None:
         for node in list(self.agents):
             await self.stop_agent(node)
+        if self.responder is not None:
+            await self.responder.unsubscribe()
 
     def gpus(self, node: str) -> SimGpus:
         return SimGpus(self.client, self.subjects, self.spec, node)
@@ -152,7 +163,13 @@ class Harness:
     async def publish(self, event: Event) -> None:
         self.events.append(event)
         if isinstance(event, DrainRequested) and self.answer:
-            await self.verdicts.record(event.drain_id, self.answer)
+            node, drain_id = event.node, event.drain_id
+            failed = self.answer.removeprefix("failed: ")
+            self.recorded[drain_id] = (
+                DrainCompleted(node=node, drain_id=drain_id)
+                if self.answer == "completed"
+                else DrainFailed(node=node, drain_id=drain_id, reason=failed)
+            )
 
     async def kubelet(self) -> None:
         """The workload's side: every Terminating pod finishes its preStop at once."""

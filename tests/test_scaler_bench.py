@@ -10,6 +10,7 @@ from bench import scaler as bench_scaler
 KEYS = (
     "getmetrics_p50_ms",
     "getmetrics_p99_ms",
+    "getmetrics_burst_p99_ms",
     "activation_p50_ms",
     "activation_p99_ms",
     "poll_activation_p50_ms",

@@ -21,7 +21,15 @@ import msgspec
 
 from shared.contract.base import DrainId, is_token
 from shared.contract.checkpoint import CheckpointFailed, SaveSessionsReport
-from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, SessionFailure, deadline_problem
+from shared.contract.node import (
+    DrainCompleted,
+    DrainFailed,
+    DrainQuery,
+    DrainRequested,
+    DrainState,
+    SessionFailure,
+    deadline_problem,
+)
 from shared.contract.registry import codec
 from shared.plumbing.errors import PermanentError, TemporaryError
 
@@ -109,6 +117,15 @@ class DrainVerdicts:
             log.warning("refused drain's verdict not recorded", extra={"drain_id": drain_id, "error": str(exc)})
         self.states[drain_id] = "failed"
         await replica.ctx.publish(verdict)
+
+    async def on_drain_query(self, query: DrainQuery) -> DrainState:
+        """Read-only: the drain's recorded verdict (the one stored copy), None while it has none. Redis away: no
+        answer (``TemporaryError``), which the asker reads as "not known now", never as "no verdict"."""
+        recorded = await self.replica.registry.drain_verdict(query.drain_id)
+        verdict = codec.decode(recorded) if recorded is not None else None
+        if not isinstance(verdict, DrainCompleted | DrainFailed):
+            verdict = None
+        return DrainState(drain_id=query.drain_id, verdict=verdict)
 
     async def _answer_again(self, drain_id: str) -> bool:
         recorded = await self.replica.registry.drain_verdict(drain_id)

@@ -38,7 +38,7 @@ from shared.contract.checkpoint import (
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.device import DeviceHealthChanged
 from shared.contract.models import ServingQuery
-from shared.contract.node import DrainRequested
+from shared.contract.node import DrainQuery, DrainRequested
 from shared.contract.sessions import (
     FleetQuery,
     FleetSummary,
@@ -173,6 +173,9 @@ class CheckpointService:
             s.command("checkpoint", "sessions"), self.on_sessions_query, (SessionsQuery,), queue="checkpoint"
         )
         await ctx.bus.serve(s.command("checkpoint", "fleet"), self.on_fleet_query, (FleetQuery,), queue="checkpoint")
+        await ctx.bus.serve(
+            s.command("checkpoint", "drain"), self.drain_verdicts.on_drain_query, (DrainQuery,), queue="checkpoint"
+        )
         self.rollouts = RolloutCoordinator(ctx, ports.config, ports.registry, ports.cluster, self.owner)
         await ctx.bus.serve(
             s.agent_commands("serving"),

@@ -48,6 +48,7 @@ from .ports import (
     LeaseUnavailable,
     NodeDrivers,
     StaleLeader,
+    VerdictsUnavailable,
 )
 from .upgrade import (
     DRAIN_ANNOTATION,
@@ -127,7 +128,7 @@ class UpgradeCoordinator:
             except StaleLeader as exc:
                 log.warning("no longer the upgrade coordinator", extra={"error": str(exc)})
                 self.token = 0
-            except (ClusterError, GpuError, LeaseUnavailable) as exc:
+            except (ClusterError, GpuError, LeaseUnavailable, VerdictsUnavailable) as exc:
                 log.warning("upgrade pass interrupted; retrying", extra={"error": str(exc)})
             try:
                 await asyncio.wait_for(wake.wait(), timeout=interval_s)

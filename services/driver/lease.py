@@ -1,4 +1,4 @@
-"""Adapters of the driver service: the coordinator's leader lease with fencing and the drain verdict book (Redis).
+"""The driver service's leader lease with fencing, in Redis.
 
 The lease is a hash ``<root>:driver:leader`` (holder, token) with a TTL; every new holder takes the next value of
 the counter ``<root>:driver:fence``, so tokens only grow. Taking and renewing are one Lua script each, atomic in
@@ -62,8 +62,6 @@ end
 return 0
 """
 
-_VERDICT_TTL_S = 7 * 24 * 3600
-
 
 @contextmanager
 def _answering() -> Iterator[None]:
@@ -106,25 +104,6 @@ class RedisLeaderLease:
     async def release(self) -> None:
         with _answering():
             await self._release(keys=[self._key], args=[self.holder])
-
-
-class RedisDrainVerdicts:
-    """``DrainVerdicts`` in Redis: one string key per drain, kept a week."""
-
-    def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
-        self.client = client
-        self.subjects = subjects
-
-    async def record(self, drain_id: str, verdict: str) -> None:
-        with _answering():
-            await self.client.set(self.subjects.redis_key("driver", "verdict", drain_id), verdict, ex=_VERDICT_TTL_S)
-
-    async def get(self, drain_id: str) -> str:
-        with _answering():
-            raw = await self.client.get(self.subjects.redis_key("driver", "verdict", drain_id))
-        if raw is None:
-            return ""
-        return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def open_redis(settings: RedisSettings) -> aioredis.Redis:

@@ -1,6 +1,7 @@
-"""What the driver service needs besides the cluster port: a leader lease with fencing, a book of drain verdicts,
-and each node's driver as the coordinator reaches it. The Redis adapters are in ``services.driver.lease``; the
-node driver over the bus (and the agent that answers it on each node) in ``services.driver.agent``."""
+"""What the driver service needs besides the cluster port: a leader lease with fencing, the verdicts of drains,
+and each node's driver as the coordinator reaches it. The lease's Redis adapter is in ``services.driver.lease``,
+the verdicts over the bus in ``services.driver.verdicts``; the node driver over the bus (and the agent that
+answers it on each node) in ``services.driver.agent``."""
 
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ class AgentUnreachable(GpuError):
 
 
 class LeaseUnavailable(RuntimeError):
-    """The store of the lease and the drain verdicts does not answer (Redis is down or restarting): a temporary
-    failure; the coordinator tries again on its next pass."""
+    """The store of the lease does not answer (Redis is down or restarting): a temporary failure; the coordinator
+    tries again on its next pass."""
+
+
+class VerdictsUnavailable(RuntimeError):
+    """Whoever records the drain verdicts (the checkpoint service) does not answer: not known now, never "no
+    verdict"; the coordinator tries again on its next pass."""
 
 
 TokenFloor = Callable[[], Awaitable[int]]
@@ -50,14 +56,13 @@ class LeaderLease(Protocol):
 
 
 class DrainVerdicts(Protocol):
-    """Verdicts of drains by drain id, shared by every coordinator replica (any replica may receive one). Both
-    methods raise ``LeaseUnavailable`` when the store does not answer."""
+    """Verdicts of drains by drain id, as recorded once by the checkpoint service; every coordinator replica reads
+    the same record."""
 
-    async def record(self, drain_id: str, verdict: str) -> None:
-        """Idempotent: a redelivered verdict writes the same value."""
+    async def get(self, drain_id: str) -> str:
+        """``completed``, ``failed: <reason>``, or '' while the drain has none. Raises ``VerdictsUnavailable``
+        when the record cannot be read now."""
         ...
-
-    async def get(self, drain_id: str) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,17 @@ from .agent import DriverAgent, bus_node_drivers
 from .config import DriverSettings, load
 from .coordinator import UpgradeCoordinator
 from .gauges import UpgradeCollector
-from .lease import RedisDrainVerdicts, RedisLeaderLease, open_redis
-from .ports import DrainVerdicts, NodeDrivers
+from .lease import RedisLeaderLease, open_redis
+from .ports import NodeDrivers
+from .verdicts import BusDrainVerdicts, verdict_text
 
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 2.0  # a client closing on shutdown never holds the service up for longer
+
+
+VERDICTS_SHOWN = 1000
+"""Drain verdicts this replica lists in its health, newest last."""
 
 
 class DriverService:
@@ -53,7 +58,6 @@ class DriverService:
         self.drivers = drivers
         self.agent: DriverAgent | None = None
         self.coordinator: UpgradeCoordinator | None = None
-        self.book: DrainVerdicts | None = None
         self._wake = asyncio.Event()
 
     async def start(self, ctx: ServiceContext) -> None:
@@ -63,9 +67,6 @@ class DriverService:
         ctx.on_stop(agent.close)  # stops what the agent runs, and closes its port if it opened it
         await agent.serve(ctx.bus)
         ctx.status["install"] = agent.status
-        client = open_redis(ctx.settings.redis)
-        ctx.on_stop(client.aclose)
-        self.book = RedisDrainVerdicts(client, s)
         await ctx.consume(
             ConsumerSpec(
                 durable=s.durable("driver", "drain-verdicts"),
@@ -78,6 +79,8 @@ class DriverService:
         ctx.config.on_change(self.on_policy)
         ctx.status["drain_verdicts"] = self.verdicts
         if self.settings.coordinate:
+            client = open_redis(ctx.settings.redis)
+            ctx.on_stop(client.aclose)
             cluster = self.cluster
             if cluster is None:
                 opened = cluster = await ctx.backends.cluster()
@@ -87,7 +90,7 @@ class DriverService:
                 cluster,
                 self.drivers or bus_node_drivers(ctx.bus, self.settings.agent_timeout_s),
                 RedisLeaderLease(client, s, holder, ttl_s=self.settings.lease_ttl_s),
-                self.book,
+                BusDrainVerdicts(ctx.bus),
                 ctx.publish,
                 self.policy,
             )
@@ -101,15 +104,12 @@ class DriverService:
         return current.doc if current and isinstance(current.doc, DriverPolicy) else DriverPolicy()
 
     async def on_verdict(self, event: DrainCompleted | DrainFailed) -> None:
-        """Idempotent: records the verdict of a drain by its id; a redelivered verdict writes the same value."""
-        match event:
-            case DrainCompleted():
-                verdict = "completed"
-            case DrainFailed():
-                verdict = f"failed: {event.reason}"
-        if self.book is not None:
-            await self.book.record(event.drain_id, verdict)
+        """Idempotent: a verdict wakes the coordinator, which reads it where the checkpoint service recorded it
+        (any replica may hear it; every one reads the same record). This replica's health lists the newest."""
+        verdict = verdict_text(event)
         self.verdicts[event.drain_id] = verdict
+        while len(self.verdicts) > VERDICTS_SHOWN:
+            del self.verdicts[next(iter(self.verdicts))]
         self._wake.set()
         log.info("drain verdict", extra={"drain_id": event.drain_id, "verdict": verdict})
 

@@ -76,6 +76,26 @@ class DrainFailed(Event, frozen=True, kw_only=True, tag="node.drain.failed"):
     failed_ref: str = ""
 
 
+class DrainQuery(Event, frozen=True, kw_only=True, tag="node.drain.query"):
+    """What became of drain ``drain_id``, asked of the checkpoint service, which records every drain's one
+    verdict (its registry's ``kv:drain:<id>``): the driver's coordinator asks while it waits on a drain it
+    named, instead of keeping a copy of its own."""
+
+    family: ClassVar[str] = "node"
+
+    drain_id: DrainId
+
+
+class DrainState(Event, frozen=True, kw_only=True, tag="node.drain.state"):
+    """The answer to ``node.drain.query``: the drain's recorded verdict, or None while it has none (running, not
+    yet asked, or unknown to the checkpoint service)."""
+
+    family: ClassVar[str] = "node"
+
+    drain_id: DrainId
+    verdict: DrainCompleted | DrainFailed | None = None
+
+
 class NodeCordoned(Event, frozen=True, kw_only=True, tag="node.cordoned"):
     family: ClassVar[str] = "node"
 

@@ -55,6 +55,7 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "driver.install.command",
         "driver.validate.command",
         "driver.versions.command",
+        "node.drain.query",  # asks the checkpoint service for the verdict of a drain it named
     ),
     "device": (
         "device.inventory",
@@ -93,6 +94,7 @@ HEARS: dict[str, tuple[str, ...]] = {
         "kv.session.where",  # a gateway's (or the CLI's) question
         "kv.sessions.query",  # pages of sessions (the CLI's status)
         "kv.fleet.query",  # session counts (the CLI's status)
+        "node.drain.query",  # a drain's recorded verdict (the driver's coordinator)
     ),
 }
 

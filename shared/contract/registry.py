@@ -35,7 +35,15 @@ from shared.contract.driver import (
 from shared.contract.load import PodLoad
 from shared.contract.metrics import DeploymentUtilisation, GpuSample
 from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, ServingQuery
-from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, NodeCordoned, NodeUncordoned
+from shared.contract.node import (
+    DrainCompleted,
+    DrainFailed,
+    DrainQuery,
+    DrainRequested,
+    DrainState,
+    NodeCordoned,
+    NodeUncordoned,
+)
 from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
 from shared.contract.sessions import (
@@ -51,6 +59,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     DrainRequested,
     DrainCompleted,
     DrainFailed,
+    DrainQuery,
+    DrainState,
     NodeCordoned,
     NodeUncordoned,
     DriverUpgradeStateChanged,

@@ -101,6 +101,12 @@ ROUTES: dict[str, Route] = {
     "checkpoint.agent.ack": Route(
         "kvagent.{pod}.sessions.ack", Delivery.CORE, "The checkpoint service's answer to an announcement (a reply)."
     ),
+    "node.drain.query": Route(
+        "cmd.checkpoint.drain",
+        Delivery.CORE,
+        "Request/reply: the recorded verdict of a drain (the driver's coordinator asks while it waits).",
+    ),
+    "node.drain.state": Route("cmd.checkpoint.drain.state", Delivery.CORE, "A drain's recorded verdict (a reply)."),
     "kv.sessions.query": Route(
         "cmd.checkpoint.sessions",
         Delivery.CORE,

@@ -18,9 +18,10 @@ A drain's life, as the caller sees it:
 4. **Ask** (``ask``): publish ``DrainRequested``. The checkpoint service runs a drain id once and answers a decided
    one with its verdict again, so asking again is harmless; ``asked`` says whether this process has sent it.
 5. **Wait for the verdict**: ``DrainCompleted`` or ``DrainFailed``, handed in with ``settle`` (by the watch, or by
-   the MIG controller's consumer; the driver's replicas share theirs in the driver's verdict book, read each
-   pass); ``waited_s`` says for how long. A watch also reads the verdicts stored in the events
-   stream since it began, so one published while the connection failed over is not missed (``wait_verdict``).
+   the MIG controller's consumer; the driver's replicas ask the checkpoint service, which keeps the one stored
+   copy, each pass: ``recorded_verdict``); ``waited_s`` says for how long. A watch also reads the verdicts stored
+   in the events stream since it began, so one published while the connection failed over is not missed
+   (``wait_verdict``).
 6. **Ask again after a restart**: a drain found named but not ``asked`` by this process is asked again (the
    caller calls ``ask`` whenever ``asked`` is false).
 7. **Clear it** (``forget``) once its verdict is used, or no longer wanted: its verdict, should it come later, is
@@ -47,8 +48,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from shared.contract.base import Event
-from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested, deadline_problem
+from shared.contract.node import DrainCompleted, DrainFailed, DrainQuery, DrainRequested, DrainState, deadline_problem
 from shared.contract.registry import codec
+from shared.plumbing.errors import TemporaryError
 
 if TYPE_CHECKING:
     from shared.plumbing.bus import Bus
@@ -255,6 +257,23 @@ async def _stored_verdict(bus: Bus, drain_id: str, cursors: dict[str, int]) -> V
                 if isinstance(event, DrainCompleted | DrainFailed) and event.drain_id == drain_id:
                     return event
     return None
+
+
+class VerdictUnknown(TemporaryError):
+    """The checkpoint service did not say what became of a drain (not running, or its Redis away): not known now,
+    which is never "no verdict"; ask again later."""
+
+
+async def recorded_verdict(bus: Bus, drain_id: str, timeout: float = 2.0) -> Verdict | None:
+    """The verdict the checkpoint service recorded for ``drain_id`` (its one stored copy), None while it has none.
+    One request. Raises ``VerdictUnknown`` when the service does not answer within ``timeout``."""
+    try:
+        answer = await bus.request(bus.subjects.command("checkpoint", "drain"), DrainQuery(drain_id=drain_id), timeout)
+    except TimeoutError as exc:
+        raise VerdictUnknown(f"the checkpoint service did not answer for drain {drain_id}: {exc}") from exc
+    if not isinstance(answer, DrainState) or answer.drain_id != drain_id:
+        raise VerdictUnknown(f"drain {drain_id}: the checkpoint service answered {answer.kind}")
+    return answer.verdict
 
 
 async def stream_end(bus: Bus) -> int:

@@ -22,9 +22,10 @@ import redis.asyncio
 from services.checkpoint.registry import SessionRegistry
 from services.driver.agent import bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
-from services.driver.lease import RedisDrainVerdicts, RedisLeaderLease
+from services.driver.lease import RedisLeaderLease
 from services.driver.ports import StaleLeader
 from services.driver.upgrade import EXTERNAL_DRAIN_ANNOTATION, FENCE_ANNOTATION
+from services.driver.verdicts import BusDrainVerdicts
 from shared.adapters.kube import KubeCluster
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
@@ -381,7 +382,7 @@ class Coordination:
             self.cluster,
             bus_node_drivers(bus, 1.0),
             RedisLeaderLease(self.client, self.subjects, "coordinator-1", ttl_s=30.0),
-            RedisDrainVerdicts(self.client, self.subjects),
+            BusDrainVerdicts(bus),
             self.publish,
             DriverPolicy,
         )
