@@ -107,10 +107,7 @@ class Harness:
         self.agents: dict[str, tuple[DriverAgent, Bus]] = {}
 
     async def setup(self) -> None:
-        async def on_query(query: DrainQuery) -> DrainState:
-            return DrainState(drain_id=query.drain_id, verdict=self.recorded.get(query.drain_id))
-
-        self.responder = await self.bus.serve(self.subjects.command("checkpoint", "drain"), on_query, (DrainQuery,))
+        await self.setup_responder()
         created = await CountingCluster.create(self.client, self.subjects, self.spec)
         assert isinstance(created, CountingCluster)
         self.cluster = created
@@ -119,6 +116,14 @@ class Harness:
         for node in self.spec.nodes:
             await self.start_agent(node.name)
         self.coordinator = self.new_coordinator()
+
+    async def setup_responder(self) -> None:
+        """The checkpoint service's part: the verdicts it recorded, answered by drain id."""
+
+        async def on_query(query: DrainQuery) -> DrainState:
+            return DrainState(drain_id=query.drain_id, verdict=self.recorded.get(query.drain_id))
+
+        self.responder = await self.bus.serve(self.subjects.command("checkpoint", "drain"), on_query, (DrainQuery,))
 
     async def start_agent(self, node: str, gpus: GpuPort | None = None) -> DriverAgent:
         agent_bus = await Bus.connect(self.settings.nats, self.subjects, f"driver/{node}")
@@ -399,6 +404,26 @@ async def test_a_drain_without_verdict_times_out_and_stops(make_harness: MakeHar
     now[0] += POLICY.drain_timeout_s
     await h.run_until(lambda: _state_is(h, "node-1", "upgrade-failed"))
     assert sum(h.cluster.calls.values()) == 0
+
+
+async def test_a_silent_checkpoint_service_holds_the_drain_past_its_timeout_and_evicts_nothing(
+    make_harness: MakeHarness,
+) -> None:
+    """The verdict is recorded by the checkpoint service; while nobody answers for it the node waits (never failed
+    for a verdict it cannot read), and the upgrade goes on once the service answers again."""
+    now = [1000.0]
+    h = await make_harness(two_nodes(), POLICY)
+    h.clock = lambda: now[0]
+    assert h.responder is not None
+    await h.responder.unsubscribe()
+    await h.run_until(lambda: _state_is(h, "node-1", "checkpoint-required"))
+    now[0] += POLICY.drain_timeout_s * 2
+    await h.step()
+    await h.step()
+    assert (await h.states())["node-1"] == "checkpoint-required"
+    assert sum(h.cluster.calls.values()) == 0, "nothing is evicted before the verdict is known"
+    await h.setup_responder()
+    await h.run_until(lambda: _all_done(h))
 
 
 async def test_a_pdb_refusal_is_retried_with_backoff(make_harness: MakeHarness) -> None:

@@ -21,7 +21,9 @@ from services.driver.upgrade import (
     IN_PROGRESS,
     ORDER,
     RELEASABLE,
+    SINCE_ANNOTATION,
     STATE_LABEL,
+    VERDICT_UNKNOWN,
     WAS_CORDONED_ANNOTATION,
     Action,
     ClusterView,
@@ -342,6 +344,26 @@ def test_a_node_emptied_by_someone_else_needs_no_drain_and_a_failed_drain_there_
     asked = {"annotations": {DRAIN_ANNOTATION: "d-1"}, "drain_verdict": "failed: 3 session(s) not checkpointed"}
     assert step(node(**asked)).state == "pod-deletion-required"  # nothing left to evict, nothing to lose
     assert step(node("Running", **asked)).state == "upgrade-failed"  # pods it would evict: stop
+
+
+def test_a_verdict_that_cannot_be_read_holds_the_node_past_the_drain_timeout_and_evicts_nothing() -> None:
+    """The checkpoint service, which records verdicts, does not answer: the node waits (a drain that may have
+    completed is never failed for it), and goes on once the verdict reads again."""
+    policy = DriverPolicy(desired_version=NEW, auto_upgrade=True, drain_timeout_s=60)
+    late = {STATE_LABEL: "checkpoint-required"}
+    annotations = {DRAIN_ANNOTATION: "d-1", SINCE_ANNOTATION: "1000"}
+
+    def step(verdict: str) -> Action:
+        pods = (PodView("p0", "llm", "Running"),)
+        view = NodeView(
+            name="n1", labels=late, annotations=annotations, schedulable=False, pods=pods, drain_verdict=verdict
+        )
+        return next_step(view, policy, ClusterView.of([view]), 1000.0 + 3600)
+
+    unknown = step(VERDICT_UNKNOWN)
+    assert unknown.kind == "wait" and "cannot be read" in unknown.why
+    assert step("").state == "upgrade-failed"  # no verdict, readable: the timeout stops it
+    assert step("completed").state == "pod-deletion-required"
 
 
 def test_pool_overrides_pick_the_version_by_label() -> None:

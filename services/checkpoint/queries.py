@@ -34,10 +34,11 @@ class SessionQueries:
         return await self.registry.where(event.session_id)
 
     async def on_sessions_query(self, query: SessionsQuery) -> SessionsPage:
-        """Read-only: a page of the sessions of a node or a pod (their indexes), or of all; a deployment's through
-        its pods. What it reads follows the page."""
-        if query.deployment and not (query.node or query.pod):
-            return await self._deployment_page(query)
+        """Read-only: a page of the sessions of a node or a pod (their indexes), of a deployment (its pods'
+        indexes) or of all (every pod's index in turn). What it reads follows the page, plus the list of pods
+        when no node or pod is named; never every session."""
+        if not (query.node or query.pod):
+            return await self._pods_page(query)
         records, cursor, total = await self.registry.sessions_page(
             node=query.node, pod=query.pod, cursor=query.cursor, limit=query.limit
         )
@@ -45,11 +46,17 @@ class SessionQueries:
             records = [r for r in records if (r.namespace, r.deployment) == (query.namespace, query.deployment)]
         return SessionsPage(sessions=records, next_cursor=cursor, total=total)
 
-    async def _deployment_page(self, query: SessionsQuery) -> SessionsPage:
-        """A deployment's sessions, pod by pod: the cursor is ``<pod index>:<cursor within the pod>``."""
-        counts = await self.registry.summary()
-        wanted = f"{query.namespace}/{query.deployment}"
-        pods = sorted(p for p, d in counts.deployments.items() if d == wanted)
+    async def _pods_page(self, query: SessionsQuery) -> SessionsPage:
+        """The sessions of every pod (of the deployment, when one is named), pod by pod: the cursor is
+        ``<pod index>:<cursor within the pod>``."""
+        total: int | None = None
+        if query.deployment:
+            counts = await self.registry.summary()
+            wanted = f"{query.namespace}/{query.deployment}"
+            pods = sorted(p for p, d in counts.deployments.items() if d == wanted)
+            total = sum(counts.by_pod[p] for p in pods)
+        else:
+            pods = sorted(await self.registry.pods())
         index, _, inner = query.cursor.partition(":")
         at = int(index) if index.isdigit() else 0
         records: list[SessionRecord] = []
@@ -61,7 +68,7 @@ class SessionQueries:
             if not inner:
                 at += 1
         cursor = f"{at}:{inner}" if at < len(pods) else ""
-        return SessionsPage(sessions=records, next_cursor=cursor, total=sum(counts.by_pod[p] for p in pods))
+        return SessionsPage(sessions=records, next_cursor=cursor, total=total)
 
     async def on_fleet_query(self, query: FleetQuery) -> FleetSummary:
         """Read-only: session counts per node, pod and deployment, from the pods' indexes (never per session)."""

@@ -47,7 +47,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -635,19 +635,15 @@ class SessionRegistry:
     async def sessions_page(
         self, *, node: str = "", pod: str = "", cursor: str = "", limit: int = 200
     ) -> tuple[list[SessionRecord], str, int | None]:
-        """A page of sessions with their newest checkpoint: of a node (its index), of a pod (its index), or of
-        all (a SCAN of the session records). Returns (records, the next cursor or '', the total when known)."""
+        """A page of sessions with their newest checkpoint: of a node (its index) or of a pod (its index); one of
+        them is named. Returns (records, the next cursor or '', the index's size)."""
+        if not (node or pod):
+            raise ValueError("a page of sessions is read from a node's or a pod's index: name one")
         position = int(cursor) if cursor.isdigit() else 0
-        total: int | None = None
-        if node or pod:
-            index = self._key("onnode", node) if node else self._key("held", pod)
-            position, found = await self.client.hscan(index, position, count=limit)
-            sids = [_text(k) for k in found]
-            total = int(await self.client.hlen(index))
-        else:
-            prefix = self._key("session", "")
-            position, keys = await self.client.scan(position, match=prefix + "*", count=limit)
-            sids = [_text(k)[len(prefix) :] for k in keys]
+        index = self._key("onnode", node) if node else self._key("held", pod)
+        position, found = await self.client.hscan(index, position, count=limit)
+        sids = [_text(k) for k in found]
+        total = int(await self.client.hlen(index))
         records = await self._records(sids)
         if pod:
             records = [r for r in records if r.pod == pod]
@@ -881,3 +877,40 @@ class SessionRegistry:
         """True for one caller per ``interval_s`` and pod (periodic saves across replicas and restarts)."""
         taken = await self.client.set(self._key("turn", what, pod), owner, nx=True, px=max(1, int(interval_s * 1000)))
         return bool(taken)
+
+    # -- audit: walks of the whole registry, for an invariant checker (tests/faults/checker.py), never a service --
+    async def audit_checkpointed_sessions(self) -> AsyncIterator[str]:
+        """Every session with a recorded checkpoint (a scan: its cost follows the whole registry)."""
+        prefix = self._key("checkpoints", "")
+        async for raw in self.client.scan_iter(match=prefix + "*", count=1000):
+            yield _text(raw)[len(prefix) :]
+
+    async def audit_nodes(self) -> AsyncIterator[str]:
+        """Every node with a session index (a scan)."""
+        prefix = self._key("onnode", "")
+        async for raw in self.client.scan_iter(match=prefix + "*", count=1000):
+            yield _text(raw)[len(prefix) :]
+
+    @_redis_may_be_down
+    async def node_index(self, node: str) -> dict[str, str]:
+        """The node's index as stored: every session it lists -> the pod it names (unchecked against the records,
+        unlike ``sessions_on_node``)."""
+        return {_text(k): _text(v) for k, v in (await self.client.hgetall(self._key("onnode", node))).items()}
+
+    @_redis_may_be_down
+    async def session_record(self, session_id: str) -> SessionPlace | None:
+        """The session's record as stored (its hash), None when it has none."""
+        pod, node, ns, dep, gen = await self.client.hmget(
+            self._key("session", session_id), "pod", "node", "namespace", "deployment", "generation"
+        )
+        if pod is None and node is None:
+            return None
+        return SessionPlace(
+            session_id, _text(pod or b""), _text(node or b""), _text(ns or b""), _text(dep or b""), int(gen or 0)
+        )
+
+    @_redis_may_be_down
+    async def drain_state(self, drain_id: str) -> str:
+        """The drain's recorded state (running, completed, failed), '' when no drain of that id was taken."""
+        raw = await self.client.hget(self._key("drain", drain_id), "state")
+        return "" if raw is None else _text(raw)

@@ -59,6 +59,7 @@ from .upgrade import (
     SINCE_ANNOTATION,
     STATE_LABEL,
     TARGET_ANNOTATION,
+    VERDICT_UNKNOWN,
     Action,
     ClusterView,
     NodeView,
@@ -116,6 +117,7 @@ class UpgradeCoordinator:
         self.token = 0
         self.states: dict[str, dict[str, str]] = {}
         self._silent: dict[str, str] = {}
+        self._verdicts_silent = False  # the checkpoint service did not answer for a verdict this pass
         self._backoff: dict[str, tuple[float, float]] = {}
         self.drains = DrainClient(lambda event: self.publish(event), "driver", lambda: self.clock())
 
@@ -128,7 +130,7 @@ class UpgradeCoordinator:
             except StaleLeader as exc:
                 log.warning("no longer the upgrade coordinator", extra={"error": str(exc)})
                 self.token = 0
-            except (ClusterError, GpuError, LeaseUnavailable, VerdictsUnavailable) as exc:
+            except (ClusterError, GpuError, LeaseUnavailable) as exc:
                 log.warning("upgrade pass interrupted; retrying", extra={"error": str(exc)})
             try:
                 await asyncio.wait_for(wake.wait(), timeout=interval_s)
@@ -145,6 +147,7 @@ class UpgradeCoordinator:
         if token != self.token:
             log.info("leading driver upgrades", extra={"holder": self.lease.holder, "fencing_token": token})
         self.token = token
+        self._verdicts_silent = False
         policy = self.policy()
         infos = await self.cluster.nodes()
         stamped = stamped_token(infos)
@@ -205,7 +208,7 @@ class UpgradeCoordinator:
         installed = await self._installed(info.name)
         pods = await self.cluster.pods(node=info.name)
         drain_id = info.annotations.get(DRAIN_ANNOTATION, "") or info.annotations.get(EXTERNAL_DRAIN_ANNOTATION, "")
-        verdict = await self.verdicts.get(drain_id) if drain_id else ""
+        verdict = await self._verdict(drain_id) if drain_id else ""
         return NodeView(
             name=info.name,
             labels=dict(info.labels),
@@ -219,6 +222,18 @@ class UpgradeCoordinator:
             evict_after=self._backoff.get(info.name, (0.0, 0.0))[1],
             revision=info.revision,
         )
+
+    async def _verdict(self, drain_id: str) -> str:
+        """The drain's verdict; ``VERDICT_UNKNOWN`` when it cannot be read, and for the rest of the pass once one
+        could not (a pass never waits on a silent checkpoint service once per drained node)."""
+        if self._verdicts_silent:
+            return VERDICT_UNKNOWN
+        try:
+            return await self.verdicts.get(drain_id)
+        except VerdictsUnavailable as exc:
+            log.warning("drain verdicts unreadable this pass", extra={"drain_id": drain_id, "error": str(exc)})
+            self._verdicts_silent = True
+            return VERDICT_UNKNOWN
 
     async def _installed(self, node: str) -> str:
         """The node's driver version as its agent answers; empty (unknown) when it cannot, which the state machine

@@ -91,6 +91,11 @@ RELEASABLE: frozenset[str] = frozenset({"cordon-required", "wait-for-jobs-requir
 
 EXTERNAL_DRAIN_REASON = "cordoned"
 
+VERDICT_UNKNOWN = "unknown"
+"""``NodeView.drain_verdict`` when the verdict could not be read this pass (the checkpoint service, which records
+it, did not answer): the node waits, and ``drain_timeout_s`` does not fail it meanwhile; nothing is evicted
+before a verdict is known."""
+
 InstallProgress = Literal["installed", "failed", "running", "unreachable"]
 """Where a node's install stands, as its driver agent answered: done, failed (with a reason), still running, or
 no answer at all."""
@@ -107,10 +112,10 @@ class PodView:
 @dataclass(frozen=True, slots=True)
 class NodeView:
     """One node as the coordinator sees it this pass. ``installed_version`` is empty when the node's driver agent
-    did not answer; ``drain_verdict`` is the verdict of the drain named in ``DRAIN_ANNOTATION`` (or the external drain):
-    ``""`` (none yet), ``"completed"`` or ``"failed: <reason>"``. ``evict_after`` is when an eviction refused by a
-    PodDisruptionBudget may be tried again. ``revision`` is the node's resourceVersion as read: every write based
-    on this view is a compare-and-set against it."""
+    did not answer; ``drain_verdict`` is the verdict of the drain named in ``DRAIN_ANNOTATION`` (or the external
+    drain): ``""`` (none yet), ``"completed"``, ``"failed: <reason>"`` or ``VERDICT_UNKNOWN`` (not readable now).
+    ``evict_after`` is when an eviction refused by a PodDisruptionBudget may be tried again. ``revision`` is the
+    node's resourceVersion as read: every write based on this view is a compare-and-set against it."""
 
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -342,6 +347,8 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
                 return Action(
                     "set_state", node.name, "pod-deletion-required", f"drain {drain_id} completed", _enter(now)
                 )
+            if node.drain_verdict == VERDICT_UNKNOWN:
+                return Action("wait", node.name, why=f"drain {drain_id}: its verdict cannot be read now")
             failure = ""
             if node.drain_verdict.startswith("failed"):
                 failure = f"drain {drain_id} {node.drain_verdict}"

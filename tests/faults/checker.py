@@ -14,15 +14,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis.asyncio as aioredis
 
+from services.checkpoint.registry import SessionRegistry
 from shared.contract.subjects import Subjects
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import digest
@@ -30,6 +29,8 @@ from shared.kv.store import CheckpointStore, StoreError
 
 CONCURRENCY = 32
 """Sessions checked at once."""
+ALL = 1_000_000
+"""Checkpoints read per session: all of them."""
 
 
 @dataclass
@@ -51,18 +52,17 @@ async def check_invariants(
     corrupted: Iterable[str] = (),
     temp_grace_s: float | None = None,
 ) -> Findings:
+    """Reads the registry through its own audit and read methods (``SessionRegistry``): the key layout is the
+    registry's alone."""
     found = Findings()
     damaged = set(corrupted)
-    r: Any = client  # redis-py types its replies as unions; these keys hold bytes
-    key = lambda *parts: subjects.redis_key("kv", *parts)  # noqa: E731
-    prefix = key("checkpoints", "")
+    registry = SessionRegistry(client, subjects)
 
     async def check_session(sid: str) -> None:
-        counter = int(await r.get(key("generation", sid)) or 0)
-        for cid_raw in await r.zrange(key("checkpoints", sid), 0, -1):
-            cid = cid_raw.decode()
+        counter = await registry.generation(sid)
+        for summary in await registry.checkpoints(sid, limit=ALL):
+            cid = str(summary["checkpoint_id"])
             found.recorded += 1
-            summary = json.loads(await r.get(key("checkpoint", cid)) or b"{}")
             try:
                 manifest = await store.manifest(sid, cid)
                 buffers = [memoryview(bytearray(ref.length)) for ref in manifest.blocks]
@@ -78,7 +78,10 @@ async def check_invariants(
                 if bad and cid not in damaged:
                     found.problems.append(f"recorded checkpoint {cid} of {sid}: blocks {bad} do not verify")
             found.verified_bytes += manifest.bytes_total
-            if summary and (summary.get("pod"), summary.get("generation")) != (manifest.pod, manifest.generation):
+            if "pod" in summary and (summary.get("pod"), summary.get("generation")) != (
+                manifest.pod,
+                manifest.generation,
+            ):
                 found.problems.append(
                     f"recorded checkpoint {cid} of {sid}: the registry says pod {summary.get('pod')} generation "
                     f"{summary.get('generation')}, the manifest pod {manifest.pod} generation {manifest.generation}"
@@ -88,32 +91,35 @@ async def check_invariants(
 
     # sessions checked CONCURRENCY at a time (a scale run's store holds 100,000+ of them)
     pending: set[asyncio.Task[None]] = set()
-    async for raw in r.scan_iter(match=prefix + "*", count=1000):
+    async for sid in registry.audit_checkpointed_sessions():
         if len(pending) >= CONCURRENCY:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a failure of the checker itself is raised, not lost
-        pending.add(asyncio.create_task(check_session(_text(raw)[len(prefix) :])))
+        pending.add(asyncio.create_task(check_session(sid)))
     for finished in asyncio.as_completed(pending):
         await finished
-    node_prefix = key("onnode", "")
-    async for raw in r.scan_iter(match=node_prefix + "*"):
-        node = raw.decode()[len(node_prefix) :]
-        for sid_raw, pod_raw in (await r.hgetall(raw)).items():
-            sid, pod = sid_raw.decode(), pod_raw.decode()
-            held = await r.hgetall(key("session", sid))
-            if (held.get(b"node", b"").decode(), held.get(b"pod", b"").decode()) != (node, pod):
-                found.problems.append(
-                    f"node {node} lists session {sid} on {pod}, whose record says {held or 'nothing'}"
-                )
-            elif int(held.get(b"generation", b"0")) > int(await r.get(key("generation", sid)) or 0):
+    pods: dict[str, dict[str, int]] = {}
+
+    async def index_of(pod: str) -> dict[str, int]:  # each pod's index, read once
+        if pod not in pods:
+            pods[pod] = await registry.sessions_of_pod(pod)
+        return pods[pod]
+
+    async for node in registry.audit_nodes():
+        for sid, pod in (await registry.node_index(node)).items():
+            held = await registry.session_record(sid)
+            if held is None or (held.node, held.pod) != (node, pod):
+                said = "nothing" if held is None else f"node {held.node} pod {held.pod}"
+                found.problems.append(f"node {node} lists session {sid} on {pod}, whose record says {said}")
+            elif held.generation > await registry.generation(sid):
                 found.problems.append(f"session {sid} is held under a generation never handed out")
-            elif await r.hget(key("held", pod), sid) is None:
+            elif sid not in await index_of(pod):
                 found.problems.append(f"session {sid} is on node {node} but not in pod {pod}'s index")
     for drain_id in drains:
-        record = await r.hgetall(key("drain", drain_id))
-        if not record.get(b"verdict"):
-            found.problems.append(f"drain {drain_id} has no verdict ({record.get(b'state', b'never taken')!r})")
+        if await registry.drain_verdict(drain_id) is None:
+            state = await registry.drain_state(drain_id) or "never taken"
+            found.problems.append(f"drain {drain_id} has no verdict ({state})")
     if temp_grace_s is not None and isinstance(store, FileStore):
         cutoff = time.time() - temp_grace_s
         for folder, _, files in os.walk(store.root):
@@ -122,7 +128,3 @@ async def check_invariants(
                 if name.startswith(".tmp-") and os.stat(path).st_mtime < cutoff:
                     found.problems.append(f"temporary file left behind: {path}")
     return found
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw

@@ -22,6 +22,7 @@ from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
+from shared.plumbing.drains import recorded_verdict
 from shared.plumbing.settings import Settings
 from tests.faults.checker import check_invariants
 from tests.faults.conftest import Mesh, Runner
@@ -151,3 +152,16 @@ async def test_a_drain_of_a_node_the_cluster_lacks_fails_with_that_reason(mesh: 
     verdict = next(v for v in mesh.verdicts if v.drain_id == "nowhere")
     assert isinstance(verdict, DrainFailed) and "node-99 is not in the cluster" in verdict.reason
     await mesh.check(drains=["nowhere"])
+
+
+async def test_the_recorded_verdict_is_what_the_service_answers_for_a_drain_id(mesh: Mesh) -> None:
+    """One stored verdict: the checkpoint service answers ``node.drain.query`` from its record (what the driver's
+    coordinator reads), the same event it published; None for a drain it never decided."""
+    assert await recorded_verdict(mesh.bus, "nowhere") is None
+    await mesh.bus.publish(DrainRequested(node="node-99", drain_id="nowhere", deadline_s=5))
+    await eventually(lambda: any(v.drain_id == "nowhere" for v in mesh.verdicts))
+    heard = next(v for v in mesh.verdicts if v.drain_id == "nowhere")
+    recorded = await recorded_verdict(mesh.bus, "nowhere")
+    assert isinstance(recorded, DrainFailed) and recorded.event_id == heard.event_id
+    assert recorded.reason == heard.reason and recorded.node == "node-99"
+    assert await recorded_verdict(mesh.bus, "never-asked") is None
