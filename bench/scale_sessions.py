@@ -333,7 +333,10 @@ async def one_pod_figures(bench: SessionBench, sizes: tuple[int, int]) -> dict[s
             out[f"drain_verdict_s_{name}"] = round(took, 3)
             # the node may hold other pods' sessions too (in a fleet): all of these at least were committed
             out[f"drain_verdict_ok_{name}"] = isinstance(verdict, DrainCompleted) and verdict.sessions_committed >= n
-        holder, took, restored, saved = pod, [], [], []
+        holder = pod
+        took: list[float] = []
+        restored: list[int] = []
+        saved: list[int] = []
         for trial in range(RESTORE_TRIALS):  # the holder saves and leaves; a new pod restores every session
             saved.append(await bench.save_all(holder))
             await bench.leave(holder)
