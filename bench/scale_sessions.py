@@ -329,8 +329,8 @@ async def one_pod_figures(bench: SessionBench, sizes: tuple[int, int]) -> dict[s
         await bench.start_sessions(pod, sids)
         out[f"start_redis_calls_per_session_{name}"] = round((await redis_commands(bench.redis) - before) / n, 1)
         if name == NOMINAL[0]:
-            took, verdict = await bench.drain(pod.node, f"drain-{n}")
-            out[f"drain_verdict_s_{name}"] = round(took, 3)
+            drained_s, verdict = await bench.drain(pod.node, f"drain-{n}")
+            out[f"drain_verdict_s_{name}"] = round(drained_s, 3)
             # the node may hold other pods' sessions too (in a fleet): all of these at least were committed
             out[f"drain_verdict_ok_{name}"] = isinstance(verdict, DrainCompleted) and verdict.sessions_committed >= n
         holder = pod
