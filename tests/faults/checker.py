@@ -27,6 +27,7 @@ from shared.contract.subjects import Subjects
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import digest
 from shared.kv.store import CheckpointStore, StoreError
+from shared.plumbing.replies import as_text
 
 CONCURRENCY = 32
 """Sessions checked at once."""
@@ -93,7 +94,7 @@ async def check_invariants(
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a failure of the checker itself is raised, not lost
-        pending.add(asyncio.create_task(check_session(_text(raw)[len(prefix) :])))
+        pending.add(asyncio.create_task(check_session(as_text(raw)[len(prefix) :])))
     for finished in asyncio.as_completed(pending):
         await finished
     node_prefix = key("onnode", "")
@@ -122,7 +123,3 @@ async def check_invariants(
                 if name.startswith(".tmp-") and os.stat(path).st_mtime < cutoff:
                     found.problems.append(f"temporary file left behind: {path}")
     return found
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
