@@ -479,7 +479,7 @@ class AgentEndpoint:
                 session_id=session_id,
                 pod=self.agent.pod,
                 node=self.agent.node,
-                claim=True,
+                take_session=True,
                 namespace=self.agent.namespace,
                 deployment=self.agent.deployment,
             ),

@@ -1004,7 +1004,7 @@ async def checkpoint_tokens(
 
         answer = await bus.request(
             bus.subjects.agent_command("locate", pod),
-            LocateCheckpoint(session_id=session, pod=pod, claim=False),
+            LocateCheckpoint(session_id=session, pod=pod, take_session=False),
             5.0,
         )
         if not isinstance(answer, CheckpointLocation) or not answer.found:
