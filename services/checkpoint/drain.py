@@ -35,7 +35,7 @@ from shared.plumbing.errors import PermanentError, TemporaryError
 
 from .pods import forget_gone_pods
 from .replica import Replica
-from .saves import Saves
+from .saves import NoSaveReport, Saves
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class DrainVerdicts:
         agent_deadline = max(0.1, event.deadline_s * 0.8)
         limit = asyncio.Semaphore(replica.policy().drain_parallelism)
 
-        async def save(pod: str, batch: dict[str, int]) -> tuple[str, SaveSessionsReport | str]:
+        async def save(pod: str, batch: dict[str, int]) -> tuple[str, SaveSessionsReport | NoSaveReport]:
             async with limit:
                 remaining = event.deadline_s - (time.monotonic() - started)
                 outcome = await self.saves.command(
@@ -184,7 +184,7 @@ class DrainVerdicts:
                 )
                 return pod, outcome
 
-        async def save_pod(pod: str) -> list[tuple[str, SaveSessionsReport | str]]:
+        async def save_pod(pod: str) -> list[tuple[str, SaveSessionsReport | NoSaveReport]]:
             """A pod's sessions in batches of ``SAVE_BATCH``, one after the other: no command or report passes
             the bus's payload limit, however many sessions the pod holds."""
             sids = sorted(by_pod[pod])
@@ -200,10 +200,12 @@ class DrainVerdicts:
         reported: dict[str, set[str]] = defaultdict(set)
         pods_failed: set[str] = set()
         for pod, outcome in results:
-            if isinstance(outcome, str):
+            if isinstance(outcome, NoSaveReport):
                 if pod not in pods_failed:
                     pods_failed.add(pod)
-                    failed += [SessionFailure(session_id=s, pod=pod, reason=outcome) for s in sorted(by_pod[pod])]
+                    failed += [
+                        SessionFailure(session_id=s, pod=pod, reason=outcome.reason) for s in sorted(by_pod[pod])
+                    ]
                 continue
             ok, bad, nbytes = await self.saves.record(outcome, event.drain_id)
             committed |= ok

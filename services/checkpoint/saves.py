@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from shared.contract.base import Event
 from shared.contract.checkpoint import CheckpointSaved, CommittedCheckpoint, SaveSessions, SaveSessionsReport
@@ -20,6 +21,14 @@ from shared.kv.store import StoreError
 from .replica import Replica
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NoSaveReport:
+    """Why a pod's agent gave no save report: it did not answer in time, refused the command, or answered something
+    else. Nothing of the pod's was saved by this command; its sessions' last checkpoints stand."""
+
+    reason: str
 
 
 class Saves:
@@ -35,11 +44,11 @@ class Saves:
         generations: dict[str, int] | None = None,
         timeout: float | None = None,
         changed_only: bool = False,
-    ) -> SaveSessionsReport | str:
-        """Have one pod's agent save; its report, or why there is none. With ``generations`` the pod saves those
-        sessions, each only under the generation named (a session it holds under another is refused); without,
-        all it holds (what it no longer owns is then refused when recorded). ``changed_only``: sessions with
-        nothing new since their last checkpoint write nothing."""
+    ) -> SaveSessionsReport | NoSaveReport:
+        """Have one pod's agent save; its report, or why there is none (``NoSaveReport``). With ``generations``
+        the pod saves those sessions, each only under the generation named (a session it holds under another is
+        refused); without, all it holds (what it no longer owns is then refused when recorded). ``changed_only``:
+        sessions with nothing new since their last checkpoint write nothing."""
         command = SaveSessions(
             pod=pod,
             drain_id=drain_id,
@@ -53,11 +62,11 @@ class Saves:
             reply = await ctx.bus.request(ctx.subjects.for_event(command), command, timeout=timeout or deadline_s + 5)
         except TimeoutError as exc:
             within = "within the drain deadline" if drain_id else "in time"
-            return f"pod {pod}'s KV agent did not answer {within} ({exc})"
+            return NoSaveReport(f"pod {pod}'s KV agent did not answer {within} ({exc})")
         if isinstance(reply, DeadLetter):
-            return f"pod {pod}'s KV agent refused the save: {reply.reason}"
+            return NoSaveReport(f"pod {pod}'s KV agent refused the save: {reply.reason}")
         if not isinstance(reply, SaveSessionsReport):
-            return f"pod {pod}'s KV agent answered {reply.kind}, not a save report"
+            return NoSaveReport(f"pod {pod}'s KV agent answered {reply.kind}, not a save report")
         return reply
 
     async def record(self, report: SaveSessionsReport, drain_id: str) -> tuple[set[str], list[SessionFailure], int]:
