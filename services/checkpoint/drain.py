@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from typing import Literal
 
 import msgspec
 
@@ -51,13 +52,17 @@ VERDICT_TTL_S = 7 * 24 * 3600.0
 DRAINS_SHOWN = 1000
 """Drains this replica lists in its health (their state), newest last."""
 
+DrainRun = Literal["running", "interrupted", "completed", "failed"]
+"""Where a drain this replica ran stands: running, interrupted (its runner stopped: the redelivered request resumes
+it), or decided (its verdict's ``DrainOutcome``)."""
+
 
 class DrainVerdicts:
     def __init__(self, replica: Replica, saves: Saves) -> None:
         self.replica = replica
         self.saves = saves
-        self.states: dict[str, str] = {}
-        """drain id -> running, interrupted, completed or failed: the drains this replica ran (health)."""
+        self.states: dict[str, DrainRun] = {}
+        """drain id -> where it stands: the drains this replica ran (health)."""
 
     async def on_drain_requested(self, event: DrainRequested) -> None:
         """Idempotent on ``drain_id``: a drain with a verdict is answered with it again (the recorded event,
@@ -84,7 +89,7 @@ class DrainVerdicts:
             keeper.cancel()
         duration = time.monotonic() - started
         replica.metrics.drain.observe(duration)
-        state = "completed" if isinstance(verdict, DrainCompleted) else "failed"
+        state = verdict.outcome
         replica.metrics.verdicts.labels(state).inc()
         if await replica.registry.finish_drain(event.drain_id, state, codec.encode(verdict), duration):
             await replica.ctx.publish(verdict)

@@ -55,6 +55,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
+from shared.contract.node import DrainOutcome
 from shared.contract.sessions import SessionLocation, SessionRecord
 from shared.contract.subjects import Subjects
 from shared.kv.manifest import CheckpointManifest, checkpoint_order
@@ -856,7 +857,7 @@ class SessionRegistry:
         return key
 
     @_redis_may_be_down
-    async def finish_drain(self, drain_id: str, state: str, verdict: bytes, duration_s: float) -> bool:
+    async def finish_drain(self, drain_id: str, state: DrainOutcome, verdict: bytes, duration_s: float) -> bool:
         """Record the drain's one verdict; False (nothing written) when it already has one."""
         first = await self._finish(
             keys=[self._key("drain", drain_id), self._key("drain", drain_id, "lease")],
