@@ -212,16 +212,16 @@ class DrainVerdicts:
                         SessionFailure(session_id=s, pod=pod, reason=outcome.reason) for s in sorted(by_pod[pod])
                     ]
                 continue
-            ok, bad, nbytes = await self.saves.record(outcome, event.drain_id)
-            committed |= ok
-            total += nbytes
-            failed += bad
+            recorded = await self.saves.record(outcome, event.drain_id)
+            committed |= recorded.committed
+            total += recorded.bytes_total
+            failed += recorded.failed
             if outcome.not_held:
                 log.info(
                     "sessions no longer held by their pod: nothing of them to save",
                     extra={"pod": pod, "sessions": outcome.not_held[:20], "count": len(outcome.not_held)},
                 )
-            reported[pod] |= ok | {f.session_id for f in bad} | set(outcome.not_held)
+            reported[pod] |= recorded.committed | {f.session_id for f in recorded.failed} | set(outcome.not_held)
         for pod, sids in by_pod.items():
             if pod in pods_failed:
                 continue

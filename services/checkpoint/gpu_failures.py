@@ -42,10 +42,15 @@ class GpuFailures:
             if isinstance(outcome, NoSaveReport):
                 log.warning("pod on a failing GPU did not save", extra={"pod": pod, "error": outcome.reason})
                 return
-            ok, failed, _ = await self.saves.record(outcome, "")
+            recorded = await self.saves.record(outcome, "")
             log.info(
                 "pod on a failing GPU saved",
-                extra={"pod": pod, "gpu": event.gpu_uuid, "committed": len(ok), "failed": len(failed)},
+                extra={
+                    "pod": pod,
+                    "gpu": event.gpu_uuid,
+                    "committed": len(recorded.committed),
+                    "failed": len(recorded.failed),
+                },
             )
 
         await asyncio.gather(*(save(pod) for pod in sorted(set(event.pods))))

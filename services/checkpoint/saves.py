@@ -9,6 +9,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shared.contract.base import Event
 from shared.contract.checkpoint import CheckpointSaved, CommittedCheckpoint, SaveSessions, SaveSessionsReport
@@ -29,6 +30,15 @@ class NoSaveReport:
     else. Nothing of the pod's was saved by this command; its sessions' last checkpoints stand."""
 
     reason: str
+
+
+class Recorded(NamedTuple):
+    """What recording one report decided: the sessions whose checkpoint is committed, the failures (the report's
+    own and those refused here), and the bytes committed."""
+
+    committed: set[str]
+    failed: list[SessionFailure]
+    bytes_total: int
 
 
 class Saves:
@@ -69,7 +79,7 @@ class Saves:
             return NoSaveReport(f"pod {pod}'s KV agent answered {reply.kind}, not a save report")
         return reply
 
-    async def record(self, report: SaveSessionsReport, drain_id: str) -> tuple[set[str], list[SessionFailure], int]:
+    async def record(self, report: SaveSessionsReport, drain_id: str) -> Recorded:
         """Verify each committed checkpoint in the store (manifest present, verified and as reported, every pack
         it references present and long enough), record it if the pod still owns the session's generation, and
         publish ``checkpoint.saved``. A checkpoint of a pod that no longer owns the session is refused: not
@@ -99,7 +109,7 @@ class Saves:
             packs = await store.pack_sizes({ref.pack for _, m in manifests for ref in m.blocks})
         except StoreError as exc:
             reason = f"store unreadable: {exc}"
-            return (
+            return Recorded(
                 set(),
                 failed + [SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason) for c, _ in manifests],
                 0,
@@ -159,7 +169,7 @@ class Saves:
             ok.add(c.session_id)
             total += c.bytes_total
         await self._publish_recorded(events)
-        return ok, failed, total
+        return Recorded(ok, failed, total)
 
     async def _publish_recorded(self, events: Sequence[Event]) -> None:
         """``checkpoint.saved`` and the locations that changed, in one batch of acknowledgements. What is
@@ -178,11 +188,11 @@ class Saves:
 
     async def on_record(self, report: SaveSessionsReport) -> SaveSessionsReport:
         """PreStop saves reported by agents: verified, fenced and recorded like a drain's."""
-        ok, failed, _ = await self.record(report, "")
+        recorded = await self.record(report, "")
         return SaveSessionsReport(
             pod=report.pod,
             node=report.node,
             store=report.store,
-            committed=[c for c in report.committed if c.session_id in ok],
-            failed=failed,
+            committed=[c for c in report.committed if c.session_id in recorded.committed],
+            failed=recorded.failed,
         )
