@@ -352,7 +352,7 @@ def cmd_drain_node(args: argparse.Namespace) -> int:
     )
     tasks: dict[str, Any] = {}
 
-    def report(phase: str, done: dict[str, Any]) -> None:
+    def report(phase: operations.DrainPhase, done: dict[str, Any]) -> None:
         if phase == "cordoned":
             total = done["sessions"]
             if live:

@@ -28,7 +28,7 @@ from shared.sim.engines import engine_for
 from shared.sim.spec import TINY_LLAMA
 from shared.sim.workload import Conversations, SimWorkload
 from tests.helpers import eventually
-from tests.test_sim_capacity import SMALL_MODEL, mesh, send_rounds, spec_of, turn
+from tests.workloadkit import SMALL_MODEL, mesh, send_rounds, spec_of, turn
 
 
 async def begin_sessions(bus: Bus, workload: SimWorkload, count: int, prompt: int) -> list[str]:

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from typing import Literal
 
 import msgspec
 
@@ -35,7 +36,7 @@ from shared.plumbing.errors import PermanentError, TemporaryError
 
 from .pods import forget_gone_pods
 from .replica import Replica
-from .saves import Saves
+from .saves import NoSaveReport, Saves
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,17 @@ VERDICT_TTL_S = 7 * 24 * 3600.0
 DRAINS_SHOWN = 1000
 """Drains this replica lists in its health (their state), newest last."""
 
+DrainRun = Literal["running", "interrupted", "completed", "failed"]
+"""Where a drain this replica ran stands: running, interrupted (its runner stopped: the redelivered request resumes
+it), or decided (its verdict's ``DrainOutcome``)."""
+
 
 class DrainVerdicts:
     def __init__(self, replica: Replica, saves: Saves) -> None:
         self.replica = replica
         self.saves = saves
-        self.states: dict[str, str] = {}
-        """drain id -> running, interrupted, completed or failed: the drains this replica ran (health)."""
+        self.states: dict[str, DrainRun] = {}
+        """drain id -> where it stands: the drains this replica ran (health)."""
 
     async def on_drain_requested(self, event: DrainRequested) -> None:
         """Idempotent on ``drain_id``: a drain with a verdict is answered with it again (the recorded event,
@@ -84,7 +89,7 @@ class DrainVerdicts:
             keeper.cancel()
         duration = time.monotonic() - started
         replica.metrics.drain.observe(duration)
-        state = "completed" if isinstance(verdict, DrainCompleted) else "failed"
+        state = verdict.outcome
         replica.metrics.verdicts.labels(state).inc()
         if await replica.registry.finish_drain(event.drain_id, state, codec.encode(verdict), duration):
             await replica.ctx.publish(verdict)
@@ -171,7 +176,7 @@ class DrainVerdicts:
         agent_deadline = max(0.1, event.deadline_s * 0.8)
         limit = asyncio.Semaphore(replica.policy().drain_parallelism)
 
-        async def save(pod: str, batch: dict[str, int]) -> tuple[str, SaveSessionsReport | str]:
+        async def save(pod: str, batch: dict[str, int]) -> tuple[str, SaveSessionsReport | NoSaveReport]:
             async with limit:
                 remaining = event.deadline_s - (time.monotonic() - started)
                 outcome = await self.saves.command(
@@ -184,7 +189,7 @@ class DrainVerdicts:
                 )
                 return pod, outcome
 
-        async def save_pod(pod: str) -> list[tuple[str, SaveSessionsReport | str]]:
+        async def save_pod(pod: str) -> list[tuple[str, SaveSessionsReport | NoSaveReport]]:
             """A pod's sessions in batches of ``SAVE_BATCH``, one after the other: no command or report passes
             the bus's payload limit, however many sessions the pod holds."""
             sids = sorted(by_pod[pod])
@@ -200,21 +205,23 @@ class DrainVerdicts:
         reported: dict[str, set[str]] = defaultdict(set)
         pods_failed: set[str] = set()
         for pod, outcome in results:
-            if isinstance(outcome, str):
+            if isinstance(outcome, NoSaveReport):
                 if pod not in pods_failed:
                     pods_failed.add(pod)
-                    failed += [SessionFailure(session_id=s, pod=pod, reason=outcome) for s in sorted(by_pod[pod])]
+                    failed += [
+                        SessionFailure(session_id=s, pod=pod, reason=outcome.reason) for s in sorted(by_pod[pod])
+                    ]
                 continue
-            ok, bad, nbytes = await self.saves.record(outcome, event.drain_id)
-            committed |= ok
-            total += nbytes
-            failed += bad
+            recorded = await self.saves.record(outcome, event.drain_id)
+            committed |= recorded.committed
+            total += recorded.bytes_total
+            failed += recorded.failed
             if outcome.not_held:
                 log.info(
                     "sessions no longer held by their pod: nothing of them to save",
                     extra={"pod": pod, "sessions": outcome.not_held[:20], "count": len(outcome.not_held)},
                 )
-            reported[pod] |= ok | {f.session_id for f in bad} | set(outcome.not_held)
+            reported[pod] |= recorded.committed | {f.session_id for f in recorded.failed} | set(outcome.not_held)
         for pod, sids in by_pod.items():
             if pod in pods_failed:
                 continue

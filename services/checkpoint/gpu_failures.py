@@ -11,7 +11,7 @@ from shared.contract.base import is_token
 from shared.contract.device import DeviceHealthChanged
 
 from .replica import Replica
-from .saves import Saves
+from .saves import NoSaveReport, Saves
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,18 @@ class GpuFailures:
                 return
             async with limit:
                 outcome = await self.saves.command(name, GPU_FAILURE_SAVE_S, "gpu-unhealthy")
-            if isinstance(outcome, str):
-                log.warning("pod on a failing GPU did not save", extra={"pod": pod, "error": outcome})
+            if isinstance(outcome, NoSaveReport):
+                log.warning("pod on a failing GPU did not save", extra={"pod": pod, "error": outcome.reason})
                 return
-            ok, failed, _ = await self.saves.record(outcome, "")
+            recorded = await self.saves.record(outcome, "")
             log.info(
                 "pod on a failing GPU saved",
-                extra={"pod": pod, "gpu": event.gpu_uuid, "committed": len(ok), "failed": len(failed)},
+                extra={
+                    "pod": pod,
+                    "gpu": event.gpu_uuid,
+                    "committed": len(recorded.committed),
+                    "failed": len(recorded.failed),
+                },
             )
 
         await asyncio.gather(*(save(pod) for pod in sorted(set(event.pods))))

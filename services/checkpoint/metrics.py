@@ -4,8 +4,11 @@ periodic checkpoints and location events count (docs/observability.md lists them
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.contract.node import DrainOutcome
 
 
 class CheckpointMetrics:
@@ -62,7 +65,7 @@ class CheckpointMetrics:
             ["outcome"],
             registry=r,
         )
-        for outcome in ("completed", "failed"):  # both series exist from the start, at 0: the first one counts
+        for outcome in get_args(DrainOutcome):  # both series exist from the start, at 0: the first one counts
             self.verdicts.labels(outcome)
         self.restores = Counter(
             "gpuwarden_checkpoint_restores_total",

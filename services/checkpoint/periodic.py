@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from shared.plumbing.errors import TemporaryError
 
 from .replica import Replica
-from .saves import Saves
+from .saves import NoSaveReport, Saves
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +134,9 @@ class PeriodicSaves:
             return False
         finally:
             self._running.discard(pod)
-        if isinstance(outcome, str):
+        if isinstance(outcome, NoSaveReport):
             replica.metrics.periodic_missed.inc()
-            log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": outcome})
+            log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": outcome.reason})
             with contextlib.suppress(TemporaryError):  # the turn goes back: the pod is asked again soon
                 await replica.registry.release_turn("periodic", pod, replica.owner)
             self._retry_soon(pod, interval_s)

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
+from shared.contract.node import DrainOutcome
 from shared.contract.sessions import SessionLocation, SessionRecord
 from shared.kv.manifest import CheckpointManifest
 from shared.kv.store import PackInfo
@@ -115,7 +116,7 @@ class Registry(Protocol):
 
     async def keep_failures(self, drain_id: str, failures: list[bytes], ttl_s: float) -> str: ...
 
-    async def finish_drain(self, drain_id: str, state: str, verdict: bytes, duration_s: float) -> bool: ...
+    async def finish_drain(self, drain_id: str, state: DrainOutcome, verdict: bytes, duration_s: float) -> bool: ...
 
     # replicas and their turns
     async def replicas(self, owner: str, lease_s: float) -> list[str]: ...

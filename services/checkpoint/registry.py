@@ -55,10 +55,12 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
+from shared.contract.node import DrainOutcome
 from shared.contract.sessions import SessionLocation, SessionRecord
 from shared.contract.subjects import Subjects
 from shared.kv.manifest import CheckpointManifest, checkpoint_order
 from shared.plumbing.errors import TemporaryError
+from shared.plumbing.replies import as_text
 
 # The session's location, as one flat record (see ``_location``). With a ``reason`` it is a change: the
 # session's next sequence is taken (strictly above the last, and at least the registry's clock in microseconds,
@@ -393,10 +395,6 @@ def _redis_may_be_down(method: Callable[P, Awaitable[R]]) -> Callable[P, Corouti
     return guarded
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def checkpoint_score(generation: int, sequence: int) -> float:
     """(generation, sequence) as one sorted-set score, exact while generation < 2**21."""
     return float(generation * _SEQUENCE_SPAN + sequence)
@@ -404,7 +402,7 @@ def checkpoint_score(generation: int, sequence: int) -> float:
 
 def _location(raw: list[Any]) -> SessionLocation:
     """A location record of ``_LOCATED`` as the event a router reads."""
-    sid, reason, seq, held, pod, node, ns, dep, gen, prev, cid, tokens = (_text(v) for v in raw)
+    sid, reason, seq, held, pod, node, ns, dep, gen, prev, cid, tokens = (as_text(v) for v in raw)
     return SessionLocation(
         session_id=sid,
         sequence=int(seq),
@@ -516,7 +514,7 @@ class SessionRegistry:
             keys=[self._key("held", event.pod)], args=[*head, *event.ended, *event.dropped, *pairs]
         )
         return Applied(
-            [_text(s) for s in stale], [_text(s) for s in retired], [_location(c) for c in changes], bool(resync)
+            [as_text(s) for s in stale], [as_text(s) for s in retired], [_location(c) for c in changes], bool(resync)
         )
 
     @_redis_may_be_down
@@ -538,7 +536,7 @@ class SessionRegistry:
             args=[self.subjects.root, session_id, pod, node, namespace, deployment, time.time(), floor, int(force)],
         )
         if refused:
-            return Claim(0, None, _text(refused), _text(holder), _text(holder_node))
+            return Claim(0, None, as_text(refused), as_text(holder), as_text(holder_node))
         return Claim(int(generation), _location(location))
 
     @_redis_may_be_down
@@ -568,7 +566,7 @@ class SessionRegistry:
     @_redis_may_be_down
     async def sessions_on_node(self, node: str) -> list[SessionPlace]:
         """The sessions placed on the node (its index, then each one's record): what a drain of it reads."""
-        sids = sorted(_text(s) for s in await self.client.hkeys(self._key("onnode", node)))
+        sids = sorted(as_text(s) for s in await self.client.hkeys(self._key("onnode", node)))
         if not sids:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
@@ -577,19 +575,21 @@ class SessionRegistry:
             rows = await pipe.execute()
         out = []
         for sid, (pod, where, ns, dep, gen) in zip(sids, rows, strict=True):
-            if pod is not None and _text(where) == node:
-                out.append(SessionPlace(sid, _text(pod), node, _text(ns or b""), _text(dep or b""), int(gen or 0)))
+            if pod is not None and as_text(where) == node:
+                out.append(
+                    SessionPlace(sid, as_text(pod), node, as_text(ns or b""), as_text(dep or b""), int(gen or 0))
+                )
         return out
 
     @_redis_may_be_down
     async def sessions_of_pod(self, pod: str) -> dict[str, int]:
         """The sessions the pod holds -> the generation it holds each under (its index: one read)."""
-        return {_text(k): int(v) for k, v in (await self.client.hgetall(self._key("held", pod))).items()}
+        return {as_text(k): int(v) for k, v in (await self.client.hgetall(self._key("held", pod))).items()}
 
     @_redis_may_be_down
     async def pods(self) -> dict[str, str]:
         """Every pod the registry knows -> its node."""
-        return {_text(k): _text(v) for k, v in (await self.client.hgetall(self._key("pods"))).items()}
+        return {as_text(k): as_text(v) for k, v in (await self.client.hgetall(self._key("pods"))).items()}
 
     @_redis_may_be_down
     async def silent_pods(self, known: dict[str, str] | None = None) -> dict[str, str]:
@@ -626,7 +626,7 @@ class SessionRegistry:
         for i, pod in enumerate(names):
             count, (ns, dep), lease = replies[3 * i], replies[3 * i + 1], replies[3 * i + 2]
             by_pod[pod] = int(count)
-            deployments[pod] = f"{_text(ns or b'')}/{_text(dep or b'')}"
+            deployments[pod] = f"{as_text(ns or b'')}/{as_text(dep or b'')}"
             if lease:
                 alive.append(pod)
         return FleetCounts(by_pod, pods, deployments, alive)
@@ -642,7 +642,7 @@ class SessionRegistry:
         position = int(cursor) if cursor.isdigit() else 0
         index = self._key("onnode", node) if node else self._key("held", pod)
         position, found = await self.client.hscan(index, position, count=limit)
-        sids = [_text(k) for k in found]
+        sids = [as_text(k) for k in found]
         total = int(await self.client.hlen(index))
         records = await self._records(sids)
         if pod:
@@ -657,7 +657,7 @@ class SessionRegistry:
                 pipe.hmget(self._key("session", sid), "pod", "node", "namespace", "deployment", "generation")
                 pipe.zrevrange(self._key("checkpoints", sid), 0, 0)
             replies = await pipe.execute()
-        newest = {sid: _text(replies[2 * i + 1][0]) for i, sid in enumerate(sids) if replies[2 * i + 1]}
+        newest = {sid: as_text(replies[2 * i + 1][0]) for i, sid in enumerate(sids) if replies[2 * i + 1]}
         summaries = (
             dict(
                 zip(newest, await self.client.mget([self._key("checkpoint", c) for c in newest.values()]), strict=True)
@@ -678,10 +678,10 @@ class SessionRegistry:
             out.append(
                 SessionRecord(
                     session_id=sid,
-                    pod=_text(pod),
-                    node=_text(node or b""),
-                    namespace=_text(ns or b""),
-                    deployment=_text(dep or b""),
+                    pod=as_text(pod),
+                    node=as_text(node or b""),
+                    namespace=as_text(ns or b""),
+                    deployment=as_text(dep or b""),
                     generation=int(gen or 0),
                     checkpoint_id=newest.get(sid, ""),
                     checkpoint_at=summary.get("recorded_at"),
@@ -694,7 +694,9 @@ class SessionRegistry:
     @_redis_may_be_down
     async def replicas(self, owner: str, lease_s: float) -> list[str]:
         """Renew this replica's membership lease and return every replica whose lease stands (this one too)."""
-        return [_text(m) for m in await self._replicas(keys=[self._key("replicas")], args=[owner, int(lease_s * 1000)])]
+        return [
+            as_text(m) for m in await self._replicas(keys=[self._key("replicas")], args=[owner, int(lease_s * 1000)])
+        ]
 
     @_redis_may_be_down
     async def leave_replicas(self, owner: str) -> None:
@@ -748,7 +750,7 @@ class SessionRegistry:
                     client=pipe,
                 )
             replies = await pipe.execute()
-        return [(_text(refused), (_location(location) if location else None)) for refused, location in replies]
+        return [(as_text(refused), (_location(location) if location else None)) for refused, location in replies]
 
     @_redis_may_be_down
     async def repair_checkpoints(
@@ -776,12 +778,12 @@ class SessionRegistry:
             }
             args += [m.checkpoint_id, checkpoint_score(m.generation, m.sequence), m.generation, json.dumps(summary)]
         added = await self._repair(keys=[self._key("checkpoints", session_id)], args=args)
-        return [_text(c) for c in added]
+        return [as_text(c) for c in added]
 
     @_redis_may_be_down
     async def checkpoints(self, session_id: str, limit: int = 16) -> list[dict[str, Any]]:
         """The session's recorded checkpoints, newest (generation, sequence) first."""
-        ids = [_text(c) for c in await self.client.zrevrange(self._key("checkpoints", session_id), 0, limit - 1)]
+        ids = [as_text(c) for c in await self.client.zrevrange(self._key("checkpoints", session_id), 0, limit - 1)]
         if not ids:
             return []
         raws = await self.client.mget([self._key("checkpoint", c) for c in ids])
@@ -820,7 +822,7 @@ class SessionRegistry:
     async def drain_node(self, drain_id: str) -> str | None:
         """The node a drain was recorded for (running or decided), or None when no drain of that id is known."""
         raw = await self.client.hget(self._key("drain", drain_id), "node")
-        return None if raw is None else _text(raw)
+        return None if raw is None else as_text(raw)
 
     @_redis_may_be_down
     async def take_drain(self, drain_id: str, node: str, owner: str, lease_s: float) -> bool:
@@ -851,7 +853,7 @@ class SessionRegistry:
         return key
 
     @_redis_may_be_down
-    async def finish_drain(self, drain_id: str, state: str, verdict: bytes, duration_s: float) -> bool:
+    async def finish_drain(self, drain_id: str, state: DrainOutcome, verdict: bytes, duration_s: float) -> bool:
         """Record the drain's one verdict; False (nothing written) when it already has one."""
         first = await self._finish(
             keys=[self._key("drain", drain_id), self._key("drain", drain_id, "lease")],
@@ -883,19 +885,19 @@ class SessionRegistry:
         """Every session with a recorded checkpoint (a scan: its cost follows the whole registry)."""
         prefix = self._key("checkpoints", "")
         async for raw in self.client.scan_iter(match=prefix + "*", count=1000):
-            yield _text(raw)[len(prefix) :]
+            yield as_text(raw)[len(prefix) :]
 
     async def audit_nodes(self) -> AsyncIterator[str]:
         """Every node with a session index (a scan)."""
         prefix = self._key("onnode", "")
         async for raw in self.client.scan_iter(match=prefix + "*", count=1000):
-            yield _text(raw)[len(prefix) :]
+            yield as_text(raw)[len(prefix) :]
 
     @_redis_may_be_down
     async def node_index(self, node: str) -> dict[str, str]:
         """The node's index as stored: every session it lists -> the pod it names (unchecked against the records,
         unlike ``sessions_on_node``)."""
-        return {_text(k): _text(v) for k, v in (await self.client.hgetall(self._key("onnode", node))).items()}
+        return {as_text(k): as_text(v) for k, v in (await self.client.hgetall(self._key("onnode", node))).items()}
 
     @_redis_may_be_down
     async def session_record(self, session_id: str) -> SessionPlace | None:
@@ -906,11 +908,16 @@ class SessionRegistry:
         if pod is None and node is None:
             return None
         return SessionPlace(
-            session_id, _text(pod or b""), _text(node or b""), _text(ns or b""), _text(dep or b""), int(gen or 0)
+            session_id,
+            as_text(pod or b""),
+            as_text(node or b""),
+            as_text(ns or b""),
+            as_text(dep or b""),
+            int(gen or 0),
         )
 
     @_redis_may_be_down
     async def drain_state(self, drain_id: str) -> str:
         """The drain's recorded state (running, completed, failed), '' when no drain of that id was taken."""
         raw = await self.client.hget(self._key("drain", drain_id), "state")
-        return "" if raw is None else _text(raw)
+        return "" if raw is None else as_text(raw)

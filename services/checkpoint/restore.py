@@ -1,8 +1,9 @@
 """Where a session restores from, and who holds it: a pod locating a session gets its checkpoints newest
 (generation, sequence) first, those the store holds and those the registry recorded (the store is the last word
-on what was committed: newer ones a Redis failover made the registry lose are recorded again); with ``claim`` the
-pod takes the session under its next generation, above every generation a checkpoint carries, unless a pod that
-still runs holds it or it belongs to another deployment. A pod's report of a restore moves the session to it."""
+on what was committed: newer ones a Redis failover made the registry lose are recorded again); with
+``take_session`` the pod takes the session under its next generation, above every generation a checkpoint
+carries, unless a pod that still runs holds it or it belongs to another deployment. A pod's report of a restore
+moves the session to it."""
 
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ class Restores:
 
     async def on_locate(self, event: LocateCheckpoint) -> CheckpointLocation:
         """The session's checkpoints, newest (generation, sequence) first: those the store holds and those the
-        registry recorded (``_candidates``). With ``claim``, the asking pod takes the session under its next
-        generation, above every generation the checkpoints carry. Not idempotent with ``claim`` (each claim is
-        a new generation), which is what makes a stale holder's saves refusable."""
+        registry recorded (``_candidates``). With ``take_session``, the asking pod takes the session under its
+        next generation, above every generation the checkpoints carry. Not idempotent with ``take_session`` (each
+        take is a new generation), which is what makes a stale holder's saves refusable."""
         found = await self._candidates(event.session_id)
         candidates = found.ids
         generation = 0
-        if event.claim:
+        if event.takes_session:
             claim = await self._claim(event, found.floor)
             if claim.refused:
                 return CheckpointLocation(

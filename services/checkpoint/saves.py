@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from shared.contract.base import Event
 from shared.contract.checkpoint import CheckpointSaved, CommittedCheckpoint, SaveSessions, SaveSessionsReport
@@ -20,6 +22,23 @@ from shared.kv.store import StoreError
 from .replica import Replica
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NoSaveReport:
+    """Why a pod's agent gave no save report: it did not answer in time, refused the command, or answered something
+    else. Nothing of the pod's was saved by this command; its sessions' last checkpoints stand."""
+
+    reason: str
+
+
+class Recorded(NamedTuple):
+    """What recording one report decided: the sessions whose checkpoint is committed, the failures (the report's
+    own and those refused here), and the bytes committed."""
+
+    committed: set[str]
+    failed: list[SessionFailure]
+    bytes_total: int
 
 
 class Saves:
@@ -35,11 +54,11 @@ class Saves:
         generations: dict[str, int] | None = None,
         timeout: float | None = None,
         changed_only: bool = False,
-    ) -> SaveSessionsReport | str:
-        """Have one pod's agent save; its report, or why there is none. With ``generations`` the pod saves those
-        sessions, each only under the generation named (a session it holds under another is refused); without,
-        all it holds (what it no longer owns is then refused when recorded). ``changed_only``: sessions with
-        nothing new since their last checkpoint write nothing."""
+    ) -> SaveSessionsReport | NoSaveReport:
+        """Have one pod's agent save; its report, or why there is none (``NoSaveReport``). With ``generations``
+        the pod saves those sessions, each only under the generation named (a session it holds under another is
+        refused); without, all it holds (what it no longer owns is then refused when recorded). ``changed_only``:
+        sessions with nothing new since their last checkpoint write nothing."""
         command = SaveSessions(
             pod=pod,
             drain_id=drain_id,
@@ -53,14 +72,14 @@ class Saves:
             reply = await ctx.bus.request(ctx.subjects.for_event(command), command, timeout=timeout or deadline_s + 5)
         except TimeoutError as exc:
             within = "within the drain deadline" if drain_id else "in time"
-            return f"pod {pod}'s KV agent did not answer {within} ({exc})"
+            return NoSaveReport(f"pod {pod}'s KV agent did not answer {within} ({exc})")
         if isinstance(reply, DeadLetter):
-            return f"pod {pod}'s KV agent refused the save: {reply.reason}"
+            return NoSaveReport(f"pod {pod}'s KV agent refused the save: {reply.reason}")
         if not isinstance(reply, SaveSessionsReport):
-            return f"pod {pod}'s KV agent answered {reply.kind}, not a save report"
+            return NoSaveReport(f"pod {pod}'s KV agent answered {reply.kind}, not a save report")
         return reply
 
-    async def record(self, report: SaveSessionsReport, drain_id: str) -> tuple[set[str], list[SessionFailure], int]:
+    async def record(self, report: SaveSessionsReport, drain_id: str) -> Recorded:
         """Verify each committed checkpoint in the store (manifest present, verified and as reported, every pack
         it references present and long enough), record it if the pod still owns the session's generation, and
         publish ``checkpoint.saved``. A checkpoint of a pod that no longer owns the session is refused: not
@@ -90,7 +109,7 @@ class Saves:
             packs = await store.pack_sizes({ref.pack for _, m in manifests for ref in m.blocks})
         except StoreError as exc:
             reason = f"store unreadable: {exc}"
-            return (
+            return Recorded(
                 set(),
                 failed + [SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason) for c, _ in manifests],
                 0,
@@ -150,7 +169,7 @@ class Saves:
             ok.add(c.session_id)
             total += c.bytes_total
         await self._publish_recorded(events)
-        return ok, failed, total
+        return Recorded(ok, failed, total)
 
     async def _publish_recorded(self, events: Sequence[Event]) -> None:
         """``checkpoint.saved`` and the locations that changed, in one batch of acknowledgements. What is
@@ -169,11 +188,11 @@ class Saves:
 
     async def on_record(self, report: SaveSessionsReport) -> SaveSessionsReport:
         """PreStop saves reported by agents: verified, fenced and recorded like a drain's."""
-        ok, failed, _ = await self.record(report, "")
+        recorded = await self.record(report, "")
         return SaveSessionsReport(
             pod=report.pod,
             node=report.node,
             store=report.store,
-            committed=[c for c in report.committed if c.session_id in ok],
-            failed=failed,
+            committed=[c for c in report.committed if c.session_id in recorded.committed],
+            failed=recorded.failed,
         )

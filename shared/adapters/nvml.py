@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from shared.contract.device import GpuDevice, MigInstance
+from shared.plumbing.replies import as_text
 from shared.ports.gpu import (
     DriverInstallError,
     DriverValidation,
@@ -74,7 +75,7 @@ def cuda_version_text(raw: int) -> str:
 
 def normalise_bus_id(raw: str | bytes) -> str:
     """PCI bus ids in one form: NVML writes the domain with 8 or 4 hex digits depending on the call."""
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    text = as_text(raw)
     text = text.strip().lower()
     domain, sep, rest = text.partition(":")
     if not sep or rest.count(":") != 1:
@@ -83,10 +84,6 @@ def normalise_bus_id(raw: str | bytes) -> str:
         return f"{int(domain, 16):08x}:{rest}"
     except ValueError:
         return text
-
-
-def _text(raw: Any) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def mig_profile_name(slices: int, memory_mib: int, total_mib: int, suffix: str = "") -> str:
@@ -196,7 +193,7 @@ class NvmlGpus:
         for index in range(count):
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+                uuid = as_text(nvml.nvmlDeviceGetUUID(handle))
             except Exception as exc:
                 if self._is_lost(exc):
                     log.warning("GPU is lost", extra={"index": index, "error": str(exc)})
@@ -224,7 +221,7 @@ class NvmlGpus:
         records: list[dict[str, Any]] = []
         for index, uuid, h in handles:
             try:
-                name = _text(self._call("nvmlDeviceGetName", nvml.nvmlDeviceGetName, h, uuid=uuid))
+                name = as_text(self._call("nvmlDeviceGetName", nvml.nvmlDeviceGetName, h, uuid=uuid))
                 bus = normalise_bus_id(
                     self._call("nvmlDeviceGetPciInfo", nvml.nvmlDeviceGetPciInfo, h, uuid=uuid).busId
                 )
@@ -315,7 +312,7 @@ class NvmlGpus:
         for i in range(count):
             try:
                 mh = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-                mig_uuid = _text(nvml.nvmlDeviceGetUUID(mh))
+                mig_uuid = as_text(nvml.nvmlDeviceGetUUID(mh))
                 memory = int(nvml.nvmlDeviceGetMemoryInfo(mh).total) // MIB
             except Exception as exc:
                 if self._is_nvml_error(exc):
@@ -324,7 +321,7 @@ class NvmlGpus:
             profile = ""
             with contextlib.suppress(Exception):
                 # MIG devices are named "<GPU name> MIG 1g.10gb"; the cheapest way to the profile.
-                match = _MIG_PROFILE_RE.search(_text(nvml.nvmlDeviceGetName(mh)))
+                match = _MIG_PROFILE_RE.search(as_text(nvml.nvmlDeviceGetName(mh)))
                 profile = match.group(1) if match else ""
             gi_id, ci_id = self._instance_ids(mh)
             instances.append(
@@ -352,7 +349,7 @@ class NvmlGpus:
 
     def _versions(self) -> DriverVersions:
         nvml = self._nvml_after_open()
-        driver = _text(self._call("nvmlSystemGetDriverVersion", nvml.nvmlSystemGetDriverVersion))
+        driver = as_text(self._call("nvmlSystemGetDriverVersion", nvml.nvmlSystemGetDriverVersion))
         cuda = int(self._call("nvmlSystemGetCudaDriverVersion_v2", nvml.nvmlSystemGetCudaDriverVersion_v2))
         return DriverVersions(driver=driver, cuda=cuda_version_text(cuda))
 
@@ -491,7 +488,7 @@ class NvmlGpus:
 
     def _xid(self, data: Any) -> None:
         try:
-            uuid = _text(self._nvml.nvmlDeviceGetUUID(data.device))
+            uuid = as_text(self._nvml.nvmlDeviceGetUUID(data.device))
         except Exception as exc:
             uuid = "unknown"
             log.warning("XID event for a GPU whose UUID NVML did not give", extra={"error": str(exc)})
@@ -523,7 +520,7 @@ class NvmlGpus:
             if int(info.instanceCount) <= 0:
                 continue
             slices, memory = int(info.sliceCount), int(info.memorySizeMB)
-            named = _MIG_PROFILE_RE.search("MIG " + _text(getattr(info, "name", b"")).removeprefix("MIG "))
+            named = _MIG_PROFILE_RE.search("MIG " + as_text(getattr(info, "name", b"")).removeprefix("MIG "))
             name = (
                 named.group(1) if named else mig_profile_name(slices, memory, total_mib, suffixes.get(profile_id, ""))
             )
@@ -572,7 +569,7 @@ class NvmlGpus:
                 if self._is_nvml_error(exc) and not self._is_lost(exc):
                     continue  # an empty slot answers NOT_FOUND
                 raise
-            mig_uuid = _text(self._call("nvmlDeviceGetUUID", nvml.nvmlDeviceGetUUID, mh, uuid=uuid))
+            mig_uuid = as_text(self._call("nvmlDeviceGetUUID", nvml.nvmlDeviceGetUUID, mh, uuid=uuid))
             gi_id = int(self._call("nvmlDeviceGetGpuInstanceId", nvml.nvmlDeviceGetGpuInstanceId, mh, uuid=uuid))
             found.append((mh, mig_uuid, gi_id))
         return found
@@ -694,7 +691,7 @@ class NvmlGpus:
             raise
         try:
             try:
-                version = _text(nvml.nvmlSystemGetDriverVersion())
+                version = as_text(nvml.nvmlSystemGetDriverVersion())
                 count = int(nvml.nvmlDeviceGetCount())
             except Exception as exc:
                 if not self._is_nvml_error(exc):
@@ -705,7 +702,7 @@ class NvmlGpus:
             for index in range(count):
                 try:
                     h = nvml.nvmlDeviceGetHandleByIndex(index)
-                    uuid = _text(nvml.nvmlDeviceGetUUID(h))
+                    uuid = as_text(nvml.nvmlDeviceGetUUID(h))
                     nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
                 except Exception as exc:
                     if not self._is_nvml_error(exc):

@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -35,15 +35,25 @@ from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.device import DeviceInventory
 from shared.contract.driver import UpgradeState
-from shared.contract.node import DrainFailed, NodeCordoned, NodeUncordoned
+from shared.contract.node import DrainFailed, DrainOutcome, NodeCordoned, NodeUncordoned
 from shared.contract.requests import InferenceRequest
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
 from shared.plumbing.drains import DrainClient, InvalidDrain, drain_request
 from shared.plumbing.evictions import COMMAND_BACKOFF, COMMAND_POLL_S, evict_pods
 from shared.ports.cluster import ClusterConflict
 
-Report = Callable[[str, dict[str, Any]], None]
-"""Progress: a phase name and what it has done so far; the command draws it (a bar, or plain lines)."""
+DrainPhase = Literal["cordoned", "saving", "saved", "evicted", "evicting", "moving"]
+"""Where ``drain`` is: the node cordoned (``sessions``: how many to save), the save asked for (``sessions``), saved
+(``sessions``, ``bytes``), one pod evicted (``pod``), pods still to leave (``pods_left``), sessions restored or ended
+elsewhere so far (``done`` of ``total``)."""
+
+Report = Callable[[DrainPhase, dict[str, Any]], None]
+"""Progress: the phase and what it has done so far (the keys ``DrainPhase`` names); the command draws it (a bar,
+or plain lines)."""
+
+MoveOutcome = Literal["", "restored", "ended"]
+"""What became of a drained session: restored elsewhere (and verified), ended (its client closed it in transit),
+or nothing yet ('')."""
 
 
 @dataclass
@@ -51,8 +61,7 @@ class MovedSession:
     id: str
     pod: str
     generation: int
-    outcome: str = ""
-    """restored, ended (its client closed it in transit), or empty while waiting."""
+    outcome: MoveOutcome = ""
     new_pod: str = ""
     new_node: str = ""
     checkpoint_id: str = ""
@@ -63,7 +72,8 @@ class MovedSession:
 class DrainResult:
     node: str
     drain_id: str
-    verdict: str = ""
+    verdict: DrainOutcome | Literal[""] = ""
+    """The checkpoint service's verdict on the saves; '' when none came."""
     sessions_committed: int = 0
     bytes_saved: int = 0
     save_s: float = 0.0
@@ -181,13 +191,13 @@ async def drain(
             return result
         result.save_s = time.monotonic() - started
         if isinstance(event, DrainFailed):
-            result.verdict = "failed"
+            result.verdict = event.outcome
             result.sessions_committed = event.sessions_committed
             named = ", ".join(f"{f.session_id} ({f.reason})" for f in event.failed_sessions[:3])
             more = event.failed_total or len(event.failed_sessions)
             result.reason = f"not every session was saved: {event.reason}; {more} failed: {named}"
             return result  # evict nothing: the node stays cordoned with its sessions where they are
-        result.verdict = "completed"
+        result.verdict = event.outcome
         result.sessions_committed = event.sessions_committed
         result.bytes_saved = event.bytes_saved
         report("saved", {"sessions": event.sessions_committed, "bytes": event.bytes_saved})

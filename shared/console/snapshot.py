@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -32,7 +32,7 @@ from shared.contract.configdocs import ModelVersions
 from shared.contract.deadletter import DeadLetter
 from shared.contract.device import DeviceInventory
 from shared.contract.metrics import GpuSample
-from shared.contract.node import DrainCompleted, DrainFailed
+from shared.contract.node import DrainCompleted, DrainFailed, DrainOutcome
 from shared.contract.scaler import ScaleDecision
 from shared.contract.sessions import FleetQuery, FleetSummary, SessionRecord, SessionsPage, SessionsQuery
 from shared.plumbing.configsync import ConfigStore
@@ -145,8 +145,8 @@ class SessionView(msgspec.Struct, kw_only=True):
 class DrainView(msgspec.Struct, kw_only=True):
     id: str
     node: str
-    state: str
-    """running (asked, no verdict yet), completed or failed: the checkpoint service's verdict on the saves."""
+    state: Literal["running"] | DrainOutcome
+    """running (asked, no verdict yet), else the checkpoint service's verdict on the saves (its ``DrainOutcome``)."""
     started_at: float | None = None
     duration_s: float | None = None
     sessions_committed: int = 0
@@ -495,11 +495,11 @@ async def read_drains(
         )
         match verdict:
             case DrainCompleted():
-                view.state = "completed"
+                view.state = verdict.outcome
                 view.duration_s = verdict.duration_s
                 view.sessions_committed = verdict.sessions_committed
             case DrainFailed():
-                view.state = "failed"
+                view.state = verdict.outcome
                 view.duration_s = max(0.0, verdict.occurred_at.timestamp() - asked_at)
                 view.sessions_committed = verdict.sessions_committed
                 view.reason = verdict.reason

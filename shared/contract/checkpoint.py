@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -188,17 +188,29 @@ class AnnouncementAck(Event, frozen=True, kw_only=True, tag="checkpoint.agent.ac
 class LocateCheckpoint(Event, frozen=True, kw_only=True, tag="checkpoint.locate"):
     """Where is this session's newest committed checkpoint? Asked by a new pod, or on a session's next request.
 
-    With ``claim`` the asking pod takes the session: the answer carries the session's next generation, which
-    from then on only that pod may save (restore or start fresh, the pod holds it under that generation)."""
+    With ``take_session`` the asking pod also takes the session, to start it or to restore it: the service hands
+    out the session's next generation (in the answer), which from then on only that pod may save; without, the
+    question changes nothing."""
 
     family: ClassVar[str] = "checkpoint"
 
     session_id: SessionId
     pod: OptPodName = ""
     node: OptNodeName = ""
-    claim: bool = False
+    take_session: Annotated[
+        bool,
+        msgspec.Meta(description="the asking pod takes the session under its next generation (each take is a new one)"),
+    ] = False
+    claim: Annotated[
+        bool, msgspec.Meta(description="take_session's former name, honoured the same; new senders leave it unset")
+    ] = False
     namespace: OptNamespace = ""
     deployment: OptDeploymentName = ""
+
+    @property
+    def takes_session(self) -> bool:
+        """Whether the asking pod takes the session (``take_session``, or ``claim`` from an older agent)."""
+        return self.take_session or self.claim
 
 
 class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.location"):
@@ -210,11 +222,11 @@ class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.locat
     store: str = ""
     bytes_total: int = 0
     generation: int = 0
-    """The generation the asking pod now holds (a claim), else 0."""
+    """The generation the asking pod now holds (it took the session), else 0."""
     candidates: list[CheckpointId] = msgspec.field(default_factory=list)
     """Committed checkpoints to restore from, newest first: the first good one is used."""
     refused: str = ""
-    """Why the claim was refused (nothing was handed out): another pod that is alive holds the session
+    """Why the pod may not take the session (nothing was handed out): another pod that is alive holds the session
     (``holder``; route the session's requests there), or the session belongs to another deployment."""
     holder: OptPodName = ""
     from_store: list[CheckpointId] = msgspec.field(default_factory=list)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -48,10 +48,16 @@ class SessionFailure(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+DrainOutcome = Literal["completed", "failed"]
+"""What a drain's verdict says, in one word (``DrainCompleted.outcome``, ``DrainFailed.outcome``): where a
+verdict is stored, counted or shown by its outcome."""
+
+
 class DrainCompleted(Event, frozen=True, kw_only=True, tag="node.drain.completed"):
     """Every session on the node is committed to a checkpoint; evicting its pods loses nothing."""
 
     family: ClassVar[str] = "node"
+    outcome: ClassVar[DrainOutcome] = "completed"
 
     node: NodeName
     drain_id: DrainId
@@ -66,6 +72,7 @@ class DrainFailed(Event, frozen=True, kw_only=True, tag="node.drain.failed"):
     list is kept (a Redis list of JSON ``SessionFailure`` records)."""
 
     family: ClassVar[str] = "node"
+    outcome: ClassVar[DrainOutcome] = "failed"
 
     node: NodeName
     drain_id: DrainId

@@ -19,7 +19,7 @@ from typing import Any
 
 from shared.kv.agent import DeadlineExceeded, KvAgent, RestoredSession, SaveFailure, SaveReport, SessionUnknown
 from shared.kv.crypto import ChunkCipher, cipher_from_env
-from shared.kv.endpoint import AgentEndpoint, ModelHost, SessionHeld, connect_bus
+from shared.kv.endpoint import AgentEndpoint, LocateRefused, ModelHost, SessionHeld, connect_bus
 from shared.kv.engines import EngineCache, SessionCheck, restore_cache
 from shared.kv.filestore import FileStore
 from shared.kv.load import LoadReporter
@@ -55,6 +55,7 @@ __all__ = [
     "KvAgent",
     "KvLayout",
     "LoadReporter",
+    "LocateRefused",
     "ModelHost",
     "NatsObjectStore",
     "RestoredSession",

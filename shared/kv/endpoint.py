@@ -59,6 +59,18 @@ class SessionHeld(RuntimeError):
         self.holder = holder
 
 
+class LocateRefused(RuntimeError):
+    """The checkpoint service answered the pod's locate command with a refusal (a dead letter naming why: a command
+    it cannot take, or one this pod may not send) or with something else than a location. It did answer: this is
+    not a timeout (``TimeoutError``: nobody answered), nor ``SessionHeld`` (the session is another pod's). Nothing
+    was taken."""
+
+    def __init__(self, session_id: str, reason: str) -> None:
+        super().__init__(f"the checkpoint service refused to locate session {session_id!r}: {reason}")
+        self.session_id = session_id
+        self.reason = reason
+
+
 async def connect_bus(source: str, env: Mapping[str, str] | None = None) -> Bus:
     """The bus an inference pod's agent talks on, from gpuwarden's own settings read from ``env`` (default: the
     process's environment; ``load_settings``: the NATS servers, credentials and TLS files, the subject root).
@@ -473,13 +485,16 @@ class AgentEndpoint:
         return recorded if recorded is not None else report
 
     async def _locate(self, session_id: str, timeout: float) -> CheckpointLocation:
+        """Take the session: its location and the generation handed out to this pod. ``TimeoutError`` when the
+        checkpoint service does not answer within ``timeout``, ``LocateRefused`` when it refuses the command,
+        ``SessionHeld`` when the session is another pod's."""
         answer = await self.bus.request(
             self.bus.subjects.agent_command("locate", self.agent.pod),
             LocateCheckpoint(
                 session_id=session_id,
                 pod=self.agent.pod,
                 node=self.agent.node,
-                claim=True,
+                take_session=True,
                 namespace=self.agent.namespace,
                 deployment=self.agent.deployment,
             ),
@@ -487,7 +502,7 @@ class AgentEndpoint:
         )
         if not isinstance(answer, CheckpointLocation):
             reason = getattr(answer, "reason", "") or answer.kind
-            raise TimeoutError(f"the checkpoint service could not locate session {session_id!r}: {reason}")
+            raise LocateRefused(session_id, reason)
         if answer.refused:
             raise SessionHeld(session_id, answer.refused, answer.holder)
         return answer

@@ -30,6 +30,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from shared.contract.configdocs import CONFIG_DOCUMENTS, ConfigDocument
 from shared.contract.subjects import Subjects
 from shared.plumbing.errors import ConfigConflict, InvalidConfig
+from shared.plumbing.replies import as_text
 from shared.plumbing.settings import RedisSettings, sentinel_url
 from shared.plumbing.telemetry import Telemetry
 
@@ -219,10 +220,6 @@ def parse_document(name: str, raw: bytes | str) -> ConfigDocument:
     return doc
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 class ConfigStore:
     """Reads and compare-and-set writes of configuration documents."""
 
@@ -243,7 +240,7 @@ class ConfigStore:
             version=int(fields[b"version"]),
             doc=doc,
             updated_at=float(fields.get(b"updated_at", b"0")),
-            updated_by=_text(fields.get(b"updated_by", b"")),
+            updated_by=as_text(fields.get(b"updated_by", b"")),
         )
 
     async def write(self, name: str, doc: ConfigDocument, expected_version: int, by: str) -> int:

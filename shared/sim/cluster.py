@@ -35,6 +35,7 @@ from redis.typing import EncodableT, FieldT
 
 from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
+from shared.plumbing.replies import as_text
 from shared.plumbing.settings import RedisSettings
 from shared.ports.cluster import (
     NODE_NAME_EXTRA,
@@ -328,7 +329,7 @@ class SimCluster:
         data (or a cluster made afresh) starts the revisions again from 1, and a watch after ``revision`` would
         wait for ever; it says so instead, and ``revision`` (where the next watch starts) follows the store back."""
         newest: Any = await self._client.xrevrange(self._changes_key, count=1)
-        now = int(_text(newest[0][0]).split("-")[0]) if newest else 0
+        now = int(as_text(newest[0][0]).split("-")[0]) if newest else 0
         if now < revision:
             self._seen = now
             raise ClusterError(
@@ -730,20 +731,16 @@ def _stream_id(revision: int, seq: int) -> str:
     return f"{revision}-{seq}"
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _entries(reply: Any) -> Iterator[tuple[str, Mapping[bytes | str, bytes | str]]]:
     """The entries of an XREAD reply on one stream, in RESP2 (a list of pairs) or RESP3 (a dict) shape."""
     streams = reply.values() if isinstance(reply, dict) else (entries for _key, entries in reply or ())
     for entries in streams:
         for entry_id, fields in entries:
-            yield _text(entry_id), fields
+            yield as_text(entry_id), fields
 
 
 def _change_from(revision: str, fields: Mapping[bytes | str, bytes | str]) -> ClusterChange:
-    values = {_text(k): _text(v) for k, v in fields.items()}
+    values = {as_text(k): as_text(v) for k, v in fields.items()}
     return ClusterChange(
         kind=cast(Literal["node", "pod", "deployment"], values["kind"]),
         type=cast(Literal["ADDED", "MODIFIED", "DELETED"], values["type"]),

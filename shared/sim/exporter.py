@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 
 from shared.contract.subjects import Subjects
 from shared.plumbing.http import Response, SmallHttpServer
+from shared.plumbing.replies import as_text
 from shared.ports.gpu import GpuUtilisation
 from shared.sim.gpus import SimGpus, SimLoad, mig_profile_slices, sample
 
@@ -209,9 +210,8 @@ def _last_xids(newest: list[Any]) -> dict[str, int]:
     """Each GPU's last XID, from health entries newest first."""
     found: dict[str, int] = {}
     for _id, fields in newest:
-        values = {(k.decode() if isinstance(k, bytes) else k): v for k, v in (fields or {}).items()}
-        uuid = values.get("uuid", b"")
-        uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        values = {as_text(k): v for k, v in (fields or {}).items()}
+        uuid = as_text(values.get("uuid", b""))
         raw = values.get("xid", b"0")
         if uuid and uuid not in found:
             with contextlib.suppress(ValueError):
@@ -226,7 +226,7 @@ def exporter_url_key(subjects: Subjects, node: str) -> str:
 async def find_exporter(client: aioredis.Redis, subjects: Subjects, node: str) -> str | None:
     """The URL of the simulated exporter of ``node``, when a simulation serves one."""
     raw = await client.get(exporter_url_key(subjects, node))
-    return None if raw is None else (raw.decode() if isinstance(raw, bytes) else str(raw))
+    return None if raw is None else as_text(raw)
 
 
 PodsOf = Callable[[], Mapping[str, PodRef]]

@@ -32,6 +32,7 @@ import redis.exceptions
 
 from shared.contract.device import GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
+from shared.plumbing.replies import as_text
 from shared.ports.gpu import (
     DriverInstallError,
     DriverValidation,
@@ -333,13 +334,9 @@ def validation(state: SimNodeState, expected_version: str) -> DriverValidation:
 
 
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
-    text = raw.decode() if isinstance(raw, bytes) else raw
+    text = as_text(raw)
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _text(raw: Any) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 # -- the Redis layout ---------------------------------------------------------------------------------------------
@@ -417,7 +414,7 @@ class SimGpuStore:
         return (stored if stored is not None else state), created
 
     async def nodes(self) -> list[str]:
-        return sorted(_text(n) for n in await self.client.smembers(self.nodes_key))
+        return sorted(as_text(n) for n in await self.client.smembers(self.nodes_key))
 
     async def update(
         self,
@@ -460,14 +457,14 @@ class SimGpuStore:
     async def health_end(self, node: str) -> str:
         """The id of the newest health event, or ``0-0``: reading after it yields only what comes next."""
         newest = await self.client.xrevrange(self.health_key(node), count=1)
-        return _text(newest[0][0]) if newest else "0-0"
+        return as_text(newest[0][0]) if newest else "0-0"
 
     async def set_load(self, node: str, uuid: str, load: SimLoad) -> None:
         await self.client.hset(self.load_key(node), uuid, msgspec.json.encode(load))
 
     async def loads(self, node: str) -> dict[str, SimLoad]:
         raw = await self.client.hgetall(self.load_key(node))
-        return {_text(k): _load_decoder.decode(v) for k, v in raw.items()}
+        return {as_text(k): _load_decoder.decode(v) for k, v in raw.items()}
 
     async def page_view(self, node: str, events: int) -> tuple[SimNodeState | None, dict[str, SimLoad], list[Any]]:
         """What an exporter page shows, in one round trip: the node's state (None when gone), its loads and its
@@ -478,11 +475,11 @@ class SimGpuStore:
             pipe.xrevrange(self.health_key(node), count=events)
             raw, loads, newest = await pipe.execute()
         state = None if raw is None else _state_decoder.decode(raw)
-        return state, {_text(k): _load_decoder.decode(v) for k, v in loads.items()}, list(newest or ())
+        return state, {as_text(k): _load_decoder.decode(v) for k, v in loads.items()}, list(newest or ())
 
 
 def health_event(fields: dict[Any, Any]) -> GpuHealthEvent:
-    values = {_text(k): _text(v) for k, v in fields.items()}
+    values = {as_text(k): as_text(v) for k, v in fields.items()}
     kind: Literal["xid", "lost"] = "lost" if values.get("kind") == "lost" else "xid"
     return GpuHealthEvent(
         uuid=values.get("uuid", ""), kind=kind, xid=int(values.get("xid") or 0), message=values.get("message", "")
@@ -579,13 +576,13 @@ class SimHealthFeed:
                 continue
             streams = reply.items() if isinstance(reply, dict) else (reply or ())
             for stream, entries in streams:
-                key = _text(stream)
+                key = as_text(stream)
                 queue = self._queues.get(key)
                 if queue is None or self._generation.get(key) != generation.get(key):
                     continue  # no longer followed, or followed again from another cursor meanwhile
                 for entry_id, fields in entries:
-                    queue.put_nowait((_text(entry_id), health_event(fields)))
-                    self._cursors[key] = _text(entry_id)
+                    queue.put_nowait((as_text(entry_id), health_event(fields)))
+                    self._cursors[key] = as_text(entry_id)
 
     async def close(self) -> None:
         for queue in self._queues.values():
@@ -735,7 +732,7 @@ class SimGpus:
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:
                     yield health_event(fields)
-                    cursor = _text(entry_id)
+                    cursor = as_text(entry_id)
                     if _stream_id(cursor) > _stream_id(self._cursor):
                         self._cursor = cursor
 

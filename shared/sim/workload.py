@@ -41,7 +41,7 @@ from typing import Any
 from shared.contract.models import RolloutState
 from shared.contract.requests import InferenceRequest
 from shared.kv.agent import KvAgent, RestoredSession
-from shared.kv.endpoint import AgentEndpoint, SessionHeld
+from shared.kv.endpoint import AgentEndpoint, LocateRefused, SessionHeld
 from shared.kv.load import LoadReporter
 from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
@@ -575,6 +575,9 @@ class SimWorkload:
             except TimeoutError as exc:
                 self.preempted[session_id] = preempted
                 raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
+            except LocateRefused as exc:
+                self.preempted[session_id] = preempted
+                raise TemporaryError(str(exc), delay=1.0) from exc
             await self._recompute(runtime, session_id, preempted.tokens)
             return
         try:
@@ -596,6 +599,8 @@ class SimWorkload:
             raise self._held_elsewhere(session_id, exc) from exc
         except TimeoutError as exc:
             raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
+        except LocateRefused as exc:
+            raise TemporaryError(str(exc), delay=1.0) from exc
         self.stats.restored += 1
         if not await self._adopt(runtime, session_id, restored):
             return

@@ -82,7 +82,7 @@ async def test_a_pod_may_ask_only_as_itself(mesh: Mesh) -> None:
     letters = await mesh.dead_letters("t-attack-scope")
     victim = await mesh.add_pod("llama-2", "node-2", ["s1"])
     generation = await mesh.service.registry.generation("s1")
-    claim = LocateCheckpoint(session_id="s1", pod="llama-2", node="node-2", claim=True)
+    claim = LocateCheckpoint(session_id="s1", pod="llama-2", node="node-2", take_session=True)
     reply = await mesh.bus.request(mesh.subjects.agent_command("locate", "llama-1"), claim, 5)
     assert isinstance(reply, DeadLetter) and "llama-1" in reply.reason and "llama-2" in reply.reason
     report = SaveSessionsReport(pod="llama-2", node="node-2")
@@ -112,7 +112,9 @@ async def test_identifiers_that_break_paths_or_subjects_are_refused_everywhere(m
     claims = mesh.subjects.agent_command("locate", "llama-1")
     for bad in BAD_IDS:
         reply = await mesh.bus.nc.request(
-            claims, forged(LocateCheckpoint(session_id="s1", pod="llama-1"), session_id=bad, claim=True), timeout=5
+            claims,
+            forged(LocateCheckpoint(session_id="s1", pod="llama-1"), session_id=bad, take_session=True),
+            timeout=5,
         )
         assert isinstance(codec.decode(reply.data), DeadLetter)
     record = mesh.subjects.agent_command("record", "llama-1")
@@ -148,7 +150,7 @@ async def test_a_pod_cannot_take_and_end_another_live_pods_session(mesh: Mesh) -
     checkpoints = await mesh.store.checkpoints("s1")
     attacker = await mesh.add_pod("llama-1", "node-1")
     claim = LocateCheckpoint(
-        session_id="s1", pod="llama-1", node="node-1", claim=True, namespace="llm", deployment="llama"
+        session_id="s1", pod="llama-1", node="node-1", take_session=True, namespace="llm", deployment="llama"
     )
     answer = await attacker.bus.request(mesh.subjects.agent_command("locate", "llama-1"), claim, 5)
     assert isinstance(answer, CheckpointLocation) and answer.refused and answer.holder == "llama-2"
@@ -162,7 +164,7 @@ async def test_a_pod_cannot_take_and_end_another_live_pods_session(mesh: Mesh) -
     # nor may a pod of another deployment take a session that is no longer held
     await mesh.evict(victim)
     other = LocateCheckpoint(
-        session_id="s1", pod="llama-1", node="node-1", claim=True, namespace="llm", deployment="mistral"
+        session_id="s1", pod="llama-1", node="node-1", take_session=True, namespace="llm", deployment="mistral"
     )
     answer = await attacker.bus.request(mesh.subjects.agent_command("locate", "llama-1"), other, 5)
     assert isinstance(answer, CheckpointLocation) and "llm/llama" in answer.refused

@@ -299,7 +299,7 @@ async def test_an_agent_speaks_asks_and_hears_only_as_its_own_pod(mesh: SecuredM
     forged_announcement = mesh.subjects.for_event(AgentSessions(pod="llama-2", node="node-2"))
     await nc.publish(forged_announcement, codec.encode(AgentSessions(pod="llama-2", node="node-2", sessions=[])))
     inbox = nc.new_inbox()
-    claim = LocateCheckpoint(session_id="v1", pod="llama-2", node="node-2", claim=True)
+    claim = LocateCheckpoint(session_id="v1", pod="llama-2", node="node-2", take_session=True)
     asks = {
         mesh.subjects.agent_command("locate", "llama-2"): codec.encode(claim),
         mesh.subjects.agent_command("record", "llama-2"): codec.encode(SaveSessionsReport(pod="llama-2")),

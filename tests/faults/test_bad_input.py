@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from shared.contract.checkpoint import AgentSessions, CheckpointLocation, LocateCheckpoint
 from shared.contract.node import DrainCompleted, DrainRequested
+from shared.kv.endpoint import LocateRefused
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
 
@@ -41,6 +44,17 @@ async def test_garbage_on_every_checkpoint_subject_is_refused_and_the_service_go
     other = await mesh.add_pod("llama-2", "node-2")
     assert [bytes(b) for b in (await other.endpoint.restore("s1")).blocks] == expected("s1", 3)
     await mesh.check(drains=["after"])
+
+
+async def test_a_locate_the_service_refuses_is_a_refusal_not_a_timeout(mesh: Mesh) -> None:
+    """A session id the contract does not take is refused by the service at once (a dead letter): the pod hears
+    ``LocateRefused`` with the reason, not a ``TimeoutError`` as if nobody had answered, and takes nothing."""
+    pod = await mesh.add_pod("llama-1", "node-1")
+    started = time.monotonic()
+    with pytest.raises(LocateRefused, match=r"refused to locate session 'a b': .*session_id") as refused:
+        await pod.endpoint.start_session("a b", timeout=30)
+    assert not isinstance(refused.value, TimeoutError) and time.monotonic() - started < 10
+    assert pod.agent.sessions() == []
 
 
 async def test_temporary_files_older_than_the_grace_period_are_collected(mesh: Mesh) -> None:

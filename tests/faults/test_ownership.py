@@ -3,10 +3,12 @@ the registry forgets pods that are gone (but not pods that are merely silent).""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
+from shared.contract.checkpoint import LocateCheckpoint, SaveSessions, SaveSessionsReport
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.registry import codec
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
 
@@ -127,3 +129,18 @@ async def test_a_session_dropped_then_ended_is_retired_by_the_pod_that_owned_it_
     await eventually(lambda: _no_checkpoints(mesh, "s1"))
     assert await mesh.store.checkpoints("s1") == []
     await mesh.check()
+
+
+async def test_an_older_agent_that_says_claim_still_takes_the_session(mesh: Mesh) -> None:
+    """``take_session`` was called ``claim`` before: a locate from an agent of then, which sends only ``claim``,
+    still hands out the session's next generation; one that sets neither changes nothing."""
+    pod = await mesh.add_pod("llama-1", "node-1")
+    subject = mesh.subjects.agent_command("locate", "llama-1")
+    asked = {"session_id": "s9", "pod": "llama-1", "node": "node-1", "namespace": "llm", "deployment": "llama"}
+    older = msgspec.json.decode(codec.encode(LocateCheckpoint(**asked)))
+    del older["take_session"]
+    looked = await pod.bus.nc.request(subject, msgspec.json.encode(older), timeout=5)
+    assert msgspec.json.decode(looked.data)["generation"] == 0 and await mesh.service.registry.generation("s9") == 0
+    older["claim"] = True
+    taken = await pod.bus.nc.request(subject, msgspec.json.encode(older), timeout=5)
+    assert msgspec.json.decode(taken.data)["generation"] == 1 == await mesh.service.registry.generation("s9")

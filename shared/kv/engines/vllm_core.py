@@ -767,10 +767,12 @@ class SessionPort:
         if session in self.agent.sessions():
             return
         if self.endpoint is not None:
+            from shared.kv.endpoint import LocateRefused  # the endpoint's module, loaded with it
+
             try:
                 await self.endpoint.start_session(session, self.claim_timeout_s)
                 return
-            except (TimeoutError, StoreError, OSError) as exc:
+            except (TimeoutError, LocateRefused, StoreError, OSError) as exc:
                 log.warning("could not claim the session; held under generation 0", extra={"error": str(exc)})
         self.agent.register_session(session)
 
@@ -1004,7 +1006,7 @@ async def checkpoint_tokens(
 
         answer = await bus.request(
             bus.subjects.agent_command("locate", pod),
-            LocateCheckpoint(session_id=session, pod=pod, claim=False),
+            LocateCheckpoint(session_id=session, pod=pod, take_session=False),
             5.0,
         )
         if not isinstance(answer, CheckpointLocation) or not answer.found:
