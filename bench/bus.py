@@ -11,10 +11,10 @@
    encode and decode of one event alone take about a quarter of that per-message time, so no layer that takes
    events and hands typed events to its handler can keep 80% of it.
 2. JetStream throughput (lifecycle): N ``DrainRequested`` events through ``Bus.publish_many`` (outstanding ack
-   window) into a durable ``Bus.consume`` consumer whose handler counts; events/s = N / (first publish -> the
-   handler has seen the last event and every ack is out, i.e. flushed to the server). The raw peer is
-   ``js.publish_async`` + ``pull_subscribe`` ``fetch`` + ``ack`` of the same bytes and ``Nats-Msg-Id`` headers.
-3. JetStream latency: events offered at 1,000/s for a few seconds through ``Bus.publish`` -> ``Bus.consume``, each
+   window) into a durable consumer (``shared.plumbing.consumer.consume``) whose handler counts; events/s = N /
+   (first publish -> the handler has seen the last event and every ack is out, i.e. flushed to the server). The raw
+   peer is ``js.publish_async`` + ``pull_subscribe`` ``fetch`` + ``ack`` of the same bytes and ``Nats-Msg-Id`` headers.
+3. JetStream latency: events offered at 1,000/s for a few seconds through ``Bus.publish`` -> ``consume``, each
    publish started on schedule as its own task (a slow ack never delays the next event); each event carries
    ``time.perf_counter_ns()`` taken just before its publish (in ``reason``); latency = the handler's receive time
    minus that. The raw peer is ``js.publish`` -> ``fetch`` (decode, ack) of the same events.
@@ -57,7 +57,8 @@ from shared.contract.metrics import GpuSample
 from shared.contract.node import DrainRequested
 from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
-from shared.plumbing.bus import Bus, Consumer, ConsumerSpec
+from shared.plumbing.bus import Bus
+from shared.plumbing.consumer import Consumer, ConsumerSpec, consume
 from shared.plumbing.settings import NatsSettings
 
 NAME = "bus"
@@ -263,7 +264,7 @@ def _spec(subjects: Subjects, node: str, sizes: Sizes) -> ConsumerSpec:
 
 
 def _raw_consumer_config(spec: ConsumerSpec) -> js_api.ConsumerConfig:
-    """What ``Bus.consume`` creates for ``spec``."""
+    """What ``consume`` creates for ``spec`` (``consumer_config``), written out for the raw peer."""
     return js_api.ConsumerConfig(
         durable_name=spec.durable,
         ack_policy=js_api.AckPolicy.EXPLICIT,
@@ -318,7 +319,7 @@ async def js_bus_trial(url: str, subjects: Subjects, n: int, tag: str, sizes: Si
             arrivals.hit()
 
         spec = _spec(subjects, node, sizes)
-        consumer = await sub.consume(spec, handle)
+        consumer = await consume(sub, spec, handle)
         clock = _Clock()
         await pub.publish_many(events, window=sizes.js_window)
         published = time.perf_counter() - clock.start
@@ -438,7 +439,7 @@ async def js_bus_latency(
             latencies.append((time.perf_counter_ns() - int(event.reason)) / 1e9)
 
         spec = _spec(subjects, node, sizes)
-        consumer = await sub.consume(spec, handle)
+        consumer = await consume(sub, spec, handle)
 
         async def send(i: int) -> None:
             await pub.publish(DrainRequested(node=node, drain_id=f"l{i}", reason=str(time.perf_counter_ns())))

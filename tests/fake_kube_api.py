@@ -7,10 +7,9 @@ gets the API server's answer: an ``ERROR`` event with a ``Status`` of code 410 (
 
 Served (enough for ``shared.adapters.kube``): nodes (get, list, watch, patch), pods (list, watch, and the eviction
 subresource, which honours PodDisruptionBudgets as the API server does), deployments (list, watch, and the scale
-subresource), poddisruptionbudgets (list), leases (get, list, create, update, with resourceVersion
-preconditions) and tokenreviews (create: the tokens a test has ``issue_token``-ed are genuine, for their
-audiences). Every request is recorded as an ``Access`` (verb, API group, resource, namespace), which is what RBAC
-authorizes, so a test can hold the requests against the ClusterRoles in ``deploy/rbac``.
+subresource), poddisruptionbudgets (list) and tokenreviews (create: the tokens a test has ``issue_token``-ed are
+genuine, for their audiences). Every request is recorded as an ``Access`` (verb, API group, resource, namespace),
+which is what RBAC authorizes, so a test can hold the requests against the ClusterRoles in ``deploy/rbac``.
 
 Tests steer it with ``block_next_evictions`` (429s), ``drop_watches`` (connections cut mid-stream),
 ``hold_watches`` / ``release_watches`` (a lagging watch cache) and ``compact`` (history gone: 410).
@@ -58,7 +57,6 @@ _KINDS: dict[tuple[str, str], _Kind] = {
     ("", "pods"): _Kind("Pod", "v1", True),
     ("apps", "deployments"): _Kind("Deployment", "apps/v1", True),
     ("policy", "poddisruptionbudgets"): _Kind("PodDisruptionBudget", "policy/v1", True),
-    ("coordination.k8s.io", "leases"): _Kind("Lease", "coordination.k8s.io/v1", True),
 }
 _PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 
@@ -327,8 +325,6 @@ class FakeKubeApi:
             return web.json_response(self._get(res, namespace, name))
         if name and not sub and verb == "patch":
             return await self._patch(request, res, namespace, name)
-        if name and not sub and verb == "update":
-            return await self._update(request, res, namespace, name)
         raise _ApiError(405, "MethodNotAllowed", f"{request.method} is not supported on {path}")
 
     async def _review(self, request: web.Request) -> web.StreamResponse:
@@ -475,17 +471,6 @@ class FakeKubeApi:
         if updated == current:
             return web.json_response(current)
         return web.json_response(self._commit(res, "MODIFIED", updated))
-
-    async def _update(self, request: web.Request, res: tuple[str, str], namespace: str, name: str) -> web.Response:
-        body = await request.json()
-        current = self._get(res, namespace, name)
-        wanted = (body.get("metadata") or {}).get("resourceVersion")
-        if wanted and wanted != current["metadata"]["resourceVersion"]:
-            raise self._conflict(res, name)
-        for kept in ("uid", "creationTimestamp", "namespace", "name"):
-            if kept in current["metadata"]:
-                body["metadata"][kept] = current["metadata"][kept]
-        return web.json_response(self._commit(res, "MODIFIED", body))
 
     def _conflict(self, res: tuple[str, str], name: str) -> _ApiError:
         self.conflicts += 1

@@ -13,7 +13,8 @@ from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
-from shared.plumbing.bus import Bus, ConsumerSpec
+from shared.plumbing.bus import Bus
+from shared.plumbing.consumer import ConsumerSpec, consume, watch_exhausted
 from shared.plumbing.errors import PermanentError, TemporaryError
 from shared.plumbing.settings import Settings
 from tests.helpers import eventually, with_nats
@@ -42,7 +43,7 @@ async def collect_dead_letters(bus: Bus, subjects: Subjects) -> list[DeadLetter]
         accepts=(DeadLetter,),
         stream=subjects.deadletter_stream,
     )
-    await bus.consume(spec, on_letter)
+    await consume(bus, spec, on_letter)
     return letters
 
 
@@ -56,7 +57,7 @@ async def test_event_from_one_process_handled_once_by_durable_consumer_in_anothe
         async def handle(event: DrainRequested) -> None:
             seen.append(event)
 
-        await consumer_bus.consume(drain_spec(subjects), handle)
+        await consume(consumer_bus, drain_spec(subjects), handle)
         event = DrainRequested(node="node-1", drain_id="d1")
         await bus.publish(event)
         await bus.publish(event)  # a retried publish: same event_id, deduplicated by the stream
@@ -85,7 +86,7 @@ async def test_temporary_error_redelivers_after_its_delay(bus: Bus, subjects: Su
         if len(attempts) == 1:
             raise TemporaryError("store not reachable yet", delay=0.4)
 
-    await bus.consume(drain_spec(subjects), handle)
+    await consume(bus, drain_spec(subjects), handle)
     await bus.publish(DrainRequested(node="n1", drain_id="d1"))
     await eventually(lambda: len(attempts) == 2)
     assert attempts[1] - attempts[0] >= 0.35
@@ -102,7 +103,7 @@ async def test_unexpected_exception_retries_then_dead_letters_when_deliveries_ru
         attempts += 1
         raise RuntimeError("boom")
 
-    await bus.consume(drain_spec(subjects, max_deliver=3, backoff=(0.05,)), handle)
+    await consume(bus, drain_spec(subjects, max_deliver=3, backoff=(0.05,)), handle)
     await bus.publish(DrainRequested(node="n1", drain_id="d1"))
     await eventually(lambda: letters)
     assert attempts == 3
@@ -129,7 +130,7 @@ async def test_bad_payloads_are_dead_lettered_with_a_reason_and_the_consumer_kee
     async def handle(event: DrainRequested) -> None:
         seen.append(event)
 
-    await bus.consume(drain_spec(subjects), handle)
+    await consume(bus, drain_spec(subjects), handle)
     await bus.js.publish(f"{subjects.root}.node.n1.drain.requested", payload)
     await bus.publish(DrainRequested(node="n1", drain_id="after"))
     await eventually(lambda: letters and seen)
@@ -146,7 +147,7 @@ async def test_oversized_and_wrong_kind_messages_are_dead_lettered(bus: Bus, sub
     async def handle(event: DrainRequested) -> None:
         pass
 
-    await bus.consume(drain_spec(subjects, max_event_bytes=2048), handle)
+    await consume(bus, drain_spec(subjects, max_event_bytes=2048), handle)
     big = DrainRequested(node="n1", drain_id="big", reason="x" * 4096)
     await bus.js.publish(f"{subjects.root}.node.n1.drain.requested", codec.encode(big))
     wrong = DrainCompleted(node="n1", drain_id="d")
@@ -166,7 +167,7 @@ async def test_permanent_error_dead_letters_without_retry(bus: Bus, subjects: Su
         attempts += 1
         raise PermanentError("node n1 is not a GPU node")
 
-    await bus.consume(drain_spec(subjects), handle)
+    await consume(bus, drain_spec(subjects), handle)
     await bus.publish(DrainRequested(node="n1", drain_id="d1"))
     await eventually(lambda: letters)
     # a second event after it: once its letter is in, a redelivery of the first would have come before it
@@ -190,7 +191,7 @@ async def test_long_handler_is_kept_alive_with_in_progress(bus: Bus, subjects: S
         attempts += 1
         await asyncio.sleep(1.6)  # four times ack_wait: only in_progress() keeps the message from redelivery
 
-    consumer = await bus.consume(drain_spec(subjects, ack_wait=0.4), handle)
+    consumer = await consume(bus, drain_spec(subjects, ack_wait=0.4), handle)
     await bus.publish(DrainRequested(node="n1", drain_id="d1"))
     await eventually(lambda: consumer.stats.handled == 1, timeout=10)
     assert attempts == 1
@@ -249,7 +250,7 @@ async def test_nats_restart_loses_no_acked_event_and_consumers_resume(
         seen.add(event.drain_id)
 
     try:
-        await consumer_bus.consume(drain_spec(subjects), handle)
+        await consume(consumer_bus, drain_spec(subjects), handle)
         for i in range(50):
             await publisher.publish(DrainRequested(node="n1", drain_id=f"a{i}"))
         await eventually(lambda: len(seen) == 50)
@@ -292,7 +293,7 @@ async def test_a_message_whose_handler_never_answers_is_dead_lettered_from_the_a
             filter_subject=spec.filter_subjects[0],
         ),
     )
-    await bus.watch_exhausted(spec)
+    await watch_exhausted(bus, spec)
     psub = await bus.js.pull_subscribe_bind(durable="crashy", stream=spec.stream.name)
     await bus.publish(DrainRequested(node="n1", drain_id="lost-cause"))
     for _ in range(2):  # take it and never answer, twice

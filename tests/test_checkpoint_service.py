@@ -23,8 +23,9 @@ from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
-from shared.plumbing.bus import Bus, ConsumerSpec
+from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.consumer import ConsumerSpec, consume
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
@@ -167,7 +168,8 @@ async def test_a_drain_with_an_impossible_deadline_is_dead_lettered(
     async def on_letter(event: DeadLetter) -> None:
         letters.append(event)
 
-    await bus.consume(
+    await consume(
+        bus,
         ConsumerSpec(
             durable="t-dl",
             filter_subjects=(f"{subjects.root}.deadletter.>",),

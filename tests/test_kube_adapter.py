@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from shared.adapters.kube import ClusterWatch, KubeApiError, KubeCluster
+from shared.adapters.kube import KubeCluster
+from shared.adapters.kubeapi import ClusterWatch, KubeApiError
 from shared.ports.cluster import (
     ClusterChange,
     ClusterConflict,
@@ -37,22 +38,9 @@ async def api() -> AsyncIterator[FakeKubeApi]:
         yield fake
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def cluster(api: FakeKubeApi, clock: Clock) -> AsyncIterator[KubeCluster]:
-    kube = KubeCluster.from_host(api.url, token="t0ken", clock=clock)
+async def cluster(api: FakeKubeApi) -> AsyncIterator[KubeCluster]:
+    kube = KubeCluster.from_host(api.url, token="t0ken")
     yield kube
     await kube.close()
 
@@ -367,91 +355,11 @@ async def test_close_stops_open_watches(api: FakeKubeApi) -> None:
         await anext(watch)
 
 
-# -- leases -------------------------------------------------------------------------------------------------------
-async def test_lease_acquire_renew_release(cluster: KubeCluster, api: FakeKubeApi, clock: Clock) -> None:
-    other = KubeCluster.from_host(api.url, clock=clock)
-    try:
-        assert await cluster.acquire_lease("gpuwarden", "coordinator", "driver-a", 15)
-        lease = api.get("leases", "gpuwarden", "coordinator", group="coordination.k8s.io")
-        assert lease is not None
-        assert lease["spec"]["holderIdentity"] == "driver-a" and lease["spec"]["leaseDurationSeconds"] == 15
-        assert lease["spec"]["renewTime"] and lease["spec"]["acquireTime"]
-        assert await cluster.acquire_lease("gpuwarden", "coordinator", "driver-a", 15)  # held: renewed
-        assert not await other.acquire_lease("gpuwarden", "coordinator", "driver-b", 15)
-        clock.now += 10
-        assert await cluster.renew_lease("gpuwarden", "coordinator", "driver-a", 15)
-        clock.now += 10  # 20 s since b first saw it, but renewed 10 s ago
-        assert not await other.acquire_lease("gpuwarden", "coordinator", "driver-b", 15)
-        assert not await other.renew_lease("gpuwarden", "coordinator", "driver-b", 15)
-        assert await cluster.release_lease("gpuwarden", "coordinator", "driver-a")
-        assert not await cluster.release_lease("gpuwarden", "coordinator", "driver-a")
-        assert await other.acquire_lease("gpuwarden", "coordinator", "driver-b", 15)
-        lease = api.get("leases", "gpuwarden", "coordinator", group="coordination.k8s.io")
-        assert lease is not None and lease["spec"]["leaseTransitions"] == 1
-        assert not await cluster.renew_lease("gpuwarden", "coordinator", "driver-a", 15)
-    finally:
-        await other.close()
-
-
-async def test_lease_takeover_after_expiry(cluster: KubeCluster, api: FakeKubeApi, clock: Clock) -> None:
-    other = KubeCluster.from_host(api.url, clock=clock)
-    try:
-        assert await cluster.acquire_lease("gpuwarden", "coordinator", "driver-a", 15)
-        assert not await other.acquire_lease("gpuwarden", "coordinator", "driver-b", 15)
-        clock.now += 15  # driver-a stopped renewing
-        assert await other.acquire_lease("gpuwarden", "coordinator", "driver-b", 15)
-        assert not await cluster.renew_lease("gpuwarden", "coordinator", "driver-a", 15)
-        assert not await cluster.acquire_lease("gpuwarden", "coordinator", "driver-a", 15)
-    finally:
-        await other.close()
-
-
-async def test_lease_conflicts_409(cluster: KubeCluster, api: FakeKubeApi, clock: Clock) -> None:
-    """Two contenders read the same expired lease; the first write wins, the second gets 409 and False."""
-    first, second = (KubeCluster.from_host(api.url, clock=clock) for _ in range(2))
-    try:
-        assert await cluster.acquire_lease("gpuwarden", "coordinator", "driver-a", 15)
-        assert not await first.acquire_lease("gpuwarden", "coordinator", "driver-b", 15)
-        assert not await second.acquire_lease("gpuwarden", "coordinator", "driver-c", 15)
-        clock.now += 30
-        original = second._read_lease
-        won: list[bool] = []
-
-        async def read_then_lose_the_race(namespace: str, name: str) -> dict[str, Any] | None:
-            found = await original(namespace, name)
-            won.append(await first.acquire_lease(namespace, name, "driver-b", 15))
-            return found
-
-        second._read_lease = read_then_lose_the_race  # type: ignore[method-assign]
-        assert not await second.acquire_lease("gpuwarden", "coordinator", "driver-c", 15)
-        assert won == [True]
-        lease = api.get("leases", "gpuwarden", "coordinator", group="coordination.k8s.io")
-        assert lease is not None and lease["spec"]["holderIdentity"] == "driver-b"
-        assert api.conflicts == 1
-    finally:
-        await first.close()
-        await second.close()
-
-
-async def test_lease_create_conflict(cluster: KubeCluster, api: FakeKubeApi) -> None:
-    """A lease created by another between our read and our create: 409 AlreadyExists, so False."""
-    original = cluster._read_lease
-
-    async def read_then_lose_the_race(namespace: str, name: str) -> dict[str, Any] | None:
-        found = await original(namespace, name)
-        lease = {"metadata": {"name": name, "namespace": namespace}, "spec": {"holderIdentity": "driver-z"}}
-        api.add("leases", lease, group="coordination.k8s.io")
-        return found
-
-    cluster._read_lease = read_then_lose_the_race  # type: ignore[method-assign]
-    assert not await cluster.acquire_lease("gpuwarden", "coordinator", "driver-a", 15)
-
-
 # -- RBAC ---------------------------------------------------------------------------------------------------------
 
 
 async def driver_work(kube: KubeCluster, api: FakeKubeApi) -> None:
-    """Everything the driver does through the port: read, cordon, label, evict, watch, lead."""
+    """Everything the driver does through the port: read, cordon, label, evict, watch."""
     watch = kube.watch()
     await watch.ready()
     await kube.nodes()
@@ -466,9 +374,6 @@ async def driver_work(kube: KubeCluster, api: FakeKubeApi) -> None:
     await kube.evict(NS, "llama-5d4f8c7b9-x1")
     await kube.uncordon("gpu-a")
     await changes(watch, 6)
-    assert await kube.acquire_lease("gpuwarden", "gpuwarden-driver", "driver-a", 15)
-    assert await kube.renew_lease("gpuwarden", "gpuwarden-driver", "driver-a", 15)
-    assert await kube.release_lease("gpuwarden", "gpuwarden-driver", "driver-a")
     await watch.aclose()
 
 

@@ -48,6 +48,7 @@ from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, VersionedConfig
+from shared.plumbing.consumer import consume
 from shared.plumbing.errors import InvalidConfig, SettingsError
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
@@ -828,7 +829,7 @@ async def test_a_drain_that_fails_leaves_the_gpus_unchanged_and_names_the_sessio
     controller = controller_for(
         sim_gpus, cluster, LAYOUTS, recorder, Clock(), drain_timeout_s=60.0, drain_deadline_s=2.0
     )
-    await bus.consume(drain_verdicts(subjects, "node-1"), controller.on_drain_verdict)
+    await consume(bus, drain_verdicts(subjects, "node-1"), controller.on_drain_verdict)
     before = await sim_gpus.devices()
     await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
     async with running(controller):

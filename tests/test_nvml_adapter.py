@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from shared.adapters.driverinstall import INSTALL_COMMAND_ENV
 from shared.adapters.metrics import NvmlSource
-from shared.adapters.nvml import INSTALL_COMMAND_ENV, NvmlGpus, cuda_version_text, mig_profile_name, normalise_bus_id
+from shared.adapters.nvml import NvmlGpus, cuda_version_text, mig_profile_name, normalise_bus_id
 from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort, MigProfile
 from tests.fake_nvml import EventData, FakeGpu, FakeNvml, Memory, NVMLError
 

@@ -61,8 +61,9 @@ from shared.contract.subjects import ROUTES, Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.objstore import NatsObjectStore
-from shared.plumbing.bus import Bus, ConsumerSpec, PublishFailed, consumer_drift
+from shared.plumbing.bus import Bus, PublishFailed
 from shared.plumbing.configsync import ConfigStore
+from shared.plumbing.consumer import ConsumerSpec, consume, consumer_config, consumer_drift
 from shared.plumbing.devservers import NatsServer
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import NatsSettings, RedisSettings, Secret, Settings
@@ -191,7 +192,7 @@ def test_every_durable_consumer_a_service_creates_is_in_the_contract() -> None:
                     service, purpose = (a.value for a in args[:2])  # type: ignore[attr-defined]
                     if service != "workload":  # the request queues' consumers: the inference servers', not ours
                         found.add((service, purpose, len(args) > 2))
-            # node_consumer(subjects, service, purpose, node, ...): one node's consumer (shared.plumbing.bus)
+            # node_consumer(subjects, service, purpose, node, ...): one node's consumer (shared.plumbing.consumer)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "node_consumer":
                 args = node.args
                 if len(args) >= 3 and all(isinstance(a, ast.Constant) for a in args[1:3]):
@@ -797,7 +798,7 @@ async def test_a_consumer_whose_deliveries_were_changed_is_made_again_from_where
     async def on_drain(event: DrainRequested) -> None:
         seen.append(event.drain_id)
 
-    consumer = await bus.consume(spec, on_drain)
+    consumer = await consume(bus, spec, on_drain)
     await bus.publish(DrainRequested(node="node-1", drain_id="before"))
     await eventually(lambda: seen == ["before"])
     await eventually(lambda: _acked(bus, spec, 1))
@@ -808,10 +809,10 @@ async def test_a_consumer_whose_deliveries_were_changed_is_made_again_from_where
     await bus.js.add_consumer(stream, replace(info.config, deliver_policy=js_api.DeliverPolicy.LAST, max_deliver=1))
     await bus.publish(DrainRequested(node="node-1", drain_id="while-changed-1"))
     await bus.publish(DrainRequested(node="node-1", drain_id="while-changed-2"))
-    await bus.consume(spec, on_drain)
+    await consume(bus, spec, on_drain)
     await eventually(lambda: {"while-changed-1", "while-changed-2"} <= set(seen))
     repaired = await bus.js.consumer_info(stream, spec.durable)
-    assert consumer_drift(repaired.config, Bus._consumer_config(spec)) == []
+    assert consumer_drift(repaired.config, consumer_config(spec)) == []
     assert repaired.config.max_deliver == spec.max_deliver
 
 

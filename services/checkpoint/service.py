@@ -47,7 +47,7 @@ from shared.contract.sessions import (
     SessionsQuery,
     WhereIsSession,
 )
-from shared.plumbing.bus import ConsumerSpec
+from shared.plumbing.consumer import ConsumerSpec
 from shared.plumbing.http import Response
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort

@@ -52,8 +52,8 @@ from shared.contract.configdocs import MigConfig, MigDeviceGroup
 from shared.contract.device import GpuDevice, MigConfigChanged, MigConfigState
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.subjects import Subjects
-from shared.plumbing.bus import ConsumerSpec, node_consumer
 from shared.plumbing.configsync import VersionedConfig
+from shared.plumbing.consumer import ConsumerSpec, node_consumer
 from shared.plumbing.drains import Drain, DrainClient
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterError, ClusterPort, NodeInfo

@@ -1,8 +1,8 @@
 """The Kubernetes adapter of the cluster port, on the official client's asyncio flavour (``kubernetes.aio``).
 
 Every call goes through the generated API classes (so paths, query parameters, authentication and TLS are the
-client's), but bodies are read as the JSON the API server sends rather than as generated models: a newer server's
-unknown fields or enum values can never fail a read, and a refusal's ``Status`` body is there to be reported.
+client's), but bodies are read as the JSON the API server sends rather than as generated models, and watches are
+followed by ``shared.adapters.kubeapi`` (``read_json``, ``ClusterWatch``).
 
 Requests and the RBAC they need (see ``deploy/rbac``):
 
@@ -15,36 +15,24 @@ Requests and the RBAC they need (see ``deploy/rbac``):
 ``deployments``                             deployments list (apps), poddisruptionbudgets list (policy)
 ``scale``                                   deployments/scale patch (apps)
 ``watch``                                   list + watch of each kind watched (nodes and pods by default)
-``acquire_lease`` / ``renew`` / ``release`` leases get, create, update (coordination.k8s.io, its namespace)
 ``review_token``                            tokenreviews create (authentication.k8s.io; cluster-wide)
 ==========================================  ============================================================
-
-A watch lists, then watches from the list's resourceVersion; a dropped connection (or a server-side timeout)
-resumes from the last version seen, and a 410 Gone (history compacted) lists again and reports the difference
-from what it knew as ADDED / MODIFIED / DELETED, so a consumer misses no object's latest state and sees no
-duplicate.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import math
 import os
-import random
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, Literal, cast
+from collections.abc import Awaitable, Iterable, Mapping
+from typing import Any
 
 import aiohttp
 from kubernetes.aio import client as k8s
 from kubernetes.aio import config as k8s_config
 
+from shared.adapters.kubeapi import ClusterWatch, Collection, Kind, KubeApiError, Obj, read_json
 from shared.ports.cluster import (
-    ClusterChange,
     ClusterConflict,
     ClusterError,
     DeploymentInfo,
@@ -55,45 +43,15 @@ from shared.ports.cluster import (
     TokenReview,
 )
 
-log = logging.getLogger(__name__)
-
-Obj = dict[str, Any]
-Kind = Literal["node", "pod", "deployment"]
-ChangeType = Literal["ADDED", "MODIFIED", "DELETED"]
-
 GPU_RESOURCE = "nvidia.com/gpu"
 MERGE_PATCH = "application/merge-patch+json"
-_WATCH_TIMEOUT_S = 290
-"""Server-side end of one watch request (the API server's own default lies between 30 and 60 minutes); the
-client gives up on a silent connection 30 s later. Either way the watch resumes from the last version seen."""
-_RETRY_FIRST_S = 0.05
-_RETRY_MAX_S = 10.0
-_PERMANENT = frozenset({400, 401, 403, 404, 405, 415, 422})
-
-
-class KubeApiError(ClusterError):
-    """The API server refused a request: ``code`` is the HTTP status, ``reason`` the Status reason."""
-
-    def __init__(self, code: int, reason: str, message: str) -> None:
-        super().__init__(f"Kubernetes API: {code} {reason}: {message}")
-        self.code = code
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class _Resource:
-    """One watchable collection: how to list or watch it, and how to name its objects in a change."""
-
-    kind: Kind
-    list_all: Callable[..., Awaitable[aiohttp.ClientResponse]]
 
 
 class KubeCluster:
     """``ClusterPort`` over a Kubernetes API server (``simulated = False``).
 
     ``watch_kinds`` are the kinds ``watch`` follows (each needs list and watch on its resource); ``watch_node``
-    narrows the pod watch to one node's pods (the device service's view). ``clock`` is monotonic seconds, used to
-    time lease expiry; ``wall`` is the wall clock written into leases.
+    narrows the pod watch to one node's pods (the device service's view).
     """
 
     simulated = False
@@ -104,20 +62,14 @@ class KubeCluster:
         *,
         watch_kinds: Iterable[Kind] = ("node", "pod"),
         watch_node: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._api = api
         self._core = k8s.CoreV1Api(api)
         self._apps = k8s.AppsV1Api(api)
         self._policy = k8s.PolicyV1Api(api)
-        self._coordination = k8s.CoordinationV1Api(api)
         self._authentication = k8s.AuthenticationV1Api(api)
         self._watch_kinds = tuple(watch_kinds)
         self._watch_node = watch_node
-        self._clock = clock
-        self._wall = wall
-        self._observed: dict[tuple[str, str], tuple[str, float]] = {}
         self._watches: set[ClusterWatch] = set()
 
     # -- making one ---------------------------------------------------------------------------------------------
@@ -154,12 +106,12 @@ class KubeCluster:
 
     # -- nodes --------------------------------------------------------------------------------------------------
     async def nodes(self) -> list[NodeInfo]:
-        listing = await _read(self._core.list_node_without_preload_content())
+        listing = await read_json(self._core.list_node_without_preload_content())
         return sorted((_node_info(n) for n in listing["items"]), key=lambda n: n.name)
 
     async def node(self, name: str) -> NodeInfo | None:
         try:
-            return _node_info(await _read(self._core.read_node_without_preload_content(name)))
+            return _node_info(await read_json(self._core.read_node_without_preload_content(name)))
         except KubeApiError as exc:
             if exc.code == 404:
                 return None
@@ -211,7 +163,7 @@ class KubeCluster:
             raise
 
     async def _patch_node(self, node: str, patch: Obj) -> Obj:
-        return await _read(self._core.patch_node_without_preload_content(node, patch, _content_type=MERGE_PATCH))
+        return await read_json(self._core.patch_node_without_preload_content(node, patch, _content_type=MERGE_PATCH))
 
     # -- pods ---------------------------------------------------------------------------------------------------
     async def pods(self, node: str | None = None, namespace: str | None = None) -> list[PodInfo]:
@@ -222,7 +174,7 @@ class KubeCluster:
             call = self._core.list_pod_for_all_namespaces_without_preload_content(field_selector=selector)
         else:
             call = self._core.list_namespaced_pod_without_preload_content(namespace, field_selector=selector)
-        listing = await _read(call)
+        listing = await read_json(call)
         found = (_pod_info(p) for p in listing["items"])
         return sorted((p for p in found if p is not None), key=lambda p: (p.namespace, p.name))
 
@@ -233,7 +185,7 @@ class KubeCluster:
             api_version="policy/v1", kind="Eviction", metadata=k8s.V1ObjectMeta(name=pod, namespace=namespace)
         )
         try:
-            await _read(self._core.create_namespaced_pod_eviction_without_preload_content(pod, namespace, body))
+            await read_json(self._core.create_namespaced_pod_eviction_without_preload_content(pod, namespace, body))
         except KubeApiError as exc:
             if exc.code == 429:
                 return EvictionOutcome.BLOCKED_BY_PDB
@@ -252,7 +204,7 @@ class KubeCluster:
         else:
             deployments = self._apps.list_namespaced_deployment_without_preload_content(namespace)
             budgets = self._policy.list_namespaced_pod_disruption_budget_without_preload_content(namespace)
-        listing, pdbs = await asyncio.gather(_read(deployments), _read(budgets))
+        listing, pdbs = await asyncio.gather(read_json(deployments), read_json(budgets))
         infos = [_deployment_info(d, pdbs["items"]) for d in listing["items"]]
         return sorted(infos, key=lambda d: (d.namespace, d.name))
 
@@ -264,7 +216,7 @@ class KubeCluster:
         call = self._apps.patch_namespaced_deployment_scale_without_preload_content(
             deployment, namespace, patch, _content_type=MERGE_PATCH
         )
-        await _read(call)
+        await read_json(call)
 
     # -- watching -----------------------------------------------------------------------------------------------
     def watch(self) -> ClusterWatch:
@@ -274,10 +226,10 @@ class KubeCluster:
         Raises ``KubeApiError`` for a refusal that retrying cannot cure (403: RBAC); a dropped connection, a 5xx
         or a 429 is retried with backoff and resumed where it stopped.
         """
-        resources: dict[Kind, _Resource] = {
-            "node": _Resource("node", self._core.list_node_without_preload_content),
-            "pod": _Resource("pod", self._pod_collection),
-            "deployment": _Resource(
+        resources: dict[Kind, Collection] = {
+            "node": Collection("node", self._core.list_node_without_preload_content),
+            "pod": Collection("pod", self._pod_collection),
+            "deployment": Collection(
                 "deployment", self._apps.list_deployment_for_all_namespaces_without_preload_content
             ),
         }
@@ -300,7 +252,7 @@ class KubeCluster:
             kind="TokenReview",
             spec=k8s.V1TokenReviewSpec(token=token, audiences=list(audiences)),
         )
-        answer = await _read(self._authentication.create_token_review_without_preload_content(body))
+        answer = await read_json(self._authentication.create_token_review_without_preload_content(body))
         status = answer.get("status") or {}
         user = status.get("user") or {}
         extra = {str(k): tuple(str(v) for v in (vs or ())) for k, vs in (user.get("extra") or {}).items()}
@@ -313,304 +265,6 @@ class KubeCluster:
             audiences=tuple(str(a) for a in status.get("audiences") or ()),
             error=str(status.get("error") or ""),
         )
-
-    # -- leases -------------------------------------------------------------------------------------------------
-    async def acquire_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> bool:
-        """Take the Lease ``namespace/name`` for ``holder``: True when ``holder`` holds it now.
-
-        It is taken when it does not exist, is ``holder``'s already, is released, or has not been renewed for
-        ``duration_s`` as timed by this process's own clock since it last saw the lease change (client-go's rule:
-        no trust in another node's clock). Every write carries the resourceVersion read, so of two contenders
-        exactly one wins (the other gets 409 Conflict and False). Holding a lease is not exclusive action: fence
-        side effects with a resourceVersion compare-and-set as well.
-        """
-        lease = await self._read_lease(namespace, name)
-        now = self._wall()
-        if lease is None:
-            body = _lease(namespace, name, holder, duration_s, now, now, transitions=0)
-            try:
-                await _read(self._coordination.create_namespaced_lease_without_preload_content(namespace, body))
-            except KubeApiError as exc:
-                if exc.code == 409:
-                    return False
-                raise
-            return True
-        spec = lease.get("spec") or {}
-        current = spec.get("holderIdentity") or ""
-        if current == holder:
-            return await self._write_lease(lease, holder, duration_s, acquired=_time(spec.get("acquireTime")))
-        if current and not self._expired(namespace, name, lease):
-            return False
-        return await self._write_lease(lease, holder, duration_s, acquired=now, transition=True)
-
-    async def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> bool:
-        """Renew ``holder``'s Lease; False when it is not ``holder``'s any more (or another write won)."""
-        lease = await self._read_lease(namespace, name)
-        if lease is None or (lease.get("spec") or {}).get("holderIdentity") != holder:
-            return False
-        return await self._write_lease(lease, holder, duration_s, acquired=_time(lease["spec"].get("acquireTime")))
-
-    async def release_lease(self, namespace: str, name: str, holder: str) -> bool:
-        """Give the Lease up so that another can take it at once; False when ``holder`` did not hold it."""
-        lease = await self._read_lease(namespace, name)
-        if lease is None or (lease.get("spec") or {}).get("holderIdentity") != holder:
-            return False
-        return await self._write_lease(lease, None, 1, acquired=None, transition=False)
-
-    async def _read_lease(self, namespace: str, name: str) -> Obj | None:
-        try:
-            lease = await _read(self._coordination.read_namespaced_lease_without_preload_content(name, namespace))
-        except KubeApiError as exc:
-            if exc.code == 404:
-                return None
-            raise
-        version = lease["metadata"]["resourceVersion"]
-        seen = self._observed.get((namespace, name))
-        if seen is None or seen[0] != version:
-            self._observed[(namespace, name)] = (version, self._clock())
-        return lease
-
-    def _expired(self, namespace: str, name: str, lease: Obj) -> bool:
-        duration = (lease.get("spec") or {}).get("leaseDurationSeconds") or 0
-        _version, since = self._observed[(namespace, name)]
-        return self._clock() - since >= duration
-
-    async def _write_lease(
-        self,
-        lease: Obj,
-        holder: str | None,
-        duration_s: int,
-        acquired: datetime | None,
-        transition: bool = False,
-    ) -> bool:
-        meta = lease["metadata"]
-        transitions = (lease.get("spec") or {}).get("leaseTransitions") or 0
-        body = _lease(
-            meta["namespace"],
-            meta["name"],
-            holder,
-            duration_s,
-            acquired,
-            self._wall(),
-            transitions=transitions + 1 if transition else transitions,
-            version=meta["resourceVersion"],
-        )
-        call = self._coordination.replace_namespaced_lease_without_preload_content(
-            meta["name"], meta["namespace"], body
-        )
-        try:
-            written = await _read(call)
-        except KubeApiError as exc:
-            if exc.code in (404, 409):
-                return False
-            raise
-        self._observed[(meta["namespace"], meta["name"])] = (written["metadata"]["resourceVersion"], self._clock())
-        return True
-
-
-class ClusterWatch(AsyncIterator[ClusterChange]):
-    """The changes of the watched kinds, as an async iterator; ``aclose()`` (or the cluster's ``close``) stops it.
-
-    One task per kind lists, then watches; each keeps the resourceVersion of every object it knows, which both
-    drops a duplicate (an event for a version already seen) and gives the difference to report after a re-list.
-    """
-
-    def __init__(self, resources: list[_Resource], forget: Callable[[ClusterWatch], None]) -> None:
-        self._resources = resources
-        self._forget = forget
-        self._queue: asyncio.Queue[ClusterChange | BaseException] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._synced = 0
-        self._ready: asyncio.Event | None = None
-        self._failure: BaseException | None = None
-        self._closed = False
-
-    def __aiter__(self) -> ClusterWatch:
-        return self
-
-    async def __anext__(self) -> ClusterChange:
-        if self._closed:
-            raise StopAsyncIteration
-        self._start()
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            await self.aclose()
-            raise item
-        return item
-
-    async def ready(self) -> None:
-        """Return once every kind is listed (changes after that are all reported); raise what stopped a kind."""
-        self._start()
-        assert self._ready is not None
-        await self._ready.wait()
-        if self._failure is not None:
-            raise self._failure
-
-    async def aclose(self) -> None:
-        self._closed = True
-        self._forget(self)
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _start(self) -> None:
-        if self._ready is None:
-            self._ready = asyncio.Event()
-            if not self._resources:
-                self._ready.set()
-            self._tasks = [asyncio.create_task(self._follow(resource)) for resource in self._resources]
-
-    def _emit(self, kind: Kind, type_: ChangeType, obj: Obj) -> None:
-        meta = obj.get("metadata") or {}
-        change = ClusterChange(
-            kind, type_, meta.get("name", ""), meta.get("namespace", ""), meta.get("resourceVersion", "")
-        )
-        self._queue.put_nowait(change)
-
-    def _fail(self, exc: BaseException) -> None:
-        self._failure = exc
-        self._queue.put_nowait(exc)
-        assert self._ready is not None
-        self._ready.set()
-
-    async def _follow(self, resource: _Resource) -> None:
-        cursor = _Cursor()
-        listed = False
-        delay = _RETRY_FIRST_S
-        try:
-            while True:
-                try:
-                    if cursor.version is None:
-                        await self._relist(resource, cursor, report=listed)
-                        if not listed:
-                            listed = True
-                            self._synced += 1
-                            if self._synced == len(self._resources):
-                                assert self._ready is not None
-                                self._ready.set()
-                    if await self._stream(resource, cursor):
-                        delay = _RETRY_FIRST_S
-                        continue
-                except _Gone:
-                    log.info("watch of %ss: version %s is gone; listing again", resource.kind, cursor.version)
-                    cursor.version = None
-                    continue
-                except KubeApiError as exc:
-                    if exc.code in _PERMANENT:
-                        raise
-                    log.warning("watch of %ss: %s; retrying in %.2f s", resource.kind, exc, delay)
-                except (ClusterError, aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-                    log.warning("watch of %ss: %r; resuming in %.2f s", resource.kind, exc, delay)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, _RETRY_MAX_S)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._fail(exc)
-
-    async def _relist(self, resource: _Resource, cursor: _Cursor, report: bool) -> None:
-        """List ``resource`` afresh into ``cursor``; with ``report``, emit how the listing differs from before."""
-        listing = await _read(resource.list_all())
-        version = str(listing["metadata"]["resourceVersion"])
-        fresh: dict[tuple[str, str], Obj] = {_key(obj): obj for obj in listing["items"]}
-        known = cursor.known
-        if report:
-            for key, obj in fresh.items():
-                if key not in known:
-                    self._emit(resource.kind, "ADDED", obj)
-                elif known[key] != obj["metadata"]["resourceVersion"]:
-                    self._emit(resource.kind, "MODIFIED", obj)
-            for key in known.keys() - fresh.keys():
-                gone = {"metadata": {"namespace": key[0], "name": key[1], "resourceVersion": version}}
-                self._emit(resource.kind, "DELETED", gone)
-        cursor.known = {key: obj["metadata"]["resourceVersion"] for key, obj in fresh.items()}
-        cursor.version = version
-
-    async def _stream(self, resource: _Resource, cursor: _Cursor) -> int:
-        """Follow one watch request from ``cursor.version`` to its end, moving the cursor with each event; how
-        many events came."""
-        response = await resource.list_all(
-            watch=True,
-            resource_version=cursor.version,
-            allow_watch_bookmarks=True,
-            timeout_seconds=_WATCH_TIMEOUT_S,
-            _request_timeout=float(_WATCH_TIMEOUT_S + 30),
-        )
-        events = 0
-        try:
-            if response.status == 410:
-                raise _Gone
-            if response.status != 200:
-                await _body(response)
-            async for line in response.content:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                events += 1
-                type_, obj = event.get("type"), event.get("object") or {}
-                if type_ == "ERROR":
-                    if obj.get("code") == 410:
-                        raise _Gone
-                    raise KubeApiError(int(obj.get("code") or 500), obj.get("reason", ""), obj.get("message", ""))
-                version = str((obj.get("metadata") or {}).get("resourceVersion") or cursor.version)
-                key = _key(obj)
-                if type_ == "DELETED":
-                    if cursor.known.pop(key, None) is not None:
-                        self._emit(resource.kind, "DELETED", obj)
-                elif type_ in ("ADDED", "MODIFIED") and cursor.known.get(key) != version:
-                    seen_before = key in cursor.known
-                    cursor.known[key] = version
-                    self._emit(resource.kind, "MODIFIED" if seen_before else "ADDED", obj)
-                cursor.version = version
-            return events
-        finally:
-            response.close()
-
-
-@dataclass(slots=True)
-class _Cursor:
-    """Where a watch of one kind stands: the version to resume from (None: list first) and the version of every
-    object it knows, which drops duplicates and gives the difference to report after a re-list."""
-
-    version: str | None = None
-    known: dict[tuple[str, str], str] = field(default_factory=dict)
-
-
-class _Gone(Exception):
-    """The watch's resourceVersion is older than the server's history: list again."""
-
-
-async def _read(call: Awaitable[aiohttp.ClientResponse]) -> Obj:
-    """The JSON body of a call; a non-2xx answer raises ``KubeApiError`` with the Status' reason and message."""
-    try:
-        response = await call
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        raise ClusterError(f"Kubernetes API unreachable: {exc!r}") from exc
-    return await _body(response)
-
-
-async def _body(response: aiohttp.ClientResponse) -> Obj:
-    try:
-        raw = await response.read()
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        raise ClusterError(f"Kubernetes API unreachable: {exc!r}") from exc
-    finally:
-        response.release()
-    try:
-        body = json.loads(raw) if raw else {}
-    except ValueError:
-        body = {"message": raw[:200].decode(errors="replace")}
-    if not 200 <= response.status < 300:
-        if not isinstance(body, dict):
-            body = {}
-        raise KubeApiError(response.status, body.get("reason", response.reason or ""), body.get("message", ""))
-    return cast(Obj, body)
-
-
-def _key(obj: Obj) -> tuple[str, str]:
-    meta = obj.get("metadata") or {}
-    return meta.get("namespace", ""), meta.get("name", "")
 
 
 def _count(quantity: object) -> int:
@@ -736,34 +390,4 @@ def _deployment_info(deployment: Obj, budgets: list[Obj]) -> DeploymentInfo:
     )
 
 
-def _time(value: object) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def _lease(
-    namespace: str,
-    name: str,
-    holder: str | None,
-    duration_s: int,
-    acquired: datetime | None,
-    renewed: datetime,
-    transitions: int,
-    version: str | None = None,
-) -> k8s.V1Lease:
-    return k8s.V1Lease(
-        api_version="coordination.k8s.io/v1",
-        kind="Lease",
-        metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, resource_version=version),
-        spec=k8s.V1LeaseSpec(
-            holder_identity=holder,
-            lease_duration_seconds=duration_s,
-            acquire_time=acquired,
-            renew_time=renewed,
-            lease_transitions=transitions,
-        ),
-    )
-
-
-__all__ = ["ClusterWatch", "KubeApiError", "KubeCluster"]
+__all__ = ["KubeCluster"]

@@ -4,8 +4,8 @@ The nvml module is a constructor parameter so tests can hand in a small fake wit
 failure becomes a ``GpuError`` that says which call failed and why; a GPU that answers "GPU is lost" leaves
 ``devices()`` and ``utilisation()`` and is reported once on ``health_events()`` as ``kind="lost"``.
 
-Driver installs run the node's own command (``GPUWARDEN_DRIVER_INSTALL_COMMAND``, ``{version}`` substituted; for
-example a restart of the node's driver container); the caller validates afterwards with ``validate_driver``.
+Driver installs run the node's own command (``shared.adapters.driverinstall``); the caller validates afterwards
+with ``validate_driver``.
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
-import shlex
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from shared.adapters.driverinstall import install_driver
 from shared.contract.device import GpuDevice, MigInstance
 from shared.plumbing.replies import as_text
 from shared.ports.gpu import (
-    DriverInstallError,
     DriverValidation,
     DriverVersions,
     GpuError,
@@ -36,9 +34,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-INSTALL_COMMAND_ENV = "GPUWARDEN_DRIVER_INSTALL_COMMAND"
-DRIVER_VERSION_RE = re.compile(r"^\d+(\.\d+){1,2}$")
-STDERR_TAIL_CHARS = 2000
 MIB = 1024 * 1024
 _MIG_PROFILE_RE = re.compile(r"MIG\s+(\S+)\s*$")
 _CLOSED = object()
@@ -57,15 +52,6 @@ _PROFILE_SUFFIXES: dict[str, str] = {
     "NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME": "+me.all",
 }
 _GI_PROFILE_COUNT = 0x12
-
-
-DOCUMENTED: dict[str, str] = {
-    "GPUWARDEN_DRIVER_INSTALL_COMMAND": (
-        "real backend: the shell command that installs a driver version on the node (`{version}` is "
-        "substituted), e.g. restarting the node's driver container"
-    ),
-}
-"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 def cuda_version_text(raw: int) -> str:
@@ -649,36 +635,9 @@ class NvmlGpus:
 
     # -- driver ---------------------------------------------------------------------------------------------------
     async def install_driver(self, version: str) -> None:
-        if not DRIVER_VERSION_RE.match(version):
-            raise DriverInstallError(f"{version!r} is not a driver version such as '550.54.15'")
-        template = self._install_command if self._install_command is not None else os.environ.get(INSTALL_COMMAND_ENV)
-        if not template or not template.strip():
-            raise DriverInstallError(
-                f"cannot install driver {version}: set {INSTALL_COMMAND_ENV} to the shell command that installs a "
-                "driver on this node ({version} is substituted), e.g. one that restarts the node's driver container"
-            )
-        command = template.replace("{version}", shlex.quote(version))
-        log.info("installing driver", extra={"version": version, "command": command})
-        try:
-            proc = await asyncio.create_subprocess_shell(
-                command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-            )
-        except OSError as exc:
-            raise DriverInstallError(f"installing driver {version}: could not run {command!r}: {exc}") from exc
-        try:
-            _stdout, stderr = await proc.communicate()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            with contextlib.suppress(Exception):
-                await asyncio.shield(proc.wait())
-            raise
-        if proc.returncode != 0:
-            tail = stderr.decode(errors="replace").strip()[-STDERR_TAIL_CHARS:]
-            raise DriverInstallError(
-                f"installing driver {version}: {command!r} exited with {proc.returncode}: {tail or '(no stderr)'}"
-            )
-        log.info("driver install command finished", extra={"version": version})
+        """The node's install command, run by ``shared.adapters.driverinstall``: this instance's
+        ``install_command`` if it was given one, else the one the environment names."""
+        await install_driver(version, self._install_command)
 
     def _validate(self, expected_version: str) -> DriverValidation:
         self.open_sync()

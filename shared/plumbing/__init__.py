@@ -1,4 +1,5 @@
-"""The plumbing every service shares: settings, the NATS bus, Redis config sync, telemetry and the service runner.
+"""The plumbing every service shares: settings, the NATS bus and its durable consumer loop, Redis config sync,
+telemetry and the service runner.
 
-``bus`` and ``configsync`` are the only modules here that import a transport (nats, redis).
+``bus``, ``consumer`` and ``configsync`` are the only modules here that import a transport (nats, redis).
 """

@@ -48,8 +48,9 @@ from shared.contract.base import Event, id_problem, subject_token
 from shared.contract.config import ConfigApplied
 from shared.contract.subjects import Subjects
 from shared.plumbing import logs
-from shared.plumbing.bus import Bus, Consumer, ConsumerSpec, Handler
+from shared.plumbing.bus import Bus, Handler
 from shared.plumbing.configsync import ConfigWatcher, VersionedConfig, share_redis_pool, warm_pool
+from shared.plumbing.consumer import Consumer, ConsumerSpec, consume
 from shared.plumbing.errors import SettingsError, TemporaryError
 from shared.plumbing.http import Response, SmallHttpServer
 from shared.plumbing.runner import Service, ServiceContext
@@ -230,7 +231,7 @@ class NodeFamily:
 
     async def open(self) -> None:
         if self.consumer is None:
-            self.consumer = await self.host.bus.consume(self.spec, self.dispatch)
+            self.consumer = await consume(self.host.bus, self.spec, self.dispatch)
 
 
 @dataclass
@@ -410,7 +411,7 @@ class HollowHost:
         if scope is None:
             found = self.shared.get(spec.durable)
             if found is None:
-                found = self.shared[spec.durable] = await self.bus.consume(spec, handler)
+                found = self.shared[spec.durable] = await consume(self.bus, spec, handler)
             return found
         if scope.node != ctx.node:
             raise ValueError(f"{spec.durable}: a consumer of node {scope.node} asked for by node {ctx.node}")

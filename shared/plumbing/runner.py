@@ -32,8 +32,9 @@ from shared.contract.base import Event
 from shared.contract.config import ConfigApplied
 from shared.contract.subjects import Subjects
 from shared.plumbing import logs
-from shared.plumbing.bus import Bus, Consumer, ConsumerSpec, Handler
+from shared.plumbing.bus import Bus, Handler
 from shared.plumbing.configsync import ConfigWatcher, VersionedConfig
+from shared.plumbing.consumer import Consumer, ConsumerSpec, consume
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.http import Response, Route, SmallHttpServer
 from shared.plumbing.settings import Settings, load_settings
@@ -153,7 +154,7 @@ class ServiceContext:
         return task
 
     async def consume(self, spec: ConsumerSpec, handler: Handler) -> Consumer:
-        consumer = await self.bus.consume(spec, handler)
+        consumer = await consume(self.bus, spec, handler)
         self._consumers.append(consumer)
         return consumer
 

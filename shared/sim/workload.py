@@ -45,7 +45,8 @@ from shared.kv.endpoint import AgentEndpoint, LocateRefused, SessionHeld
 from shared.kv.load import LoadReporter
 from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
-from shared.plumbing.bus import Bus, ConsumerSpec
+from shared.plumbing.bus import Bus
+from shared.plumbing.consumer import ConsumerSpec, consume
 from shared.plumbing.errors import TemporaryError
 from shared.ports.cluster import PodInfo
 from shared.sim.blockpool import BlockPool, PoolTooSmall
@@ -202,7 +203,8 @@ class SimWorkload:
         await self.bus.ensure_streams()
         s = self.bus.subjects
         for namespace, name in self.deployments:
-            await self.bus.consume(
+            await consume(
+                self.bus,
                 ConsumerSpec(
                     durable=s.durable("workload", namespace, name),
                     filter_subjects=(s.pattern("requests.inference", namespace=namespace, deployment=name),),

@@ -27,8 +27,9 @@ from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
-from shared.plumbing.bus import Bus, ConsumerSpec
+from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
+from shared.plumbing.consumer import ConsumerSpec, consume
 from shared.plumbing.devservers import free_port
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
@@ -120,7 +121,8 @@ class Mesh:
         async def on_letter(event: DeadLetter) -> None:
             letters.append(event)
 
-        await self.bus.consume(
+        await consume(
+            self.bus,
             ConsumerSpec(
                 durable=durable,
                 filter_subjects=(f"{self.subjects.root}.deadletter.>",),

@@ -28,8 +28,9 @@ from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import Subjects
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import CheckpointManifest
-from shared.plumbing.bus import Bus, ConsumerSpec
+from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
+from shared.plumbing.consumer import ConsumerSpec, consume
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
@@ -193,7 +194,8 @@ async def fleet(
             if all(v.event_id != event.event_id for v in seen):
                 seen.append(event)
 
-        await bus.consume(
+        await consume(
+            bus,
             ConsumerSpec(
                 durable="t-fleet-verdicts",
                 filter_subjects=(subjects.pattern("node.drain.completed"), subjects.pattern("node.drain.failed")),
