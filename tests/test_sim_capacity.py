@@ -29,6 +29,9 @@ from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
 from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.cluster import SimCluster
+from shared.sim.conversations import Conversations
+from shared.sim.engines import verify_blocks
+from shared.sim.sessions import is_close
 from shared.sim.spec import (
     TINY_LLAMA,
     DeploymentSpec,
@@ -40,7 +43,7 @@ from shared.sim.spec import (
     default_spec,
     parse_spec,
 )
-from shared.sim.workload import Conversations, SimWorkload, is_close, verify_blocks
+from shared.sim.workload import SimWorkload
 from shared.wiring import Wiring
 from tests.helpers import eventually
 
