@@ -19,30 +19,22 @@ import pytest
 import torch
 
 from shared.kv.agent import KvAgent
-from shared.kv.engines.vllm_core import (
-    AgentLoop,
+from shared.kv.engines.vllm_core.config import ConfigError, ConnectorConfig, session_of
+from shared.kv.engines.vllm_core.layout import cache_dtype_name, files_digest, layer_index
+from shared.kv.engines.vllm_core.loop import AgentLoop
+from shared.kv.engines.vllm_core.paged import PagedCache, PagedLayout
+from shared.kv.engines.vllm_core.plan import (
     ClaimSpec,
-    ConfigError,
-    ConnectorConfig,
     CopySpec,
     FinishSpec,
     LoadSpec,
-    PagedCache,
-    PagedLayout,
-    SchedulerBook,
-    SessionPort,
     StepPlan,
     TruncateSpec,
-    WorkerBook,
-    cache_dtype_name,
-    checkpoint_tokens,
-    common_prefix,
     decode_plan,
     encode_plan,
-    files_digest,
-    layer_index,
-    session_of,
 )
+from shared.kv.engines.vllm_core.scheduler import SchedulerBook, checkpoint_tokens, common_prefix
+from shared.kv.engines.vllm_core.worker import SessionPort, WorkerBook
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
 

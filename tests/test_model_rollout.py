@@ -24,9 +24,10 @@ from shared.plumbing.errors import InvalidConfig
 from shared.plumbing.rollouts import RolloutRefused, begin_rollout, deployment_key, read_models, settle_rollout
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
+from shared.sim.conversations import Conversations
 from shared.sim.engines import engine_for
 from shared.sim.spec import TINY_LLAMA
-from shared.sim.workload import Conversations, SimWorkload
+from shared.sim.workload import SimWorkload
 from tests.helpers import eventually
 from tests.workloadkit import SMALL_MODEL, mesh, send_rounds, spec_of, turn
 

@@ -19,6 +19,9 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
 from shared.sim.blockpool import BlockPool, PoolTooSmall
+from shared.sim.conversations import Conversations
+from shared.sim.engines import verify_blocks
+from shared.sim.sessions import is_close
 from shared.sim.spec import (
     TINY_LLAMA,
     DeploymentSpec,
@@ -27,7 +30,7 @@ from shared.sim.spec import (
     default_spec,
     parse_spec,
 )
-from shared.sim.workload import Conversations, SimWorkload, is_close, verify_blocks
+from shared.sim.workload import SimWorkload
 from tests.helpers import eventually
 from tests.workloadkit import SMALL_MODEL, mesh, send_rounds, spec_of, turn
 

@@ -553,7 +553,8 @@ async def test_a_bad_spec_names_the_field_and_writes_nothing(
 
 
 def test_label_changes_are_parsed_as_kubectl_spells_them() -> None:
-    from shared.cli import UsageError, label_changes
+    from shared.console.sim import label_changes
+    from shared.console.state import UsageError
 
     assert label_changes(["nvidia.com/mig.config=all-1g.10gb", "pool-", "tier="]) == {
         "nvidia.com/mig.config": "all-1g.10gb",

@@ -23,8 +23,9 @@ from shared.plumbing.configsync import redis_client
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
+from shared.sim.conversations import Conversations
 from shared.sim.spec import DeploymentSpec, GpuSpec, ModelShape, NodeSpec, SimSpec
-from shared.sim.workload import Conversations, SimWorkload
+from shared.sim.workload import SimWorkload
 from shared.wiring import Wiring
 from tests.helpers import eventually
 

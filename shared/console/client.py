@@ -1,23 +1,24 @@
-"""One connection to a running mesh for a command: the bus, Redis, the cluster port, and the run's state file."""
+"""One connection to a running mesh for a command: the bus, Redis, the cluster port, and the run's state file
+(``open_mesh``); or the bus alone (``command_bus``)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from shared.console.state import CommandError, read_state
+from shared.console.state import CommandError, command_settings, read_state, state_file
 from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterError, ClusterPort
-from shared.wiring import Wiring
 
-__all__ = ["CommandError", "MeshClient", "read_state"]
+__all__ = ["CommandError", "MeshClient", "command_bus", "open_mesh", "read_state"]
 
 
 @dataclass
@@ -44,6 +45,8 @@ class MeshClient:
         except BaseException:
             await bus.close(1)
             raise
+        from shared.wiring import Wiring  # the adapters and the simulation: not for the commands of the bus alone
+
         redis = redis_client(settings.redis)
         wiring = Wiring(settings, Subjects(settings.root), bus)
         cluster: ClusterPort | None = wiring.attached_cluster()  # the simulation's, never created by a command
@@ -76,3 +79,15 @@ class MeshClient:
         with contextlib.suppress(Exception):
             await self.redis.aclose()
         await self.bus.close(1)
+
+
+async def open_mesh() -> MeshClient:
+    """The mesh a command acts on, found through ``command_settings`` and the run's state file."""
+    return await MeshClient.open(command_settings(), read_state(state_file(os.environ)))
+
+
+async def command_bus(settings: Settings, source: str = "cli") -> Bus:
+    """A bus for a command that needs nothing else of the mesh, the streams made sure of first."""
+    bus = await Bus.connect(settings.nats, Subjects(settings.root), source, connect_timeout=3.0)
+    await bus.ensure_streams()
+    return bus

@@ -11,7 +11,8 @@ simulated nodes is five service processes, not 3,002; ``--nodes N`` makes such a
 from the spec's deployments. ``$GPUWARDEN_HOME/run.json`` says
 where everything is: the URLs, every health URL, and the pid of every process the run started, which is what
 ``down`` stops and then checks. ``up --detach`` starts the same run in a session of its own, waits until every
-process answers ``/readyz``, prints where things are and returns.
+process answers ``/readyz``, prints where things are and returns. ``gpuwarden service NAME`` is one service alone,
+in the foreground (``python -m services.NAME``).
 """
 
 from __future__ import annotations
@@ -29,23 +30,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shared.console.state import CommandError, read_state
+from shared.console.state import CommandError, home, read_state, state_file
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import load_settings
 
 SERVICES = ("driver", "device", "metrics", "scaler", "checkpoint")
 NODE_SCOPED = ("driver", "device", "metrics")
-DEFAULT_HOME = ".gpuwarden"
-
-
-def home(env: Mapping[str, str] | None = None) -> Path:
-    """The folder of the run's state, logs, checkpoints and Redis data: ``GPUWARDEN_HOME``."""
-    env = os.environ if env is None else env
-    return Path(env.get("GPUWARDEN_HOME") or DEFAULT_HOME).expanduser().resolve()
-
-
-def state_file(env: Mapping[str, str]) -> Path:
-    return home(env) / "run.json"
 
 
 def _write_state(path: Path, state: dict[str, Any]) -> None:
@@ -469,3 +459,26 @@ def stop(env: Mapping[str, str], *, quiet: bool = False, timeout: float = 30.0) 
     if not quiet:
         print(f"stopped: {len(everyone)} processes (run pid {main}, its services, NATS and Redis); none left")
     return len(everyone)
+
+
+# -- the commands -------------------------------------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace) -> int:
+    if not args.detach:
+        return run_foreground(args)
+    argv = ["--nodes", args.nodes, "--rate", str(args.rate), "--gpus-per-node", str(args.gpus_per_node)]
+    argv += ["--nats-port", str(args.nats_port), "--redis-port", str(args.redis_port)]
+    if args.hollow is not None:
+        argv.append("--hollow" if args.hollow else "--no-hollow")
+    if args.seconds is not None:
+        argv += ["--seconds", str(args.seconds)]
+    return run_detached(args, argv)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stop(os.environ, timeout=args.timeout)
+    return 0
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    os.execv(sys.executable, [sys.executable, "-m", f"services.{args.name}"])
+    return 0  # not reached

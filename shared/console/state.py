@@ -1,10 +1,16 @@
-"""What every command shares without connecting anywhere: the one-line error and the run's state file."""
+"""What every command shares without connecting anywhere: the one-line errors, the run's state file, and the
+settings a command finds the mesh with."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from shared.plumbing.settings import Settings, load_settings
 
 DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_HOME": (
@@ -16,9 +22,25 @@ DOCUMENTED: dict[str, str] = {
 }
 """Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
+DEFAULT_HOME = ".gpuwarden"
+
 
 class CommandError(Exception):
     """Something the user can fix or should know, said in one line; the command exits 1."""
+
+
+class UsageError(Exception):
+    """Bad input on the command line: printed as one clear line, exit status 2."""
+
+
+def home(env: Mapping[str, str] | None = None) -> Path:
+    """The folder of the run's state, logs, checkpoints and Redis data: ``GPUWARDEN_HOME``."""
+    env = os.environ if env is None else env
+    return Path(env.get("GPUWARDEN_HOME") or DEFAULT_HOME).expanduser().resolve()
+
+
+def state_file(env: Mapping[str, str]) -> Path:
+    return home(env) / "run.json"
 
 
 def read_state(state_file: Path) -> dict[str, Any]:
@@ -28,3 +50,33 @@ def read_state(state_file: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
+
+
+def command_env() -> dict[str, str]:
+    """The process's environment, completed by the run's state file: a command finds the mesh through
+    ``GPUWARDEN_NATS_URL``/``GPUWARDEN_REDIS_URL``, or else the mesh ``gpuwarden run`` started, or else the
+    defaults."""
+    env = dict(os.environ)
+    state = read_state(state_file(env))
+    if state.get("nats_url") and not (env.get("GPUWARDEN_NATS_URL") and env.get("GPUWARDEN_REDIS_URL")):
+        env.setdefault("GPUWARDEN_NATS_URL", state["nats_url"])
+        env.setdefault("GPUWARDEN_REDIS_URL", state["redis_url"])
+        env.setdefault("GPUWARDEN_ROOT", state.get("root", "gw"))
+    return env
+
+
+def command_settings() -> Settings:
+    """gpuwarden's settings for a command, from ``command_env``."""
+    return load_settings(command_env())
+
+
+def read_json_arg(raw: str) -> bytes:
+    """A JSON argument as given: inline, ``@file`` or ``-`` for stdin."""
+    if raw == "-":
+        return sys.stdin.buffer.read()
+    if raw.startswith("@"):
+        try:
+            return Path(raw[1:]).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"{raw[1:]}: {exc.strerror}") from None
+    return raw.encode()

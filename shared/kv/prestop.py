@@ -1,5 +1,6 @@
 """The preStop hook of an inference pod that installed the KV agent alone: ``gpuwarden-kv-prestop`` (or
-``python -m shared.kv.prestop``) does what ``gpuwarden agent final-save`` does, without gpuwarden's CLI.
+``python -m shared.kv.prestop``) does what ``gpuwarden agent final-save`` does (that command calls ``final_save``
+here), without gpuwarden's CLI.
 
 It asks the pod's KV agent, over NATS, to save every session it holds (a ``prestop`` save, which the agent has the
 checkpoint service record), waits for the report, prints it as JSON, and exits 0 when no session failed. The pod

@@ -1,8 +1,9 @@
 """The one drain client: how anything in gpuwarden asks the checkpoint service to save every session on a node, and
 learns its answer. The CLI (``gpuwarden drain`` in ``shared.console.operations``, ``gpuwarden checkpoint`` in
-``shared.cli``, the drains of ``gpuwarden status``), the driver's upgrade coordinator and the device service's MIG
-controller all drain through it; nothing else in gpuwarden names a drain, publishes ``DrainRequested`` or looks a
-verdict up (the benchmarks and tests publish requests of their own, as any other system may).
+``shared.console.nodes``, the drains of ``gpuwarden status``), the driver's upgrade coordinator and the device
+service's MIG controller all drain through it; nothing else in gpuwarden names a drain, publishes
+``DrainRequested`` or looks a verdict up (the benchmarks and tests publish requests of their own, as any other
+system may).
 
 A drain's life, as the caller sees it:
 

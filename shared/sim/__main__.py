@@ -25,12 +25,13 @@ from shared.plumbing.configsync import redis_client, warm_pool
 from shared.plumbing.runner import ServiceContext, run
 from shared.ports.cluster import ClusterError
 from shared.sim.cluster import SharedSimCluster, SimCluster
+from shared.sim.conversations import publish_requests
 from shared.sim.exporter import PodRef, SimExporter, SimExporterHost
 from shared.sim.faults import serve_faults
 from shared.sim.gauges import WorkloadCollector
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import SimSpec, load_spec
-from shared.sim.workload import SimWorkload, publish_requests
+from shared.sim.workload import SimWorkload
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,10 @@ decode in one step, so this is an upper bound of the first token's time).
 A pod that turns Terminating runs its preStop: a final save recorded by the checkpoint service, then it tells
 the cluster it is done. A pod that vanishes without that (a crash, a grace period overrun) loses what its last
 checkpoint did not hold. Everything here is simulated except NATS, Redis and the store.
+
+This module routes requests and moves sessions; each pod while it runs is ``shared.sim.pods``' (``PodRuntime``,
+and ``PodModels`` for its side of a model rollout), what is kept per session ``shared.sim.sessions``', and the
+traffic the simulation sends ``shared.sim.conversations``' (``Conversations``, ``publish_requests``).
 """
 
 from __future__ import annotations
@@ -30,15 +34,11 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import time
-import uuid
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from shared.contract.models import RolloutState
 from shared.contract.requests import InferenceRequest
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.endpoint import AgentEndpoint, LocateRefused, SessionHeld
@@ -51,105 +51,19 @@ from shared.plumbing.errors import TemporaryError
 from shared.ports.cluster import PodInfo
 from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.cluster import SimCluster
-from shared.sim.clusterstate import object_key
-from shared.sim.engines import (
-    DeploymentEngine,
-    PodEngine,
-    SessionCheck,
-    engine_for,
-    expected_block,
-    layout_of,
-    verify_blocks,
-)
+from shared.sim.engines import DeploymentEngine, PodEngine, SessionCheck, engine_for
+from shared.sim.pods import PodModels, PodRuntime, pod_gpu
+from shared.sim.sessions import RETIRED_KEPT, SESSION_IDLE_S, Preempted, SessionLocks, WorkloadStats, is_close
 from shared.sim.spec import DeploymentSpec, SimSpec
 
 log = logging.getLogger(__name__)
 
-LOST_SESSIONS_KEPT = 100  # the newest lost session ids kept for status; the count has them all
-SESSION_IDLE_S = 300.0
-RETIRED_KEPT = 10_000
-
-
-__all__ = ["Conversations", "SimWorkload", "expected_block", "layout_of", "publish_requests", "verify_blocks"]
-
-
-def is_close(request: InferenceRequest) -> bool:
-    """A request with neither prompt nor new tokens closes its session."""
-    return request.prompt_tokens == 0 and request.max_new_tokens == 0
-
-
-@dataclass
-class PodRuntime:
-    info: PodInfo
-    agent: KvAgent
-    endpoint: AgentEndpoint
-    pool: BlockPool
-    engines: dict[str, PodEngine]
-    """The pod's engine per model version it holds: the serving one, and during a rollout the next one (prepared)
-    or the previous one (its sessions finish on it)."""
-    load: LoadReporter | None = None
-    """The pod's ``kv.pod.load`` reports: its pool's blocks used and its requests' time to first token."""
-    gpu_uuid: str = ""
-    gpu_memory_mib: float = 0.0
-    served: int = 0
-    reported: tuple[float, float, float] | None = None
-    """The load last written on the pod's GPU (written again only when it changes)."""
-    stopping: bool = False
-    gone: bool = False
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """The engine runs one step at a time: held while it computes and while its pool changes, so a session is never
-    preempted in the middle of its own turn."""
-
-    def engine_of(self, session_id: str) -> PodEngine:
-        """The engine of the model version the session is pinned to (the one that built its KV)."""
-        return self.engines[self.agent.session_layout(session_id).model_version]
-
-    def release(self, session_id: str) -> None:
-        for engine in self.engines.values():
-            engine.release(session_id)
-
-
-@dataclass(frozen=True)
-class Preempted:
-    """A session that lost its blocks to preemption: ``tokens`` is what it is recomputed to, ``pod`` where, on
-    model ``version``."""
-
-    tokens: int
-    pod: str
-    version: str = ""
-
-
-@dataclass
-class SessionLock:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0
-
-
-@dataclass
-class WorkloadStats:
-    requests: int = 0
-    served: int = 0
-    restored: int = 0
-    started_fresh: int = 0
-    recomputed: int = 0
-    preemptions: int = 0
-    ended: int = 0
-    ended_at_max_len: int = 0
-    expired: int = 0
-    lost: int = 0
-    prestop_saves: int = 0
-    restore_verified: int = 0
-    restore_check_failed: int = 0
-    restore_unchecked: int = 0
-    ended_by_rollout: int = 0
-    refused_retired: int = 0
-    restore_refused_version: int = 0
-    mixed_versions: int = 0
-    served_by_version: dict[str, int] = field(default_factory=dict)
-    lost_sessions: deque[str] = field(default_factory=lambda: deque(maxlen=LOST_SESSIONS_KEPT))
-
 
 class SimWorkload:
+    """Every pod of the spec's deployments, played on the simulated cluster: the pods follow the cluster
+    (``reconcile``), each request runs on its session's pod (``on_request``), and sessions move, are preempted,
+    recomputed and end as on real inference servers."""
+
     def __init__(
         self,
         bus: Bus,
@@ -194,7 +108,7 @@ class SimWorkload:
         self.preempted: dict[str, Preempted] = {}
         self.last_request: dict[str, float] = {}
         self.stats = WorkloadStats()
-        self._locks: dict[str, SessionLock] = {}  # only while a request of the session runs or waits
+        self._locks = SessionLocks()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
 
@@ -316,17 +230,8 @@ class SimWorkload:
         engines: dict[str, PodEngine] = {engine.layout.model_version: engine.for_pod(agent)}
         endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s, models=PodModels(self, agent, engines))
         node_gpus = [g.memory_mib for n in self.spec.nodes if n.name == pod.node for g in n.gpus]
-        gpu_uuid, memory = "", float(min(node_gpus, default=self.spec.smallest_gpu_mib()))
-        gpus = self.gpus.get(pod.node)
-        if gpus is not None:
-            with contextlib.suppress(Exception):
-                holders = await self.cluster.gpu_holders(pod.node)
-                first = min(
-                    (i for i, names in holders.items() if object_key(pod.namespace, pod.name) in names), default=-1
-                )
-                for device in await gpus.devices():
-                    if device.index == first:
-                        gpu_uuid, memory = device.uuid, float(device.memory_total_mib)
+        fallback = float(min(node_gpus, default=self.spec.smallest_gpu_mib()))
+        gpu_uuid, memory = await pod_gpu(self.cluster, self.gpus.get(pod.node), pod, fallback)
         capacity = max(deployment.kv_capacity(memory), deployment.model.max_len_blocks)
         pool = BlockPool(capacity)
         load = LoadReporter(
@@ -347,15 +252,8 @@ class SimWorkload:
 
     async def _pre_stop(self, runtime: PodRuntime) -> None:
         deployment = self.deployments[(runtime.info.namespace, runtime.info.deployment)]
-        try:
-            report = await runtime.endpoint.final_save(deadline_s=deployment.grace_period_s * 0.8)
+        if await runtime.final_save(deadline_s=deployment.grace_period_s * 0.8):
             self.stats.prestop_saves += 1
-            log.info(
-                "preStop saved",
-                extra={"pod": runtime.info.name, "committed": len(report.committed), "failed": len(report.failed)},
-            )
-        except Exception as exc:
-            log.warning("preStop save failed", extra={"pod": runtime.info.name, "error": str(exc)})
         with contextlib.suppress(Exception):
             await self.cluster.mark_prestop_done(runtime.info.namespace, runtime.info.name)
         self._wake.set()
@@ -365,42 +263,15 @@ class SimWorkload:
         the requests served since the last tick) to the simulated GPUs."""
         window = max(self.tick_s, 0.2)
         for runtime in list(self.runtimes.values()):
-            if runtime.load is not None and not runtime.stopping:
-                await runtime.load.tick()
-            gpus = self.gpus.get(runtime.info.node)
-            if gpus is None or not runtime.gpu_uuid:
-                continue
-            held = sum(runtime.agent.session_bytes(s) for s in runtime.agent.sessions())
-            util = min(100.0, runtime.served / window * 10.0)
-            runtime.served = 0
-            memory = runtime.gpu_memory_mib or held / 2**20
-            load = (util, min(held / 2**20, memory), min(100.0, util / 4))
-            if load == runtime.reported:
-                continue
-            with contextlib.suppress(Exception):
-                await gpus.set_load(runtime.gpu_uuid, *load)
-                runtime.reported = load
+            await runtime.report_load(self.gpus.get(runtime.info.node), window)
 
     # -- requests -------------------------------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def _session_lock(self, session_id: str) -> AsyncIterator[None]:
-        """One request of a session at a time; the lock exists only while a request holds or awaits it."""
-        entry = self._locks.setdefault(session_id, SessionLock())
-        entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if entry.users == 0:
-                del self._locks[session_id]
-
     async def on_request(self, request: InferenceRequest) -> None:
         """Idempotent enough for at-least-once delivery: a redelivered request grows its session again, as a
         retried request does on a real server; a redelivered close finds nothing left to close."""
         self.stats.requests += 1
         sid = request.session_id
-        async with self._session_lock(sid):
+        async with self._locks.hold(sid):
             if is_close(request):
                 if self.end_session(sid):
                     self.stats.ended += 1
@@ -500,7 +371,7 @@ class SimWorkload:
         held = runtime.agent.sessions_on(version)
         held += [s for s, p in self.preempted.items() if p.pod == runtime.info.name and p.version == version]
         for sid in held:
-            async with self._session_lock(sid):
+            async with self._locks.hold(sid):
                 if self.versions.get(sid, version) == version and sid not in self.retired:
                     self.retire(sid, reason)
 
@@ -512,6 +383,12 @@ class SimWorkload:
                 if not waiting and runtime.agent.release(version):
                     del runtime.engines[version]
                     log.info("model version released", extra={"pod": runtime.info.name, "version": version})
+
+    def end_pinned_soon(self, pod: str, version: str, reason: str) -> None:
+        """``end_pinned`` in the background, for the pod's side of a rollout (``PodModels``)."""
+        runtime = self.runtimes.get(pod)
+        if runtime is not None:
+            self._spawn(self.end_pinned(runtime, version, reason), f"end-pinned-{pod}")
 
     async def prepare_version(self, agent: KvAgent, engines: dict[str, PodEngine], version: str) -> KvLayout:
         """Load ``version`` on the pod (the simulation's weights come from the model's seed, a new one per
@@ -629,20 +506,8 @@ class SimWorkload:
             log.error("restored session cannot go on", extra={"session": session_id, "error": str(exc)})
             await self._start(runtime, session_id, context_lost=True)
             return False
-        self._count_check(session_id, check, restored.manifest.checkpoint_id)
+        self.stats.count_check(session_id, check, restored.manifest.checkpoint_id)
         return True
-
-    def _count_check(self, session_id: str, check: SessionCheck, checkpoint_id: str) -> None:
-        if check.verified is True:
-            self.stats.restore_verified += 1
-        elif check.verified is None:
-            self.stats.restore_unchecked += 1
-        else:
-            self.stats.restore_check_failed += 1
-            log.error(
-                "restored session differs from its reference run",
-                extra={"session": session_id, "checkpoint": checkpoint_id, "detail": check.detail},
-            )
 
     async def _start(self, runtime: PodRuntime, session_id: str, *, context_lost: bool) -> None:
         """The agent holds the session, empty (``restore`` registered it): the engine starts it, recomputing its
@@ -677,7 +542,7 @@ class SimWorkload:
 
     async def check_session(self, session_id: str) -> SessionCheck:
         """Compare what the session's pod holds now with the reference (between its requests)."""
-        async with self._session_lock(session_id):
+        async with self._locks.hold(session_id):
             home = self.home.get(session_id)
             runtime = self.runtimes.get(home) if home else None
             if runtime is None or session_id not in runtime.agent.sessions():
@@ -749,142 +614,3 @@ class SimWorkload:
             "lost_sessions": len(self.stats.lost_sessions),
             "conversations": sum(e.tracked() for e in self.engines.values()),
         }
-
-
-class PodModels:
-    """One pod's side of a model rollout (``shared.kv.endpoint.ModelHost``): prepare loads a version's engine
-    beside the serving one; at the switch new sessions go to the new one, while the old version's sessions
-    finish on it (or end, as the rollout says)."""
-
-    def __init__(self, workload: SimWorkload, agent: KvAgent, engines: dict[str, PodEngine]) -> None:
-        self.workload = workload
-        self.agent = agent
-        self.engines = engines
-
-    async def prepare(self, version: str) -> KvLayout:
-        return await self.workload.prepare_version(self.agent, self.engines, version)
-
-    def switched(self, state: RolloutState, previous: str) -> None:
-        runtime = self.workload.runtimes.get(self.agent.pod)
-        if state.pinned_sessions == "end" and runtime is not None:
-            reason = state.end_reason or "the deployment moved to a new model version"
-            self.workload._spawn(self.workload.end_pinned(runtime, previous, reason), f"end-pinned-{self.agent.pod}")
-
-
-@dataclass
-class Conversation:
-    session_id: str
-    turns_left: int
-    tokens: int = 0
-
-
-class Conversations:
-    """The traffic ``publish_requests`` sends: per deployment, ``sessions`` conversations at a time, each of a
-    random number of turns (1 to ``max_turns``) and then a close; a new conversation, under a new id, takes the
-    place of each one that closes. A conversation whose next turn would pass the model's ``max_model_len`` sends
-    that turn (the pod refuses it and ends the session, as a client meets a context-length error) and stops
-    there. Only the open conversations are remembered.
-
-    Session ids carry a tag of their own per instance, so a restarted generator never continues the sessions
-    (and checkpoints) of an earlier one by accident."""
-
-    def __init__(
-        self,
-        spec: SimSpec,
-        sessions: int,
-        prompt_tokens: int,
-        new_tokens: int,
-        max_turns: int,
-        *,
-        seed: int | None = None,
-        tag: str = "",
-    ) -> None:
-        if sessions < 1 or max_turns < 1:
-            raise ValueError(f"sessions ({sessions}) and max_turns ({max_turns}) must be at least 1")
-        if prompt_tokens + new_tokens <= 0:
-            raise ValueError("a turn needs prompt or new tokens (a request with neither closes its session)")
-        self.spec = spec
-        self.turn_tokens = prompt_tokens + new_tokens
-        self.prompt_tokens = prompt_tokens
-        self.new_tokens = new_tokens
-        self.max_turns = max_turns
-        self.tag = tag or uuid.uuid4().hex[:6]
-        self._random = random.Random(seed)
-        self._started = 0
-        self._open: dict[tuple[str, str], list[Conversation]] = {
-            (d.namespace, d.name): [self._new(d) for _ in range(sessions)] for d in spec.deployments
-        }
-        self._next = 0
-
-    def _new(self, deployment: DeploymentSpec) -> Conversation:
-        self._started += 1
-        return Conversation(f"{deployment.name}-{self.tag}-{self._started}", self._random.randint(1, self.max_turns))
-
-    @property
-    def started(self) -> int:
-        """Conversations begun so far, over all deployments."""
-        return self._started
-
-    def next_requests(self) -> list[InferenceRequest]:
-        """One request per deployment: the next turn of the next open conversation, or its close."""
-        out: list[InferenceRequest] = []
-        for deployment in self.spec.deployments:
-            slots = self._open[(deployment.namespace, deployment.name)]
-            slot = self._next % len(slots)
-            talk = slots[slot]
-            if talk.turns_left == 0:
-                out.append(self._request(deployment, talk.session_id, 0, 0))
-                slots[slot] = self._new(deployment)
-                continue
-            out.append(self._request(deployment, talk.session_id, self.prompt_tokens, self.new_tokens))
-            talk.tokens += self.turn_tokens
-            talk.turns_left -= 1
-            if talk.tokens > deployment.model.max_model_len:
-                talk.turns_left = 0
-        self._next += 1
-        return out
-
-    def closing(self) -> list[InferenceRequest]:
-        """The close of every open conversation; none is open afterwards (the next request starts new ones)."""
-        out = [
-            self._request(d, talk.session_id, 0, 0)
-            for d in self.spec.deployments
-            for talk in self._open[(d.namespace, d.name)]
-        ]
-        for d in self.spec.deployments:
-            slots = self._open[(d.namespace, d.name)]
-            slots[:] = [self._new(d) for _ in slots]
-        return out
-
-    @staticmethod
-    def _request(deployment: DeploymentSpec, session_id: str, prompt: int, new: int) -> InferenceRequest:
-        return InferenceRequest(
-            namespace=deployment.namespace,
-            deployment=deployment.name,
-            session_id=session_id,
-            prompt_tokens=prompt,
-            max_new_tokens=new,
-        )
-
-
-async def publish_requests(
-    bus: Bus,
-    spec: SimSpec,
-    sessions: int,
-    rate_per_s: float,
-    prompt_tokens: int,
-    new_tokens: int,
-    seconds: float,
-    max_turns: int = 12,
-) -> int:
-    """A steady load: ``rate_per_s`` requests per second per deployment over ``sessions`` open conversations
-    per deployment, each of at most ``max_turns`` turns and then closed (``Conversations``)."""
-    conversations = Conversations(spec, sessions, prompt_tokens, new_tokens, max_turns)
-    sent = 0
-    started = time.monotonic()
-    while time.monotonic() - started < seconds:
-        for request in conversations.next_requests():
-            await bus.publish(request)
-            sent += 1
-        await asyncio.sleep(1.0 / rate_per_s)
-    return sent

@@ -34,9 +34,10 @@ from shared.plumbing.consumer import ConsumerSpec, consume
 from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
+from shared.sim.engines import verify_blocks
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
-from shared.sim.workload import SimWorkload, verify_blocks
+from shared.sim.workload import SimWorkload
 from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants
 from tests.helpers import eventually

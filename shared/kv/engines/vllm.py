@@ -8,12 +8,13 @@ Load it with::
 
 and name a session per request in ``kv_transfer_params``: ``{"gpuwarden_session": "chat-42"}`` (add
 ``"gpuwarden_end": true`` on the conversation's last request). ``kv_connector_extra_config`` keys:
-``ConnectorConfig`` in ``shared.kv.engines.vllm_core``.
+``ConnectorConfig`` in ``shared.kv.engines.vllm_core.config``.
 
-This module only reads vLLM's objects and hands plain values to ``vllm_core``, where all of the logic is and is
-tested on the CPU. It imports vLLM, so it imports only where vLLM is installed (a CUDA machine); it was written
-against the ``KVConnectorBase_V1`` of vLLM's main branch of late 2026 (``kv_cache_config`` in the constructor,
-``resumed_req_ids`` in ``CachedRequestData``) and also accepts the older forms of both.
+This module only reads vLLM's objects and hands plain values to ``vllm_core`` (a package, one module per role),
+where all of the logic is and is tested on the CPU. It imports vLLM, so it imports only where vLLM is installed (a
+CUDA machine); it was written against the ``KVConnectorBase_V1`` of vLLM's main branch of late 2026
+(``kv_cache_config`` in the constructor, ``resumed_req_ids`` in ``CachedRequestData``) and also accepts the older
+forms of both.
 """
 
 from __future__ import annotations
@@ -29,22 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from shared.kv.agent import KvAgent
-from shared.kv.engines.vllm_core import (
-    AgentLoop,
-    ConnectorConfig,
-    PagedCache,
-    PagedLayout,
-    SchedulerBook,
-    SessionPort,
-    StepPlan,
-    WorkerBook,
-    checkpoint_tokens,
-    decode_plan,
-    encode_plan,
-    layout_from_vllm_config,
-    refuse_unsupported,
-    session_of,
-)
+from shared.kv.engines.vllm_core.config import ConnectorConfig, session_of
+from shared.kv.engines.vllm_core.layout import layout_from_vllm_config, refuse_unsupported
+from shared.kv.engines.vllm_core.loop import AgentLoop
+from shared.kv.engines.vllm_core.paged import PagedCache, PagedLayout
+from shared.kv.engines.vllm_core.plan import StepPlan, decode_plan, encode_plan
+from shared.kv.engines.vllm_core.scheduler import SchedulerBook, checkpoint_tokens
+from shared.kv.engines.vllm_core.worker import SessionPort, WorkerBook
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,7 +45,7 @@ log = logging.getLogger("vllm.gpuwarden")  # under vLLM's logger: its handlers p
 
 
 class GpuwardenConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's plan (``vllm_core.StepPlan``), msgpack-encoded: plain bytes travel to every worker."""
+    """One step's plan (``vllm_core.plan.StepPlan``), msgpack-encoded: plain bytes travel to every worker."""
 
     def __init__(self, payload: bytes) -> None:
         self.payload = payload

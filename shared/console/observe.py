@@ -1,0 +1,89 @@
+"""``gpuwarden status`` and ``events``: what the mesh holds now and what happened, as tables for people (``--watch``,
+``--follow``) or as JSON (the work is ``snapshot``'s and ``events``')."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from shared.console.state import UsageError
+from shared.contract.registry import BY_KIND, codec
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from shared.console import render, snapshot
+
+    async def main() -> int:
+        from shared.console.client import open_mesh
+
+        mesh = await open_mesh()
+        samples = snapshot.SampleListener(mesh)
+        try:
+            await samples.start()
+            if not args.watch:
+                status = await snapshot.take(mesh, samples, args.sample, node=args.node, max_sessions=args.sessions)
+                if args.json:
+                    sys.stdout.write(snapshot.to_json(status).decode() + "\n")
+                else:
+                    render.console().print(render.status_tables(status))
+                return 0
+            from rich.live import Live
+
+            status = await snapshot.take(mesh, samples, args.sample, node=args.node, max_sessions=args.sessions)
+            with Live(render.status_tables(status), console=render.console(), auto_refresh=False) as live:
+                while True:
+                    await asyncio.sleep(args.interval)
+                    again = await snapshot.take(mesh, samples, node=args.node, max_sessions=args.sessions)
+                    live.update(render.status_tables(again), refresh=True)
+        finally:
+            await samples.stop()
+            await mesh.close()
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from shared.console import events, render
+
+    kinds = None
+    if args.kind:
+        kinds = events.kinds_matching(args.kind)
+        if not kinds:
+            raise UsageError(f"--kind {args.kind}: no such event kind (kinds: {', '.join(sorted(BY_KIND))})")
+    out = render.console()
+
+    printed = False
+
+    def show(found: list[Any]) -> None:
+        nonlocal printed
+        if args.json:
+            for event in found:
+                sys.stdout.write(codec.encode(event).decode() + "\n")
+            sys.stdout.flush()
+            return
+        width = out.width
+        if not printed:
+            out.print(events.line(("time", "kind", "source", "what"), width), style="bold")
+            printed = True
+        for event in found:
+            out.print(events.line(events.row(event), width))
+
+    async def main() -> int:
+        from shared.console.client import open_mesh
+
+        mesh = await open_mesh()
+        try:
+            await events.page_then_follow(mesh, kinds, args.limit, show, args.follow)
+            return 0
+        finally:
+            await mesh.close()
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,154 @@
+"""vLLM's paged layer tensors, whatever the attention backend's shape, as agent blocks ``[layers, 2, kv_heads,
+block_size, head_dim]`` and back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.kv.engines.vllm_core.layout import dtype_name, layer_index
+from shared.kv.manifest import KvLayout
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where a paged layer tensor keeps K/V, blocks, tokens and heads.
+
+    ``kv_first_nhd``: ``[2, blocks, block_size, heads, head_dim]`` (FlashAttention). ``blocks_first_nhd``:
+    ``[blocks, 2, block_size, heads, head_dim]`` (FlashInfer, Triton). ``kv_first_hnd`` and ``blocks_first_hnd``:
+    the same with heads before tokens. The tensor may be a permuted view of vLLM's allocation; only its logical
+    shape matters here."""
+
+    kind: str
+    block_size: int
+    kv_heads: int
+    head_dim: int
+
+    KINDS = ("kv_first_nhd", "blocks_first_nhd", "kv_first_hnd", "blocks_first_hnd")
+
+    @classmethod
+    def infer(cls, shape: Sequence[int], block_size: int, kv_heads: int, head_dim: int, hint: str = "") -> PagedLayout:
+        """The layout of a layer tensor of ``shape``; ``hint`` settles a shape that fits several (e.g. exactly two
+        blocks, or as many heads as tokens per block). ``ValueError`` naming the shape when none fits."""
+        shape = tuple(int(s) for s in shape)
+        fits = []
+        if len(shape) == 5:
+            for kind in cls.KINDS:
+                kv_axis, block_axis = (0, 1) if kind.startswith("kv_first") else (1, 0)
+                inner = (block_size, kv_heads) if kind.endswith("nhd") else (kv_heads, block_size)
+                if shape[kv_axis] == 2 and shape[2:4] == inner and shape[4] == head_dim and shape[block_axis] > 0:
+                    fits.append(kind)
+        if hint:
+            if hint not in fits:
+                raise ValueError(f"a paged KV tensor of shape {shape} is not {hint!r} (it fits {fits or 'nothing'})")
+            return cls(hint, block_size, kv_heads, head_dim)
+        if not fits:
+            raise ValueError(
+                f"a paged KV tensor of shape {shape} matches no known layout for block_size={block_size}, "
+                f"kv_heads={kv_heads}, head_dim={head_dim} (MLA caches are not supported)"
+            )
+        if len(fits) > 1:
+            raise ValueError(f"a paged KV tensor of shape {shape} is ambiguous ({fits}): set 'kv_layout'")
+        return cls(fits[0], block_size, kv_heads, head_dim)
+
+    @classmethod
+    def from_backend_shape(
+        cls, get_kv_cache_shape: Callable[..., Sequence[int]], block_size: int, kv_heads: int, head_dim: int
+    ) -> PagedLayout:
+        """The layout an attention backend declares: its ``get_kv_cache_shape`` asked for an odd, unmistakable
+        number of blocks, so the answer is never ambiguous."""
+        probe = 1_000_003
+        heads = kv_heads if kv_heads != block_size else block_size + 1  # tokens and heads told apart
+        shape = tuple(get_kv_cache_shape(probe, block_size, heads, head_dim))
+        if probe not in shape or len(shape) != 5:
+            raise ValueError(f"the attention backend's cache shape {shape} is not a paged K/V layout")
+        kind = "kv_first" if shape.index(probe) == 1 else "blocks_first"
+        order = "nhd" if shape[2] == block_size else "hnd"
+        return cls(f"{kind}_{order}", block_size, kv_heads, head_dim)
+
+    def blocks_view(self, layer: torch.Tensor) -> torch.Tensor:
+        """``layer`` as ``[blocks, 2, heads, block_size, head_dim]`` (a view: writes go to vLLM's memory)."""
+        view = layer.transpose(0, 1) if self.kind.startswith("kv_first") else layer
+        return view if self.kind.endswith("hnd") else view.transpose(2, 3)
+
+
+class PagedCache:
+    """One engine's (one tensor-parallel rank's) paged layers, in layer order, as agent blocks and back."""
+
+    def __init__(self, layers: Mapping[str, torch.Tensor], layout: KvLayout, hint: str | PagedLayout = "") -> None:
+        if not layers:
+            raise ValueError("vLLM registered no KV cache layers")
+        names = sorted(layers, key=layer_index)
+        if len(names) != layout.layers:
+            raise ValueError(f"vLLM registered {len(names)} KV cache layers, the model has {layout.layers}")
+        first = layers[names[0]]
+        self.paged = (
+            hint
+            if isinstance(hint, PagedLayout)
+            else PagedLayout.infer(first.shape, layout.block_tokens, layout.kv_heads, layout.head_dim, hint)
+        )
+        dtype = dtype_name(first.dtype)
+        if dtype != layout.dtype:
+            raise ValueError(f"the paged KV cache holds {dtype}, the layout says {layout.dtype}")
+        for name in names:
+            if layers[name].shape != first.shape or layers[name].dtype != first.dtype:
+                raise ValueError(f"layer {name} is {tuple(layers[name].shape)} {layers[name].dtype}, unlike the first")
+        self.names = names
+        self.views = [self.paged.blocks_view(layers[n]) for n in names]
+        self.layout = layout
+        self.device = first.device
+        self.dtype = first.dtype
+        self.num_blocks = int(self.views[0].shape[0])
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        lay = self.layout
+        return (lay.layers, 2, lay.kv_heads, lay.block_tokens, lay.head_dim)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise IndexError(f"block ids {bad[:5]} outside the paged cache's {self.num_blocks} blocks")
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids: Sequence[int], tokens: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """vLLM blocks ``block_ids`` as new contiguous host tensors of ``block_shape`` (one copy to the host for
+        all of them). ``tokens[i]``: how many positions of block ``i`` hold the session's KV; the rest are zeroed,
+        so a partial block's bytes do not depend on what vLLM left there."""
+        if not block_ids:
+            return []
+        ids = self._ids(block_ids)
+        stacked = torch.stack([view.index_select(0, ids) for view in self.views], dim=1)  # [n, L, 2, H, bs, D]
+        host = stacked.to("cpu").contiguous()
+        out = list(host.unbind(0))
+        bs = self.layout.block_tokens
+        for i, block in enumerate(out):
+            n = bs if tokens is None else tokens[i]
+            if n < bs:
+                block[:, :, :, n:].zero_()
+        return out
+
+    def scatter(self, block_ids: Sequence[int], blocks: Sequence[Any]) -> None:
+        """Write whole agent blocks (host or device tensors of ``block_shape``) into vLLM blocks ``block_ids``."""
+        if len(block_ids) != len(blocks):
+            raise ValueError(f"{len(blocks)} blocks for {len(block_ids)} block ids")
+        if not blocks:
+            return
+        ids = self._ids(block_ids)
+        data = torch.stack([self.as_tensor(b) for b in blocks]).to(self.device)  # [n, L, 2, H, bs, D]
+        for i, view in enumerate(self.views):
+            view.index_copy_(0, ids, data[:, i])
+
+    def as_tensor(self, block: Any) -> torch.Tensor:
+        """A block as the agent holds it (a host tensor it was given, or the byte array a restore returned)."""
+        if isinstance(block, np.ndarray):
+            block = torch.from_numpy(block)
+        if not isinstance(block, torch.Tensor):
+            raise TypeError(f"a KV block is a {type(block).__name__}, not a tensor or an array")
+        if block.dtype != self.dtype or tuple(block.shape) != self.block_shape:
+            block = block.contiguous().reshape(-1).view(torch.uint8).view(self.dtype).reshape(self.block_shape)
+        return block

@@ -1,0 +1,105 @@
+"""What the simulated workload keeps per session: when one ends (``is_close``), what a preempted one is recomputed
+to (``Preempted``), one request of a session at a time (``SessionLocks``), and the workload's counters
+(``WorkloadStats``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shared.contract.requests import InferenceRequest
+from shared.kv.engines import SessionCheck
+
+log = logging.getLogger(__name__)
+
+LOST_SESSIONS_KEPT = 100  # the newest lost session ids kept for status; the count has them all
+SESSION_IDLE_S = 300.0
+RETIRED_KEPT = 10_000
+
+
+def is_close(request: InferenceRequest) -> bool:
+    """A request with neither prompt nor new tokens closes its session."""
+    return request.prompt_tokens == 0 and request.max_new_tokens == 0
+
+
+@dataclass(frozen=True)
+class Preempted:
+    """A session that lost its blocks to preemption: ``tokens`` is what it is recomputed to, ``pod`` where, on
+    model ``version``."""
+
+    tokens: int
+    pod: str
+    version: str = ""
+
+
+@dataclass
+class _SessionLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class SessionLocks:
+    """One request of a session at a time; a session's lock exists only while a request holds or awaits it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, _SessionLock] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, session_id: str) -> AsyncIterator[None]:
+        entry = self._locks.setdefault(session_id, _SessionLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[session_id]
+
+    def __contains__(self, session_id: object) -> bool:
+        """Whether a request of the session runs or waits."""
+        return session_id in self._locks
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+@dataclass
+class WorkloadStats:
+    requests: int = 0
+    served: int = 0
+    restored: int = 0
+    started_fresh: int = 0
+    recomputed: int = 0
+    preemptions: int = 0
+    ended: int = 0
+    ended_at_max_len: int = 0
+    expired: int = 0
+    lost: int = 0
+    prestop_saves: int = 0
+    restore_verified: int = 0
+    restore_check_failed: int = 0
+    restore_unchecked: int = 0
+    ended_by_rollout: int = 0
+    refused_retired: int = 0
+    restore_refused_version: int = 0
+    mixed_versions: int = 0
+    served_by_version: dict[str, int] = field(default_factory=dict)
+    lost_sessions: deque[str] = field(default_factory=lambda: deque(maxlen=LOST_SESSIONS_KEPT))
+
+    def count_check(self, session_id: str, check: SessionCheck, checkpoint_id: str) -> None:
+        """A restored session's check against its reference run; one that differs is logged as an error."""
+        if check.verified is True:
+            self.restore_verified += 1
+        elif check.verified is None:
+            self.restore_unchecked += 1
+        else:
+            self.restore_check_failed += 1
+            log.error(
+                "restored session differs from its reference run",
+                extra={"session": session_id, "checkpoint": checkpoint_id, "detail": check.detail},
+            )
