@@ -30,7 +30,7 @@ class Flaky:
 async def test_the_waits_double_up_to_the_ceiling_and_a_success_ends_the_tries() -> None:
     waits: list[float] = []
     flaky = Flaky(5)
-    policy = RetryPolicy(on=ValueError, first_s=0.001, max_s=0.004)
+    policy = RetryPolicy(on=(ValueError,), first_s=0.001, max_s=0.004)
     assert await policy.call(flaky, note=lambda exc, wait: waits.append(wait)) == "ok"
     assert flaky.calls == 6
     assert waits == [0.001, 0.002, 0.004, 0.004, 0.004]
@@ -48,14 +48,14 @@ async def test_attempts_give_up_with_the_last_failure() -> None:
     flaky = Flaky(10)
     noted: list[float] = []
     with pytest.raises(ValueError, match="not yet"):
-        await RetryPolicy(on=ValueError, first_s=0.001, max_s=0.001, attempts=3).call(
+        await RetryPolicy(on=(ValueError,), first_s=0.001, max_s=0.001, attempts=3).call(
             flaky, note=lambda exc, wait: noted.append(wait)
         )
     assert flaky.calls == 3 and len(noted) == 2
 
 
 async def test_failures_of_another_kind_or_refused_by_when_are_not_tried_again() -> None:
-    policy = RetryPolicy(on=ValueError, first_s=0.001, max_s=0.001)
+    policy = RetryPolicy(on=(ValueError,), first_s=0.001, max_s=0.001)
     other = Flaky(1, KeyError("other"))
     with pytest.raises(KeyError):
         await policy.call(other)
@@ -68,7 +68,7 @@ async def test_failures_of_another_kind_or_refused_by_when_are_not_tried_again()
 async def test_a_cancellation_is_never_tried_again() -> None:
     flaky = Flaky(1, asyncio.CancelledError())  # type: ignore[arg-type]
     with pytest.raises(asyncio.CancelledError):
-        await RetryPolicy(on=Exception, first_s=0.001, max_s=0.001).call(flaky)
+        await RetryPolicy(on=(Exception,), first_s=0.001, max_s=0.001).call(flaky)
     assert flaky.calls == 1
 
 
@@ -76,7 +76,7 @@ async def test_a_deadline_is_never_waited_past() -> None:
     flaky = Flaky(100)
     deadline = time.monotonic() + 0.25
     with pytest.raises(ValueError):
-        await RetryPolicy(on=ValueError, first_s=0.1, max_s=0.1).call(flaky, deadline=deadline)
+        await RetryPolicy(on=(ValueError,), first_s=0.1, max_s=0.1).call(flaky, deadline=deadline)
     gave_up = time.monotonic()
     assert 2 <= flaky.calls <= 3
     assert gave_up < deadline + 0.05, "a try would have waited past the deadline"
@@ -85,7 +85,7 @@ async def test_a_deadline_is_never_waited_past() -> None:
 async def test_tries_as_a_block() -> None:
     flaky = Flaky(2)
     answers = []
-    async for attempt in RetryPolicy(on=ValueError, first_s=0.001, max_s=0.001).tries():
+    async for attempt in RetryPolicy(on=(ValueError,), first_s=0.001, max_s=0.001).tries():
         with attempt:
             answers.append(await flaky())
     assert answers == ["ok"] and flaky.calls == 3

@@ -32,7 +32,7 @@ import stamina
 
 _T = TypeVar("_T")
 
-Failures = type[Exception] | tuple[type[Exception], ...]
+Failures = tuple[type[Exception], ...]
 Note = Callable[[Exception, float], None]
 """Told of each failure about to be tried again, and of the wait before the next try (without its jitter)."""
 
@@ -136,13 +136,13 @@ JETSTREAM_PUBLISH = RetryPolicy(
 """A JetStream publish, sent again with the same ``Nats-Msg-Id`` (stored once) until acknowledged or the bus's
 ``publish_deadline``; the bus tries no refusal again (``Bus._publish_js``)."""
 
-LOOP_RESTART = RetryPolicy(on=Exception, first_s=0.5, max_s=30.0)
+LOOP_RESTART = RetryPolicy(on=(Exception,), first_s=0.5, max_s=30.0)
 """A service's background loop that crashed, started again for the service's lifetime (``ServiceContext.spawn``)."""
 
-NODE_LABELS = RetryPolicy(on=Exception, first_s=1.0, max_s=60.0)
+NODE_LABELS = RetryPolicy(on=(Exception,), first_s=1.0, max_s=60.0)
 """The device service's write of its node's labels, while the cluster cannot be reached or refuses."""
 
-KUBE_WATCH = RetryPolicy(on=Exception, first_s=0.025, max_s=10.0, jitter_s=0.025)
+KUBE_WATCH = RetryPolicy(on=(Exception,), first_s=0.025, max_s=10.0, jitter_s=0.025)
 """A Kubernetes watch resumed after a dropped connection, a 5xx or 429, or a request that ended with no event;
 jittered, since every process watching resumes when an API server comes back. Which failures, the adapter says
 (``shared.adapters.kubeapi``, ``_curable``: a ``ClusterError``, but no refusal retrying cannot cure, a 403); this
