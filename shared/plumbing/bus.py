@@ -431,11 +431,13 @@ class Bus:
             return None
 
         try:
-            async for attempt in JETSTREAM_PUBLISH.tries(deadline=deadline, when=lambda exc: refusal(exc) is None):
-                with attempt:
-                    await self.js.publish(
-                        subject, data, headers=headers, timeout=max(0.05, min(2.0, deadline - time.monotonic()))
-                    )
+            await JETSTREAM_PUBLISH.call(
+                lambda: self.js.publish(
+                    subject, data, headers=headers, timeout=max(0.05, min(2.0, deadline - time.monotonic()))
+                ),
+                deadline=deadline,
+                when=lambda exc: refusal(exc) is None,
+            )
         except JETSTREAM_PUBLISH.on as exc:
             reason = refusal(exc) or f"{subject}: no JetStream ack within {self.publish_deadline}s: {exc}"
             raise PublishFailed(reason) from exc

@@ -67,10 +67,24 @@ class RetryPolicy:
         when: Callable[[Exception], bool] | None = None,
         note: Note | None = None,
     ) -> _T:
-        """``await operation()``, tried again as the policy says; raises the last failure when it gives up."""
+        """``await operation()``, tried again as the policy says; raises the last failure when it gives up.
+
+        The first try runs before stamina's bookkeeping, which costs some tens of microseconds (a tenth of a
+        JetStream publish's round trip): its failure is handed to stamina as the first attempt's, so the waits and
+        the give-up points are stamina's all the same."""
+        try:
+            return await operation()
+        except Exception as exc:
+            first: list[Exception] = [exc]
+
+        async def again() -> _T:
+            if first:
+                raise first.pop()
+            return await operation()
+
         async for attempt in self.tries(deadline=deadline, when=when, note=note):
             with attempt:
-                return await operation()
+                return await again()
         raise AssertionError("unreachable: the tries end with a result or the last failure")
 
 
