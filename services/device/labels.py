@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from shared.contract.device import DeviceInventory, GpuDevice
+from shared.plumbing.retries import NODE_LABELS, RetryPolicy
 from shared.ports.cluster import ClusterError, ClusterPort
 
 from .config import MigStrategy
@@ -123,20 +124,19 @@ class NodeLabeller:
 
     ``want`` records the labels and wakes ``run``, which writes only when they differ from what it last wrote and
     then only the labels that differ on the node. A cluster that cannot be reached or refuses is logged and tried
-    again with a growing delay; the service never stops for it. ``connect`` opens the cluster port on first use."""
+    again with a growing delay (``retry``, ``retries.NODE_LABELS`` by default), the labels wanted by then; the
+    service never stops for it. ``connect`` opens the cluster port on first use."""
 
     def __init__(
         self,
         node: str,
         connect: Callable[[], Awaitable[ClusterPort]],
         *,
-        retry_s: float = 1.0,
-        max_retry_s: float = 60.0,
+        retry: RetryPolicy = NODE_LABELS,
     ) -> None:
         self.node = node
         self._connect = connect
-        self._retry_s = retry_s
-        self._max_retry_s = max_retry_s
+        self._retry = retry
         self.cluster: ClusterPort | None = None
         self.desired: dict[str, str] | None = None
         self.written: dict[str, str] | None = None
@@ -161,27 +161,20 @@ class NodeLabeller:
 
     async def run(self) -> None:
         """Runs for the service's lifetime."""
-        delay = self._retry_s
         while True:
             await self._wake.wait()
             self._wake.clear()
-            desired = self.desired
-            if desired is None or desired == self.written:
-                continue
-            try:
-                await self.write(desired)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.failures += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("cannot label the node; trying again", extra={"error": self.last_error, "retry_s": delay})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._max_retry_s)
-                self._wake.set()
-                continue
-            delay = self._retry_s
-            self.last_error = ""
+            async for attempt in self._retry.tries(note=self._failed):
+                with attempt:
+                    desired = self.desired
+                    if desired is not None and desired != self.written:
+                        await self.write(desired)
+                        self.last_error = ""
+
+    def _failed(self, exc: Exception, wait_s: float) -> None:
+        self.failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        log.warning("cannot label the node; trying again", extra={"error": self.last_error, "retry_s": wait_s})
 
     async def write(self, desired: Mapping[str, str]) -> None:
         """One attempt: read the node's labels, patch what differs. Idempotent."""

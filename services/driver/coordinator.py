@@ -376,7 +376,8 @@ class UpgradeCoordinator:
 
     async def _evict(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
         """One round of evictions (``shared.plumbing.evictions``); a round a PodDisruptionBudget refused sets when
-        the node may be tried again (``NodeView.evict_after``), later after each refused round in a row."""
+        the node may be tried again (``NodeView.evict_after``), later after each refused round in a row. Not a
+        ``shared.plumbing.retries`` policy: the delay is state kept per node across passes, not a wait in a loop."""
         done = await evict_pods(self.cluster, view.name, action.pods)
         if done.blocked:
             previous = self._backoff.get(view.name)

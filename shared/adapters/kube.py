@@ -224,7 +224,7 @@ class KubeCluster:
 
         The listing happens on the first ``__anext__`` or ``ready()``; await ``ready()`` to know it is done.
         Raises ``KubeApiError`` for a refusal that retrying cannot cure (403: RBAC); a dropped connection, a 5xx
-        or a 429 is retried with backoff and resumed where it stopped.
+        or a 429 is retried with backoff (``retries.KUBE_WATCH``) and resumed where it stopped.
         """
         resources: dict[Kind, Collection] = {
             "node": Collection("node", self._core.list_node_without_preload_content),

@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import aiohttp
 
+from shared.plumbing.retries import KUBE_WATCH
 from shared.ports.cluster import ClusterChange, ClusterError
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,6 @@ ChangeType = Literal["ADDED", "MODIFIED", "DELETED"]
 _WATCH_TIMEOUT_S = 290
 """Server-side end of one watch request (the API server's own default lies between 30 and 60 minutes); the
 client gives up on a silent connection 30 s later. Either way the watch resumes from the last version seen."""
-_RETRY_FIRST_S = 0.05
-_RETRY_MAX_S = 10.0
 _PERMANENT = frozenset({400, 401, 403, 404, 405, 415, 422})
 
 
@@ -123,39 +121,49 @@ class ClusterWatch(AsyncIterator[ClusterChange]):
         self._ready.set()
 
     async def _follow(self, resource: Collection) -> None:
+        """Watch ``resource`` until closed, resuming as ``retries.KUBE_WATCH`` says; a watch request that brought
+        events starts the waits over, and a refusal retrying cannot cure ends the watch with it."""
         cursor = _Cursor()
-        listed = False
-        delay = _RETRY_FIRST_S
+
+        def resuming(exc: Exception, wait_s: float) -> None:
+            if not isinstance(exc, _Quiet):
+                log.warning("watch of %ss: %s; resuming in %.2f s", resource.kind, exc, wait_s)
+
         try:
             while True:
-                try:
-                    if cursor.version is None:
-                        await self._relist(resource, cursor, report=listed)
-                        if not listed:
-                            listed = True
-                            self._synced += 1
-                            if self._synced == len(self._resources):
-                                assert self._ready is not None
-                                self._ready.set()
-                    if await self._stream(resource, cursor):
-                        delay = _RETRY_FIRST_S
-                        continue
-                except _Gone:
-                    log.info("watch of %ss: version %s is gone; listing again", resource.kind, cursor.version)
-                    cursor.version = None
-                    continue
-                except KubeApiError as exc:
-                    if exc.code in _PERMANENT:
-                        raise
-                    log.warning("watch of %ss: %s; retrying in %.2f s", resource.kind, exc, delay)
-                except (ClusterError, aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-                    log.warning("watch of %ss: %r; resuming in %.2f s", resource.kind, exc, delay)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, _RETRY_MAX_S)
+                async for attempt in KUBE_WATCH.tries(when=_curable, note=resuming):
+                    with attempt:
+                        await self._watch(resource, cursor)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             self._fail(exc)
+
+    async def _watch(self, resource: Collection, cursor: _Cursor) -> None:
+        """List ``resource`` when there is no version to resume from, then follow one watch request to its end; a
+        version gone from the server's history is listed again at once. Raises ``_Quiet`` when the request
+        brought no event, and ``ClusterError`` for what the API server or the connection did."""
+        try:
+            while True:
+                if cursor.version is None:
+                    await self._relist(resource, cursor, report=cursor.listed)
+                    if not cursor.listed:
+                        cursor.listed = True
+                        self._synced += 1
+                        if self._synced == len(self._resources):
+                            assert self._ready is not None
+                            self._ready.set()
+                try:
+                    events = await self._stream(resource, cursor)
+                except _Gone:
+                    log.info("watch of %ss: version %s is gone; listing again", resource.kind, cursor.version)
+                    cursor.version = None
+                    continue
+                if not events:
+                    raise _Quiet(f"watch of {resource.kind}s: the request ended with no event")
+                return
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            raise ClusterError(f"Kubernetes API unreachable or unreadable: {exc!r}") from exc
 
     async def _relist(self, resource: Collection, cursor: _Cursor, report: bool) -> None:
         """List ``resource`` afresh into ``cursor``; with ``report``, emit how the listing differs from before."""
@@ -223,10 +231,22 @@ class _Cursor:
 
     version: str | None = None
     known: dict[tuple[str, str], str] = field(default_factory=dict)
+    listed: bool = False
+    """Listed once: a listing after the first reports how it differs from what was known."""
 
 
 class _Gone(Exception):
     """The watch's resourceVersion is older than the server's history: list again."""
+
+
+class _Quiet(ClusterError):
+    """A watch request that ended with no event (a server that closes it at once): resumed after a wait."""
+
+
+def _curable(exc: Exception) -> bool:
+    """Whether a watch that failed with ``exc`` may be resumed: after what the API server or the connection did,
+    but not after a refusal retrying cannot cure."""
+    return isinstance(exc, ClusterError) and not (isinstance(exc, KubeApiError) and exc.code in _PERMANENT)
 
 
 async def read_json(call: Awaitable[aiohttp.ClientResponse]) -> Obj:

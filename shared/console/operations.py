@@ -224,7 +224,9 @@ async def drain(
 
 async def _evict_all(mesh: MeshClient, node: str, end: float, report: Report) -> list[str] | None:
     """Evict every pod on ``node`` (PodDisruptionBudget refusals tried again with ``COMMAND_BACKOFF``) and wait
-    until none is left there. The pods evicted, or None when some are still there at ``end``."""
+    until none is left there. The pods evicted, or None when some are still there at ``end``. A poll of the node,
+    not a ``shared.plumbing.retries`` policy: a refusal is no failure, and the wait depends on the round's outcome
+    (``COMMAND_POLL_S`` while the pods leave)."""
     cluster = mesh.need_cluster()
     evicted: list[str] = []
 

@@ -32,6 +32,7 @@ from shared.contract.permissions import inbox_prefix
 from shared.contract.registry import codec
 from shared.contract.subjects import StreamSpec, Subjects
 from shared.plumbing.errors import PermanentError, ServerUnreachable, TemporaryError
+from shared.plumbing.retries import JETSTREAM_API, JETSTREAM_PUBLISH
 from shared.plumbing.settings import NatsSettings, Secret, public_url
 from shared.plumbing.telemetry import Telemetry
 
@@ -379,17 +380,9 @@ class Bus:
 
     async def api(self, call: Callable[[], Awaitable[_T]]) -> _T:
         """A JetStream API call, tried again for up to ``API_DEADLINE`` seconds while the cluster cannot answer it
-        (a timeout, no responders, 503): each call here is a lookup or an idempotent create."""
-        deadline = time.monotonic() + self.API_DEADLINE
-        delay = 0.1
-        while True:
-            try:
-                return await call()
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):
-                if time.monotonic() + delay > deadline:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        (a timeout, no responders, 503: ``retries.JETSTREAM_API``): each call here is a lookup or an idempotent
+        create."""
+        return await JETSTREAM_API.call(call, deadline=time.monotonic() + self.API_DEADLINE)
 
     async def ensure_streams(self) -> None:
         for spec in self.subjects.streams:
@@ -419,29 +412,35 @@ class Bus:
         self._published_js.n += 1
 
     async def _publish_js(self, subject: str, data: bytes, msg_id: str) -> None:
+        """Publish until acknowledged (``retries.JETSTREAM_PUBLISH``), with the same message id each time; a
+        refusal is not tried again: by JetStream (but a 503, or a copy still being stored) or, since this publish
+        began, by the server's permissions."""
         started = time.monotonic()
         deadline = started + self.publish_deadline
         headers = {"Nats-Msg-Id": msg_id}
-        delay = 0.05
-        while True:
-            try:
-                await self.js.publish(
+
+        def refusal(exc: Exception) -> str | None:
+            if (
+                isinstance(exc, nats.js.errors.APIError)
+                and not isinstance(exc, nats.js.errors.ServiceUnavailableError)
+                and exc.err_code != _DUPLICATE_IN_PROCESS
+            ):
+                return f"{subject}: JetStream refused the event: {exc}"
+            if self._refused.get(subject.lower(), 0.0) >= started:
+                return f"{subject}: this user may not publish here (permissions violation)"
+            return None
+
+        try:
+            await JETSTREAM_PUBLISH.call(
+                lambda: self.js.publish(
                     subject, data, headers=headers, timeout=max(0.05, min(2.0, deadline - time.monotonic()))
-                )
-                return
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                if (
-                    isinstance(exc, nats.js.errors.APIError)
-                    and not isinstance(exc, nats.js.errors.ServiceUnavailableError)
-                    and exc.err_code != _DUPLICATE_IN_PROCESS
-                ):
-                    raise PublishFailed(f"{subject}: JetStream refused the event: {exc}") from exc
-                if self._refused.get(subject.lower(), 0.0) >= started:
-                    raise PublishFailed(f"{subject}: this user may not publish here (permissions violation)") from exc
-                if time.monotonic() + delay > deadline:
-                    raise PublishFailed(f"{subject}: no JetStream ack within {self.publish_deadline}s: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                ),
+                deadline=deadline,
+                when=lambda exc: refusal(exc) is None,
+            )
+        except JETSTREAM_PUBLISH.on as exc:
+            reason = refusal(exc) or f"{subject}: no JetStream ack within {self.publish_deadline}s: {exc}"
+            raise PublishFailed(reason) from exc
 
     async def publish_many(self, events: Sequence[Event], window: int = 1024) -> None:
         """Publish many JetStream events with up to ``window`` acknowledgements outstanding; each one still
@@ -539,7 +538,8 @@ class Bus:
         Within ``timeout`` the command is sent again when the connection fails over while it waits (the request,
         or its reply, may have gone with the old server), and for the first ``NO_RESPONDER_GRACE`` seconds while
         nobody subscribes (the responders may be failing over too); commands are idempotent, so one answered
-        twice changes nothing."""
+        twice changes nothing. Hand-written, not a ``shared.plumbing.retries`` policy: a failover's re-send is no
+        failure and waits for nothing, while the reply is awaited against the next relink."""
         if not event.source:
             event = msgspec.structs.replace(event, source=self.source)
         data = self.encode(event)

@@ -61,7 +61,8 @@ class ConsumerSpec:
 
     ``accepts`` lists the event types the handler takes; anything else that arrives on the filter subjects is a
     broken contract and is dead-lettered. ``backoff`` is the nak delay for the n-th failed delivery (the last
-    value repeats).
+    value repeats): the server redelivers after it, so it is no ``shared.plumbing.retries`` policy (nothing here
+    waits).
     """
 
     durable: str

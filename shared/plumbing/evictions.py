@@ -33,7 +33,9 @@ MAX_BACKOFF_S = 60.0
 @dataclass(frozen=True, slots=True)
 class PdbBackoff:
     """How long to wait after a round of evictions a PodDisruptionBudget refused: ``first_s`` after the first
-    such round, doubling with each one in a row, at most ``max_s``."""
+    such round, doubling with each one in a row, at most ``max_s``. A delay computed from the one before, not a
+    ``shared.plumbing.retries`` policy: the driver's coordinator keeps it per node across its passes, and a refusal
+    is no failure to try again."""
 
     first_s: float
     max_s: float = MAX_BACKOFF_S

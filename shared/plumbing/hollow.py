@@ -386,6 +386,9 @@ class HollowHost:
             log.info("node started", extra={"after_failures": run.failures})
 
     async def _retry(self, run: NodeRun, delay: float) -> None:
+        """The next try at a node that did not start. Hand-written, not a ``shared.plumbing.retries`` policy: the
+        first try runs in the host's start with the other nodes', each later one in a task of its own, and the
+        node's failures and next try are what ``/nodes`` shows."""
         await asyncio.sleep(delay)
         await self._start_node(run)
         if run.started:

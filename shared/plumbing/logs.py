@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from shared.plumbing import retries
+
 _RESERVED = set(vars(logging.makeLogRecord({})))
 
 NODE: contextvars.ContextVar[str] = contextvars.ContextVar("gpuwarden_log_node", default="")
@@ -50,3 +52,4 @@ def configure(service: str, level: str = "INFO", simulated: bool = False) -> Non
     root.setLevel(level)
     for noisy in ("nats", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    retries.quiet_library_hooks()

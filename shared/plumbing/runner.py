@@ -37,6 +37,7 @@ from shared.plumbing.configsync import ConfigWatcher, VersionedConfig
 from shared.plumbing.consumer import Consumer, ConsumerSpec, consume
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.http import Response, Route, SmallHttpServer
+from shared.plumbing.retries import LOOP_RESTART
 from shared.plumbing.settings import Settings, load_settings
 from shared.plumbing.telemetry import Telemetry
 from shared.ports.backends import Backends
@@ -132,21 +133,15 @@ class ServiceContext:
 
     def spawn(self, factory: Callable[[], Awaitable[Any]], name: str) -> asyncio.Task[Any]:
         """Run a background loop for the service's lifetime. A loop that crashes is logged and started again
-        from ``factory`` with a growing delay: a service never dies of one bad iteration. So a loop closes
-        nothing it did not open itself in that run: what outlives one run is closed by ``on_stop``."""
+        from ``factory`` with a growing delay (``retries.LOOP_RESTART``): a service never dies of one bad
+        iteration. So a loop closes nothing it did not open itself in that run: what outlives one run is closed
+        by ``on_stop``."""
+
+        def crashed(exc: Exception, wait_s: float) -> None:
+            log.error("background loop crashed; restarting", exc_info=exc, extra={"loop": name})
 
         async def guarded() -> None:
-            delay = 0.5
-            while True:
-                try:
-                    await factory()
-                    return
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("background loop crashed; restarting", extra={"loop": name})
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 30.0)
+            await LOOP_RESTART.call(factory, note=crashed)
 
         task = asyncio.create_task(guarded(), name=name)
         self._tasks.add(task)

@@ -1,0 +1,1 @@
+../../../shared/plumbing/retries.py
