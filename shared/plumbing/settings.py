@@ -1,7 +1,9 @@
 """Settings from environment variables (and mounted files for secrets), with documented defaults.
 
 Secrets are wrapped in ``Secret`` so that no repr, log line or event ever shows them. Every variable a service
-reads is listed in ``DOCUMENTED`` and, from there, in the README.
+reads is listed in a ``DOCUMENTED`` and, from there, in docs/configuration.md. A service declares each of its
+settings once, as a dataclass field (``setting``: variable, default, text, parser); ``settings_from_env`` reads
+them all and ``documented`` writes its ``DOCUMENTED`` from the same declarations.
 """
 
 from __future__ import annotations
@@ -10,14 +12,18 @@ import math
 import os
 import re
 import ssl
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 from urllib.parse import unquote
 
 from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
 from shared.contract.subjects import Subjects
 from shared.plumbing.errors import SettingsError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DOCUMENTED: dict[str, str] = {
     "GPUWARDEN_NATS_URL": "NATS server URL(s), comma separated (default nats://127.0.0.1:4222)",
@@ -236,20 +242,127 @@ def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0
     return value
 
 
-def env_seconds(
-    env: Mapping[str, str],
-    name: str,
-    default: float,
+class HostPort(NamedTuple):
+    """Where a server listens: ``host`` ``0.0.0.0`` is every address, ``port`` 0 a free port."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_host_port(name: str, raw: str, example: str = "0.0.0.0:8080") -> HostPort:
+    match = _HOSTPORT.match(raw)
+    if not match or int(match["port"]) > 65535:
+        raise SettingsError(f"{name}={raw!r}: expected host:port, e.g. {example}")
+    return HostPort(match["host"].strip("[]") or "0.0.0.0", int(match["port"]))
+
+
+T = TypeVar("T")
+L = TypeVar("L", bound=str)
+S = TypeVar("S", bound="DataclassInstance")
+
+
+def _written(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class Parse(Generic[T]):
+    """How a setting's text becomes its value, and how its default is written in docs/configuration.md (empty:
+    not at all)."""
+
+    read: Callable[[str, str], T]
+    """``(variable, its text)``: the value, or ``SettingsError`` naming the variable and what was expected. The text
+    is never blank: a blank or unset variable is the default, without a call."""
+    show: Callable[[T], str] = _written
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """A field's environment variable, what docs/configuration.md says of it and how its text is read."""
+
+    variable: str
+    text: str | None
+    """None: documented in the ``DOCUMENTED`` of the module that owns the variable (read by several programs)."""
+    parse: Parse[T]
+    shown: str | None = None
+    """The default in words, where it is not a value (one derived from another): ``(default: <shown>)``."""
+    required: str | None = None
+    """Why the variable must be set: an unset or blank one is refused with this reason."""
+
+
+_SETTING = "gpuwarden.setting"
+
+
+def setting(
+    variable: str,
+    default: T,
+    text: str | None,
     *,
-    allow_zero: bool = False,
-    minimum: float | None = None,
-    maximum: float | None = None,
+    parse: Parse[T],
+    shown: str | None = None,
+    required: str | None = None,
+) -> T:
+    """A dataclass field read from ``variable``: its default, its documentation and its parsing declared once.
+    ``settings_from_env`` reads it, ``documented`` writes ``text (default …)`` for docs/configuration.md."""
+    return field(default=default, metadata={_SETTING: Setting(variable, text, parse, shown, required)})
+
+
+def _declared(f: Field[Any]) -> Setting[Any] | None:
+    declared = f.metadata.get(_SETTING)
+    return declared if isinstance(declared, Setting) else None
+
+
+def _nested(f: Field[Any]) -> type[DataclassInstance] | None:
+    """The settings class of a field that groups settings of its own (``tls: ScalerTls``), if it is one."""
+    kind: object = type(f.default) if f.default is not MISSING else f.default_factory
+    if isinstance(kind, type) and is_dataclass(kind) and any(_declared(g) for g in fields(kind)):
+        return kind
+    return None
+
+
+def settings_from_env(cls: type[S], env: Mapping[str, str] | None = None) -> S:
+    """``cls`` with every declared setting read from ``env`` (a blank or unset variable is the field's default),
+    or ``SettingsError`` naming the first variable that is wrong. What relates one setting to another is checked
+    by the service's ``load`` afterwards."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if (declared := _declared(f)) is not None:
+            raw = env.get(declared.variable, "").strip()
+            if raw:
+                values[f.name] = declared.parse.read(declared.variable, raw)
+            elif declared.required is not None:
+                raise SettingsError(f"{declared.variable} is not set: {declared.required}")
+        elif (group := _nested(f)) is not None:
+            values[f.name] = settings_from_env(group, env)
+    return cls(**values)
+
+
+def documented(cls: type[DataclassInstance]) -> dict[str, str]:
+    """``{variable: text (default …)}`` (or only the text, for a setting without a default to show, like a file
+    that is not read unless given) for every setting ``cls`` declares: its module's ``DOCUMENTED``, which
+    ``tools.envdoc`` writes into docs/configuration.md."""
+    said: dict[str, str] = {}
+    for f in fields(cls):
+        if (declared := _declared(f)) is not None:
+            if declared.text is None:
+                continue
+            value = "" if f.default in (None, "", ()) else declared.parse.show(f.default)
+            if declared.shown is not None:
+                said[declared.variable] = f"{declared.text} (default: {declared.shown})"
+            else:
+                said[declared.variable] = f"{declared.text} (default {value})" if value else declared.text
+        elif (group := _nested(f)) is not None:
+            said.update(documented(group))
+    return said
+
+
+def _seconds_in(
+    name: str, raw: str, allow_zero: bool = False, minimum: float | None = None, maximum: float | None = None
 ) -> float:
-    """A duration setting: a number of seconds, positive (or zero, where zero means "off"), and within
-    ``minimum``..``maximum`` where they are given. Every service's ``config.load`` reads its durations here."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
     try:
         value = float(raw)
     except ValueError:
@@ -263,46 +376,82 @@ def env_seconds(
     return value
 
 
-def env_count(env: Mapping[str, str], name: str, default: int, *, minimum: int = 1, maximum: int = 100_000) -> int:
-    """A whole number setting (how many at once, how many at most) within ``minimum``..``maximum``."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r}: expected a whole number") from None
-    if not minimum <= value <= maximum:
-        raise SettingsError(f"{name}={raw!r}: expected a whole number from {minimum} to {maximum}")
-    return value
+def seconds(*, allow_zero: bool = False, minimum: float | None = None, maximum: float | None = None) -> Parse[float]:
+    """A duration: a number of seconds, positive (or zero, where zero means "off"), and within
+    ``minimum``..``maximum`` where they are given."""
+    return Parse(lambda name, raw: _seconds_in(name, raw, allow_zero, minimum, maximum))
 
 
-def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
-    """A setting that is one of ``choices`` (case and surrounding blanks ignored); empty or unset is ``default``."""
-    value = env.get(name, "").strip().lower() or default
-    if value not in choices:
+def count(*, minimum: int = 1, maximum: int = 100_000) -> Parse[int]:
+    """A whole number (how many at once, how many at most) within ``minimum``..``maximum``."""
+
+    def read(name: str, raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise SettingsError(f"{name}={raw!r}: expected a whole number") from None
+        if not minimum <= value <= maximum:
+            raise SettingsError(f"{name}={raw!r}: expected a whole number from {minimum} to {maximum}")
+        return value
+
+    return Parse(read)
+
+
+def choice(choices: tuple[L, ...]) -> Parse[L]:
+    """One of ``choices``, case ignored."""
+
+    def read(name: str, raw: str) -> L:
+        value = raw.lower()
+        for option in choices:
+            if option == value:
+                return option
         raise SettingsError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value
+
+    return Parse(read)
 
 
-def env_on_off(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """A switch: ``on`` or ``off``; empty or unset is ``default``."""
-    return env_choice(env, name, ("on", "off"), "on" if default else "off") == "on"
+def on_off() -> Parse[bool]:
+    """A switch: ``on`` or ``off``."""
+    switch = choice(("on", "off"))
+    return Parse(lambda name, raw: switch.read(name, raw) == "on", lambda value: "on" if value else "off")
 
 
-def env_absolute_path(env: Mapping[str, str], name: str, default: str) -> Path:
-    """A path that must be absolute; empty or unset is ``default``."""
-    raw = env.get(name, "").strip() or default
-    if not raw.startswith("/"):
-        raise SettingsError(f"{name}={raw!r}: expected an absolute path (e.g. / or /run/nvidia/driver)")
-    return Path(raw)
+def absolute_path() -> Parse[Path]:
+    """A path that must be absolute."""
+
+    def read(name: str, raw: str) -> Path:
+        if not raw.startswith("/"):
+            raise SettingsError(f"{name}={raw!r}: expected an absolute path (e.g. / or /run/nvidia/driver)")
+        return Path(raw)
+
+    return Parse(read)
 
 
-def parse_host_port(name: str, raw: str, example: str = "0.0.0.0:8080") -> tuple[str, int]:
-    match = _HOSTPORT.match(raw)
-    if not match or int(match["port"]) > 65535:
-        raise SettingsError(f"{name}={raw!r}: expected host:port, e.g. {example}")
-    return match["host"].strip("[]") or "0.0.0.0", int(match["port"])
+def any_path() -> Parse[Path]:
+    """A path, taken as given: what must be there is found where it is used."""
+    return Parse(lambda _, raw: Path(raw))
+
+
+def any_text() -> Parse[str]:
+    """Text as given, without surrounding blanks."""
+    return Parse(lambda _, raw: raw)
+
+
+def existing_file(expected: str = "") -> Parse[Path]:
+    """A path to a file that exists; ``expected`` says what it should hold, in the error."""
+
+    def read(name: str, raw: str) -> Path:
+        path = Path(raw)
+        if not path.is_file():
+            raise SettingsError(f"{name}={raw}: no such file{f' (expected {expected})' if expected else ''}")
+        return path
+
+    return Parse(read)
+
+
+def host_port(example: str = "0.0.0.0:8080") -> Parse[HostPort]:
+    """``host:port`` (``[v6 address]:port``; an empty host is every address)."""
+    return Parse(lambda name, raw: parse_host_port(name, raw, example))
 
 
 def _inbox_prefix(env: Mapping[str, str], root: str, user: str | None, token: bool) -> str:
