@@ -219,15 +219,16 @@ def count(*, minimum: int = 1, maximum: int = 100_000) -> Parse[int]:
     return Parse(read)
 
 
-def choice(choices: tuple[L, ...]) -> Parse[L]:
-    """One of ``choices``, case ignored."""
+def choice(choices: tuple[L, ...], *, case: Callable[[str], str] = str.lower, expected: str | None = None) -> Parse[L]:
+    """One of ``choices``, the text given in ``case`` first (lower case; ``str.upper``; ``str`` to take it as
+    given); the error says ``expected``, by default ``one of <the choices>``."""
 
     def read(name: str, raw: str) -> L:
-        value = raw.lower()
+        value = case(raw)
         for option in choices:
             if option == value:
                 return option
-        raise SettingsError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+        raise SettingsError(f"{name}={value!r}: expected {expected or 'one of ' + ', '.join(choices)}")
 
     return Parse(read)
 
@@ -291,18 +292,6 @@ def number(*, minimum: float) -> Parse[float]:
             raise SettingsError(f"{name}={raw!r}: expected a number") from None
         if value < minimum:
             raise SettingsError(f"{name}={raw!r}: must be at least {minimum}")
-        return value
-
-    return Parse(read)
-
-
-def one_of(choices: tuple[str, ...], expected: str, *, upper: bool = False) -> Parse[str]:
-    """One of ``choices`` exactly (``upper``: in capitals, whatever the case given); the error says ``expected``."""
-
-    def read(name: str, raw: str) -> str:
-        value = raw.upper() if upper else raw
-        if value not in choices:
-            raise SettingsError(f"{name}={value!r}: expected {expected}")
         return value
 
     return Parse(read)
@@ -537,7 +526,7 @@ class Settings:
         "GPUWARDEN_BACKEND",
         "sim",
         "sim: simulated GPUs and cluster; real: NVML and the Kubernetes API",
-        parse=one_of(("sim", "real"), "'sim' or 'real'"),
+        parse=choice(("sim", "real"), case=str, expected="'sim' or 'real'"),
     )
     http: HostPort = setting(
         "GPUWARDEN_HTTP_ADDR",
@@ -557,7 +546,7 @@ class Settings:
         "GPUWARDEN_LOG_LEVEL",
         "INFO",
         "DEBUG, INFO, WARNING or ERROR",
-        parse=one_of(("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR", upper=True),
+        parse=choice(("DEBUG", "INFO", "WARNING", "ERROR"), case=str.upper, expected="DEBUG, INFO, WARNING or ERROR"),
     )
     config_reread_s: float = setting(
         "GPUWARDEN_CONFIG_REREAD_S",
