@@ -7,7 +7,8 @@ Two things are read from ``shared/`` and ``services/``:
 - every module-level ``DOCUMENTED``: what is said about it (each settings module keeps its own, next to the code
   that reads the variables). A literal ``{name: description}`` is read from the syntax tree; one computed from the
   settings' declarations (``DOCUMENTED = documented(DriverSettings)``, ``shared.plumbing.settings``) is read by
-  importing that module, which only a service's configuration does.
+  importing that module (the services' ``config.py`` and ``shared/plumbing/settings.py``; a module with a
+  literal table, such as the vLLM connector's, is never imported).
 
 A variable read but not documented, or documented but read nowhere, is an error. ``--check`` (``make check``)
 fails when the committed table differs from the generated one; without it the table is rewritten in place.
