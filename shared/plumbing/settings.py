@@ -70,6 +70,8 @@ class Secret:
 
 
 T = TypeVar("T")
+D = TypeVar("D")
+"""A setting's default: a value of its parser's type, or None (unset: no value)."""
 L = TypeVar("L", bound=str)
 S = TypeVar("S", bound="DataclassInstance")
 
@@ -110,14 +112,14 @@ _SETTING = "gpuwarden.setting"
 
 def setting(
     variable: str,
-    default: T,
+    default: D,
     text: str | None,
     *,
     parse: Parse[T],
     shown: str | None = None,
     required: str | None = None,
     or_file: bool = False,
-) -> T:
+) -> D | T:
     """A dataclass field read from ``variable``: its default, its documentation and its parsing declared once.
     ``settings_from_env`` reads it, ``documented`` writes ``text (default …)`` for docs/configuration.md."""
     return field(default=default, metadata={_SETTING: Setting(variable, text, parse, shown, required, or_file)})
