@@ -16,15 +16,12 @@ import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
 from urllib.parse import unquote
 
 from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
 from shared.contract.subjects import Subjects
 from shared.plumbing.errors import SettingsError
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 
 def public_url(url: str) -> str:
@@ -73,7 +70,13 @@ T = TypeVar("T")
 D = TypeVar("D")
 """A setting's default: a value of its parser's type, or None (unset: no value)."""
 L = TypeVar("L", bound=str)
-S = TypeVar("S", bound="DataclassInstance")
+S = TypeVar("S", bound="Dataclass")
+
+
+class Dataclass(Protocol):
+    """A dataclass (typeshed's ``DataclassInstance``, which the KV agent's wheel cannot import)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
 
 
 def _written(value: object) -> str:
@@ -130,7 +133,7 @@ def _declared(f: Field[Any]) -> Setting[Any] | None:
     return declared if isinstance(declared, Setting) else None
 
 
-def _nested(f: Field[Any]) -> type[DataclassInstance] | None:
+def _nested(f: Field[Any]) -> type[Dataclass] | None:
     """The settings class of a field that groups settings of its own (``tls: ScalerTls``), if it is one."""
     kind: object = type(f.default) if f.default is not MISSING else f.default_factory
     if isinstance(kind, type) and is_dataclass(kind) and any(_declared(g) for g in fields(kind)):
@@ -165,7 +168,7 @@ def settings_from_env(cls: type[S], env: Mapping[str, str] | None = None) -> S:
     return cls(**values)
 
 
-def documented(cls: type[DataclassInstance]) -> dict[str, str]:
+def documented(cls: type[Dataclass]) -> dict[str, str]:
     """``{variable: text (default …)}`` (or only the text, for a setting without a default to show, like a file
     that is not read unless given) for every setting ``cls`` declares: its module's ``DOCUMENTED``, which
     ``tools.envdoc`` writes into docs/configuration.md."""
