@@ -69,7 +69,7 @@ from shared.contract.load import PodLoad
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
-from shared.plumbing.settings import NatsSettings
+from shared.plumbing.settings import HostPort, NatsSettings
 
 KEDA_POLLING_INTERVAL_S = 30.0
 NAMESPACE = "bench"
@@ -188,7 +188,7 @@ async def _serve(nats_url: str, root: str, refresh_s: float, conn: Connection) -
     await bus.ensure_streams()
     core = ScalerCore(JetStreamQueue(bus), refresh_s=refresh_s)
     await bus.subscribe(bus.subjects.pattern("kv.pod.load"), core.on_load, accepts=(PodLoad,))
-    server = ScalerServer(core, ScalerSettings(host="127.0.0.1", port=0, refresh_s=refresh_s))
+    server = ScalerServer(core, ScalerSettings(listen=HostPort("127.0.0.1", 0), refresh_s=refresh_s))
     port = await server.start()
     loops = [asyncio.create_task(core.refresh_loop()), asyncio.create_task(core.publish_loop())]
     conn.send(port)

@@ -13,7 +13,7 @@ from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.service import ScalerService
 from shared.plumbing.bus import Bus
 from shared.plumbing.runner import RunningService, start_service
-from shared.plumbing.settings import Settings
+from shared.plumbing.settings import HostPort, Settings
 from shared.wiring import Wiring
 
 NS, DEP = "llm", "chat"
@@ -42,7 +42,7 @@ async def start_scaler(
 ) -> tuple[ScalerService, RunningService, StaticPlacement, ShiftedClock]:
     placement, clock = StaticPlacement(), ShiftedClock()
     service = ScalerService(
-        ScalerSettings(host="127.0.0.1", port=0, refresh_s=refresh_s, tls=tls or ScalerTls()),
+        ScalerSettings(listen=HostPort("127.0.0.1", 0), refresh_s=refresh_s, tls=tls or ScalerTls()),
         placement=placement,
         clock=clock,
     )

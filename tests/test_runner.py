@@ -28,7 +28,7 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.runner import ServiceContext, start_service
-from shared.plumbing.settings import Settings, load_settings
+from shared.plumbing.settings import HostPort, Settings, load_settings
 from shared.wiring import Wiring
 from tests.helpers import eventually, fetch, get, with_redis
 from tests.servers import RedisServer, free_port
@@ -46,7 +46,7 @@ async def test_all_five_services_start_report_health_and_follow_their_events(
         DriverService(),
         DeviceService(),
         MetricsService(),
-        ScalerService(ScalerSettings(host="127.0.0.1", port=0)),
+        ScalerService(ScalerSettings(listen=HostPort("127.0.0.1", 0))),
         checkpoints,
     ]
     running = [await start_service(s, settings, Wiring) for s in services]

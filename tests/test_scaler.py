@@ -36,7 +36,7 @@ from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
 from shared.plumbing.bus import Bus
 from shared.plumbing.runner import RunningService, start_service
-from shared.plumbing.settings import Settings
+from shared.plumbing.settings import HostPort, Settings
 from shared.wiring import Wiring
 from tests.fake_kube_api import FakeKubeApi
 from tests.fake_kube_api import pod as kube_pod
@@ -424,7 +424,7 @@ async def test_real_backend_reads_placement_from_the_kubernetes_api(
         )
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        service = ScalerService(ScalerSettings(host="127.0.0.1", port=0, refresh_s=0.1))
+        service = ScalerService(ScalerSettings(listen=HostPort("127.0.0.1", 0), refresh_s=0.1))
         running = await start_service(service, replace(settings, backend="real"), Wiring)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
         try:

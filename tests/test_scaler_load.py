@@ -44,7 +44,7 @@ from shared.kv.load import LoadReporter
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.runner import RunningService, start_service
-from shared.plumbing.settings import Settings
+from shared.plumbing.settings import HostPort, Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.gauges import WorkloadCollector
 from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
@@ -69,7 +69,7 @@ class Scaler:
 async def scaler_on(settings: Settings, bus: Bus) -> AsyncIterator[Scaler]:
     """A scaler reading placement from the simulated cluster (set by the test through ``placement``)."""
     placement = _DeferredPlacement()
-    service = ScalerService(ScalerSettings(host="127.0.0.1", port=0, refresh_s=0.1), placement=placement)
+    service = ScalerService(ScalerSettings(listen=HostPort("127.0.0.1", 0), refresh_s=0.1), placement=placement)
     running = await start_service(service, settings, Wiring)
     decisions: list[ScaleDecision] = []
 

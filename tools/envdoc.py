@@ -1,12 +1,14 @@
 """``python -m tools.envdoc [--check]``: the table of environment variables in ``docs/configuration.md``,
 generated from the code so that it cannot drift.
 
-Two things are read from the source of ``shared/`` and ``services/`` (as text and syntax trees; nothing is
-imported, so ``shared`` stays free of ``services``):
+Two things are read from ``shared/`` and ``services/``:
 
-- every ``GPUWARDEN_*`` name the code mentions: what is read;
-- every module-level ``DOCUMENTED = {name: description}``: what is said about it (each settings module keeps its
-  own, next to the code that reads the variables).
+- every ``GPUWARDEN_*`` name the code mentions (in its text): what is read;
+- every module-level ``DOCUMENTED``: what is said about it (each settings module keeps its own, next to the code
+  that reads the variables). A literal ``{name: description}`` is read from the syntax tree; one computed from the
+  settings' declarations (``DOCUMENTED = documented(DriverSettings)``, ``shared.plumbing.settings``) is read by
+  importing that module (the services' ``config.py`` and ``shared/plumbing/settings.py``; a module with a
+  literal table, such as the vLLM connector's, is never imported).
 
 A variable read but not documented, or documented but read nowhere, is an error. ``--check`` (``make check``)
 fails when the committed table differs from the generated one; without it the table is rewritten in place.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import re
 import sys
 from collections.abc import Sequence
@@ -42,7 +45,7 @@ def _sources() -> list[Path]:
     return sorted(p for top in ("shared", "services") for p in (ROOT / top).rglob("*.py") if "gen" not in p.parts)
 
 
-def _documented(tree: ast.Module) -> dict[str, str]:
+def _documented(tree: ast.Module, module: str) -> dict[str, str]:
     for node in tree.body:
         target: ast.expr | None = None
         value: ast.expr | None = None
@@ -50,12 +53,16 @@ def _documented(tree: ast.Module) -> dict[str, str]:
             target, value = node.target, node.value
         elif isinstance(node, ast.Assign) and len(node.targets) == 1:
             target, value = node.targets[0], node.value
-        if isinstance(target, ast.Name) and target.id == "DOCUMENTED" and isinstance(value, ast.Dict):
+        if not (isinstance(target, ast.Name) and target.id == "DOCUMENTED") or value is None:
+            continue
+        if isinstance(value, ast.Dict):
             return {
                 str(k.value): str(v.value)
                 for k, v in zip(value.keys, value.values, strict=True)
                 if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
             }
+        said = getattr(importlib.import_module(module), "DOCUMENTED", {})
+        return {str(name): str(description) for name, description in said.items()}
     return {}
 
 
@@ -71,7 +78,8 @@ def collect() -> tuple[list[Variable], list[str]]:
         text = path.read_text()
         for name in set(_NAME.findall(text)):
             read.setdefault(name, []).append(rel)
-        for name, description in _documented(ast.parse(text)).items():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for name, description in _documented(ast.parse(text), module).items():
             if name in said:
                 problems.append(f"{name} is documented twice: {said[name][1]} and {rel}")
             said[name] = (description, rel)

@@ -6,9 +6,8 @@ by time-slicing and how Allocate names devices. Unknown keys are refused, like e
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -16,7 +15,17 @@ import msgspec
 import yaml
 
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.settings import env_absolute_path, env_choice, env_on_off, env_seconds
+from shared.plumbing.settings import (
+    Parse,
+    absolute_path,
+    any_path,
+    choice,
+    documented,
+    on_off,
+    seconds,
+    setting,
+    settings_from_env,
+)
 
 MigStrategy = Literal["none", "single", "mixed"]
 DeviceListStrategy = Literal["envvar", "cdi"]
@@ -28,61 +37,6 @@ ResourceName = Annotated[
     str, msgspec.Meta(pattern=RESOURCE_NAME_PATTERN, description="'nvidia.com/gpu' or 'nvidia.com/mig-<profile>'")
 ]
 Replicas = Annotated[int, msgspec.Meta(ge=2, le=1024, description="how many times each device is advertised")]
-
-
-DOCUMENTED: dict[str, str] = {
-    "GPUWARDEN_DEVICE_PLUGIN_DIR": "device: kubelet device plugin directory (default /var/lib/kubelet/device-plugins/)",
-    "GPUWARDEN_DEVICE_INVENTORY_S": "device: seconds between inventory re-reads (default 10)",
-    "GPUWARDEN_DEVICE_RECOVERY_S": (
-        "device: an unhealthy GPU with no critical XID for this long is probed and, if it passes, offered "
-        "again (default 300; 0: never)"
-    ),
-    "GPUWARDEN_DEVICE_PLUGIN": (
-        "device: `auto` (serve the device plugin when the plugin directory exists, default), `on` (required), `off`"
-    ),
-    "GPUWARDEN_DEVICE_PLUGIN_CONFIG": (
-        "device: YAML/JSON file with `mig_strategy` (none/single/mixed), `device_list_strategy` (envvar/cdi),"
-        " `sharing.time_slicing.resources[{name, replicas}]`"
-    ),
-    "GPUWARDEN_DEVICE_APPLICATION_XIDS": (
-        "device: XIDs that are the application's fault and leave the GPU healthy, comma separated (default "
-        "13,31,43,45,68,109; `none`: every XID counts)"
-    ),
-    "GPUWARDEN_MIG_STEP_TIMEOUT_S": (
-        "device: one MIG change (mode, create, destroy) running longer fails the layout (default 120)"
-    ),
-    "GPUWARDEN_MIG_RECONCILE_S": "device: seconds between MIG layout checks when nothing changed (default 60)",
-    "GPUWARDEN_MIG_RETRY_S": (
-        "device: a failed MIG layout is tried again after this, or at once when its document or label changes"
-        " (default 300)"
-    ),
-    "GPUWARDEN_MIG_CHECKPOINT": (
-        "device: `on` (default) drains the node, saving every session's KV cache, before any MIG change; "
-        "`off` for nodes without inference sessions"
-    ),
-    "GPUWARDEN_MIG_DRAIN_TIMEOUT_S": (
-        "device: no drain verdict within this fails the MIG layout with the GPUs unchanged (default 300; the "
-        "savers get 80% of it, at most 25s)"
-    ),
-    "GPUWARDEN_DEVICE_POD_RESOURCES_SOCKET": (
-        "device: the kubelet's PodResources API, asked which pods hold a failing GPU (default "
-        "/var/lib/kubelet/pod-resources/kubelet.sock)"
-    ),
-    "GPUWARDEN_CDI_DIR": (
-        "device: where the CDI spec of the node's GPUs is written while the plugin runs (default /var/run/cdi)"
-    ),
-    "GPUWARDEN_DRIVER_ROOT": (
-        "device: the folder the NVIDIA driver is installed under, as the host sees it; the CDI spec mounts "
-        "its libraries, firmware and tools and runs its `nvidia-cdi-hook` from there (default /; GPU Operator"
-        " nodes: /run/nvidia/driver)"
-    ),
-    "GPUWARDEN_DRIVER_ROOT_MOUNT": (
-        "device: where the device service's own container has `GPUWARDEN_DRIVER_ROOT` mounted, to look into "
-        "it (default: the same path)"
-    ),
-    "GPUWARDEN_KUBELET_POLL_S": "device: seconds between checks of `kubelet.sock` for a restarted kubelet (default 1)",
-}
-"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 class ConfigError(SettingsError):
@@ -165,10 +119,40 @@ def parse_plugin_config(raw: str | bytes, source: str = "device plugin config") 
 
 
 PluginMode = Literal["auto", "on", "off"]
-APPLICATION_XIDS_ENV = "GPUWARDEN_DEVICE_APPLICATION_XIDS"
+PLUGIN_MODES: tuple[PluginMode, ...] = ("auto", "on", "off")
 DEFAULT_APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
 """XIDs that are the running program's fault, not the GPU's (NVIDIA's device plugin ignores the same six)."""
-POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+
+
+def _plugin_config_file(name: str, path: str) -> DevicePluginConfig:
+    try:
+        raw = Path(path).read_text()
+    except OSError as exc:
+        raise SettingsError(f"{name}={path!r}: cannot read it: {exc.strerror or exc}") from None
+    return parse_plugin_config(raw, f"{name}={path}")
+
+
+def parse_xids(raw: str, name: str = "GPUWARDEN_DEVICE_APPLICATION_XIDS") -> frozenset[int]:
+    """``13,31,43``: comma-separated XID numbers; ``none`` for an empty list (every XID is critical)."""
+    text = raw.strip()
+    if text.lower() == "none":
+        return frozenset()
+    xids: set[int] = set()
+    for part in text.split(","):
+        item = part.strip()
+        if not (item.isascii() and item.isdigit()) or int(item) == 0:
+            raise SettingsError(
+                f"{name}={raw!r}: {item!r} is not an XID; expected positive integers separated by commas "
+                "(e.g. 13,31,43,45,68,109), or none"
+            )
+        xids.add(int(item))
+    return frozenset(xids)
+
+
+PLUGIN_CONFIG_FILE: Parse[DevicePluginConfig] = Parse(_plugin_config_file, lambda _: "")
+XIDS: Parse[frozenset[int]] = Parse(
+    lambda name, raw: parse_xids(raw, name), lambda xids: ",".join(str(x) for x in sorted(xids)) or "none"
+)
 
 
 @dataclass(frozen=True)
@@ -186,22 +170,113 @@ class DeviceSettings:
     look into it, when it is mounted elsewhere in its own container (NVIDIA's plugin calls it the container
     driver root)."""
 
-    plugin_dir: Path = Path("/var/lib/kubelet/device-plugins/")
-    inventory_s: float = 10.0
-    recovery_s: float = 300.0  # quiet period after the last critical XID before a probe may return a GPU; 0: never
-    plugin: PluginMode = "auto"
-    plugin_config: DevicePluginConfig = field(default_factory=DevicePluginConfig)
-    kubelet_poll_s: float = 1.0
-    cdi_dir: Path = Path("/var/run/cdi")
-    application_xids: frozenset[int] = DEFAULT_APPLICATION_XIDS  # XIDs the health rules ignore
-    pod_resources_socket: Path = POD_RESOURCES_SOCKET  # the kubelet's PodResources API: which pod holds which GPU
-    mig_step_timeout_s: float = 120.0  # one MIG change (mode, create, destroy) running longer fails the layout
-    mig_reconcile_s: float = 60.0  # the MIG controller compares layout and GPUs at least this often
-    mig_retry_s: float = 300.0  # a failed MIG layout is tried again after this, or when its document or label changes
-    mig_checkpoint: bool = True  # drain the node (save every KV cache) before any MIG change; off: no inference here
-    mig_drain_timeout_s: float = 300.0  # no drain verdict within this fails the MIG layout, GPUs unchanged
-    driver_root: Path = Path("/")  # where the driver's files are on the host: the CDI spec's host paths
-    driver_root_mount: Path | None = None  # where this service sees driver_root (its mount of it); None: the same
+    plugin_dir: Path = setting(
+        "GPUWARDEN_DEVICE_PLUGIN_DIR",
+        Path("/var/lib/kubelet/device-plugins"),
+        "device: kubelet device plugin directory",
+        parse=any_path(),
+    )
+    inventory_s: float = setting(
+        "GPUWARDEN_DEVICE_INVENTORY_S", 10.0, "device: seconds between inventory re-reads", parse=seconds()
+    )
+    recovery_s: float = setting(
+        "GPUWARDEN_DEVICE_RECOVERY_S",
+        300.0,
+        "device: an unhealthy GPU with no critical XID for this long is probed and, if it passes, offered again; "
+        "0: never",
+        parse=seconds(allow_zero=True),
+    )
+    """The quiet period after the last critical XID before a probe may return a GPU; 0: never."""
+    plugin: PluginMode = setting(
+        "GPUWARDEN_DEVICE_PLUGIN",
+        "auto",
+        "device: `auto` serves the device plugin when the plugin directory exists, `on` requires it, `off` never "
+        "serves it",
+        parse=choice(PLUGIN_MODES),
+    )
+    plugin_config: DevicePluginConfig = setting(
+        "GPUWARDEN_DEVICE_PLUGIN_CONFIG",
+        DevicePluginConfig(),
+        "device: YAML/JSON file with `mig_strategy` (none/single/mixed), `device_list_strategy` (envvar/cdi),"
+        " `sharing.time_slicing.resources[{name, replicas}]`",
+        parse=PLUGIN_CONFIG_FILE,
+    )
+    kubelet_poll_s: float = setting(
+        "GPUWARDEN_KUBELET_POLL_S",
+        1.0,
+        "device: seconds between checks of `kubelet.sock` for a restarted kubelet",
+        parse=seconds(),
+    )
+    cdi_dir: Path = setting(
+        "GPUWARDEN_CDI_DIR",
+        Path("/var/run/cdi"),
+        "device: where the CDI spec of the node's GPUs is written while the plugin runs",
+        parse=any_path(),
+    )
+    application_xids: frozenset[int] = setting(
+        "GPUWARDEN_DEVICE_APPLICATION_XIDS",
+        DEFAULT_APPLICATION_XIDS,
+        "device: XIDs that are the application's fault and leave the GPU healthy, comma separated; `none`: every "
+        "XID counts",
+        parse=XIDS,
+    )
+    """XIDs the health rules ignore."""
+    pod_resources_socket: Path = setting(
+        "GPUWARDEN_DEVICE_POD_RESOURCES_SOCKET",
+        Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+        "device: the kubelet's PodResources API, asked which pods hold a failing GPU",
+        parse=any_path(),
+    )
+    mig_step_timeout_s: float = setting(
+        "GPUWARDEN_MIG_STEP_TIMEOUT_S",
+        120.0,
+        "device: one MIG change (mode, create, destroy) running longer fails the layout",
+        parse=seconds(),
+    )
+    mig_reconcile_s: float = setting(
+        "GPUWARDEN_MIG_RECONCILE_S",
+        60.0,
+        "device: seconds between MIG layout checks when nothing changed",
+        parse=seconds(),
+    )
+    """The MIG controller compares layout and GPUs at least this often."""
+    mig_retry_s: float = setting(
+        "GPUWARDEN_MIG_RETRY_S",
+        300.0,
+        "device: a failed MIG layout is tried again after this, or at once when its document or label changes",
+        parse=seconds(),
+    )
+    mig_checkpoint: bool = setting(
+        "GPUWARDEN_MIG_CHECKPOINT",
+        True,
+        "device: `on` drains the node, saving every session's KV cache, before any MIG change; `off` for nodes "
+        "without inference sessions",
+        parse=on_off(),
+    )
+    mig_drain_timeout_s: float = setting(
+        "GPUWARDEN_MIG_DRAIN_TIMEOUT_S",
+        300.0,
+        "device: no drain verdict within this fails the MIG layout with the GPUs unchanged; the savers get 80% of "
+        "it, at most 25s",
+        parse=seconds(),
+    )
+    driver_root: Path = setting(
+        "GPUWARDEN_DRIVER_ROOT",
+        Path("/"),
+        "device: the folder the NVIDIA driver is installed under, as the host sees it (on GPU Operator nodes "
+        "/run/nvidia/driver); the CDI spec mounts its libraries, firmware and tools and runs its `nvidia-cdi-hook` "
+        "from there",
+        parse=absolute_path(),
+    )
+    """Where the driver's files are on the host: the CDI spec's host paths."""
+    driver_root_mount: Path | None = setting(
+        "GPUWARDEN_DRIVER_ROOT_MOUNT",
+        None,
+        "device: where the device service's own container has `GPUWARDEN_DRIVER_ROOT` mounted, to look into it",
+        parse=absolute_path(),
+        shown="the same path",
+    )
+    """Where this service sees ``driver_root`` (its mount of it); None: the same."""
 
     @property
     def plugin_enabled(self) -> bool:
@@ -212,74 +287,15 @@ class DeviceSettings:
         return self.driver_root if self.driver_root_mount is None else self.driver_root_mount
 
 
-def _plugin_mode(env: Mapping[str, str]) -> PluginMode:
-    return env_choice(env, "GPUWARDEN_DEVICE_PLUGIN", ("auto", "on", "off"), "auto")  # type: ignore[return-value]
-
-
-def _plugin_config(env: Mapping[str, str]) -> DevicePluginConfig:
-    name = "GPUWARDEN_DEVICE_PLUGIN_CONFIG"
-    path = env.get(name, "")
-    if not path:
-        return DevicePluginConfig()
-    try:
-        raw = Path(path).read_text()
-    except OSError as exc:
-        raise SettingsError(f"{name}={path!r}: cannot read it: {exc.strerror or exc}") from None
-    return parse_plugin_config(raw, f"{name}={path}")
-
-
-def parse_xids(raw: str, name: str = APPLICATION_XIDS_ENV) -> frozenset[int]:
-    """``13,31,43``: comma-separated XID numbers; ``none`` for an empty list (every XID is critical)."""
-    text = raw.strip()
-    if text.lower() == "none":
-        return frozenset()
-    xids: set[int] = set()
-    for part in text.split(","):
-        item = part.strip()
-        if not (item.isascii() and item.isdigit()) or int(item) == 0:
-            raise SettingsError(
-                f"{name}={raw!r}: {item!r} is not an XID; expected positive integers separated by commas "
-                "(e.g. 13,31,43,45,68,109), or none"
-            )
-        xids.add(int(item))
-    return frozenset(xids)
+DOCUMENTED = documented(DeviceSettings)
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
-    env = os.environ if env is None else env
-    plugin_dir = env.get("GPUWARDEN_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins/")
-    if not plugin_dir.strip():
-        raise SettingsError("GPUWARDEN_DEVICE_PLUGIN_DIR is empty: give the kubelet's device-plugins folder")
-    mode = _plugin_mode(env)
-    settings = DeviceSettings(
-        plugin_dir=Path(plugin_dir),
-        inventory_s=env_seconds(env, "GPUWARDEN_DEVICE_INVENTORY_S", 10.0),
-        recovery_s=env_seconds(env, "GPUWARDEN_DEVICE_RECOVERY_S", 300.0, allow_zero=True),
-        plugin=mode,
-        plugin_config=_plugin_config(env),
-        kubelet_poll_s=env_seconds(env, "GPUWARDEN_KUBELET_POLL_S", 1.0),
-        cdi_dir=Path(env.get("GPUWARDEN_CDI_DIR", "") or "/var/run/cdi"),
-        application_xids=(
-            parse_xids(env[APPLICATION_XIDS_ENV])
-            if env.get(APPLICATION_XIDS_ENV, "").strip()
-            else DEFAULT_APPLICATION_XIDS
-        ),
-        pod_resources_socket=Path(env.get("GPUWARDEN_DEVICE_POD_RESOURCES_SOCKET", "") or POD_RESOURCES_SOCKET),
-        mig_step_timeout_s=env_seconds(env, "GPUWARDEN_MIG_STEP_TIMEOUT_S", 120.0),
-        mig_reconcile_s=env_seconds(env, "GPUWARDEN_MIG_RECONCILE_S", 60.0),
-        mig_retry_s=env_seconds(env, "GPUWARDEN_MIG_RETRY_S", 300.0),
-        mig_checkpoint=env_on_off(env, "GPUWARDEN_MIG_CHECKPOINT", True),
-        mig_drain_timeout_s=env_seconds(env, "GPUWARDEN_MIG_DRAIN_TIMEOUT_S", 300.0),
-        driver_root=env_absolute_path(env, "GPUWARDEN_DRIVER_ROOT", "/"),
-        driver_root_mount=(
-            env_absolute_path(env, "GPUWARDEN_DRIVER_ROOT_MOUNT", "/")
-            if env.get("GPUWARDEN_DRIVER_ROOT_MOUNT", "").strip()
-            else None
-        ),
-    )
-    if mode == "on" and not settings.plugin_dir.is_dir():
+    settings = settings_from_env(DeviceSettings, env)
+    if settings.plugin == "on" and not settings.plugin_dir.is_dir():
         raise SettingsError(
-            f"GPUWARDEN_DEVICE_PLUGIN=on but GPUWARDEN_DEVICE_PLUGIN_DIR={plugin_dir!r} is not a folder "
-            "(mount the kubelet's device-plugins folder there)"
+            f"GPUWARDEN_DEVICE_PLUGIN=on but GPUWARDEN_DEVICE_PLUGIN_DIR={str(settings.plugin_dir)!r} is not a "
+            "folder (mount the kubelet's device-plugins folder there)"
         )
     return settings

@@ -21,6 +21,8 @@ from shared.kv.store import CheckpointStore
 
 VARIABLE = "GPUWARDEN_CHECKPOINT_STORE"
 FORMS = "file:///absolute/path or nats://<bucket>[?replicas=N]"
+DEFAULT_URL = "file:///var/lib/gpuwarden/checkpoints"
+"""Where checkpoints go when ``GPUWARDEN_CHECKPOINT_STORE`` is not set (as ``DOCUMENTED`` says)."""
 _BUCKET = re.compile(r"^[A-Za-z0-9_-]{1,240}$")
 
 
