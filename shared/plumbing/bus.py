@@ -516,10 +516,6 @@ class Bus:
             except Exception as exc:
                 log.exception("core handler failed", extra={"subject": msg.subject, "error": str(exc)})
                 failed.inc()
-            # nats-py hands a subscription's queued messages to it without returning to the event loop in
-            # between: a burst (500 pod load reports at once) would hold every other task of the service (a
-            # gRPC answer) for its whole length. One yield per message lets them in between.
-            await asyncio.sleep(0)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         self._subscriptions.append(sub)
