@@ -47,16 +47,7 @@ async def measure(sizes: tuple[int, ...], gc_s: float) -> dict[str, Any]:
             bench = SessionBench(nats.url, redis.url, Path(home), 1)
             await bench.start()
             if gc_s > 0:
-                env = dict(
-                    os.environ,
-                    GPUWARDEN_NATS_URL=nats.url,
-                    GPUWARDEN_REDIS_URL=redis.url,
-                    GPUWARDEN_ROOT=bench.root,
-                    GPUWARDEN_CHECKPOINT_STORE=f"file://{bench.store_dir}",
-                    GPUWARDEN_CHECKPOINT_GC_S=f"{gc_s:g}",
-                    GPUWARDEN_LOG_LEVEL="WARNING",
-                )
-                bench.replicas.append(bench._spawn(env))
+                bench.add_replica(gc_s)
             out: dict[str, Any] = {}
             try:
                 for n in sizes:

@@ -145,16 +145,23 @@ class SessionBench:
         self.drain_ids: list[str] = []
         """Every drain this bench asked for (the checker expects one verdict each)."""
 
-    async def start(self) -> None:
-        env = dict(
+    def replica_env(self, gc_s: float = 0.0) -> dict[str, str]:
+        """What a checkpoint replica of this bench runs with; retention every ``gc_s`` seconds (0: none)."""
+        return dict(
             os.environ,
             GPUWARDEN_NATS_URL=self.nats_url,
             GPUWARDEN_REDIS_URL=self.redis_url,
             GPUWARDEN_ROOT=self.root,
             GPUWARDEN_CHECKPOINT_STORE=f"file://{self.store_dir}",
-            GPUWARDEN_CHECKPOINT_GC_S="0",
+            GPUWARDEN_CHECKPOINT_GC_S=f"{gc_s:g}",
             GPUWARDEN_LOG_LEVEL="WARNING",
         )
+
+    def add_replica(self, gc_s: float = 0.0) -> None:
+        self.replicas.append(self._spawn(self.replica_env(gc_s)))
+
+    async def start(self) -> None:
+        env = self.replica_env()
         for _ in range(self.replica_count):
             self.replicas.append(self._spawn(env))
         self.bus = await Bus.connect(NatsSettings(servers=(self.nats_url,)), self.subjects, "bench-pods")
