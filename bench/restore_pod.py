@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         "--gc-s", type=float, default=GC_REPLICA_S, help="retention every S s on a second replica (0: none)"
     )
     parser.add_argument("--out", type=Path, default=None, help="where the JSON goes")
+    parser.add_argument(
+        "--nats-url",
+        default=None,
+        help="taken for `make bench`'s BENCH_ARGS and not used: this runs NATS and Redis of its own",
+    )
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
