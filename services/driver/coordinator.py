@@ -35,7 +35,7 @@ from typing import Any, cast, get_args
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged, UpgradeState
-from shared.plumbing.drains import DrainClient
+from shared.plumbing.drains import DrainClient, VerdictUnknown
 from shared.plumbing.evictions import PdbBackoff, evict_pods
 from shared.ports.cluster import ClusterConflict, ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError
@@ -48,7 +48,6 @@ from .ports import (
     LeaseUnavailable,
     NodeDrivers,
     StaleLeader,
-    VerdictsUnavailable,
 )
 from .upgrade import (
     DRAIN_ANNOTATION,
@@ -230,7 +229,7 @@ class UpgradeCoordinator:
             return VERDICT_UNKNOWN
         try:
             return await self.verdicts.get(drain_id)
-        except VerdictsUnavailable as exc:
+        except VerdictUnknown as exc:
             log.warning("drain verdicts unreadable this pass", extra={"drain_id": drain_id, "error": str(exc)})
             self._verdicts_silent = True
             return VERDICT_UNKNOWN

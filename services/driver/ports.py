@@ -28,11 +28,6 @@ class LeaseUnavailable(RuntimeError):
     tries again on its next pass."""
 
 
-class VerdictsUnavailable(RuntimeError):
-    """Whoever records the drain verdicts (the checkpoint service) does not answer: not known now, never "no
-    verdict"; the coordinator tries again on its next pass."""
-
-
 TokenFloor = Callable[[], Awaitable[int]]
 """The highest fencing token ever stamped where the lease's store cannot lose it (on the cluster's nodes)."""
 
@@ -60,8 +55,8 @@ class DrainVerdicts(Protocol):
     the same record."""
 
     async def get(self, drain_id: str) -> str:
-        """``completed``, ``failed: <reason>``, or '' while the drain has none. Raises ``VerdictsUnavailable``
-        when the record cannot be read now."""
+        """``completed``, ``failed: <reason>``, or '' while the drain has none. Raises
+        ``shared.plumbing.drains.VerdictUnknown`` when the record cannot be read now."""
         ...
 
 

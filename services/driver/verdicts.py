@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.plumbing.bus import Bus
-from shared.plumbing.drains import VerdictUnknown, recorded_verdict
-
-from .ports import VerdictsUnavailable
+from shared.plumbing.drains import recorded_verdict
 
 
 def verdict_text(verdict: DrainCompleted | DrainFailed | None) -> str:
@@ -29,7 +27,5 @@ class BusDrainVerdicts:
         self.timeout_s = timeout_s
 
     async def get(self, drain_id: str) -> str:
-        try:
-            return verdict_text(await recorded_verdict(self.bus, drain_id, self.timeout_s))
-        except VerdictUnknown as exc:
-            raise VerdictsUnavailable(str(exc)) from exc
+        """Raises ``VerdictUnknown`` when the checkpoint service does not answer."""
+        return verdict_text(await recorded_verdict(self.bus, drain_id, self.timeout_s))
