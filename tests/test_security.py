@@ -582,6 +582,7 @@ async def test_a_gateway_follows_locations_and_asks_where_under_its_own_user(
 
     try:
         await gateway.subscribe(subjects.pattern("kv.session.location"), on_location, (SessionLocation,))
+        await gateway.nc.flush(timeout=10)  # the server has the subscription (the bus's own wait gives up at 2 s)
         moved = SessionLocation(session_id="s1", sequence=7, reason="placed", held=True, pod="llama-1", node="n1")
         await admin.publish(moved)  # (the checkpoint service publishes these; the admin may publish anything)
         await eventually(lambda: heard)
