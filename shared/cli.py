@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 
 from shared.console import agent, configdocs, messages, metrics, natsauth, nodes, observe, process, sim
 from shared.console.process import NODE_SCOPED, SERVICES
 from shared.console.rollout import add_rollout_parser
-from shared.console.state import DEFAULT_HOME, CommandError, UsageError, command_settings, home
+from shared.console.state import (
+    DEFAULT_HOME,
+    CommandError,
+    UsageError,
+    command_settings,
+    console_settings,
+    home,
+)
 from shared.plumbing.errors import ServerUnreachable, SettingsError
 from shared.plumbing.settings import Settings, public_url
 
@@ -210,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = asub.add_parser("final-save", help="preStop hook: save every session of the pod before it stops")
     f.add_argument(
         "--pod",
-        default=os.environ.get("GPUWARDEN_POD_NAME", ""),
+        default=console_settings().pod,
         type=_id_arg("pod", optional=True),
         help="default $GPUWARDEN_POD_NAME",
     )
@@ -282,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, OSError | TimeoutError):
             print(f"gpuwarden {args.command}: cannot reach the mesh: {exc}", file=sys.stderr)
             return 1
-        if os.environ.get("GPUWARDEN_DEBUG"):
+        if console_settings().debug:
             raise
         from shared.ports.cluster import ClusterError
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import shlex
+from dataclasses import dataclass
 
+from shared.plumbing.settings import any_text, documented, setting, settings_from_env
 from shared.ports.gpu import DriverInstallError
 
 log = logging.getLogger(__name__)
@@ -22,12 +23,19 @@ INSTALL_COMMAND_ENV = "GPUWARDEN_DRIVER_INSTALL_COMMAND"
 DRIVER_VERSION_RE = re.compile(r"^\d+(\.\d+){1,2}$")
 STDERR_TAIL_CHARS = 2000
 
-DOCUMENTED: dict[str, str] = {
-    "GPUWARDEN_DRIVER_INSTALL_COMMAND": (
+
+@dataclass(frozen=True)
+class DriverInstallSettings:
+    command: str = setting(
+        INSTALL_COMMAND_ENV,
+        "",
         "real backend: the shell command that installs a driver version on the node (`{version}` is "
-        "substituted), e.g. restarting the node's driver container"
-    ),
-}
+        "substituted), e.g. restarting the node's driver container",
+        parse=any_text(),
+    )
+
+
+DOCUMENTED = documented(DriverInstallSettings)
 """Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
@@ -38,7 +46,7 @@ async def install_driver(version: str, command: str | None = None) -> None:
     (with the tail of its stderr). Cancelled, the command is killed."""
     if not DRIVER_VERSION_RE.match(version):
         raise DriverInstallError(f"{version!r} is not a driver version such as '550.54.15'")
-    template = command if command is not None else os.environ.get(INSTALL_COMMAND_ENV)
+    template = command if command is not None else settings_from_env(DriverInstallSettings).command
     if not template or not template.strip():
         raise DriverInstallError(
             f"cannot install driver {version}: set {INSTALL_COMMAND_ENV} to the shell command that installs a "

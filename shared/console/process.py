@@ -150,7 +150,7 @@ def _fleet(args: argparse.Namespace, env: dict[str, str], base: Path) -> tuple[l
     from shared.sim.spec import FleetSpec, GpuSpec, SpecError, load_spec
 
     try:
-        spec = load_spec(env.get("GPUWARDEN_SIM_SPEC"))
+        spec = load_spec(env=env)
     except SpecError as exc:
         raise CommandError(str(exc)) from None
     hollow = spec.hollow if asked is None else asked

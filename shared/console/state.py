@@ -7,22 +7,58 @@ import json
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.plumbing.settings import Settings, load_settings
-
-DOCUMENTED: dict[str, str] = {
-    "GPUWARDEN_HOME": (
-        "gpuwarden up/down and the other commands: the run's folder: run.json (URLs, health URLs, pids), "
-        "logs/, checkpoints/, redis/ (default .gpuwarden in the working directory)"
-    ),
-    "GPUWARDEN_POD_NAME": "inference pods: the pod name `gpuwarden agent final-save` addresses",
-    "GPUWARDEN_DEBUG": "gpuwarden: set to show the traceback of an unexpected error instead of its one line",
-}
-"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
+from shared.plumbing.settings import (
+    Parse,
+    Settings,
+    any_path,
+    any_text,
+    documented,
+    load_settings,
+    setting,
+    settings_from_env,
+)
 
 DEFAULT_HOME = ".gpuwarden"
+
+
+@dataclass(frozen=True)
+class ConsoleSettings:
+    """What the commands read from the environment besides the mesh's own settings (``command_settings``)."""
+
+    home: Path = setting(
+        "GPUWARDEN_HOME",
+        Path(DEFAULT_HOME),
+        "gpuwarden up/down and the other commands: the run's folder: run.json (URLs, health URLs, pids), "
+        "logs/, checkpoints/, redis/",
+        parse=any_path(),
+        shown=".gpuwarden in the working directory",
+    )
+    pod: str = setting(
+        "GPUWARDEN_POD_NAME",
+        "",
+        "inference pods: the pod name `gpuwarden agent final-save` addresses",
+        parse=any_text(),
+    )
+    debug: bool = setting(
+        "GPUWARDEN_DEBUG",
+        False,
+        "gpuwarden: set to show the traceback of an unexpected error instead of its one line",
+        parse=Parse(lambda _, raw: True, lambda _: ""),
+    )
+    """Any value but a blank one turns it on."""
+
+
+DOCUMENTED = documented(ConsoleSettings)
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
+
+
+def console_settings(env: Mapping[str, str] | None = None) -> ConsoleSettings:
+    """The commands' own settings from ``env`` (the process's by default); none of them can be wrong."""
+    return settings_from_env(ConsoleSettings, env)
 
 
 class CommandError(Exception):
@@ -35,8 +71,7 @@ class UsageError(Exception):
 
 def home(env: Mapping[str, str] | None = None) -> Path:
     """The folder of the run's state, logs, checkpoints and Redis data: ``GPUWARDEN_HOME``."""
-    env = os.environ if env is None else env
-    return Path(env.get("GPUWARDEN_HOME") or DEFAULT_HOME).expanduser().resolve()
+    return console_settings(env).home.expanduser().resolve()
 
 
 def state_file(env: Mapping[str, str]) -> Path:

@@ -8,10 +8,12 @@ import base64
 import hashlib
 import os
 from collections.abc import Mapping
-from pathlib import Path
+from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from shared.plumbing.settings import Parse, Secret, any_text, documented, setting, settings_from_env
 
 
 class KeyError_(ValueError):
@@ -36,24 +38,45 @@ class ChunkCipher:
             raise ValueError("authentication failed (wrong key, or the bytes changed)") from None
 
 
-def cipher_from_env(env: Mapping[str, str] | None = None) -> ChunkCipher | None:
-    """``GPUWARDEN_CHECKPOINT_KEY`` (base64 of 32 bytes) or ``GPUWARDEN_CHECKPOINT_KEY_FILE``; None when unset."""
-    env = os.environ if env is None else env
-    raw = env.get("GPUWARDEN_CHECKPOINT_KEY")
-    name = "GPUWARDEN_CHECKPOINT_KEY"
-    if not raw and env.get("GPUWARDEN_CHECKPOINT_KEY_FILE"):
-        name = "GPUWARDEN_CHECKPOINT_KEY_FILE"
-        try:
-            raw = Path(env[name]).read_text().strip()
-        except OSError as exc:
-            raise KeyError_(f"{name}={env[name]}: {exc.strerror}") from None
-    if not raw:
-        return None
+def _key(name: str, raw: str) -> Secret:
+    """A key as given (base64 of 32 bytes), checked: ``KeyError_`` naming ``name`` unless it is one."""
     try:
         key = base64.b64decode(raw, validate=True)
     except ValueError:
         raise KeyError_(f"{name}: not base64") from None
-    try:
-        return ChunkCipher(key, env.get("GPUWARDEN_CHECKPOINT_KEY_ID") or None)
-    except KeyError_ as exc:
-        raise KeyError_(f"{name}: {exc}") from None
+    if len(key) != 32:
+        raise KeyError_(f"{name}: AES-256-GCM needs a 32-byte key, got {len(key)} bytes")
+    return Secret(raw)
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    key: Secret | None = setting(
+        "GPUWARDEN_CHECKPOINT_KEY",
+        None,
+        "checkpoint, agents: encryption key for checkpoints at rest, base64 of 32 bytes (AES-256-GCM per chunk; or "
+        "GPUWARDEN_CHECKPOINT_KEY_FILE)",
+        parse=Parse(_key, lambda _: ""),
+        or_file=True,
+    )
+    """None: checkpoints are not encrypted."""
+    key_id: str = setting(
+        "GPUWARDEN_CHECKPOINT_KEY_ID",
+        "",
+        "checkpoint, agents: an id for the key, written into each manifest",
+        parse=any_text(),
+        shown="derived from the key",
+    )
+
+
+DOCUMENTED = documented(KeySettings)
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
+
+
+def cipher_from_env(env: Mapping[str, str] | None = None) -> ChunkCipher | None:
+    """``GPUWARDEN_CHECKPOINT_KEY`` (base64 of 32 bytes) or ``GPUWARDEN_CHECKPOINT_KEY_FILE``; None when unset.
+    A key that is no such key is refused naming the variable (``KeyError_``)."""
+    found = settings_from_env(KeySettings, env)
+    if found.key is None:
+        return None
+    return ChunkCipher(base64.b64decode(found.key.reveal()), found.key_id or None)

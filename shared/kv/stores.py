@@ -11,6 +11,7 @@ required for ``nats://`` and the URL carries no server address.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -18,27 +19,14 @@ from nats.aio.client import Client
 
 from shared.kv.filestore import FileStore
 from shared.kv.store import CheckpointStore
+from shared.plumbing.errors import SettingsError
+from shared.plumbing.settings import Parse, documented, setting
 
 VARIABLE = "GPUWARDEN_CHECKPOINT_STORE"
 FORMS = "file:///absolute/path or nats://<bucket>[?replicas=N]"
 DEFAULT_URL = "file:///var/lib/gpuwarden/checkpoints"
 """Where checkpoints go when ``GPUWARDEN_CHECKPOINT_STORE`` is not set (as ``DOCUMENTED`` says)."""
 _BUCKET = re.compile(r"^[A-Za-z0-9_-]{1,240}$")
-
-
-DOCUMENTED: dict[str, str] = {
-    "GPUWARDEN_CHECKPOINT_STORE": (
-        "checkpoint, agents: `file:///path` or `nats://bucket` (default file:///var/lib/gpuwarden/checkpoints)"
-    ),
-    "GPUWARDEN_CHECKPOINT_KEY": (
-        "checkpoint, agents: encryption key for checkpoints at rest, base64 of 32 bytes (AES-256-GCM per "
-        "chunk; or GPUWARDEN_CHECKPOINT_KEY_FILE)"
-    ),
-    "GPUWARDEN_CHECKPOINT_KEY_ID": (
-        "checkpoint, agents: an id for the key, written into each manifest (default: derived from the key)"
-    ),
-}
-"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 def parse_store_url(url: str) -> tuple[str, str, dict[str, Any]]:
@@ -81,3 +69,26 @@ def open_store(url: str, nc: Client | None = None) -> CheckpointStore:
     from shared.kv.objstore import NatsObjectStore
 
     return NatsObjectStore(nc, where, **options)
+
+
+def _store_url(name: str, raw: str) -> str:
+    try:
+        parse_store_url(raw)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    return raw
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    url: str = setting(
+        VARIABLE,
+        DEFAULT_URL,
+        "checkpoint, agents: `file:///path` or `nats://bucket`",
+        parse=Parse(_store_url),
+    )
+    """A URL ``parse_store_url`` accepts."""
+
+
+DOCUMENTED = documented(StoreSettings)
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""

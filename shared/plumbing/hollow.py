@@ -54,21 +54,11 @@ from shared.plumbing.consumer import Consumer, ConsumerSpec, consume
 from shared.plumbing.errors import SettingsError, TemporaryError
 from shared.plumbing.http import Response, SmallHttpServer
 from shared.plumbing.runner import Service, ServiceContext
-from shared.plumbing.settings import Settings, load_settings
+from shared.plumbing.settings import Parse, Settings, count, documented, load_settings, setting
 from shared.plumbing.telemetry import Telemetry
 from shared.ports.backends import Backends
 
 log = logging.getLogger(__name__)
-
-DOCUMENTED: dict[str, str] = {
-    "GPUWARDEN_HOLLOW_NODES": (
-        "driver, device, metrics: run the service once per node named here, every instance in this one process "
-        "on one NATS connection and one Redis pool (hollow nodes; simulation only): `node-1,node-2` or "
-        "`node-[1-1000]`; unset: one instance, for GPUWARDEN_NODE"
-    ),
-    "GPUWARDEN_HOLLOW_REDIS_CONNECTIONS": "hollow nodes: connections in the process's one Redis pool (default 32)",
-}
-"""Every variable this module reads, as docs/configuration.md lists it (tools.envdoc)."""
 
 START_AT_ONCE = 16
 """Nodes whose services start at the same time while the host comes up."""
@@ -142,10 +132,27 @@ def node_list(nodes: list[str]) -> str:
     return ",".join(items)
 
 
-def hollow_nodes(env: Mapping[str, str]) -> list[str]:
-    """The nodes ``GPUWARDEN_HOLLOW_NODES`` names; empty when it is unset (one node per process)."""
-    raw = env.get("GPUWARDEN_HOLLOW_NODES", "").strip()
-    return parse_nodes(raw) if raw else []
+@dataclass(frozen=True)
+class HollowSettings:
+    nodes: tuple[str, ...] = setting(
+        "GPUWARDEN_HOLLOW_NODES",
+        (),
+        "driver, device, metrics: run the service once per node named here, every instance in this one process "
+        "on one NATS connection and one Redis pool (hollow nodes; simulation only): `node-1,node-2` or "
+        "`node-[1-1000]`; unset: one instance, for GPUWARDEN_NODE",
+        parse=Parse(lambda name, raw: tuple(parse_nodes(raw, name)), lambda nodes: node_list(list(nodes))),
+    )
+    """Empty: one node per process (not hollow)."""
+    redis_connections: int = setting(
+        "GPUWARDEN_HOLLOW_REDIS_CONNECTIONS",
+        32,
+        "hollow nodes: connections in the process's one Redis pool",
+        parse=count(minimum=2),
+    )
+
+
+DOCUMENTED = documented(HollowSettings)
+"""Every variable this module reads, as docs/configuration.md lists it (tools.envdoc)."""
 
 
 class HostBackends(Protocol):
@@ -530,18 +537,11 @@ def _done(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def redis_connections(env: Mapping[str, str]) -> int:
-    raw = env.get("GPUWARDEN_HOLLOW_REDIS_CONNECTIONS", "").strip() or "32"
-    if not raw.isdigit() or int(raw) < 2:
-        raise SettingsError(f"GPUWARDEN_HOLLOW_REDIS_CONNECTIONS={raw!r}: expected a whole number, at least 2")
-    return int(raw)
-
-
-def run_hollow(service: str, nodes: list[str], plan: HollowPlan, env: Mapping[str, str]) -> int:
-    """Run the hollow host of ``nodes`` until SIGTERM or SIGINT; returns the process exit code."""
+def run_hollow(service: str, hollow: HollowSettings, plan: HollowPlan, env: Mapping[str, str]) -> int:
+    """Run the hollow host of the nodes ``hollow`` names until SIGTERM or SIGINT; returns the process exit code."""
+    nodes = list(hollow.nodes)
     try:
         settings = load_settings(env)
-        connections = redis_connections(env)
         if not settings.simulated:
             raise SettingsError("GPUWARDEN_HOLLOW_NODES: hollow nodes are simulated nodes (GPUWARDEN_BACKEND=sim)")
     except SettingsError as exc:
@@ -556,7 +556,7 @@ def run_hollow(service: str, nodes: list[str], plan: HollowPlan, env: Mapping[st
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        host = HollowHost.of(service, nodes, plan, settings, connections)
+        host = HollowHost.of(service, nodes, plan, settings, hollow.redis_connections)
         try:
             await host.start()
         except Exception as exc:

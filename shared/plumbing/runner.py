@@ -38,7 +38,7 @@ from shared.plumbing.consumer import Consumer, ConsumerSpec, consume
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.http import Response, Route, SmallHttpServer
 from shared.plumbing.retries import LOOP_RESTART
-from shared.plumbing.settings import Settings, load_settings
+from shared.plumbing.settings import Settings, load_settings, settings_from_env
 from shared.plumbing.telemetry import Telemetry
 from shared.ports.backends import Backends
 
@@ -311,10 +311,11 @@ def main(
     there, every instance in this process (``shared.plumbing.hollow``)."""
     import os
 
-    from shared.plumbing.hollow import hollow_nodes, run_hollow
+    from shared.plumbing.hollow import HollowSettings, run_hollow
 
     try:
-        nodes = hollow_nodes(os.environ)
+        hollow_settings = settings_from_env(HollowSettings)
+        nodes = hollow_settings.nodes
         if nodes and hollow is None:
             raise SettingsError("GPUWARDEN_HOLLOW_NODES: this service runs once per cluster, not once per node")
         service = hollow.instance(True) if nodes and hollow is not None else make()
@@ -322,7 +323,7 @@ def main(
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
     if nodes and hollow is not None:
-        return run_hollow(name, nodes, hollow, os.environ)
+        return run_hollow(name, hollow_settings, hollow, os.environ)
     return run(service, backends)
 
 

@@ -14,15 +14,16 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.exceptions
 
+from shared.kv.stores import StoreSettings
 from shared.plumbing.configsync import redis_client, warm_pool
 from shared.plumbing.runner import ServiceContext, run
+from shared.plumbing.settings import settings_from_env
 from shared.ports.cluster import ClusterError
 from shared.sim.cluster import SharedSimCluster, SimCluster
 from shared.sim.conversations import publish_requests
@@ -152,10 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--prompt-tokens or --new-tokens must be positive (a request with neither closes its session)")
     try:
         spec = load_spec()
+        store = settings_from_env(StoreSettings).url
     except ValueError as exc:
         print(f"gpuwarden sim run: {exc}", file=sys.stderr)
         return 2
-    store = os.environ.get("GPUWARDEN_CHECKPOINT_STORE", "file:///var/lib/gpuwarden/checkpoints")
     with contextlib.suppress(KeyboardInterrupt):
         return run(
             Simulation(

@@ -28,8 +28,9 @@ the spec, unless ``kv_blocks`` sets it outright. Either way the pool must hold o
 
 from __future__ import annotations
 
-import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -38,6 +39,7 @@ import yaml
 
 from shared.contract.base import TOKEN_PATTERN
 from shared.kv.presets import LLAMA_3_8B, LLAMA_3_8B_MAX_MODEL_LEN, LLAMA_3_8B_WEIGHTS_MIB
+from shared.plumbing.settings import any_path, documented, setting, settings_from_env
 
 Name = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -45,11 +47,21 @@ MIB = 2**20
 _NAME_RE = re.compile(TOKEN_PATTERN)
 
 
-DOCUMENTED: dict[str, str] = {
-    "GPUWARDEN_SIM_SPEC": (
-        "sim: the node spec file, YAML or JSON (default: nodes node-1..3 with 2 GPUs each; see `shared/sim/spec.py`)"
-    ),
-}
+@dataclass(frozen=True)
+class SpecSettings:
+    """Where the simulation's node spec is read from."""
+
+    path: Path | None = setting(
+        "GPUWARDEN_SIM_SPEC",
+        None,
+        "sim: the node spec file, YAML or JSON",
+        parse=any_path(),
+        shown="nodes node-1..3 with 2 GPUs each; see `shared/sim/spec.py`",
+    )
+    """None: the default spec (``default_spec``)."""
+
+
+DOCUMENTED = documented(SpecSettings)
 """Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
 
 
@@ -311,11 +323,14 @@ def parse_spec(raw: bytes | str, origin: str = "<spec>") -> SimSpec:
         raise SpecError(f"{origin}: {exc}") from None
 
 
-def load_spec(path: str | None = None) -> SimSpec:
-    """The spec at ``path`` (or ``GPUWARDEN_SIM_SPEC``), or the default spec when neither is set."""
-    path = path or os.environ.get("GPUWARDEN_SIM_SPEC") or None
+def load_spec(path: str | None = None, env: Mapping[str, str] | None = None) -> SimSpec:
+    """The spec at ``path`` (or ``GPUWARDEN_SIM_SPEC`` of ``env``, by default the process's), or the default spec
+    when neither is set."""
     if not path:
-        return default_spec()
+        given = settings_from_env(SpecSettings, env).path
+        if given is None:
+            return default_spec()
+        path = str(given)
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
