@@ -149,5 +149,7 @@ class PeriodicSaves:
 
     def _retry_soon(self, pod: str, interval_s: float) -> None:
         """A periodic save that did not happen is tried again within a tenth of the interval (5 s at most), not
-        an interval later."""
+        an interval later. Not a ``retries`` policy: the retry is a due time in this replica's schedule of saves,
+        picked up by ``loop``'s next ticks like any other (and moved to the next interval by a save that works),
+        not a wait of its own."""
         self._due[pod] = time.time() + min(5.0, interval_s / 10)

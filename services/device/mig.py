@@ -55,6 +55,7 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.consumer import ConsumerSpec, node_consumer
 from shared.plumbing.drains import Drain, DrainClient
+from shared.plumbing.retries import CLUSTER_REWATCH
 from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError, GpuPort, MigProfile
@@ -75,7 +76,8 @@ DRAIN_DEADLINE_S = 25.0
 """The most the savers are given (``DrainRequested.deadline_s``): under the pods' default grace period of 30s."""
 FAILED_SESSIONS_SHOWN = 5
 MIG_COMPUTE_SLICES = 7
-WATCH_RETRY_S = 1.0
+FAILED_PASS_WAIT_S = 1.0
+"""The least a reconcile pass that failed (cluster or GPUs not answering) waits before the next, unless woken."""
 STOP_REPORT_S = 2.0
 
 
@@ -238,6 +240,14 @@ def drain_verdicts(subjects: Subjects, node: str) -> ConsumerSpec:
     )
 
 
+def _cluster_failed(exc: Exception) -> bool:
+    return isinstance(exc, ClusterError)
+
+
+def _rewatching(exc: Exception, wait_s: float) -> None:
+    log.info("node watch ended; watching again", extra={"error": str(exc), "retry_s": wait_s})
+
+
 # -- applying it --------------------------------------------------------------------------------------------------
 Hook = Callable[[], Awaitable[None]]
 
@@ -318,7 +328,11 @@ class MigController:
     async def run(self) -> None:
         """Runs for the service's lifetime. A cluster or GPU that does not answer is logged and tried again at
         the next wake; the loop itself never stops for it. A drain waited for wakes it when its time is up; a
-        stop while waiting reports the layout ``failed`` (a restart asks the same drain again)."""
+        stop while waiting reports the layout ``failed`` (a restart asks the same drain again).
+
+        Not a ``retries`` policy: this is the level-triggered cadence of a reconcile (every ``reconcile_s``, a
+        failed pass after ``FAILED_PASS_WAIT_S``), whose every wait a wake (the node or the document changed) must
+        cut short, and each pass decides afresh what to do rather than repeat an operation."""
         try:
             while True:
                 self._wake.clear()
@@ -330,7 +344,7 @@ class MigController:
                 except (ClusterError, GpuError) as exc:
                     self.status["error"] = f"{type(exc).__name__}: {exc}"
                     log.warning("MIG reconcile failed; trying again", extra={"error": self.status["error"]})
-                    wait = max(WATCH_RETRY_S, self._until_drain_timeout())
+                    wait = max(FAILED_PASS_WAIT_S, self._until_drain_timeout())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)
         except asyncio.CancelledError:
@@ -366,17 +380,29 @@ class MigController:
             self.wake()
 
     async def watch_cluster(self) -> None:
-        """Wakes ``run`` whenever this node changes (its labels among others). Runs for the service's lifetime."""
+        """Wakes ``run`` whenever this node changes (its labels among others). Runs for the service's lifetime: a
+        watch that ends is watched again, at once when it brought changes, else as ``retries.CLUSTER_REWATCH``
+        says."""
         while True:
-            try:
-                cluster = await self._cluster()
-                async for change in cluster.watch():
-                    if change.kind == "node" and change.name == self.node:
-                        self.wake()
-            except ClusterError as exc:
-                log.info("node watch ended; watching again", extra={"error": str(exc)})
-                self.wake()
-            await asyncio.sleep(WATCH_RETRY_S)
+            async for attempt in CLUSTER_REWATCH.tries(when=_cluster_failed, note=_rewatching):
+                with attempt:
+                    await self._watch_node()
+
+    async def _watch_node(self) -> None:
+        """One watch of the cluster, to its end; ``ClusterError`` when it ended before a change came."""
+        changed = False
+        try:
+            async for change in (await self._cluster()).watch():
+                changed = True
+                if change.kind == "node" and change.name == self.node:
+                    self.wake()
+            ended = ClusterError("the watch ended")
+        except ClusterError as exc:
+            ended = exc
+        self.wake()  # whatever happened while nobody watched is looked at
+        if not changed:
+            raise ended
+        log.info("node watch ended; watching again", extra={"error": str(ended)})
 
     # -- one pass -------------------------------------------------------------------------------------------------
     async def reconcile(self) -> None:

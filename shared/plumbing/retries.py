@@ -15,6 +15,11 @@ What is not a plain retry of an operation stays hand-written, where it lives and
   ``drain`` mixes with its poll of the node until the node is empty (a refusal is no failure);
 - the durable consumer's nak delays (``shared.plumbing.consumer``): the server redelivers, nothing here waits;
   its pull, lost with a connection, is asked again on the pull loop's next tick;
+- a periodic save that did not happen (``services.checkpoint.periodic``, ``_retry_soon``): a due time brought
+  forward in the replica's schedule of saves, which its ticks pick up;
+- the cadences of level-triggered loops, whose waits a wake cuts short and whose passes decide afresh rather than
+  repeat an operation (the MIG controller's reconcile, ``services.device.mig``), and steady polls and checks (the
+  simulation's re-seeding of an emptied Redis, a hung simulated GPU's fault);
 - the reconnects of nats-py (``max_reconnect_attempts=-1``), the connection retries of redis-py
   (``shared.plumbing.configsync``) and urllib3 (``shared.adapters.metrics``): the client libraries' own.
 """
@@ -161,6 +166,19 @@ KUBE_WATCH = RetryPolicy(on=(Exception,), first_s=0.025, max_s=10.0, jitter_s=0.
 jittered, since every process watching resumes when an API server comes back. Which failures, the adapter says
 (``shared.adapters.kubeapi``, ``_curable``: a ``ClusterError``, but no refusal retrying cannot cure, a 403); this
 module, shipped with the KV agent, imports no port."""
+
+
+CLUSTER_REWATCH = RetryPolicy(on=(Exception,), first_s=0.5, max_s=30.0)
+"""A watch of the cluster port watched again after it ended before any change came: the adapter beneath has
+already resumed what it could (``KUBE_WATCH``), so what ends here is a refusal, or the simulation's changes trimmed
+past the watch (list and watch anew). The MIG controller's node watch and the simulated workload's; a watch that
+brought changes and then ended is watched again at once, with the waits started over. Which failures, each site
+says (the controller a ``ClusterError``, the simulation any)."""
+
+SIM_REDIS = RetryPolicy(on=(Exception,), first_s=0.1, max_s=2.0)
+"""A read of the simulation's Redis streams (the cluster's changes, the GPUs' health) while Redis is away: the
+simulated world waits for it as long as it takes. Which failures, the simulation says (Redis's and the socket's:
+this module, shipped with the KV agent, imports no Redis)."""
 
 
 def quiet_library_hooks() -> None:

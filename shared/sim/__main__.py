@@ -111,7 +111,8 @@ class Simulation:
         """Runs for the simulation's lifetime. Redis may come back empty (a restart without persistence, a
         flush): the cluster is made again from the spec and the exporters are announced again, so the workload,
         the services and the CLI find the simulated world where they look. (The GPUs' state is made again by
-        ``SimGpus`` on first use.) While Redis is away nothing is done; the config watcher reports it."""
+        ``SimGpus`` on first use.) While Redis is away nothing is done; the config watcher reports it. Not a ``retries``
+        policy: a steady check every ``reseed_s``, whose failure only waits for the next one."""
         while True:
             await asyncio.sleep(self.reseed_s)
             try:

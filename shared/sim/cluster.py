@@ -36,6 +36,7 @@ from redis.typing import EncodableT, FieldT
 from shared.contract.subjects import Subjects
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.replies import as_text
+from shared.plumbing.retries import SIM_REDIS
 from shared.plumbing.settings import RedisSettings
 from shared.ports.cluster import (
     NODE_NAME_EXTRA,
@@ -67,9 +68,25 @@ _DECODER = msgspec.msgpack.Decoder(ClusterState)
 _STREAM_MAXLEN = 10_000
 _WATCH_BLOCK_MS = 1_000
 _WATCH_BATCH = 512
-_WATCH_RETRY_S = 0.5
 _LAST_SEQ = 2**64 - 1
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def _redis_down(exc: Exception) -> bool:
+    return isinstance(exc, _REDIS_DOWN)
+
+
+def _watch_unreachable(exc: Exception, wait_s: float) -> None:
+    log.warning("simulated cluster watch: Redis unreachable (%s); retrying in %.2f s", exc, wait_s)
+
+
+def _informer_again(exc: Exception) -> bool:
+    return isinstance(exc, (ClusterError, *_REDIS_DOWN))
+
+
+def _informer_failed(exc: Exception, wait_s: float) -> None:
+    if isinstance(exc, _REDIS_DOWN):
+        log.warning("simulated cluster informer: Redis unreachable (%s); retrying in %.2f s", exc, wait_s)
 
 
 class SimCluster:
@@ -303,16 +320,9 @@ class SimCluster:
     async def _follow(self, after: int) -> AsyncIterator[ClusterChange]:
         last = (after, _LAST_SEQ)
         while True:
-            try:
-                reply = await self._client.xread(
-                    {self._changes_key: _stream_id(*last)}, count=_WATCH_BATCH, block=_WATCH_BLOCK_MS
-                )
-                if not reply and last[0] > 0:
-                    await self._still_there(last[0])
-            except _REDIS_DOWN as exc:
-                log.warning("simulated cluster watch: Redis unreachable (%s); retrying", exc)
-                await asyncio.sleep(_WATCH_RETRY_S)
-                continue
+            reply = await SIM_REDIS.call(
+                functools.partial(self._changes_after, last), when=_redis_down, note=_watch_unreachable
+            )
             for entry_id, fields in _entries(reply):
                 revision, seq = (int(part) for part in entry_id.split("-"))
                 if (revision, seq) not in ((last[0], last[1] + 1), (last[0] + 1, 0)):
@@ -323,6 +333,15 @@ class SimCluster:
                 last = (revision, seq)
                 self._seen = max(self._seen, revision)
                 yield _change_from(entry_id, fields)
+
+    async def _changes_after(self, last: tuple[int, int]) -> Any:
+        """One blocking read of the changes after ``last``; an idle one checks that they still reach it."""
+        reply = await self._client.xread(
+            {self._changes_key: _stream_id(*last)}, count=_WATCH_BATCH, block=_WATCH_BLOCK_MS
+        )
+        if not reply and last[0] > 0:
+            await self._still_there(last[0])
+        return reply
 
     async def _still_there(self, revision: int) -> None:
         """An idle watch checks that the changes it follows still reach ``revision``. Redis restarted without its
@@ -456,6 +475,8 @@ class SharedSimCluster(SimCluster):
         self._heard = 0.0
         self._history: deque[tuple[tuple[int, int], ClusterChange]] = deque(maxlen=self.HISTORY)
         self._history_from = 0
+        self._last: tuple[int, int] | None = None
+        """The newest change the informer has handed on; None: read the cluster (again) first."""
         self._by_node: dict[str, set[asyncio.Queue[ClusterChange | ClusterError]]] = {}
         self._filtered: dict[asyncio.Queue[ClusterChange | ClusterError], tuple[WatchKinds, str | None]] = {}
         self._pending: list[tuple[Operation, asyncio.Future[Any]]] = []
@@ -513,53 +534,59 @@ class SharedSimCluster(SimCluster):
             self._state = state
 
     async def _follow_changes(self) -> None:
-        last: tuple[int, int] | None = None
+        """Runs for the informer's lifetime, one read of the change stream after another (``_next_changes``):
+        Redis away, or changes gone from the stream (the cluster is read again), tried again as
+        ``retries.SIM_REDIS`` says."""
         while True:
-            try:
-                if last is None:
-                    state = await super()._read()
-                    self._adopt(state)
-                    last = (state.revision, _LAST_SEQ)
-                    self._history.clear()
-                    self._history_from = state.revision
-                    self._heard = time.monotonic()
-                reply = await self._client.xread(
-                    {self._changes_key: _stream_id(*last)}, count=_WATCH_BATCH, block=_WATCH_BLOCK_MS
-                )
-                raise_if_cancelled()
+            await SIM_REDIS.call(self._next_changes, when=_informer_again, note=_informer_failed)
+
+    async def _next_changes(self) -> None:
+        """Read the cluster when there is no revision to follow from, then one blocking read of the changes after
+        it, handed to the watches. Redis away: ``_REDIS_DOWN``; changes gone: ``ClusterError``, each watch told
+        (list again and watch anew) and the cluster read again next time."""
+        try:
+            last = self._last
+            if last is None:
+                state = await super()._read()
+                self._adopt(state)
+                last = self._last = (state.revision, _LAST_SEQ)
+                self._history.clear()
+                self._history_from = state.revision
                 self._heard = time.monotonic()
-                entries = list(_entries(reply))
-                if not entries:
-                    if last[0] > 0:
-                        await self._still_there(last[0])
-                    continue
-                changes: list[tuple[tuple[int, int], ClusterChange]] = []
-                for entry_id, fields in entries:
-                    key = _revision_key(entry_id)
-                    expected = [(last[0] + 1, 0)] + ([(last[0], last[1] + 1)] if last[1] != _LAST_SEQ else [])
-                    if key not in expected:
-                        raise ClusterError(
-                            f"changes after {_stream_id(*last)} are gone (trimmed, or the cluster was made afresh; "
-                            f"next is {entry_id})"
-                        )
-                    last = key
-                    changes.append((last, _change_from(entry_id, fields)))
-                if self._state is None or last[0] > self._state.revision:
-                    self._adopt(await super()._read())
-                for key, change in changes:
-                    self._history.append((key, change))
-                    self._notify(change)
-            except asyncio.CancelledError:
-                raise
-            except ClusterError as exc:
-                log.info("simulated cluster informer: %s; reading the cluster again", exc)
-                self._fail_watchers(exc)
-                self._state, self._heard, last = None, 0.0, None
-                await asyncio.sleep(_WATCH_RETRY_S)
-            except _REDIS_DOWN as exc:
-                log.warning("simulated cluster informer: Redis unreachable (%s); retrying", exc)
-                self._heard = 0.0
-                await asyncio.sleep(_WATCH_RETRY_S)
+            reply = await self._client.xread(
+                {self._changes_key: _stream_id(*last)}, count=_WATCH_BATCH, block=_WATCH_BLOCK_MS
+            )
+            raise_if_cancelled()
+            self._heard = time.monotonic()
+            entries = list(_entries(reply))
+            if not entries:
+                if last[0] > 0:
+                    await self._still_there(last[0])
+                return
+            changes: list[tuple[tuple[int, int], ClusterChange]] = []
+            for entry_id, fields in entries:
+                key = _revision_key(entry_id)
+                expected = [(last[0] + 1, 0)] + ([(last[0], last[1] + 1)] if last[1] != _LAST_SEQ else [])
+                if key not in expected:
+                    raise ClusterError(
+                        f"changes after {_stream_id(*last)} are gone (trimmed, or the cluster was made afresh; "
+                        f"next is {entry_id})"
+                    )
+                last = self._last = key
+                changes.append((last, _change_from(entry_id, fields)))
+            if self._state is None or last[0] > self._state.revision:
+                self._adopt(await super()._read())
+            for key, change in changes:
+                self._history.append((key, change))
+                self._notify(change)
+        except ClusterError as exc:
+            log.info("simulated cluster informer: %s; reading the cluster again", exc)
+            self._fail_watchers(exc)
+            self._state, self._heard, self._last = None, 0.0, None
+            raise
+        except _REDIS_DOWN:
+            self._heard = 0.0
+            raise
 
     # -- watches --------------------------------------------------------------------------------------------------
     def _notify(self, change: ClusterChange) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import uuid as uuidlib
@@ -33,6 +34,7 @@ import redis.exceptions
 from shared.contract.device import GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
 from shared.plumbing.replies import as_text
+from shared.plumbing.retries import SIM_REDIS
 from shared.ports.gpu import (
     DriverInstallError,
     DriverValidation,
@@ -486,6 +488,24 @@ def health_event(fields: dict[Any, Any]) -> GpuHealthEvent:
     )
 
 
+def _redis_down(exc: Exception) -> bool:
+    return isinstance(exc, redis.exceptions.RedisError | OSError)
+
+
+class _Unreadable:
+    """Told of each read of a health stream that failed and is tried again (``retries.SIM_REDIS``): logs the first
+    failure in a row, the tenth and every hundredth, not each. ``failures`` is set back to 0 by a read that works."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.failures = 0
+
+    def __call__(self, exc: Exception, wait_s: float) -> None:
+        self.failures += 1
+        if self.failures in (1, 10) or self.failures % 100 == 0:
+            log.warning(self.message, extra={"error": str(exc), "retry_s": wait_s})
+
+
 def raise_if_cancelled() -> None:
     """redis-py's asyncio client can finish a command whose task was cancelled meanwhile and drop the
     cancellation (redis/redis-py#2028, #2551); a loop over Redis calls this after each command so that a caller's
@@ -556,7 +576,9 @@ class SimHealthFeed:
         return len(self._queues)
 
     async def _run(self) -> None:
-        failures = 0
+        """Follows every stream followed, for as long as one is; Redis away, the read is tried again as
+        ``retries.SIM_REDIS`` says."""
+        unreadable = _Unreadable("SIMULATED GPU health streams unreadable; retrying")
         while True:
             if not self._cursors:
                 self._followed.clear()
@@ -564,16 +586,13 @@ class SimHealthFeed:
                 continue
             cursors = dict(self._cursors)
             generation = dict(self._generation)
-            try:
-                reply: Any = await self.client.xread(cursors, count=self.batch, block=self.block_ms)  # type: ignore[arg-type]
-                raise_if_cancelled()
-                failures = 0
-            except (redis.exceptions.RedisError, OSError) as exc:
-                failures += 1
-                if failures in (1, 10) or failures % 100 == 0:
-                    log.warning("SIMULATED GPU health streams unreadable; retrying", extra={"error": str(exc)})
-                await asyncio.sleep(min(0.1 * failures, 2.0))
-                continue
+            reply: Any = await SIM_REDIS.call(
+                functools.partial(self.client.xread, cursors, count=self.batch, block=self.block_ms),  # type: ignore[arg-type]
+                when=_redis_down,
+                note=unreadable,
+            )
+            raise_if_cancelled()
+            unreadable.failures = 0
             streams = reply.items() if isinstance(reply, dict) else (reply or ())
             for stream, entries in streams:
                 key = as_text(stream)
@@ -714,21 +733,21 @@ class SimGpus:
                 yield event
             return
         cursor = self._cursor
-        failures = 0
+        unreadable = _Unreadable("SIMULATED GPU health stream unreadable; retrying")
         key = self.store.health_key(self.node)
         while not self._closed:
             try:
-                reply: Any = await self.client.xread({key: cursor}, count=100, block=self._block_ms)
-                raise_if_cancelled()
-                failures = 0
-            except (redis.exceptions.RedisError, OSError) as exc:
+                reply: Any = await SIM_REDIS.call(
+                    functools.partial(self.client.xread, {key: cursor}, count=100, block=self._block_ms),
+                    when=lambda exc: _redis_down(exc) and not self._closed,
+                    note=unreadable,
+                )
+            except (redis.exceptions.RedisError, OSError):
                 if self._closed:
                     return
-                failures += 1
-                if failures in (1, 10) or failures % 100 == 0:
-                    log.warning("SIMULATED GPU health stream unreadable; retrying", extra={"error": str(exc)})
-                await asyncio.sleep(min(0.1 * failures, 2.0))
-                continue
+                raise
+            raise_if_cancelled()
+            unreadable.failures = 0
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:
                     yield health_event(fields)
@@ -763,7 +782,8 @@ class SimGpus:
         self, kind_of_change: str, what: str, fault: Callable[[SimNodeState], tuple[str, str]], error: type[GpuError]
     ) -> None:
         """An injected ``fail`` raises ``error`` with the injected reason; an injected ``hang`` waits until the
-        fault is cleared (or changed), so the caller's timeout decides; no fault returns at once."""
+        fault is cleared (or changed), so the caller's timeout decides; no fault returns at once. The wait polls
+        the fault every ``poll_s``: a steady poll of a state, not a retry after a failure (no ``retries`` policy)."""
         hanging = False
         while True:
             kind, reason = fault(await self.state())

@@ -48,6 +48,7 @@ from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
 from shared.plumbing.bus import Bus
 from shared.plumbing.consumer import ConsumerSpec, consume
 from shared.plumbing.errors import TemporaryError
+from shared.plumbing.retries import CLUSTER_REWATCH
 from shared.ports.cluster import PodInfo
 from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.cluster import SimCluster
@@ -57,6 +58,10 @@ from shared.sim.sessions import RETIRED_KEPT, SESSION_IDLE_S, Preempted, Session
 from shared.sim.spec import DeploymentSpec, SimSpec
 
 log = logging.getLogger(__name__)
+
+
+def _watch_interrupted(exc: Exception, wait_s: float) -> None:
+    log.warning("cluster watch interrupted", extra={"error": str(exc), "retry_s": wait_s})
 
 
 class SimWorkload:
@@ -158,15 +163,22 @@ class SimWorkload:
         task.add_done_callback(self._tasks.discard)
 
     async def _watch(self) -> None:
+        """Wakes ``_loop`` on every change of the cluster. A watch that ends is watched again, at once when it
+        brought changes, else as ``retries.CLUSTER_REWATCH`` says."""
         while True:
-            try:
-                async for _ in self.cluster.watch():
-                    self._wake.set()
-            except asyncio.CancelledError:
+            await CLUSTER_REWATCH.call(self._watch_once, note=_watch_interrupted)
+
+    async def _watch_once(self) -> None:
+        """One watch of the cluster, to its end; its failure raised again only when it brought no change."""
+        changed = False
+        try:
+            async for _ in self.cluster.watch():
+                changed = True
+                self._wake.set()
+        except Exception as exc:
+            if not changed:
                 raise
-            except Exception as exc:
-                log.warning("cluster watch interrupted", extra={"error": str(exc)})
-                await asyncio.sleep(0.5)
+            _watch_interrupted(exc, 0.0)
 
     async def _loop(self) -> None:
         while True:
