@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from hypothesis import given
@@ -11,6 +12,7 @@ from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.retention import CheckpointRecord, RetentionPolicy, expired, unreferenced_packs
 from services.checkpoint.service import CheckpointService
 from shared.kv.filestore import FileStore
+from shared.kv.manifest import checkpoint_order
 from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
@@ -79,5 +81,87 @@ async def test_service_applies_retention_and_collects_unreferenced_packs(setting
         assert packs == 1 and len(await store.packs()) == 3
         restored = await make_agent(store, pod="p2").restore("s1")
         assert bytes(restored.blocks[0]) == bytes([3]) * len(restored.blocks[0])
+    finally:
+        await running.stop(grace=1)
+
+
+async def _saved(store: FileStore, session_ids: list[str], saves: int) -> None:
+    """Each session saved ``saves`` times by one agent, a changed block each time (a new pack per save)."""
+    agent = make_agent(store)
+    blocks = {sid: fill(agent, sid, 2) for sid in session_ids}
+    for generation in range(saves):
+        for sid in session_ids:
+            blocks[sid][0][:] = generation
+            agent.update_block(sid, 0)
+        await agent.save()
+
+
+async def test_a_turn_holds_the_sessions_that_changed_to_the_policy_without_walking_the_store(
+    settings: Settings, tmp_path: Path
+) -> None:
+    store = FileStore(tmp_path / "store")
+    await _saved(store, ["s1", "s2"], 4)
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0, gc_grace_s=0), store=store)
+    running = await start_service(service, settings, Wiring)
+    try:
+        registry = service.retention.replica.registry
+        manifests = [await store.manifest("s1", cid) for cid in await store.checkpoints("s1")]
+        assert await registry.repair_checkpoints("s1", manifests, store.url)  # recorded: s1 changed, s2 did not
+        deleted, packs = await service.retention.turn(walk_sessions=0)
+        assert (deleted, packs) == (2, 0)
+        newest_two = sorted(cid for cid, _ in zip(await store.checkpoints("s1"), range(2), strict=False))
+        assert len(await store.checkpoints("s1")) == 2
+        assert sorted(str(r["checkpoint_id"]) for r in await registry.checkpoints("s1")) == newest_two
+        assert len(await store.checkpoints("s2")) == 4  # not changed, not walked: untouched this turn
+        # the second newest was indexed by age: past max_age_s it goes, the newest never does
+        deleted, _ = await service.retention.turn(now=time.time() + 8 * 24 * 3600, walk_sessions=0)
+        assert deleted == 1
+        assert await store.checkpoints("s1") == [max(newest_two, key=checkpoint_order)]
+        assert len(await registry.checkpoints("s1")) == 1
+    finally:
+        await running.stop(grace=1)
+
+
+async def test_the_store_walk_goes_round_in_slices_and_collects_packs_only_at_its_end(
+    settings: Settings, tmp_path: Path
+) -> None:
+    store = FileStore(tmp_path / "store")
+    await _saved(store, ["s1", "s2", "s3"], 4)  # one pack a round; the second round's is garbage once kept 2 a session
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0, gc_grace_s=0, gc_walk_sessions=1), store=store)
+    running = await start_service(service, settings, Wiring)
+    try:
+        packs_before = {p.pack_id for p in await store.packs()}
+        assert await service.retention.turn() == (2, 0)  # s1 walked: its two oldest go, no pack yet
+        assert [len(await store.checkpoints(s)) for s in ("s1", "s2", "s3")] == [2, 4, 4]
+        await _saved(store, ["late"], 1)  # a session saved after the walk began: its pack is younger than the cutoff
+        late_packs = {p.pack_id for p in await store.packs()} - packs_before
+        assert await service.retention.turn() == (2, 0)
+        deleted, packs = await service.retention.turn()  # s3, and the walk's end: the second round's pack goes
+        assert (deleted, packs) == (2, 1)
+        left = {p.pack_id for p in await store.packs()}
+        assert late_packs <= left  # not referenced by anything the walk saw, but younger than its cutoff
+        for sid in ("s1", "s2", "s3", "late"):
+            restored = await make_agent(store, pod="p2").restore(sid)
+            assert restored.blocks
+    finally:
+        await running.stop(grace=1)
+
+
+async def test_a_doomed_checkpoint_that_became_the_newest_is_kept(settings: Settings, tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    await _saved(store, ["s1"], 2)
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=store)
+    running = await start_service(service, settings, Wiring)
+    try:
+        registry = service.retention.replica.registry
+        older, newest = sorted(await store.checkpoints("s1"), key=checkpoint_order)
+        await registry.repair_checkpoints("s1", [await store.manifest("s1", c) for c in (older, newest)], store.url)
+        await service.retention.turn(walk_sessions=0)  # the older one is indexed by age
+        await registry.forget_checkpoint("s1", newest)  # as a restore forgets a corrupt newest
+        assert await registry.retire_older("s1", older) is False
+        deleted, _ = await service.retention.turn(now=time.time() + 8 * 24 * 3600, walk_sessions=0)
+        assert deleted == 0
+        assert [str(r["checkpoint_id"]) for r in await registry.checkpoints("s1")] == [older]
+        assert older in await store.checkpoints("s1")
     finally:
         await running.stop(grace=1)

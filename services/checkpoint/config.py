@@ -34,6 +34,15 @@ class CheckpointSettings:
         "checkpoint: a pack or a temporary file is collected only when older than this",
         parse=seconds(allow_zero=True),
     )
+    gc_walk_sessions: int = setting(
+        "GPUWARDEN_CHECKPOINT_GC_WALK_SESSIONS",
+        2000,
+        "checkpoint: sessions of the store one retention turn walks (the walk finds what the registry does not "
+        "know, and the packs nothing references, once it has gone round the whole store)",
+        parse=count(maximum=10_000_000),
+    )
+    """Sessions of the store one retention turn walks: a turn costs what changed plus this many, whatever the
+    store holds; one walk round the store takes ``sessions / gc_walk_sessions`` turns."""
     drain_lease_s: float = setting(
         "GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S",
         10.0,

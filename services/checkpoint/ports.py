@@ -5,7 +5,7 @@ every decision module depends on these Protocols only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
@@ -104,6 +104,15 @@ class Registry(Protocol):
     async def forget_checkpoint(self, session_id: str, checkpoint_id: str) -> None: ...
 
     async def record_restore(self, session_id: str, checkpoint_id: str, pod: str, node: str) -> None: ...
+
+    # retention's changes
+    async def take_retention_changes(self, limit: int) -> list[str]: ...
+
+    async def note_aging(self, older: Mapping[tuple[str, str], float]) -> None: ...
+
+    async def aged(self, made_before: float, limit: int) -> list[tuple[str, str]]: ...
+
+    async def retire_older(self, session_id: str, checkpoint_id: str) -> bool: ...
 
     # drains
     async def drain_verdict(self, drain_id: str) -> bytes | None: ...

@@ -47,7 +47,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -281,6 +281,7 @@ end
 if gen > current then redis.call('SET', genkey, gen) end
 redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[6])
 if redis.call('ZADD', prefix .. ':kv:checkpoints:' .. sid, ARGV[7], cid) == 1 then
+  redis.call('SADD', prefix .. ':kv:retention:changed', sid)
   return {'', located(prefix, sid, 'saved', cid)}
 end
 return {'', {}}
@@ -348,11 +349,24 @@ for i = 3, #ARGV, 4 do
   if not redis.call('ZSCORE', zkey, cid) then
     redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[i + 3])
     redis.call('ZADD', zkey, ARGV[i + 1], cid)
+    redis.call('SADD', prefix .. ':kv:retention:changed', sid)
     table.insert(added, cid)
   end
   if tonumber(redis.call('GET', genkey) or '0') < gen then redis.call('SET', genkey, gen) end
 end
 return added
+"""
+
+# KEYS = the session's checkpoints, the aging index; ARGV = cid, the aging member. Forget a checkpoint that
+# retention doomed unless it is the session's newest recorded one (a newer one was forgotten meanwhile, as a
+# restore forgets a corrupt one): the check and the forgetting are one step. 1 when forgotten (or never recorded).
+_RETIRE_OLDER = """
+local newest = redis.call('ZREVRANGE', KEYS[1], 0, 0)[1]
+redis.call('ZREM', KEYS[2], ARGV[2])
+if newest == ARGV[1] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[3])
+return 1
 """
 
 _RELEASE = """
@@ -479,6 +493,7 @@ class SessionRegistry:
         self._replicas = client.register_script(_REPLICAS)
         self._repair = client.register_script(_REPAIR)
         self._release = client.register_script(_RELEASE)
+        self._retire_older = client.register_script(_RETIRE_OLDER)
 
     def _key(self, *parts: str) -> str:
         return self.subjects.redis_key("kv", *parts)
@@ -801,6 +816,36 @@ class SessionRegistry:
             pipe.zrem(self._key("checkpoints", session_id), checkpoint_id)
             pipe.delete(self._key("checkpoint", checkpoint_id))
             await pipe.execute()
+
+    # -- retention's changes ---------------------------------------------------------------------------------------
+    @_redis_may_be_down
+    async def take_retention_changes(self, limit: int) -> list[str]:
+        """Up to ``limit`` sessions that recorded a checkpoint since retention last looked (each handed out
+        once: a replica that dies holding some leaves them to the store walk)."""
+        return sorted(as_text(s) for s in await self.client.spop(self._key("retention", "changed"), limit) or [])
+
+    @_redis_may_be_down
+    async def note_aging(self, older: Mapping[tuple[str, str], float]) -> None:
+        """Index checkpoints that are not their session's newest by when they were made, for ``aged``."""
+        if older:
+            await self.client.zadd(self._key("retention", "aging"), {f"{s}/{c}": t for (s, c), t in older.items()})
+
+    @_redis_may_be_down
+    async def aged(self, made_before: float, limit: int) -> list[tuple[str, str]]:
+        """Indexed checkpoints made before ``made_before``, oldest first: (session, checkpoint)."""
+        raw = await self.client.zrangebyscore(self._key("retention", "aging"), "-inf", made_before, 0, limit)
+        return [(a, b) for a, _, b in (as_text(m).partition("/") for m in raw)]
+
+    @_redis_may_be_down
+    async def retire_older(self, session_id: str, checkpoint_id: str) -> bool:
+        """Forget a checkpoint retention doomed, unless it is its session's newest recorded one; see
+        ``_RETIRE_OLDER``. False when it was kept."""
+        keys = [
+            self._key("checkpoints", session_id),
+            self._key("retention", "aging"),
+            self._key("checkpoint", checkpoint_id),
+        ]
+        return bool(await self._retire_older(keys=keys, args=[checkpoint_id, f"{session_id}/{checkpoint_id}"]))
 
     @_redis_may_be_down
     async def record_restore(self, session_id: str, checkpoint_id: str, pod: str, node: str) -> None:
