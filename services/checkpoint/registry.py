@@ -369,6 +369,24 @@ redis.call('DEL', KEYS[3])
 return 1
 """
 
+# ARGV = prefix. Per pod the registry knows: its sessions, its node, its namespace/deployment, and whether its
+# lease stands, as one JSON document: one command and one reply, however many pods (a pipeline of three commands
+# a pod cost a reply to parse per command: most of a large fleet's summary).
+_SUMMARY = """
+local prefix = ARGV[1]
+local pods = redis.call('HGETALL', prefix .. ':kv:pods')
+local by_pod, nodes, deployments, alive = {}, {}, {}, {}
+for i = 1, #pods, 2 do
+  local pod = pods[i]
+  nodes[pod] = pods[i + 1]
+  by_pod[pod] = redis.call('HLEN', prefix .. ':kv:held:' .. pod)
+  local info = redis.call('HMGET', prefix .. ':kv:podinfo:' .. pod, 'namespace', 'deployment')
+  deployments[pod] = (info[1] or '') .. '/' .. (info[2] or '')
+  if redis.call('EXISTS', prefix .. ':kv:alive:' .. pod) == 1 then table.insert(alive, pod) end
+end
+return cjson.encode({by_pod = by_pod, nodes = nodes, deployments = deployments, alive = alive})
+"""
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -494,6 +512,7 @@ class SessionRegistry:
         self._repair = client.register_script(_REPAIR)
         self._release = client.register_script(_RELEASE)
         self._retire_older = client.register_script(_RETIRE_OLDER)
+        self._summary = client.register_script(_SUMMARY)
 
     def _key(self, *parts: str) -> str:
         return self.subjects.redis_key("kv", *parts)
@@ -623,28 +642,21 @@ class SessionRegistry:
 
     @_redis_may_be_down
     async def summary(self) -> FleetCounts:
-        """Session counts per pod, node and deployment, and which pods are alive: reads per pod, never per
-        session."""
-        pods = await self.pods()
-        names = sorted(pods)
-        if not names:
-            return FleetCounts({}, {}, {}, [])
-        async with self.client.pipeline(transaction=False) as pipe:
-            for pod in names:
-                pipe.hlen(self._key("held", pod))
-                pipe.hmget(self._key("podinfo", pod), "namespace", "deployment")
-                pipe.exists(self._key("alive", pod))
-            replies = await pipe.execute()
-        by_pod: dict[str, int] = {}
-        deployments: dict[str, str] = {}
-        alive = []
-        for i, pod in enumerate(names):
-            count, (ns, dep), lease = replies[3 * i], replies[3 * i + 1], replies[3 * i + 2]
-            by_pod[pod] = int(count)
-            deployments[pod] = f"{as_text(ns or b'')}/{as_text(dep or b'')}"
-            if lease:
-                alive.append(pod)
-        return FleetCounts(by_pod, pods, deployments, alive)
+        """Session counts per pod, node and deployment, and which pods are alive: one script reading per pod,
+        never per session (``_SUMMARY``)."""
+        found = json.loads(await self._summary(keys=[self._key("pods")], args=[self.subjects.root]))
+
+        def table(name: str) -> dict[str, Any]:
+            value = found.get(name)
+            return value if isinstance(value, dict) else {}  # Lua's JSON writes an empty table as {}
+
+        alive = found.get("alive")
+        return FleetCounts(
+            {pod: int(n) for pod, n in table("by_pod").items()},
+            {pod: str(node) for pod, node in table("nodes").items()},
+            {pod: str(dep) for pod, dep in table("deployments").items()},
+            sorted(str(p) for p in alive) if isinstance(alive, list) else [],
+        )
 
     @_redis_may_be_down
     async def sessions_page(
