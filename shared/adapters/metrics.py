@@ -47,7 +47,7 @@ class DcgmScrape:
         return self.parser.parse(text, source=self.url)
 
     async def close(self) -> None:
-        await self.http.close()
+        self.http.close()
 
 
 PROMQL_SERIES = "{__name__=~" + '"' + "|".join(SERIES_NAMES) + '"' + "}"
