@@ -11,7 +11,9 @@ page plan) and fed to the aggregator; every pod and deployment aggregate is comp
 service does. It measures CPU seconds per wall second of this process (``cpu_fraction``), GPU samples per second,
 and how late the latest page was handled after it fell due (``max_lag_s``). For attribution, the same pages parsed
 and aggregated without HTTP (``parse_cpu_fraction``) and prometheus-client's parser on whole pages
-(``reference_parse_ms_per_page``).
+(``reference_parse_ms_per_page``). Last, one source scraped back to back over one kept-alive connection, the
+round trip per page of a service's own ``/metrics`` (a fresh registry rendered per request, as ``HealthServer``
+answers) and of a node's exporter page (``health_scrape_ms_p50`` ... ``dcgm_scrape_ms_p99``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from bench.common import BenchOptions, Target, exit_code, finish, machine_info, parse_args
 from services.metrics.aggregate import Aggregator
 from services.metrics.samples import observation
 from shared.adapters.exposition import ExpositionParser
 from shared.adapters.metrics import DcgmScrape
 from shared.plumbing.http import SmallHttpServer
+from shared.plumbing.telemetry import Telemetry
 from shared.ports.gpu import GpuUtilisation
 from shared.ports.metrics import MetricsSourceError
 from shared.sim.exporter import ExporterEntity, PodRef, device_values, gpu_labels, render_page
@@ -163,6 +168,25 @@ async def ingest_http(base: str, nodes: int, seconds: float) -> dict[str, Any]:
     }
 
 
+async def keepalive_latency(base: str, requests: int) -> dict[str, Any]:
+    """Milliseconds per GET of one source scraped back to back over one kept-alive connection (client and
+    server), for a service's ``/metrics`` and a node's exporter page; the first GET (connecting) not counted."""
+    results: dict[str, Any] = {}
+    for name, path in (("health", "/metrics"), ("dcgm", "/node-0000")):
+        scraper = DcgmScrape(base + path, timeout=5.0)
+        await scraper.fetch()
+        times: list[float] = []
+        for _ in range(requests):
+            start = time.perf_counter()
+            await scraper.fetch()
+            times.append((time.perf_counter() - start) * 1000.0)
+        await scraper.close()
+        times.sort()
+        results[f"{name}_scrape_ms_p50"] = round(times[len(times) // 2], 4)
+        results[f"{name}_scrape_ms_p99"] = round(times[int(len(times) * 0.99)], 4)
+    return results
+
+
 def reference_cost(pages: list[tuple[str, str]], n: int) -> float:
     """CPU ms per page of prometheus-client's parser on every line (the reference engine)."""
     parser = ExpositionParser("reference")
@@ -179,8 +203,11 @@ def serve_pages(directory: str, port_file: str) -> None:
     for path in sorted(Path(directory).iterdir()):
         pages.setdefault(path.name.rsplit("-", 1)[0], []).append(path.read_bytes())
     served = dict.fromkeys(pages, 0)
+    telemetry = Telemetry("metrics")
 
     async def route(method: str, path: str) -> tuple[str, str, bytes]:
+        if path == "/metrics":  # what a service's HealthServer answers there
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(telemetry.registry)
         name = path.lstrip("/")
         variants = pages.get(name)
         if variants is None:
@@ -255,6 +282,7 @@ def run(
     pages = [(f"node-{n:04d}-{v}", node_page(n, v)) for n in range(nodes) for v in (0, 1)]
     with page_server(pages) as base, one_core():  # the server started first: it runs on the other core
         results = asyncio.run(ingest_http(base, nodes, seconds))
+        results.update(asyncio.run(keepalive_latency(base, 200 if options.quick else 2000)))
         results.update(ingest_parsed(pages, seconds))
         reference_ms = reference_cost(pages, reference_pages or (20 if options.quick else 100))
     results["reference_parse_ms_per_page"] = round(reference_ms, 3)

@@ -1,5 +1,6 @@
 """The plumbing every service shares: settings, the NATS bus and its durable consumer loop, Redis config sync,
-telemetry and the service runner.
+telemetry, the service runner and its HTTP server.
 
-``bus``, ``consumer`` and ``configsync`` are the only modules here that import a transport (nats, redis).
+``bus``, ``consumer`` and ``configsync`` are the only modules here that import a transport (nats, redis); ``http``
+serves HTTP with aiohttp's server.
 """
