@@ -49,11 +49,29 @@ def redis_server_binary() -> str:
     return found
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 15.0) -> None:
+class PortTaken(RuntimeError):
+    """A server could not bind one of its ports: another process took it between ``free_port`` and the bind."""
+
+
+def _log_tail(log: Path | None) -> str:
+    if log is None:
+        return ""
+    with contextlib.suppress(OSError):
+        return log.read_text(errors="replace")[-600:]
+    return ""
+
+
+def _wait_port(
+    port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 15.0, log: Path | None = None
+) -> None:
+    """Wait until ``proc`` listens on ``port``; an early exit is an error carrying the end of its ``log``
+    (``PortTaken`` when the log says a port was in use)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {port}")
+            tail = _log_tail(log)
+            error = PortTaken if "address already in use" in tail.lower() else RuntimeError
+            raise error(f"{what} exited with {proc.returncode} before listening on {port}: {tail.strip()}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
             return
         time.sleep(0.02)
@@ -98,9 +116,10 @@ class NatsServer:
             args += ["-m", str(self.monitor_port)]
         if self.config:
             args += ["-c", str(self.config)]
-        log = open(self.store / "server.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log)
-        _wait_port(self.port, self.proc, "nats-server")
+        log_path = self.store / "server.log"
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=log)
+        _wait_port(self.port, self.proc, "nats-server", log=log_path)
         return self
 
     def stop(self) -> None:
@@ -160,7 +179,7 @@ class RedisServer:
             "--logfile", str(self.dir / "redis.log"),
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port(self.port, self.proc, "redis-server")
+        _wait_port(self.port, self.proc, "redis-server", log=self.dir / "redis.log")
         return self
 
     def stop(self) -> None:
@@ -197,7 +216,20 @@ class NatsCluster:
     size: int = 3
     servers: list[NatsServer] = field(default_factory=list)
 
-    def start(self) -> NatsCluster:
+    def start(self, attempts: int = 5) -> NatsCluster:
+        """Start every server; when one finds a port taken (another process bound it after ``free_port`` chose
+        it, as parallel test workers do), the whole cluster starts again on fresh ports, up to ``attempts``."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except PortTaken:
+                self.cleanup()
+                self.servers.clear()
+                if attempt == attempts - 1:
+                    raise
+        return self
+
+    def _start_once(self) -> NatsCluster:
         cluster_name = "gw-" + uuid.uuid4().hex[:6]
         ports = [free_port() for _ in range(self.size)]
         for i, port in enumerate(ports):
