@@ -106,7 +106,7 @@ async def test_a_turn_holds_the_sessions_that_changed_to_the_policy_without_walk
     try:
         registry = service.retention.replica.registry
         manifests = [await store.manifest("s1", cid) for cid in await store.checkpoints("s1")]
-        assert await registry.repair_checkpoints("s1", manifests, store.url)  # recorded: s1 changed, s2 did not
+        assert (await registry.repair_checkpoints("s1", manifests, store.url)).added  # recorded: s1 changed, s2 did not
         deleted, packs = await service.retention.turn(walk_sessions=0)
         assert (deleted, packs) == (2, 0)
         newest_two = sorted(cid for cid, _ in zip(await store.checkpoints("s1"), range(2), strict=False))

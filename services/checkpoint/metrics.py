@@ -19,7 +19,8 @@ class CheckpointMetrics:
         )
         self.refused = Counter(
             "gpuwarden_checkpoint_stale_refused_total",
-            "Saves and announcements of sessions by pods that no longer own them, refused",
+            "Saves, announcements and claims of sessions by pods that no longer own them, refused, and stale saves a"
+            " restore passed over (what: save, announcement, claim, repair)",
             ["what"],
             registry=r,
         )

@@ -15,7 +15,7 @@ from shared.kv.manifest import CheckpointManifest
 from shared.kv.store import PackInfo
 from shared.ports.cluster import NodeInfo, PodInfo
 
-from .registry import Applied, Claim, FleetCounts, SessionPlace
+from .registry import Applied, Claim, FleetCounts, Repaired, SessionPlace
 
 
 class Store(Protocol):
@@ -97,7 +97,7 @@ class Registry(Protocol):
 
     async def repair_checkpoints(
         self, session_id: str, manifests: Sequence[CheckpointManifest], store: str
-    ) -> list[str]: ...
+    ) -> Repaired: ...
 
     async def checkpoints(self, session_id: str, limit: int = 16) -> list[dict[str, Any]]: ...
 

@@ -140,18 +140,28 @@ local function drop(prefix, sid, pod)
 end
 """
 
-# One announcement (full or delta) applied atomically. ARGV = prefix, pod, node, ns, dep, now, ttl_ms,
-# incarnation, seq, full, part, parts, leaving, bytes, n_ended, n_dropped, the ended sessions, the dropped ones,
-# then (sid, generation) pairs. A session announced under an older generation than the newest handed out has
-# moved on: stale, ignored and returned. A newer one than the registry knows (it lost its data) raises the
-# counter: never handed out again. An ended session whose newest generation the pod took (held now, or dropped
-# since, as after a preemption) leaves the registry and is returned as retired. A numbered delta that does not
-# follow what the registry applied last for the pod (another incarnation, a gap: writes lost) is applied and
-# answered ``resync``. Returns (stale, retired, the locations that changed, resync).
+# One announcement (full or delta) applied atomically. ARGV = prefix, pod, node, ns, dep, now, ttl_ms, incarnation, seq,
+# full, part, parts, leaving, bytes, n_ended, n_dropped, the ended sessions, the dropped ones, then (sid, generation)
+# pairs. A session announced under an older generation than the newest handed out has moved on: stale, ignored and
+# returned. So is one announced under the current generation while another pod that is alive (its lease stands, it is
+# not leaving) holds the session under that same generation: only a claim the registry lost in a Redis failover hands
+# one generation out twice, and the pod placed first keeps it. A newer one than the registry knows (it lost its data)
+# raises the counter: never handed out again. An ended session whose newest generation the pod took (held now, or
+# dropped since, as after a preemption) leaves the registry and is returned as retired. A numbered delta that does not
+# follow what the registry applied last for the pod (another incarnation, a gap: writes lost), or a heartbeat whose
+# number is not the one applied last (the last delta was lost), is applied and answered ``resync``. Returns (stale,
+# retired, the locations that changed, resync).
 _ANNOUNCE = (
     _LOCATED
     + _MOVE
     + """
+local function held_by_another(prefix, sid, pod, gen)
+  local cur = redis.call('HMGET', prefix .. ':kv:session:' .. sid, 'pod', 'generation')
+  local holder = cur[1]
+  if not holder or holder == pod or tonumber(cur[2]) ~= gen then return false end
+  return redis.call('EXISTS', prefix .. ':kv:alive:' .. holder) == 1
+    and redis.call('HGET', prefix .. ':kv:podinfo:' .. holder, 'leaving') ~= '1'
+end
 local prefix, pod, node, ns, dep, now, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local incarnation, seq, full = ARGV[8], tonumber(ARGV[9]), ARGV[10] == '1'
 local part, parts, leaving, bytes = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1', ARGV[14]
@@ -162,7 +172,10 @@ local heldkey = prefix .. ':kv:held:' .. pod
 local info = redis.call('HMGET', infokey, 'incarnation', 'seq')
 local known = tonumber(info[2] or '-1')
 local resync = 0
-if seq > 0 and not full and (info[1] ~= incarnation or known < seq - 1 or known > seq) then resync = 1 end
+-- a delta follows what was applied last (or repeats it: its answer was lost); a heartbeat repeats it exactly
+local heartbeat = #ARGV == 16
+if seq > 0 and not full and (info[1] ~= incarnation or known < seq - 1 or known > seq or (heartbeat and known ~= seq))
+then resync = 1 end
 local retired, changes, stale = {}, {}, {}
 for i = 17, first_dropped - 1 do
   local sid = ARGV[i]
@@ -187,7 +200,7 @@ for i = first_pair, #ARGV, 2 do
   fresh[sid] = true
   local genkey = prefix .. ':kv:generation:' .. sid
   local current = tonumber(redis.call('GET', genkey) or '0')
-  if gen < current then
+  if gen < current or (gen == current and held_by_another(prefix, sid, pod, gen)) then
     table.insert(stale, sid)
     redis.call('HDEL', heldkey, sid)
   else
@@ -336,25 +349,34 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 
-# ARGV = prefix, sid, then (cid, score, generation, summary) for each checkpoint: records checkpoints the store
-# holds and the registry lost (a Redis failover), without the fence of ``_RECORD`` (the store is the last word on
-# what was committed), and raises the generation counter to the newest of them. Returns the ids recorded anew.
+# ARGV = prefix, sid, then (cid, score, generation, pod, summary) for each checkpoint: records checkpoints the
+# store holds and the registry lost (a Redis failover), without the fence of ``_RECORD`` (the store is the last
+# word on what was committed), and raises the generation counter to the newest of them. One fence is kept: a
+# checkpoint of the generation the session's holder has now, written by another pod, is a save refused as stale
+# whose file is not deleted yet (or the other holder of a generation a lost claim handed out twice): fenced, not
+# recorded. Returns (the ids recorded anew, the ids fenced).
 _REPAIR = """
 local prefix, sid = ARGV[1], ARGV[2]
 local zkey = prefix .. ':kv:checkpoints:' .. sid
 local genkey = prefix .. ':kv:generation:' .. sid
-local added = {}
-for i = 3, #ARGV, 4 do
-  local cid, gen = ARGV[i], tonumber(ARGV[i + 2])
-  if not redis.call('ZSCORE', zkey, cid) then
-    redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[i + 3])
-    redis.call('ZADD', zkey, ARGV[i + 1], cid)
-    redis.call('SADD', prefix .. ':kv:retention:changed', sid)
-    table.insert(added, cid)
+local cur = redis.call('HMGET', prefix .. ':kv:session:' .. sid, 'pod', 'generation')
+local holder, held = cur[1], tonumber(cur[2] or '-1')
+local added, fenced = {}, {}
+for i = 3, #ARGV, 5 do
+  local cid, gen, pod = ARGV[i], tonumber(ARGV[i + 2]), ARGV[i + 3]
+  if holder and gen == held and pod ~= holder then
+    table.insert(fenced, cid)
+  else
+    if not redis.call('ZSCORE', zkey, cid) then
+      redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[i + 4])
+      redis.call('ZADD', zkey, ARGV[i + 1], cid)
+      redis.call('SADD', prefix .. ':kv:retention:changed', sid)
+      table.insert(added, cid)
+    end
+    if tonumber(redis.call('GET', genkey) or '0') < gen then redis.call('SET', genkey, gen) end
   end
-  if tonumber(redis.call('GET', genkey) or '0') < gen then redis.call('SET', genkey, gen) end
 end
-return added
+return {added, fenced}
 """
 
 # KEYS = the session's checkpoints, the aging index; ARGV = cid, the aging member. Forget a checkpoint that
@@ -472,6 +494,15 @@ class Applied:
     retired: list[str]
     changes: list[SessionLocation]
     resync: bool = False
+
+
+@dataclass(frozen=True)
+class Repaired:
+    """What a repair did with the store's checkpoints the registry lacked: recorded anew, or fenced (another pod's
+    checkpoint of the generation the session's holder has now: a stale save not deleted yet)."""
+
+    added: list[str]
+    fenced: list[str]
 
 
 @dataclass(frozen=True)
@@ -782,11 +813,11 @@ class SessionRegistry:
     @_redis_may_be_down
     async def repair_checkpoints(
         self, session_id: str, manifests: Sequence[CheckpointManifest], store: str
-    ) -> list[str]:
+    ) -> Repaired:
         """Record again checkpoints the store holds (verified manifests) that the registry lost, as a Redis
         failover loses its last writes; the session's generation counter rises to the newest of them. Not fenced
-        by ownership: the store is the last word on what was committed. Idempotent; returns the ids recorded
-        anew."""
+        by ownership (the store is the last word on what was committed) but for another pod's checkpoint of the
+        generation the session's holder has now (see ``_REPAIR``). Idempotent."""
         args: list[str | int | float] = [self.subjects.root, session_id]
         for m in manifests:
             summary = {
@@ -803,9 +834,15 @@ class SessionRegistry:
                 "recorded_at": time.time(),
                 "repaired_from_store": True,
             }
-            args += [m.checkpoint_id, checkpoint_score(m.generation, m.sequence), m.generation, json.dumps(summary)]
-        added = await self._repair(keys=[self._key("checkpoints", session_id)], args=args)
-        return [as_text(c) for c in added]
+            args += [
+                m.checkpoint_id,
+                checkpoint_score(m.generation, m.sequence),
+                m.generation,
+                m.pod,
+                json.dumps(summary),
+            ]
+        added, fenced = await self._repair(keys=[self._key("checkpoints", session_id)], args=args)
+        return Repaired([as_text(c) for c in added], [as_text(c) for c in fenced])
 
     @_redis_may_be_down
     async def checkpoints(self, session_id: str, limit: int = 16) -> list[dict[str, Any]]:

@@ -160,13 +160,21 @@ class Restores:
             bytes_total[cid] = manifest.bytes_total
         from_store: list[str] = []
         if verified:
-            await registry.repair_checkpoints(session_id, verified, store.url)
-            from_store = [m.checkpoint_id for m in verified]
-            self.replica.metrics.repaired.inc(len(from_store))
-            log.warning(
-                "the registry lacked the newest checkpoints of a session: taken from the store and recorded again",
-                extra={"session": session_id, "checkpoints": from_store, "newest_recorded": newest and newest[2]},
-            )
+            repaired = await registry.repair_checkpoints(session_id, verified, store.url)
+            if repaired.fenced:  # stale saves whose files are not deleted yet: never a restore's candidates
+                listed.difference_update(repaired.fenced)
+                self.replica.metrics.refused.labels("repair").inc(len(repaired.fenced))
+                log.warning(
+                    "checkpoints of the session's current generation by another pod than its holder: passed over",
+                    extra={"session": session_id, "checkpoints": repaired.fenced},
+                )
+            from_store = [m.checkpoint_id for m in verified if m.checkpoint_id not in repaired.fenced]
+            if from_store:
+                self.replica.metrics.repaired.inc(len(from_store))
+                log.warning(
+                    "the registry lacked the newest checkpoints of a session: taken from the store and recorded again",
+                    extra={"session": session_id, "checkpoints": from_store, "newest_recorded": newest and newest[2]},
+                )
         ids = newest_first(list(listed | set(recorded)))
         floor = max((checkpoint_order(c)[0] for c in ids), default=0)
         ids = ids[:RESTORE_CANDIDATES]

@@ -9,6 +9,7 @@ import pytest
 from shared.contract.checkpoint import LocateCheckpoint, SaveSessions, SaveSessionsReport
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import codec
+from shared.kv.manifest import checkpoint_order, new_checkpoint_id, seal_manifest
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
 
@@ -144,3 +145,36 @@ async def test_an_older_agent_that_says_claim_still_takes_the_session(mesh: Mesh
     older["claim"] = True
     taken = await pod.bus.nc.request(subject, msgspec.json.encode(older), timeout=5)
     assert msgspec.json.decode(taken.data)["generation"] == 1 == await mesh.service.registry.generation("s9")
+
+
+async def test_a_restore_passes_over_another_pods_checkpoint_of_the_holders_generation(mesh: Mesh) -> None:
+    """A save refused as stale is deleted right after the refusal; a restore that lists the store before that
+    must not take it as the newest. Here the store holds, unrecorded, a checkpoint of the generation s1's holder
+    has, written by another pod (the stale save, or the other holder of a generation a claim lost in a Redis
+    failover handed out twice), one sequence newer than the holder's: the restore takes the holder's."""
+    holder = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
+    assert await mesh.periodic_turn() == 1
+    recorded = await mesh.service.registry.newest_checkpoint("s1")
+    assert recorded is not None
+    mine = await mesh.store.manifest("s1", str(recorded["checkpoint_id"]))
+    stale = seal_manifest(
+        msgspec.structs.replace(
+            mine,
+            checkpoint_id=new_checkpoint_id(mine.generation, mine.sequence + 1),
+            sequence=mine.sequence + 1,
+            pod="llama-9",
+            node="node-9",
+        )
+    )
+    await mesh.store.commit_manifest(stale)
+    assert checkpoint_order(stale.checkpoint_id) > checkpoint_order(mine.checkpoint_id)
+    await mesh.evict(holder)
+    rescuer = await mesh.add_pod("llama-2", "node-2")
+    restored = await rescuer.endpoint.restore("s1")
+    assert restored.manifest.checkpoint_id == mine.checkpoint_id, restored.fell_back_from
+    assert restored.fell_back_from == []
+    assert [bytes(b) for b in restored.blocks] == expected("s1", 2)
+    recorded_ids = {str(r["checkpoint_id"]) for r in await mesh.service.registry.checkpoints("s1")}
+    assert stale.checkpoint_id not in recorded_ids
+    await mesh.store.delete_checkpoint("s1", stale.checkpoint_id)  # what the refusal's deletion does
+    await mesh.check()

@@ -10,10 +10,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.checkpoint.registry import SessionRegistry
-from shared.contract.checkpoint import AgentSessions, SaveSessions, SaveSessionsReport
+from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint, SaveSessions, SaveSessionsReport
 from shared.contract.sessions import FleetQuery, FleetSummary, SessionsPage, SessionsQuery
 from shared.contract.subjects import Subjects
 from shared.kv import endpoint as endpoint_module
+from shared.kv.manifest import new_checkpoint_id
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
 from tests.servers import RedisServer
@@ -195,3 +196,75 @@ async def test_a_periodic_save_that_did_not_happen_is_asked_again_soon_not_an_in
 
 async def _recorded(mesh: Mesh, sid: str) -> bool:
     return bool(await mesh.service.registry.checkpoints(sid))
+
+
+def _committed(sid: str, generation: int, sequence: int) -> CommittedCheckpoint:
+    return CommittedCheckpoint(
+        session_id=sid,
+        checkpoint_id=new_checkpoint_id(generation, sequence),
+        generation=generation,
+        sequence=sequence,
+        bytes_total=4096,
+    )
+
+
+async def _lose_claim(client: aioredis.Redis, subjects: Subjects, sid: str, pod: str, node: str) -> None:
+    """What a Redis failover does to a claim the replica had not received yet: every trace of it is gone."""
+    key = subjects.redis_key
+    await client.delete(
+        key("kv", "generation", sid), key("kv", "session", sid), key("kv", "owner", sid), key("kv", "last", sid)
+    )
+    await client.hdel(key("kv", "held", pod), sid)
+    await client.hdel(key("kv", "onnode", node), sid)
+
+
+async def test_a_generation_handed_out_twice_after_a_lost_claim_keeps_one_holder(own_redis: aioredis.Redis) -> None:
+    subjects = Subjects("t")
+    registry = SessionRegistry(own_redis, subjects)
+    for pod in ("pod-a", "pod-b"):  # both alive
+        await registry.apply_announcement(announcement(pod, 1, full=True))
+    first = await registry.claim("chat", "pod-a", "node-1", "llm", "llama", 0)
+    await _lose_claim(own_redis, subjects, "chat", "pod-a", "node-1")
+    second = await registry.claim("chat", "pod-b", "node-1", "llm", "llama", 0)
+    assert first.generation == second.generation == 1  # the same generation, twice: what the failover allows
+    await registry.apply_announcement(announcement("pod-b", 2, full=False, sessions=["chat"], generations=[1]))
+    # pod-a announces the generation it was given: pod-b, alive, holds that generation, so pod-a's copy is stale
+    applied = await registry.apply_announcement(
+        announcement("pod-a", 2, full=False, sessions=["chat"], generations=[1])
+    )
+    assert applied.stale == ["chat"] and not applied.changes
+    assert (await registry.where("chat")).pod == "pod-b"
+    refused, _ = await registry.record_checkpoint(_committed("chat", 1, 1), "file:///s", "pod-a", "node-1")
+    assert "pod-b" in refused
+    recorded, _ = await registry.record_checkpoint(_committed("chat", 1, 2), "file:///s", "pod-b", "node-1")
+    assert recorded == ""
+    # once pod-b is gone (its lease ran out), the same generation announced by pod-a is placed again
+    await own_redis.delete(subjects.redis_key("kv", "alive", "pod-b"))
+    applied = await registry.apply_announcement(
+        announcement("pod-a", 3, full=False, sessions=["chat"], generations=[1])
+    )
+    assert not applied.stale and (await registry.where("chat")).pod == "pod-a"
+
+
+async def test_a_heartbeat_after_a_lost_last_delta_is_answered_resync(own_redis: aioredis.Redis) -> None:
+    """The pod's last delta was applied and confirmed, then lost in a failover (the registry applied one number
+    less): the pod has nothing new to say, so its heartbeat repeats that number. The registry must not adopt it
+    without the data: resync, and the full announcement places the session again."""
+    subjects = Subjects("t")
+    registry = SessionRegistry(own_redis, subjects)
+    await registry.apply_announcement(announcement("pod-a", 1, full=True, sessions=["s1"], generations=[1]))
+    assert not (
+        await registry.apply_announcement(announcement("pod-a", 1, full=False))
+    ).resync  # a heartbeat that follows
+    claim = await registry.claim("s2", "pod-a", "node-1", "llm", "llama", 0)
+    await registry.apply_announcement(
+        announcement("pod-a", 2, full=False, sessions=["s2"], generations=[claim.generation])
+    )
+    await _lose_claim(own_redis, subjects, "s2", "pod-a", "node-1")
+    await own_redis.hset(subjects.redis_key("kv", "podinfo", "pod-a"), "seq", 1)
+    assert (await registry.apply_announcement(announcement("pod-a", 2, full=False))).resync
+    await registry.apply_announcement(
+        announcement("pod-a", 3, full=True, sessions=["s1", "s2"], generations=[1, claim.generation])
+    )
+    assert (await registry.where("s2")).pod == "pod-a"
+    assert not (await registry.apply_announcement(announcement("pod-a", 3, full=False))).resync
