@@ -68,6 +68,7 @@ class Registry(Protocol):
         deployment: str,
         floor: int,
         force: bool = False,
+        seal: str | None = None,
     ) -> Claim: ...
 
     async def note_restored(

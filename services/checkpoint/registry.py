@@ -4,6 +4,8 @@ Keys, all under the root (``Subjects.redis_key``):
 
 - ``kv:session:<sid>``        hash: pod, node, namespace, deployment, generation, updated_at
 - ``kv:generation:<sid>``     the session's newest generation handed out; only grows (kept a week after it ends)
+- ``kv:sealed:<sid>``        hash: generation, checkpoint: the newest checkpoint the store held when that generation
+  was claimed; a checkpoint of an older generation sorting after it was saved by a pod that had lost the session
 - ``kv:owner:<sid>``          the pod that took the newest generation (kept while it holds no blocks: it may end it)
 - ``kv:onnode:<node>``        hash: every session placed on the node -> its pod (the node's index)
 - ``kv:held:<pod>``           hash: every session the pod holds -> its generation (the pod's index)
@@ -184,6 +186,7 @@ for i = 17, first_dropped - 1 do
     drop(prefix, sid, pod)
     redis.call('DEL', ownerkey)
     redis.call('PEXPIRE', prefix .. ':kv:generation:' .. sid, 604800000)
+    redis.call('PEXPIRE', prefix .. ':kv:sealed:' .. sid, 604800000)
     table.insert(retired, sid)
     table.insert(changes, located(prefix, sid, 'ended', '-'))
     redis.call('PEXPIRE', prefix .. ':kv:last:' .. sid, 604800000)
@@ -243,8 +246,10 @@ return {stale, retired, changes, resync}
 """
 )
 
-# ARGV = prefix, sid, pod, node, ns, dep, now, floor, force: the next generation, above ``floor`` (the newest
-# generation the store holds checkpoints of: a registry that lost its data never hands out a generation twice).
+# ARGV = prefix, sid, pod, node, ns, dep, now, floor, force, sealed, seal: the next generation, above ``floor`` (the
+# newest generation the store holds checkpoints of: a registry that lost its data never hands out a generation
+# twice). With ``sealed`` ('1': the store was listed), ``seal`` is the newest checkpoint it held ('' for none), kept
+# with the generation in ``kv:sealed:<sid>``.
 # Refused, with nothing changed, when another pod holds the session and is alive (its lease stands and it is not
 # leaving) unless ``force`` (the service found that pod gone from the cluster), or when the session belongs to
 # another deployment. Returns (generation or 0, the new location, why refused, the holder, the holder's node).
@@ -269,6 +274,9 @@ end
 local genkey = prefix .. ':kv:generation:' .. sid
 if tonumber(redis.call('GET', genkey) or '0') < floor then redis.call('SET', genkey, floor) end
 local gen = redis.call('INCR', genkey)
+if ARGV[10] == '1' then
+  redis.call('HSET', prefix .. ':kv:sealed:' .. sid, 'generation', gen, 'checkpoint', ARGV[11])
+end
 move(prefix, sid, pod, node, ns, dep, gen, now)
 return {gen, located(prefix, sid, 'placed', ''), '', '', ''}
 """
@@ -351,9 +359,11 @@ return redis.call('ZRANGE', KEYS[1], 0, -1)
 
 # ARGV = prefix, sid, then (cid, score, generation, pod, summary) for each checkpoint: records checkpoints the
 # store holds and the registry lost (a Redis failover), without the fence of ``_RECORD`` (the store is the last
-# word on what was committed), and raises the generation counter to the newest of them. One fence is kept: a
-# checkpoint of the generation the session's holder has now, written by another pod, is a save refused as stale
-# whose file is not deleted yet (or the other holder of a generation a lost claim handed out twice): fenced, not
+# word on what was committed), and raises the generation counter to the newest of them. Two fences are kept, for
+# saves refused as stale whose files are not deleted yet: a checkpoint of the generation the session's holder has
+# now written by another pod (or by the other holder of a generation a lost claim handed out twice), and one of an
+# older generation than the current one sorting after the current generation's seal (saved after that claim, by a
+# pod that had lost the session; checkpoint ids sort by (generation, sequence) as strings). Fenced ones are not
 # recorded. Returns (the ids recorded anew, the ids fenced).
 _REPAIR = """
 local prefix, sid = ARGV[1], ARGV[2]
@@ -361,10 +371,13 @@ local zkey = prefix .. ':kv:checkpoints:' .. sid
 local genkey = prefix .. ':kv:generation:' .. sid
 local cur = redis.call('HMGET', prefix .. ':kv:session:' .. sid, 'pod', 'generation')
 local holder, held = cur[1], tonumber(cur[2] or '-1')
+local current = tonumber(redis.call('GET', genkey) or '0')
+local seal = redis.call('HMGET', prefix .. ':kv:sealed:' .. sid, 'generation', 'checkpoint')
+local sealed = tonumber(seal[1] or '-1') == current and seal[2]
 local added, fenced = {}, {}
 for i = 3, #ARGV, 5 do
   local cid, gen, pod = ARGV[i], tonumber(ARGV[i + 2]), ARGV[i + 3]
-  if holder and gen == held and pod ~= holder then
+  if (holder and gen == held and pod ~= holder) or (sealed and gen < current and cid > sealed) then
     table.insert(fenced, cid)
   else
     if not redis.call('ZSCORE', zkey, cid) then
@@ -592,13 +605,19 @@ class SessionRegistry:
         deployment: str,
         floor: int,
         force: bool = False,
+        seal: str | None = None,
     ) -> Claim:
         """The pod takes the session: its next generation (above ``floor``), and the registry places it there.
         Refused (nothing changed) while another pod that is alive holds it, unless ``force``, or when it belongs
-        to another deployment."""
+        to another deployment. ``seal``: the newest checkpoint the store held as the claim was decided ('' for
+        none; None when the store could not be listed), kept as the new generation's seal."""
         generation, location, refused, holder, holder_node = await self._claim(
             keys=[self._key("generation", session_id)],
-            args=[self.subjects.root, session_id, pod, node, namespace, deployment, time.time(), floor, int(force)],
+            args=[
+                self.subjects.root,
+                *(session_id, pod, node, namespace, deployment, time.time(), floor, int(force)),
+                *(("1", seal) if seal is not None else ("0", "")),
+            ],
         )
         if refused:
             return Claim(0, None, as_text(refused), as_text(holder), as_text(holder_node))

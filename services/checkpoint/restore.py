@@ -27,12 +27,14 @@ RESTORE_CANDIDATES = 16
 class RestoreCandidates:
     """What a restore of one session may use: ``ids`` newest (generation, sequence) first; ``floor`` the newest
     generation any checkpoint of the session carries (the next one handed out is above it); ``from_store`` the
-    ids the registry had lost and got back from the store; ``bytes_total`` of the first."""
+    ids the registry had lost and got back from the store; ``bytes_total`` of the first; ``listed``: whether the
+    store was listed (else the registry's alone)."""
 
     ids: list[str]
     floor: int
     from_store: list[str]
     bytes_total: int
+    listed: bool = True
 
 
 class Restores:
@@ -48,7 +50,8 @@ class Restores:
         candidates = found.ids
         generation = 0
         if event.takes_session:
-            claim = await self._claim(event, found.floor)
+            seal = (candidates[0] if candidates else "") if found.listed else None
+            claim = await self._claim(event, found.floor, seal)
             if claim.refused:
                 return CheckpointLocation(
                     session_id=event.session_id,
@@ -74,16 +77,17 @@ class Restores:
             from_store=found.from_store,
         )
 
-    async def _claim(self, event: LocateCheckpoint, floor: int) -> Claim:
+    async def _claim(self, event: LocateCheckpoint, floor: int, seal: str | None) -> Claim:
         """The asking pod takes the session, unless another pod that is alive holds it: then the cluster is asked
         whether that pod still runs (a pod being evicted keeps its lease until its agent stops), and only a pod
-        that does not run any more gives the session up. Refusals name why; nothing changes."""
+        that does not run any more gives the session up. Refusals name why; nothing changes. ``seal``: the newest
+        checkpoint the store holds (None when it was not listed): what the old holder saves after it is stale."""
         registry = self.replica.registry
         refused = self.replica.metrics.refused
         args = (event.session_id, event.pod, event.node, event.namespace, event.deployment, floor)
-        claim = await registry.claim(*args)
+        claim = await registry.claim(*args, seal=seal)
         if claim.refused == "held" and not await self._runs(claim.holder, claim.holder_node):
-            claim = await registry.claim(*args, force=True)
+            claim = await registry.claim(*args, force=True, seal=seal)
         if claim.location is not None:
             await self.replica.publish_locations([claim.location])
         if claim.refused == "held":
@@ -129,7 +133,11 @@ class Restores:
             ids = newest_first(list(recorded))
             first = recorded.get(ids[0], {}) if ids else {}
             return RestoreCandidates(
-                ids, max((checkpoint_order(c)[0] for c in ids), default=0), [], int(first.get("bytes_total", 0))
+                ids,
+                max((checkpoint_order(c)[0] for c in ids), default=0),
+                [],
+                int(first.get("bytes_total", 0)),
+                listed=False,
             )
         listed = set(stored)
         gone = set()

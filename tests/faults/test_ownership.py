@@ -178,3 +178,38 @@ async def test_a_restore_passes_over_another_pods_checkpoint_of_the_holders_gene
     assert stale.checkpoint_id not in recorded_ids
     await mesh.store.delete_checkpoint("s1", stale.checkpoint_id)  # what the refusal's deletion does
     await mesh.check()
+
+
+async def test_a_restore_passes_over_a_save_of_the_old_holder_made_after_the_session_moved(mesh: Mesh) -> None:
+    """s1 moves from llama-1 to llama-2 (a new generation, restored from llama-1's newest checkpoint); llama-1,
+    still running, saves its copy once more, under its old generation, and the file is in the store before the
+    refusal's deletion. llama-2 is evicted before it saved anything: the next restore takes what llama-2 restored
+    (the seal of its generation), not llama-1's later save, which is never recorded."""
+    old = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
+    assert await mesh.periodic_turn() == 1
+    recorded = await mesh.service.registry.newest_checkpoint("s1")
+    assert recorded is not None
+    sealed = await mesh.store.manifest("s1", str(recorded["checkpoint_id"]))
+    mover = await mesh.add_pod("llama-2", "node-2")
+    await mesh.evict(old)
+    moved = await mover.endpoint.restore("s1")
+    assert moved.manifest.checkpoint_id == sealed.checkpoint_id
+    assert mover.agent.generation("s1") > sealed.generation
+    late = seal_manifest(
+        msgspec.structs.replace(
+            sealed,
+            checkpoint_id=new_checkpoint_id(sealed.generation, sealed.sequence + 1),
+            sequence=sealed.sequence + 1,
+        )
+    )
+    await mesh.store.commit_manifest(late)  # llama-1's save after the move: same pod, its old generation
+    await mesh.evict(mover)
+    rescuer = await mesh.add_pod("llama-3", "node-3")
+    restored = await rescuer.endpoint.restore("s1")
+    assert restored.manifest.checkpoint_id == sealed.checkpoint_id, restored.fell_back_from
+    assert restored.fell_back_from == []
+    assert [bytes(b) for b in restored.blocks] == expected("s1", 2)
+    recorded_ids = {str(r["checkpoint_id"]) for r in await mesh.service.registry.checkpoints("s1")}
+    assert late.checkpoint_id not in recorded_ids
+    await mesh.store.delete_checkpoint("s1", late.checkpoint_id)  # what the refusal's deletion does
+    await mesh.check()
