@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from datetime import datetime
 from typing import Literal
 
 import msgspec
@@ -32,6 +33,7 @@ from shared.contract.node import (
     deadline_problem,
 )
 from shared.contract.registry import codec
+from shared.plumbing.drains import last_verdict
 from shared.plumbing.errors import PermanentError, TemporaryError
 
 from .pods import forget_gone_pods
@@ -72,7 +74,10 @@ class DrainVerdicts:
         problem = deadline_problem(event.deadline_s, event.grace_period_s)
         if problem:
             raise PermanentError(f"drain {event.drain_id}: {problem}")
-        if await self._answer_again(event.drain_id):
+        if await self._answer_again(event.drain_id) or (
+            await self._recover(event.drain_id, event.node, before=event.occurred_at)
+            and await self._answer_again(event.drain_id)
+        ):
             return
         lease_s = replica.settings.drain_lease_s
         if not await replica.registry.take_drain(event.drain_id, event.node, replica.owner, lease_s):
@@ -124,9 +129,13 @@ class DrainVerdicts:
         await replica.ctx.publish(verdict)
 
     async def on_drain_query(self, query: DrainQuery) -> DrainState:
-        """Read-only: the drain's recorded verdict (the one stored copy), None while it has none. Redis away: no
-        answer (``TemporaryError``), which the asker reads as "not known now", never as "no verdict"."""
+        """The drain's recorded verdict (the one stored copy), None while it has none; with the query's ``node``, a
+        verdict Redis lost and the events stream kept is recorded again first. Redis away: no answer
+        (``TemporaryError``), which the asker reads as "not known now", never as "no verdict"."""
         recorded = await self.replica.registry.drain_verdict(query.drain_id)
+        unknown = recorded is None and query.node and await self.replica.registry.drain_node(query.drain_id) is None
+        if unknown and await self._recover(query.drain_id, query.node):
+            recorded = await self.replica.registry.drain_verdict(query.drain_id)
         verdict = codec.decode(recorded) if recorded is not None else None
         if not isinstance(verdict, DrainCompleted | DrainFailed):
             verdict = None
@@ -139,6 +148,23 @@ class DrainVerdicts:
         verdict = codec.decode(recorded)
         log.info("drain already decided; its verdict is sent again", extra={"drain_id": drain_id})
         await self.replica.ctx.publish(msgspec.structs.replace(verdict, event_id=uuid.uuid4().hex, source=""))
+        return True
+
+    async def _recover(self, drain_id: str, node: str, before: datetime | None = None) -> bool:
+        """A drain Redis knows nothing of (a failover after it was decided) whose verdict the events stream kept, as
+        the node's newest: recorded again (True), so that it is answered again and not run a second time (its pods
+        may be gone by now, and a second verdict could contradict the first). ``before``: for a request, the
+        verdict must be older than it (a request sent again after the verdict; a redelivery of the first request,
+        older than its verdict, runs again). Two stream reads."""
+        stored = await last_verdict(self.replica.ctx.bus, node)
+        if stored is None or stored.drain_id != drain_id or stored.node != node:
+            return False
+        if before is not None and stored.occurred_at >= before:
+            return False
+        log.warning(
+            "drain verdict lost by Redis, kept by the events stream: recorded again", extra={"drain_id": drain_id}
+        )
+        await self.replica.registry.recover_drain(drain_id, node, stored.outcome, codec.encode(stored))
         return True
 
     async def _keep_lease(self, drain_id: str) -> None:

@@ -975,6 +975,12 @@ class SessionRegistry:
         return bool(first)
 
     @_redis_may_be_down
+    async def recover_drain(self, drain_id: str, node: str, state: DrainOutcome, verdict: bytes) -> bool:
+        """Record again a verdict the events stream kept and Redis lost (a failover); False when it has one."""
+        await self.client.hsetnx(self._key("drain", drain_id), "node", node)
+        return await self.finish_drain(drain_id, state, verdict, 0.0)
+
+    @_redis_may_be_down
     async def take_turn_or_wait(self, what: str, pod: str, owner: str, interval_s: float) -> int:
         """Take the turn (0), or how many milliseconds the turn someone else took still runs."""
         key = self._key("turn", what, pod)

@@ -207,7 +207,7 @@ class UpgradeCoordinator:
         installed = await self._installed(info.name)
         pods = await self.cluster.pods(node=info.name)
         drain_id = info.annotations.get(DRAIN_ANNOTATION, "") or info.annotations.get(EXTERNAL_DRAIN_ANNOTATION, "")
-        verdict = await self._verdict(drain_id) if drain_id else ""
+        verdict = await self._verdict(drain_id, info.name) if drain_id else ""
         return NodeView(
             name=info.name,
             labels=dict(info.labels),
@@ -222,13 +222,13 @@ class UpgradeCoordinator:
             revision=info.revision,
         )
 
-    async def _verdict(self, drain_id: str) -> str:
+    async def _verdict(self, drain_id: str, node: str) -> str:
         """The drain's verdict; ``VERDICT_UNKNOWN`` when it cannot be read, and for the rest of the pass once one
         could not (a pass never waits on a silent checkpoint service once per drained node)."""
         if self._verdicts_silent:
             return VERDICT_UNKNOWN
         try:
-            return await self.verdicts.get(drain_id)
+            return await self.verdicts.get(drain_id, node)
         except VerdictUnknown as exc:
             log.warning("drain verdicts unreadable this pass", extra={"drain_id": drain_id, "error": str(exc)})
             self._verdicts_silent = True

@@ -54,8 +54,9 @@ class DrainVerdicts(Protocol):
     """Verdicts of drains by drain id, as recorded once by the checkpoint service; every coordinator replica reads
     the same record."""
 
-    async def get(self, drain_id: str) -> str:
-        """``completed``, ``failed: <reason>``, or '' while the drain has none. Raises
+    async def get(self, drain_id: str, node: str = "") -> str:
+        """``completed``, ``failed: <reason>``, or '' while the drain has none (``node``: the drain's, so that a
+        verdict Redis lost is found in the events stream). Raises
         ``shared.plumbing.drains.VerdictUnknown`` when the record cannot be read now."""
         ...
 

@@ -26,6 +26,6 @@ class BusDrainVerdicts:
         self.bus = bus
         self.timeout_s = timeout_s
 
-    async def get(self, drain_id: str) -> str:
+    async def get(self, drain_id: str, node: str = "") -> str:
         """Raises ``VerdictUnknown`` when the checkpoint service does not answer."""
-        return verdict_text(await recorded_verdict(self.bus, drain_id, self.timeout_s))
+        return verdict_text(await recorded_verdict(self.bus, drain_id, self.timeout_s, node))

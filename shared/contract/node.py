@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from shared.contract.base import DrainId, Event, NodeName, OptPodName, SessionId
+from shared.contract.base import DrainId, Event, NodeName, OptNodeName, OptPodName, SessionId
 
 
 class DrainRequested(Event, frozen=True, kw_only=True, tag="node.drain.requested"):
@@ -86,11 +86,13 @@ class DrainFailed(Event, frozen=True, kw_only=True, tag="node.drain.failed"):
 class DrainQuery(Event, frozen=True, kw_only=True, tag="node.drain.query"):
     """What became of drain ``drain_id``, asked of the checkpoint service, which records every drain's one
     verdict (its registry's ``kv:drain:<id>``): the driver's coordinator asks while it waits on a drain it
-    named, instead of keeping a copy of its own."""
+    named, instead of keeping a copy of its own. ``node``, when the asker knows it: the drain's node, whose
+    newest verdict in the events stream answers for a record Redis lost in a failover."""
 
     family: ClassVar[str] = "node"
 
     drain_id: DrainId
+    node: OptNodeName = ""
 
 
 class DrainState(Event, frozen=True, kw_only=True, tag="node.drain.state"):

@@ -260,16 +260,34 @@ async def _stored_verdict(bus: Bus, drain_id: str, cursors: dict[str, int]) -> V
     return None
 
 
+async def last_verdict(bus: Bus, node: str) -> Verdict | None:
+    """The newest verdict stored for ``node`` in the events stream (completed or failed, whichever came last), None
+    when there is none or the stream cannot be read now. Two reads, whatever the fleet holds."""
+    stream = bus.subjects.events_stream.name
+    newest: tuple[int, Verdict] | None = None
+    for kind in VERDICT_KINDS:
+        try:
+            raw = await bus.js.get_last_msg(stream, bus.subjects.pattern(kind, node=node))
+            event = codec.decode(raw.data or b"")
+        except Exception:  # none stored, undecodable, or the stream not answering
+            continue
+        if isinstance(event, DrainCompleted | DrainFailed) and (newest is None or (raw.seq or 0) > newest[0]):
+            newest = (raw.seq or 0, event)
+    return newest[1] if newest else None
+
+
 class VerdictUnknown(TemporaryError):
     """The checkpoint service did not say what became of a drain (not running, or its Redis away): not known now,
     which is never "no verdict"; ask again later."""
 
 
-async def recorded_verdict(bus: Bus, drain_id: str, timeout: float = 2.0) -> Verdict | None:
+async def recorded_verdict(bus: Bus, drain_id: str, timeout: float = 2.0, node: str = "") -> Verdict | None:
     """The verdict the checkpoint service recorded for ``drain_id`` (its one stored copy), None while it has none.
-    One request. Raises ``VerdictUnknown`` when the service does not answer within ``timeout``."""
+    One request; with the drain's ``node``, a verdict Redis lost is found in the events stream. Raises
+    ``VerdictUnknown`` when the service does not answer within ``timeout``."""
+    query = DrainQuery(drain_id=drain_id, node=node)
     try:
-        answer = await bus.request(bus.subjects.command("checkpoint", "drain"), DrainQuery(drain_id=drain_id), timeout)
+        answer = await bus.request(bus.subjects.command("checkpoint", "drain"), query, timeout)
     except TimeoutError as exc:
         raise VerdictUnknown(f"the checkpoint service did not answer for drain {drain_id}: {exc}") from exc
     if not isinstance(answer, DrainState) or answer.drain_id != drain_id:

@@ -146,6 +146,45 @@ async def test_a_re_sent_drain_id_is_answered_with_its_recorded_verdict(mesh: Me
     await mesh.check(drains=["again"])
 
 
+async def test_a_drain_whose_verdict_redis_lost_is_answered_from_the_events_stream(mesh: Mesh) -> None:
+    """Redis fails over after a drain was decided and loses its record; the drain id is sent again (the driver's
+    retry, a redelivery). The verdict the events stream kept is recorded again and answered again: the drain is not
+    run a second time (s1 grew meanwhile, and is not saved again)."""
+    pod = await mesh.add_pod("llama-1", "node-1", ["s1"])
+    await mesh.bus.publish(DrainRequested(node="node-1", drain_id="lost", deadline_s=10))
+    await eventually(lambda: _verdicts_of(mesh, "lost", 1))
+    first = next(v for v in mesh.verdicts if v.drain_id == "lost")
+    await mesh.client.delete(mesh.subjects.redis_key("kv", "drain", "lost"))
+    pod.grow("s1", 1)
+    await mesh.bus.publish(DrainRequested(node="node-1", drain_id="lost", deadline_s=10))
+    await eventually(lambda: _verdicts_of(mesh, "lost", 2))
+    second = [v for v in mesh.verdicts if v.drain_id == "lost"][1]
+    assert isinstance(first, DrainCompleted) and isinstance(second, DrainCompleted)
+    assert second.sessions_committed == first.sessions_committed == 1 and second.event_id != first.event_id
+    assert len(await mesh.service.registry.checkpoints("s1")) == 1  # not run again
+    assert await mesh.service.registry.drain_verdict("lost") is not None  # recorded again
+    await mesh.check(drains=["lost"])
+
+
+async def test_a_verdict_redis_lost_is_found_by_a_query_that_names_the_node(mesh: Mesh) -> None:
+    """The driver's coordinator asks for the verdict of the drain it named, with the node: a verdict Redis lost
+    in a failover comes from the events stream (and is recorded again); without the node it is "none yet"."""
+    await mesh.add_pod("llama-1", "node-1", ["s1"])
+    await mesh.bus.publish(DrainRequested(node="node-1", drain_id="asked", deadline_s=10))
+    await eventually(lambda: _verdicts_of(mesh, "asked", 1))
+    await mesh.client.delete(mesh.subjects.redis_key("kv", "drain", "asked"))
+    assert await recorded_verdict(mesh.bus, "asked") is None
+    assert await recorded_verdict(mesh.bus, "asked", node="node-2") is None  # not that node's newest verdict
+    found = await recorded_verdict(mesh.bus, "asked", node="node-1")
+    assert isinstance(found, DrainCompleted) and found.drain_id == "asked" and found.sessions_committed == 1
+    assert await recorded_verdict(mesh.bus, "asked") == found  # recorded again
+    await mesh.check(drains=["asked"])
+
+
+async def _verdicts_of(mesh: Mesh, drain_id: str, count: int) -> bool:
+    return len([v for v in mesh.verdicts if v.drain_id == drain_id]) >= count
+
+
 async def test_a_drain_of_a_node_the_cluster_lacks_fails_with_that_reason(mesh: Mesh) -> None:
     await mesh.bus.publish(DrainRequested(node="node-99", drain_id="nowhere", deadline_s=5))
     await eventually(lambda: any(v.drain_id == "nowhere" for v in mesh.verdicts))
