@@ -9,8 +9,8 @@ import pytest
 from shared.contract.checkpoint import LocateCheckpoint, SaveSessions, SaveSessionsReport
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import codec
-from shared.kv.manifest import checkpoint_order, new_checkpoint_id, seal_manifest
-from tests.faults.conftest import Mesh, expected
+from shared.kv.manifest import CheckpointManifest, checkpoint_order, new_checkpoint_id, seal_manifest
+from tests.faults.conftest import Mesh, Pod, expected
 from tests.helpers import eventually
 
 
@@ -157,27 +157,9 @@ async def test_a_restore_passes_over_another_pods_checkpoint_of_the_holders_gene
     recorded = await mesh.service.registry.newest_checkpoint("s1")
     assert recorded is not None
     mine = await mesh.store.manifest("s1", str(recorded["checkpoint_id"]))
-    stale = seal_manifest(
-        msgspec.structs.replace(
-            mine,
-            checkpoint_id=new_checkpoint_id(mine.generation, mine.sequence + 1),
-            sequence=mine.sequence + 1,
-            pod="llama-9",
-            node="node-9",
-        )
-    )
-    await mesh.store.commit_manifest(stale)
-    assert checkpoint_order(stale.checkpoint_id) > checkpoint_order(mine.checkpoint_id)
+    stale = await _saved_later(mesh, mine, pod="llama-9", node="node-9")
     await mesh.evict(holder)
-    rescuer = await mesh.add_pod("llama-2", "node-2")
-    restored = await rescuer.endpoint.restore("s1")
-    assert restored.manifest.checkpoint_id == mine.checkpoint_id, restored.fell_back_from
-    assert restored.fell_back_from == []
-    assert [bytes(b) for b in restored.blocks] == expected("s1", 2)
-    recorded_ids = {str(r["checkpoint_id"]) for r in await mesh.service.registry.checkpoints("s1")}
-    assert stale.checkpoint_id not in recorded_ids
-    await mesh.store.delete_checkpoint("s1", stale.checkpoint_id)  # what the refusal's deletion does
-    await mesh.check()
+    await _restored_passing_over(mesh, await mesh.add_pod("llama-2", "node-2"), mine.checkpoint_id, stale)
 
 
 async def test_a_restore_passes_over_a_save_of_the_old_holder_made_after_the_session_moved(mesh: Mesh) -> None:
@@ -195,21 +177,34 @@ async def test_a_restore_passes_over_a_save_of_the_old_holder_made_after_the_ses
     moved = await mover.endpoint.restore("s1")
     assert moved.manifest.checkpoint_id == sealed.checkpoint_id
     assert mover.agent.generation("s1") > sealed.generation
-    late = seal_manifest(
+    late = await _saved_later(mesh, sealed)  # llama-1's save after the move: same pod, its old generation
+    await mesh.evict(mover)
+    await _restored_passing_over(mesh, await mesh.add_pod("llama-3", "node-3"), sealed.checkpoint_id, late)
+
+
+async def _saved_later(mesh: Mesh, after: CheckpointManifest, **written_by: str) -> CheckpointManifest:
+    """A checkpoint of s1 one sequence after ``after``, of its generation, in the store and not recorded: a save
+    the service refused and has not deleted yet (``written_by``: another pod and node than ``after``'s)."""
+    later = seal_manifest(
         msgspec.structs.replace(
-            sealed,
-            checkpoint_id=new_checkpoint_id(sealed.generation, sealed.sequence + 1),
-            sequence=sealed.sequence + 1,
+            after,
+            checkpoint_id=new_checkpoint_id(after.generation, after.sequence + 1),
+            sequence=after.sequence + 1,
+            **written_by,
         )
     )
-    await mesh.store.commit_manifest(late)  # llama-1's save after the move: same pod, its old generation
-    await mesh.evict(mover)
-    rescuer = await mesh.add_pod("llama-3", "node-3")
+    await mesh.store.commit_manifest(later)
+    assert checkpoint_order(later.checkpoint_id) > checkpoint_order(after.checkpoint_id)
+    return later
+
+
+async def _restored_passing_over(mesh: Mesh, rescuer: Pod, want: str, stale: CheckpointManifest) -> None:
+    """``rescuer`` restores s1 from ``want``, never from ``stale``, which is not recorded either."""
     restored = await rescuer.endpoint.restore("s1")
-    assert restored.manifest.checkpoint_id == sealed.checkpoint_id, restored.fell_back_from
+    assert restored.manifest.checkpoint_id == want, restored.fell_back_from
     assert restored.fell_back_from == []
     assert [bytes(b) for b in restored.blocks] == expected("s1", 2)
     recorded_ids = {str(r["checkpoint_id"]) for r in await mesh.service.registry.checkpoints("s1")}
-    assert late.checkpoint_id not in recorded_ids
-    await mesh.store.delete_checkpoint("s1", late.checkpoint_id)  # what the refusal's deletion does
+    assert stale.checkpoint_id not in recorded_ids
+    await mesh.store.delete_checkpoint("s1", stale.checkpoint_id)  # what the refusal's deletion does
     await mesh.check()
