@@ -151,9 +151,9 @@ class DrainVerdicts:
         return True
 
     async def _recover(self, drain_id: str, node: str, before: datetime | None = None) -> bool:
-        """A drain Redis knows nothing of (a failover after it was decided) whose verdict the events stream kept, as
-        the node's newest: recorded again (True), so that it is answered again and not run a second time (its pods
-        may be gone by now, and a second verdict could contradict the first). ``before``: for a request, the
+        """A drain whose verdict Redis lost (a failover after it was decided) and the events stream kept, as the
+        node's newest: recorded again (True), so that it is answered again and not run a second time (its pods may
+        be gone by now, and a second verdict could contradict the first). ``before``: for a request, the
         verdict must be older than it (a request sent again after the verdict; a redelivery of the first request,
         older than its verdict, runs again). Two stream reads."""
         stored = await last_verdict(self.replica.ctx.bus, node)
