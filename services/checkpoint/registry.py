@@ -511,8 +511,9 @@ class Applied:
 
 @dataclass(frozen=True)
 class Repaired:
-    """What a repair did with the store's checkpoints the registry lacked: recorded anew, or fenced (another pod's
-    checkpoint of the generation the session's holder has now: a stale save not deleted yet)."""
+    """What a repair did with the store's checkpoints the registry lacked: recorded anew, or fenced (a stale save not
+    deleted yet: another pod's checkpoint of the generation the session's holder has now, or an older generation's
+    sorting after the current generation's seal; see ``_REPAIR``)."""
 
     added: list[str]
     fenced: list[str]
@@ -835,8 +836,8 @@ class SessionRegistry:
     ) -> Repaired:
         """Record again checkpoints the store holds (verified manifests) that the registry lost, as a Redis
         failover loses its last writes; the session's generation counter rises to the newest of them. Not fenced
-        by ownership (the store is the last word on what was committed) but for another pod's checkpoint of the
-        generation the session's holder has now (see ``_REPAIR``). Idempotent."""
+        by ownership (the store is the last word on what was committed) but for stale saves not deleted yet (the
+        two fences of ``_REPAIR``). Idempotent."""
         args: list[str | int | float] = [self.subjects.root, session_id]
         for m in manifests:
             summary = {

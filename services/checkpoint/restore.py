@@ -173,7 +173,8 @@ class Restores:
                 listed.difference_update(repaired.fenced)
                 self.replica.metrics.refused.labels("repair").inc(len(repaired.fenced))
                 log.warning(
-                    "checkpoints of the session's current generation by another pod than its holder: passed over",
+                    "stale saves not deleted yet (another pod's of the holder's generation, or an older generation's"
+                    " after the current one's seal): passed over",
                     extra={"session": session_id, "checkpoints": repaired.fenced},
                 )
             from_store = [m.checkpoint_id for m in verified if m.checkpoint_id not in repaired.fenced]
