@@ -99,6 +99,10 @@ class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.comman
     """Save only sessions with something new since their last checkpoint (periodic saves): a session whose
     blocks, tokens and generation are what its last checkpoint holds writes nothing and is counted as
     ``unchanged`` in the report."""
+    rewrite: list[SessionId] = msgspec.field(default_factory=list)
+    """Sessions whose save must write every block again, reusing nothing from their last checkpoint: the store
+    lost or damaged a pack it references (the checkpoint service's scrub found it, or a record was refused for
+    it). Saved even under ``changed_only``."""
 
 
 class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.report"):
