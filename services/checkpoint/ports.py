@@ -15,7 +15,7 @@ from shared.kv.manifest import CheckpointManifest
 from shared.kv.store import PackInfo
 from shared.ports.cluster import NodeInfo, PodInfo
 
-from .registry import Applied, Claim, FleetCounts, Repaired, SessionPlace
+from .registry import Applied, Claim, FleetCounts, Recording, Repaired, SessionPlace
 
 
 class Store(Protocol):
@@ -69,6 +69,7 @@ class Registry(Protocol):
         floor: int,
         force: bool = False,
         seal: str | None = None,
+        take: str = "",
     ) -> Claim: ...
 
     async def note_restored(
@@ -94,7 +95,7 @@ class Registry(Protocol):
     # checkpoints
     async def record_checkpoints(
         self, committed: Sequence[CommittedCheckpoint], store: str, pod: str, node: str
-    ) -> list[tuple[str, SessionLocation | None]]: ...
+    ) -> list[Recording]: ...
 
     async def repair_checkpoints(
         self, session_id: str, manifests: Sequence[CheckpointManifest], store: str

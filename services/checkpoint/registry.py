@@ -6,6 +6,10 @@ Keys, all under the root (``Subjects.redis_key``):
 - ``kv:generation:<sid>``     the session's newest generation handed out; only grows (kept a week after it ends)
 - ``kv:sealed:<sid>``        hash: generation, checkpoint: the newest checkpoint the store held when that generation
   was claimed; a checkpoint of an older generation sorting after it was saved by a pod that had lost the session
+- ``kv:incarnations:<pod>``  sorted set: the pod's agent's incarnations that a later one replaced (the last 16, a
+  week): their announcements, sent again, change nothing
+- ``kv:takes:<sid>``          hash: each take id -> the pod that made it and the generation it was given (a take
+  sent again is answered the same; kept a week)
 - ``kv:owner:<sid>``          the pod that took the newest generation (kept while it holds no blocks: it may end it)
 - ``kv:onnode:<node>``        hash: every session placed on the node -> its pod (the node's index)
 - ``kv:held:<pod>``           hash: every session the pod holds -> its generation (the pod's index)
@@ -167,19 +171,30 @@ end
 local prefix, pod, node, ns, dep, now, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local incarnation, seq, full = ARGV[8], tonumber(ARGV[9]), ARGV[10] == '1'
 local part, parts, leaving, bytes = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1', ARGV[14]
-local first_dropped = 17 + tonumber(ARGV[15])
+local monotonic = ARGV[17] == '1'
+local first_dropped = 18 + tonumber(ARGV[15])
 local first_pair = first_dropped + tonumber(ARGV[16])
 local infokey = prefix .. ':kv:podinfo:' .. pod
 local heldkey = prefix .. ':kv:held:' .. pod
 local info = redis.call('HMGET', infokey, 'incarnation', 'seq')
 local known = tonumber(info[2] or '-1')
+-- a message of an incarnation that a later one replaced, or (from an agent that numbers monotonically) numbered
+-- below the last one applied, is a late duplicate or a replay: it changes nothing (not even the lease)
+local past = prefix .. ':kv:incarnations:' .. pod
+if incarnation ~= '' and redis.call('ZSCORE', past, incarnation) then return {{}, {}, {}, 1} end
+if monotonic and seq > 0 and info[1] == incarnation and seq < known then return {{}, {}, {}, 1} end
+if incarnation ~= '' and info[1] and info[1] ~= incarnation then
+  redis.call('ZADD', past, now, info[1])
+  redis.call('ZREMRANGEBYRANK', past, 0, -17)
+  redis.call('PEXPIRE', past, 604800000)
+end
 local resync = 0
 -- a delta follows what was applied last (or repeats it: its answer was lost); a heartbeat repeats it exactly
-local heartbeat = #ARGV == 16
+local heartbeat = #ARGV == 17
 if seq > 0 and not full and (info[1] ~= incarnation or known < seq - 1 or known > seq or (heartbeat and known ~= seq))
 then resync = 1 end
 local retired, changes, stale = {}, {}, {}
-for i = 17, first_dropped - 1 do
+for i = 18, first_dropped - 1 do
   local sid = ARGV[i]
   local ownerkey = prefix .. ':kv:owner:' .. sid
   if redis.call('GET', ownerkey) == pod then
@@ -246,10 +261,12 @@ return {stale, retired, changes, resync}
 """
 )
 
-# ARGV = prefix, sid, pod, node, ns, dep, now, floor, force, sealed, seal: the next generation, above ``floor`` (the
-# newest generation the store holds checkpoints of: a registry that lost its data never hands out a generation
-# twice). With ``sealed`` ('1': the store was listed), ``seal`` is the newest checkpoint it held ('' for none), kept
-# with the generation in ``kv:sealed:<sid>``.
+# ARGV = prefix, sid, pod, node, ns, dep, now, floor, force, sealed, seal, take: the next generation, above
+# ``floor`` (the newest generation the store holds checkpoints of: a registry that lost its data never hands out a
+# generation twice). With ``sealed`` ('1': the store was listed), ``seal`` is the newest checkpoint it held ('' for
+# none), kept with the generation in ``kv:sealed:<sid>``. ``take`` ('' for none: an older agent) names the take:
+# one this pod made before (``kv:takes:<sid>``) is answered with the generation it was given, changing nothing, so a
+# retried, duplicated or replayed take never moves the session on under its holder.
 # Refused, with nothing changed, when another pod holds the session and is alive (its lease stands and it is not
 # leaving) unless ``force`` (the service found that pod gone from the cluster), or when the session belongs to
 # another deployment. Returns (generation or 0, the new location, why refused, the holder, the holder's node).
@@ -260,6 +277,15 @@ _CLAIM = (
 local prefix, sid, pod, node, ns, dep, now, floor = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
   tonumber(ARGV[8])
 local force = ARGV[9] == '1'
+local take, takes = ARGV[12], prefix .. ':kv:takes:' .. sid
+if take ~= '' then
+  local given = redis.call('HGET', takes, take)
+  if given then
+    local sep = string.find(given, ' ', 1, true)
+    if string.sub(given, 1, sep - 1) == pod then return {tonumber(string.sub(given, sep + 1)), {}, '', '', ''} end
+    return {0, {}, 'take', '', ''}
+  end
+end
 local cur = redis.call('HMGET', prefix .. ':kv:session:' .. sid, 'pod', 'node', 'namespace', 'deployment')
 local holder = cur[1]
 if holder and holder ~= pod and not force and redis.call('EXISTS', prefix .. ':kv:alive:' .. holder) == 1
@@ -277,35 +303,55 @@ local gen = redis.call('INCR', genkey)
 if ARGV[10] == '1' then
   redis.call('HSET', prefix .. ':kv:sealed:' .. sid, 'generation', gen, 'checkpoint', ARGV[11])
 end
+if take ~= '' then
+  redis.call('HSET', takes, take, pod .. ' ' .. gen)
+  redis.call('PEXPIRE', takes, 604800000)
+end
 move(prefix, sid, pod, node, ns, dep, gen, now)
 return {gen, located(prefix, sid, 'placed', ''), '', '', ''}
 """
 )
 
 # ARGV = prefix, sid, cid, generation, pod, summary, score. Records a checkpoint only from the holder of the
-# session's current generation; otherwise returns why not. Returns (why not, the location when it changed).
+# session's current generation; otherwise returns why not. Returns (why not, the location when it changed, the
+# outcome): 'recorded' (anew), 'duplicate' (recorded before: a report sent again or replayed changes nothing and is
+# answered as committed, whoever holds the session now), 'refused' (kept: it may be what someone else committed,
+# e.g. the seal of the holder's generation, which a restore may have taken), 'stale' (refused, and provably a save
+# nobody may take for committed: of the holder's generation by another pod, or of an older generation sorting
+# after the current generation's seal, i.e. saved after that claim by a pod that had lost the session; the same
+# two fences as ``_REPAIR``). Only a 'stale' checkpoint may be deleted by the refusal.
 _RECORD = (
     _LOCATED
     + """
 local prefix, sid, cid, gen, pod = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local zkey = prefix .. ':kv:checkpoints:' .. sid
+if redis.call('ZSCORE', zkey, cid) then return {'', {}, 'duplicate'} end
 local genkey = prefix .. ':kv:generation:' .. sid
 local current = tonumber(redis.call('GET', genkey) or '0')
 local skey = prefix .. ':kv:session:' .. sid
-local holder = redis.call('HGET', skey, 'pod')
+local cur = redis.call('HMGET', skey, 'pod', 'generation')
+local holder, held = cur[1], tonumber(cur[2] or '-1')
+local why = nil
 if gen < current then
-  return {'generation ' .. current .. ' of the session is held by pod ' .. (holder or '(none now)'), {}}
+  why = 'generation ' .. current .. ' of the session is held by pod ' .. (holder or '(none now)')
+elseif gen > 0 and gen == current and holder and holder ~= pod and held == gen then
+  why = 'generation ' .. gen .. ' of the session is held by pod ' .. holder
 end
-if gen > 0 and gen == current and holder and holder ~= pod and tonumber(redis.call('HGET', skey, 'generation')) == gen
-then
-  return {'generation ' .. gen .. ' of the session is held by pod ' .. holder, {}}
+if why then
+  local seal = redis.call('HMGET', prefix .. ':kv:sealed:' .. sid, 'generation', 'checkpoint')
+  local sealed = tonumber(seal[1] or '-1') == current and seal[2]
+  if (holder and gen == held and pod ~= holder) or (sealed and gen < current and cid > sealed) then
+    return {why, {}, 'stale'}
+  end
+  return {why, {}, 'refused'}
 end
 if gen > current then redis.call('SET', genkey, gen) end
 redis.call('SET', prefix .. ':kv:checkpoint:' .. cid, ARGV[6])
-if redis.call('ZADD', prefix .. ':kv:checkpoints:' .. sid, ARGV[7], cid) == 1 then
+if redis.call('ZADD', zkey, ARGV[7], cid) == 1 then
   redis.call('SADD', prefix .. ':kv:retention:changed', sid)
-  return {'', located(prefix, sid, 'saved', cid)}
+  return {'', located(prefix, sid, 'saved', cid), 'recorded'}
 end
-return {'', {}}
+return {'', {}, 'duplicate'}
 """
 )
 
@@ -520,6 +566,27 @@ class Repaired:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """What recording one reported checkpoint decided (``_RECORD``). ``outcome``: ``recorded`` (anew: ``location``
+    is the session's new location), ``duplicate`` (recorded before: a report sent again or replayed, answered as
+    committed and changing nothing), ``refused`` (``refused`` says why; kept, since it may be what someone else
+    committed, such as the seal a new holder restored from) or ``stale`` (refused, and a save nobody may take for
+    committed: the refusal may delete it)."""
+
+    refused: str
+    location: SessionLocation | None
+    outcome: str
+
+    @property
+    def deletable(self) -> bool:
+        return self.outcome == "stale"
+
+    @property
+    def first_time(self) -> bool:
+        return self.outcome == "recorded"
+
+
+@dataclass(frozen=True)
 class Claim:
     """A claim's outcome: the generation handed out and the session's new location, or why it was refused
     (``held``: ``holder`` on ``holder_node`` is alive and holds it; ``deployment``: it belongs to ``holder``)."""
@@ -588,6 +655,7 @@ class SessionRegistry:
             event.bytes_held,
             len(event.ended),
             len(event.dropped),
+            "1" if event.monotonic else "0",
         ]
         stale, retired, changes, resync = await self._announce(
             keys=[self._key("held", event.pod)], args=[*head, *event.ended, *event.dropped, *pairs]
@@ -607,22 +675,26 @@ class SessionRegistry:
         floor: int,
         force: bool = False,
         seal: str | None = None,
+        take: str = "",
     ) -> Claim:
         """The pod takes the session: its next generation (above ``floor``), and the registry places it there.
         Refused (nothing changed) while another pod that is alive holds it, unless ``force``, or when it belongs
         to another deployment. ``seal``: the newest checkpoint the store held as the claim was decided ('' for
-        none; None when the store could not be listed), kept as the new generation's seal."""
+        none; None when the store could not be listed), kept as the new generation's seal. ``take``: the take's
+        id; a take this pod made before is answered with the generation it was given (``location`` None: nothing
+        changed), and another pod's take id is refused (``take``)."""
         generation, location, refused, holder, holder_node = await self._claim(
             keys=[self._key("generation", session_id)],
             args=[
                 self.subjects.root,
                 *(session_id, pod, node, namespace, deployment, time.time(), floor, int(force)),
                 *(("1", seal) if seal is not None else ("0", "")),
+                take,
             ],
         )
         if refused:
             return Claim(0, None, as_text(refused), as_text(holder), as_text(holder_node))
-        return Claim(int(generation), _location(location))
+        return Claim(int(generation), _location(location) if location else None)
 
     @_redis_may_be_down
     async def note_restored(
@@ -782,18 +854,16 @@ class SessionRegistry:
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     @_redis_may_be_down
-    async def record_checkpoint(
-        self, committed: CommittedCheckpoint, store: str, pod: str, node: str
-    ) -> tuple[str, SessionLocation | None]:
-        """Record a committed checkpoint when ``pod`` holds the session's current generation; else return why
-        not (and record nothing). With the reason (empty when recorded) comes the session's new location, when
-        this recorded the checkpoint for the first time."""
+    async def record_checkpoint(self, committed: CommittedCheckpoint, store: str, pod: str, node: str) -> Recording:
+        """Record a committed checkpoint when ``pod`` holds the session's current generation; else say why not
+        (and record nothing). See ``Recording``: a checkpoint recorded before is a duplicate, whoever holds the
+        session now; a refused one is deletable only when it is provably stale."""
         return (await self.record_checkpoints([committed], store, pod, node))[0]
 
     @_redis_may_be_down
     async def record_checkpoints(
         self, committed: Sequence[CommittedCheckpoint], store: str, pod: str, node: str
-    ) -> list[tuple[str, SessionLocation | None]]:
+    ) -> list[Recording]:
         """``record_checkpoint`` for each of a report's checkpoints, in one round trip (each its own atomic
         script, fenced on its own)."""
         if not committed:
@@ -828,7 +898,10 @@ class SessionRegistry:
                     client=pipe,
                 )
             replies = await pipe.execute()
-        return [(as_text(refused), (_location(location) if location else None)) for refused, location in replies]
+        return [
+            Recording(as_text(refused), _location(location) if location else None, as_text(outcome))
+            for refused, location, outcome in replies
+        ]
 
     @_redis_may_be_down
     async def repair_checkpoints(

@@ -44,8 +44,9 @@ class Restores:
     async def on_locate(self, event: LocateCheckpoint) -> CheckpointLocation:
         """The session's checkpoints, newest (generation, sequence) first: those the store holds and those the
         registry recorded (``_candidates``). With ``take_session``, the asking pod takes the session under its
-        next generation, above every generation the checkpoints carry. Not idempotent with ``take_session`` (each
-        take is a new generation), which is what makes a stale holder's saves refusable."""
+        next generation, above every generation the checkpoints carry: each take is a new generation (what makes a
+        stale holder's saves refusable), and the same take sent again (its ``take_id``) is answered with the
+        generation it was given, changing nothing."""
         found = await self._candidates(event.session_id)
         candidates = found.ids
         generation = 0
@@ -85,9 +86,9 @@ class Restores:
         registry = self.replica.registry
         refused = self.replica.metrics.refused
         args = (event.session_id, event.pod, event.node, event.namespace, event.deployment, floor)
-        claim = await registry.claim(*args, seal=seal)
+        claim = await registry.claim(*args, seal=seal, take=event.take_id)
         if claim.refused == "held" and not await self._runs(claim.holder, claim.holder_node):
-            claim = await registry.claim(*args, force=True, seal=seal)
+            claim = await registry.claim(*args, force=True, seal=seal, take=event.take_id)
         if claim.location is not None:
             await self.replica.publish_locations([claim.location])
         if claim.refused == "held":
@@ -96,6 +97,9 @@ class Restores:
         if claim.refused == "deployment":
             refused.labels("claim").inc()
             return Claim(0, None, f"the session belongs to deployment {claim.holder}", claim.holder)
+        if claim.refused == "take":
+            refused.labels("claim").inc()
+            return Claim(0, None, f"take id {event.take_id} was another pod's take of the session")
         return claim
 
     async def _runs(self, pod: str, node: str) -> bool:

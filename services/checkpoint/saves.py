@@ -19,6 +19,7 @@ from shared.contract.sessions import SessionLocation
 from shared.kv.manifest import CheckpointManifest
 from shared.kv.store import StoreError
 
+from .registry import Recording
 from .replica import Replica
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,10 @@ class Saves:
         """Verify each committed checkpoint in the store (manifest present, verified and as reported, every pack
         it references present and long enough), record it if the pod still owns the session's generation, and
         publish ``checkpoint.saved``. A checkpoint of a pod that no longer owns the session is refused: not
-        recorded, its manifest removed, reported as failed. What it reads and writes follows the report, never
-        the store. Idempotent: recording the same checkpoint twice writes the same records.
+        recorded, reported as failed, and its manifest removed only when it is provably a stale save nobody may
+        take for committed (``Recording.deletable``). What it reads and writes follows the report, never the
+        store. Idempotent under duplication and replay: a checkpoint recorded before is answered as committed,
+        whoever holds the session now, and changes nothing (no record, event or deletion).
 
         Drains and preStop hooks both save a pod's sessions, often one right after the other: each report is
         recorded on its own, and the newer checkpoint (by generation, sequence) is the one restores take."""
@@ -135,19 +138,20 @@ class Saves:
         events: list[Event] = []
         for c, manifest in manifests:
             problem = problems.get(c.checkpoint_id, "")
-            if not problem:
-                refused, location = recorded[c.checkpoint_id]
-                if refused:
-                    metrics.refused.labels("save").inc()
-                    problem = f"refused: pod {report.pod} saved generation {c.generation}, but {refused}"
-                    try:
-                        await store.delete_checkpoint(c.session_id, c.checkpoint_id)
-                    except StoreError as exc:
-                        log.warning("refused checkpoint not removed", extra={"error": str(exc)})
-                    log.warning("stale save refused", extra={"session": c.session_id, "reason": problem})
+            outcome = recorded.get(c.checkpoint_id)
+            if outcome is not None and outcome.refused:
+                metrics.refused.labels("save").inc()
+                problem = f"refused: pod {report.pod} saved generation {c.generation}, but {outcome.refused}"
+                await self._remove_refused(c, outcome)
+                log.warning("stale save refused", extra={"session": c.session_id, "reason": problem})
             if problem:
                 failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=problem))
                 continue
+            assert outcome is not None
+            ok.add(c.session_id)
+            total += c.bytes_total
+            if not outcome.first_time:
+                continue  # recorded before: a report sent again or replayed is answered, and changes nothing
             metrics.bytes.labels("logical").inc(c.bytes_total)
             metrics.bytes.labels("written").inc(c.bytes_written)
             metrics.sessions.labels("committed").inc()
@@ -164,12 +168,21 @@ class Saves:
                     drain_id=drain_id,
                 )
             )
-            if location is not None:
-                events.append(location)
-            ok.add(c.session_id)
-            total += c.bytes_total
+            if outcome.location is not None:
+                events.append(outcome.location)
         await self._publish_recorded(events)
         return Recorded(ok, failed, total)
+
+    async def _remove_refused(self, c: CommittedCheckpoint, outcome: Recording) -> None:
+        """A refusal deletes only what the refused save itself wrote and nobody may take for committed (a
+        ``stale`` outcome: see ``Recording``); any other refused checkpoint stays, since it may be the seal a new
+        holder restored from, whatever the report that names it (a late duplicate, a replay)."""
+        if not outcome.deletable:
+            return
+        try:
+            await self.replica.store.delete_checkpoint(c.session_id, c.checkpoint_id)
+        except StoreError as exc:
+            log.warning("refused checkpoint not removed", extra={"error": str(exc)})
 
     async def _publish_recorded(self, events: Sequence[Event]) -> None:
         """``checkpoint.saved`` and the locations that changed, in one batch of acknowledgements. What is

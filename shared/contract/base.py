@@ -44,6 +44,7 @@ ID_RULES: dict[str, tuple[str, str]] = {
     "session": (_OPAQUE, "a session id: letters, digits, '-' and '_', starting with a letter or digit, at most 128"),
     "checkpoint": (_OPAQUE, "a checkpoint id: letters, digits, '-' and '_', at most 128"),
     "drain": (_OPAQUE, "a drain id: letters, digits, '-' and '_', starting with a letter or digit, at most 128"),
+    "take": (_OPAQUE, "a take id: letters, digits, '-' and '_', starting with a letter or digit, at most 128"),
 }
 """Each kind of identifier: its pattern (without anchors) and the rule in words, for error messages."""
 
@@ -89,6 +90,7 @@ OptDeploymentName = Annotated[
 OptNamespace = Annotated[str, msgspec.Meta(pattern=_anchored(_LABEL, True), description=ID_RULES["namespace"][1])]
 OptCheckpointId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE, True), description=ID_RULES["checkpoint"][1])]
 OptDrainId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE, True), description=ID_RULES["drain"][1])]
+OptTakeId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE, True), description=ID_RULES["take"][1])]
 
 
 def new_event_id() -> str:

@@ -16,6 +16,7 @@ from shared.contract.base import (
     OptNamespace,
     OptNodeName,
     OptPodName,
+    OptTakeId,
     PodName,
     SessionId,
 )
@@ -173,6 +174,11 @@ class AgentSessions(Event, frozen=True, kw_only=True, tag="checkpoint.agent.sess
     same ``seq``; the pod's other sessions are forgotten once the last part is in."""
     leaving: bool = False
     """The pod's agent stopped (its pod is going away): its sessions may be claimed by other pods at once."""
+    monotonic: bool = False
+    """The agent never numbers an announcement below one it sent before (a full announcement after a resync takes
+    the number after the highest it sent): the registry then lets any announcement numbered below the last it
+    applied change nothing (a late duplicate or a replay), answering ``resync``. Announcements of an incarnation
+    a later one replaced change nothing either way."""
 
 
 class AnnouncementAck(Event, frozen=True, kw_only=True, tag="checkpoint.agent.ack"):
@@ -210,6 +216,10 @@ class LocateCheckpoint(Event, frozen=True, kw_only=True, tag="checkpoint.locate"
     ] = False
     namespace: OptNamespace = ""
     deployment: OptDeploymentName = ""
+    take_id: OptTakeId = ""
+    """Names this take (a fresh id each time a pod takes a session): the same take sent again (a retry after a
+    lost answer, a duplicate, a replay) is answered with the generation it was given and changes nothing. Without
+    it (an older agent) each take is a new generation."""
 
     @property
     def takes_session(self) -> bool:

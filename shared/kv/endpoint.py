@@ -161,6 +161,8 @@ class AgentEndpoint:
         self._incarnation = uuid.uuid4().hex[:16]
         self._seq = 0
         """The last announcement the registry applied (its answer said so)."""
+        self._sent_seq = 0
+        """The highest number this incarnation sent: a full announcement takes the next (``monotonic``)."""
         self._full = True
         """The next announcement names every session (at start, and when the registry asks for a resync)."""
         self._pending: dict[str, int | None] = {}
@@ -380,6 +382,7 @@ class AgentEndpoint:
             ended = sorted(self._ended)
             messages = self._full_messages(ended, leaving) if self._full else self._delta_messages(ended, leaving)
             for message in messages:
+                self._sent_seq = max(self._sent_seq, message.seq)
                 try:
                     answer = await self.bus.request(self.bus.subjects.for_event(message), message, timeout)
                 except TimeoutError:
@@ -399,6 +402,7 @@ class AgentEndpoint:
                     return
             last = messages[-1]
             self._seq = last.seq
+            self._sent_seq = max(self._sent_seq, last.seq)
             if last.full:
                 self._full = False
                 self._pending.clear()
@@ -418,13 +422,14 @@ class AgentEndpoint:
             "ttl_s": max(1.0, 3 * self.announce_s),
             "incarnation": self._incarnation,
             "leaving": leaving,
+            "monotonic": True,
         }
 
     def _full_messages(self, ended: list[str], leaving: bool) -> list[AgentSessions]:
         """Every session the pod holds, in parts of ``ANNOUNCE_PART`` (the ended ones with the first)."""
         sessions = sorted(self.agent.sessions())
         parts = [sessions[i : i + ANNOUNCE_PART] for i in range(0, len(sessions), ANNOUNCE_PART)] or [[]]
-        seq = self._seq + 1
+        seq = max(self._seq, self._sent_seq) + 1  # above all it sent: the registry may have applied an unanswered one
         return [
             AgentSessions(
                 **self._common(leaving),
@@ -497,6 +502,7 @@ class AgentEndpoint:
                 take_session=True,
                 namespace=self.agent.namespace,
                 deployment=self.agent.deployment,
+                take_id=uuid.uuid4().hex,
             ),
             timeout,
         )

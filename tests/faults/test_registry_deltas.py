@@ -234,10 +234,10 @@ async def test_a_generation_handed_out_twice_after_a_lost_claim_keeps_one_holder
     )
     assert applied.stale == ["chat"] and not applied.changes
     assert (await registry.where("chat")).pod == "pod-b"
-    refused, _ = await registry.record_checkpoint(_committed("chat", 1, 1), "file:///s", "pod-a", "node-1")
-    assert "pod-b" in refused
-    recorded, _ = await registry.record_checkpoint(_committed("chat", 1, 2), "file:///s", "pod-b", "node-1")
-    assert recorded == ""
+    refused = await registry.record_checkpoint(_committed("chat", 1, 1), "file:///s", "pod-a", "node-1")
+    assert "pod-b" in refused.refused and refused.deletable  # pod-b holds generation 1: pod-a's save is stale
+    recorded = await registry.record_checkpoint(_committed("chat", 1, 2), "file:///s", "pod-b", "node-1")
+    assert recorded.refused == "" and recorded.first_time
     # once pod-b is gone (its lease ran out), the same generation announced by pod-a is placed again
     await own_redis.delete(subjects.redis_key("kv", "alive", "pod-b"))
     applied = await registry.apply_announcement(
