@@ -268,3 +268,50 @@ async def test_a_heartbeat_after_a_lost_last_delta_is_answered_resync(own_redis:
     )
     assert (await registry.where("s2")).pod == "pod-a"
     assert not (await registry.apply_announcement(announcement("pod-a", 3, full=False))).resync
+
+
+async def test_an_old_announcement_sent_again_changes_nothing_and_an_agent_that_lost_answers_recovers(
+    own_redis: aioredis.Redis,
+) -> None:
+    """Replay fences of the announcements (issue #30): from an agent that numbers monotonically, one numbered below
+    the last applied changes nothing, not even the lease (a replayed empty full announcement once dropped every
+    session the pod had taken since); one of an incarnation a later one replaced changes nothing either. An agent
+    whose answers were lost (the registry applied 1..3, it knows only 1) is answered resync and its full
+    announcement, numbered above all it sent, repairs. Without ``monotonic`` (an older agent) today's rule holds."""
+    registry = SessionRegistry(own_redis, Subjects("t"))
+    key = Subjects("t").redis_key
+    first = announcement("pod-a", 1, full=True, monotonic=True)  # the agent's start: it holds nothing yet
+    await registry.apply_announcement(first)
+    for seq, sid in ((2, "s1"), (3, "s2")):
+        claim = await registry.claim(sid, "pod-a", "node-1", "llm", "llama", 0)
+        await registry.apply_announcement(
+            announcement("pod-a", seq, full=False, monotonic=True, sessions=[sid], generations=[claim.generation])
+        )
+    held = {"s1", "s2"}
+    assert set(await registry.sessions_of_pod("pod-a")) == held
+    await own_redis.delete(key("kv", "alive", "pod-a"))
+    replayed = await registry.apply_announcement(first)
+    assert replayed.resync and not replayed.changes
+    assert set(await registry.sessions_of_pod("pod-a")) == held
+    assert not await own_redis.exists(key("kv", "alive", "pod-a")), "a replay renewed the lease"
+    # the agent lost the answers of 2 and 3: its next delta is numbered 2 again, answered resync, nothing applied
+    again = await registry.apply_announcement(announcement("pod-a", 2, full=False, monotonic=True, dropped=["s1"]))
+    assert again.resync and set(await registry.sessions_of_pod("pod-a")) == held
+    # its full announcement takes the number after the highest it sent (3): applied, the lease renewed
+    repaired = await registry.apply_announcement(
+        announcement("pod-a", 4, full=True, monotonic=True, sessions=["s2"], generations=[1])
+    )
+    assert not repaired.resync and set(await registry.sessions_of_pod("pod-a")) == {"s2"}
+    assert await own_redis.exists(key("kv", "alive", "pod-a"))
+    # the pod's agent restarts (a new incarnation); the old incarnation's messages change nothing from then on
+    restarted = AgentSessions(
+        pod="pod-a", node="node-1", namespace="llm", deployment="llama", incarnation="i2", seq=1, ttl_s=30,
+        full=True, monotonic=True, sessions=["s2"], generations=[1],
+    )  # fmt: skip
+    await registry.apply_announcement(restarted)
+    old = await registry.apply_announcement(announcement("pod-a", 5, full=True, monotonic=True))
+    assert old.resync and set(await registry.sessions_of_pod("pod-a")) == {"s2"}
+    # an older agent (not monotonic) keeps today's rule: a delta behind what was applied is applied, answered resync
+    await registry.apply_announcement(announcement("pod-b", 3, full=True, sessions=["b1"], generations=[1]))
+    legacy = await registry.apply_announcement(announcement("pod-b", 2, full=False, dropped=["b1"]))
+    assert legacy.resync and await registry.sessions_of_pod("pod-b") == {}
