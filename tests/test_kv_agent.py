@@ -201,6 +201,121 @@ async def test_deadline_fails_the_sessions_by_name_and_leaves_nothing_visible(an
     assert missing.failed[0].reason == "not registered on pod llama-1"
 
 
+async def restores_as(store: Any, session_id: str, blocks: list[Any], checkpoint_id: str) -> None:
+    """Another pod restores the session's newest checkpoint, every chunk verified, and gets these blocks."""
+    restored = await make_agent(store, pod="elsewhere").restore(session_id, fall_back=False)
+    assert restored.manifest.checkpoint_id == checkpoint_id
+    assert [bytes(b) for b in restored.blocks] == [np.asarray(b).tobytes() for b in blocks]
+
+
+async def test_a_save_writes_again_the_blocks_of_a_pack_the_store_lost(any_store: Any) -> None:
+    """The old way: each save referenced its base's chunks in a deleted pack, so every later save of those
+    sessions committed a checkpoint that could not restore (and the checkpoint service refused it, forever)."""
+    store = any_store
+    agent = make_agent(store)
+    blocks = {sid: fill(agent, sid, 4) for sid in ("s1", "s2")}
+    first = {m.session_id: m for m in (await agent.save()).committed}
+    lost = first["s1"].blocks[0].pack
+    assert {ref.pack for m in first.values() for ref in m.blocks} == {lost}  # one round, one pack
+    blocks["s1"].append(block_content("s1", 4, LAYOUT.block_bytes))
+    agent.append_block("s1", blocks["s1"][-1])
+    second = (await agent.save(["s1"])).committed[0]
+    assert second.bytes_written == LAYOUT.block_bytes and second.blocks[0].pack == lost
+    await store.delete_pack(lost)  # an operator, a bucket purge, a disk: the pack is gone
+    healed = await agent.save()
+    assert not healed.failed
+    by_session = {m.session_id: m for m in healed.committed}
+    assert by_session["s1"].bytes_written == 4 * LAYOUT.block_bytes  # the lost four; the fifth is referenced
+    assert by_session["s2"].bytes_written == 4 * LAYOUT.block_bytes
+    assert all(ref.pack != lost for m in healed.committed for ref in m.blocks)
+    for sid, m in by_session.items():
+        await restores_as(store, sid, blocks[sid], m.checkpoint_id)
+    again = await agent.save()
+    assert again.bytes_written == 0  # healed once: nothing is written twice
+
+
+async def test_a_save_writes_again_only_the_chunks_past_the_end_of_a_short_pack(store: FileStore) -> None:
+    agent = make_agent(store)
+    blocks = fill(agent, "s1", 4)
+    first = (await agent.save()).committed[0]
+    path = store.packs_dir / f"{first.blocks[0].pack}.pack"
+    os.truncate(path, path.stat().st_size - 10)  # the last chunk is cut short
+    healed = (await agent.save()).committed[0]
+    assert healed.bytes_written == LAYOUT.block_bytes
+    assert [ref.pack == first.blocks[0].pack for ref in healed.blocks] == [True, True, True, False]
+    await restores_as(store, "s1", blocks, healed.checkpoint_id)
+
+
+async def test_a_save_whose_base_manifest_is_gone_references_nothing_of_it(any_store: Any) -> None:
+    """Retention finds the packs to keep through manifests: chunks of a checkpoint that is gone may be collected
+    at any time, so a save must not build on them."""
+    store = any_store
+    agent = make_agent(store)
+    blocks = fill(agent, "s1", 3)
+    first = (await agent.save()).committed[0]
+    await store.delete_checkpoint("s1", first.checkpoint_id)
+    healed = (await agent.save()).committed[0]
+    assert healed.bytes_written == healed.bytes_total == 3 * LAYOUT.block_bytes
+    assert all(ref.pack != first.blocks[0].pack for ref in healed.blocks)
+    await restores_as(store, "s1", blocks, healed.checkpoint_id)
+
+
+async def test_rewrite_writes_every_block_again_even_when_nothing_changed(any_store: Any) -> None:
+    store = any_store
+    agent = make_agent(store)
+    blocks = {sid: fill(agent, sid, 3) for sid in ("s1", "s2")}
+    first = {m.session_id: m for m in (await agent.save()).committed}
+    report = await agent.save(changed_only=True, rewrite=["s1", "not-saved-here"])
+    assert report.unchanged == 1 and not report.failed  # s2: nothing new; s1 saved all the same
+    (rewritten,) = report.committed
+    assert rewritten.session_id == "s1" and rewritten.bytes_written == rewritten.bytes_total == 3 * LAYOUT.block_bytes
+    assert all(ref.pack != first["s1"].blocks[0].pack for ref in rewritten.blocks)
+    await restores_as(store, "s1", blocks["s1"], rewritten.checkpoint_id)
+    assert (await agent.save(["s1"])).bytes_written == 0  # the rewritten checkpoint is the new base
+
+
+class CountingStore:
+    """A store that counts what the agent asks of it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.asked: dict[str, list[int]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def pack_sizes(self, pack_ids: Any) -> dict[str, int]:
+        ids = set(pack_ids)
+        self.asked.setdefault("pack_sizes", []).append(len(ids))
+        return await self.inner.pack_sizes(ids)
+
+    async def manifests_present(self, checkpoints: Any) -> set[tuple[str, str]]:
+        pairs = set(checkpoints)
+        self.asked.setdefault("manifests_present", []).append(len(pairs))
+        return await self.inner.manifests_present(pairs)
+
+
+async def test_a_save_round_asks_the_store_twice_whatever_its_sessions_and_blocks(store: FileStore) -> None:
+    """Checking what the store still holds costs one call for the round's base checkpoints and one for the
+    distinct packs they reference: never a call per block or per session."""
+    counting = CountingStore(store)
+    agent = make_agent(counting)  # type: ignore[arg-type]
+    sessions = [f"s{i}" for i in range(12)]
+    for sid in sessions[:6]:
+        fill(agent, sid, 5)
+    await agent.save()  # nothing to build on: nothing asked
+    assert counting.asked == {}
+    for sid in sessions[6:]:
+        fill(agent, sid, 5)
+    await agent.save(sessions[6:])  # a second pack
+    for sid in sessions:
+        agent.append_block(sid, block_content(sid, 9, LAYOUT.block_bytes))
+    counting.asked.clear()
+    report = await agent.save()
+    assert len(report.committed) == 12 and report.bytes_written == 12 * LAYOUT.block_bytes
+    assert counting.asked == {"manifests_present": [12], "pack_sizes": [2]}
+
+
 @contextlib.contextmanager
 def small_disk(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted at ``path``: a real ENOSPC. Needs root, as the tests and CI run."""

@@ -15,7 +15,9 @@ session's last block may still change, so the agent copies that one before hashi
 Ownership: each session carries the generation its pod took when it started or restored it (from the checkpoint
 service). A save names the generation it expects; a session this pod holds under another generation is refused,
 never written, so a pod that lost a session can never roll it back. Incremental saves reuse only blocks of a
-checkpoint this agent wrote or verified itself, and never a chunk it found corrupt. Bytes go from the
+checkpoint this agent wrote or verified itself, and never a chunk it found corrupt or one the store no longer
+holds: each save round asks the store once whether the checkpoints and packs it would build on are still there
+(``_still_stored``), and writes again the blocks of any that are gone or cut short. Bytes go from the
 engine's memory to the store directly (through a reused pinned staging buffer for GPU memory); the checkpoint
 service only decides, orders and records.
 """
@@ -26,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -161,6 +163,9 @@ class KvAgent:
         self._staging: Staging | None = None
         self._save_lock = asyncio.Lock()
         self._corrupt: set[tuple[str, int]] = set()  # (pack, offset) of chunks found corrupt: never referenced
+        self._lost: dict[str, int] = {}
+        """Packs the store lost (-> 0) or holds cut short (-> the bytes left), as a save round found them: a chunk
+        past that is never referenced again; its block is written again. One entry per damaged pack."""
         self._bytes = 0
         self._changes: dict[str, int | None] | None = None
 
@@ -319,6 +324,7 @@ class KvAgent:
         progress: Callable[[SaveReport, int], Awaitable[None]] | None = None,
         generations: Mapping[str, int] | None = None,
         changed_only: bool = False,
+        rewrite: Iterable[str] = (),
     ) -> SaveReport:
         """Checkpoint the sessions (all when None). Each session ends committed or failed with a reason; a
         session that fails never leaves a visible partial checkpoint, and its previous checkpoint still
@@ -330,8 +336,14 @@ class KvAgent:
         written.
 
         ``changed_only``: a session whose last checkpoint (written or verified here, under the generation it is
-        held under) holds it as it is now writes nothing (periodic saves): counted in ``unchanged``."""
+        held under) holds it as it is now writes nothing (periodic saves): counted in ``unchanged``.
+
+        ``rewrite``: sessions (of those saved) that write every block again, referencing nothing of an earlier
+        checkpoint, and are saved even when ``changed_only`` finds them unchanged: the checkpoint service found a
+        pack their last checkpoint references lost or damaged (``SaveSessions.rewrite``). Without it a save
+        still writes again what the store lost (``_still_stored``); this covers what only a read finds (rot)."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        rewritten = set(rewrite)
         async with self._save_lock:
             report = SaveReport()
             todo: list[Session] = []
@@ -350,7 +362,7 @@ class KvAgent:
                             f"current one is {expected}; a stale copy is never saved",
                         )
                     )
-                elif changed_only and _unchanged(session):
+                elif changed_only and sid not in rewritten and _unchanged(session):
                     report.unchanged += 1
                 else:
                     todo.append(session)
@@ -360,12 +372,12 @@ class KvAgent:
                 round_.append(session)
                 round_bytes += session.nbytes
                 if round_bytes >= ROUND_BYTES:
-                    await self._save_round(round_, deadline, reason, report)
+                    await self._save_round(round_, deadline, reason, report, rewritten)
                     round_, round_bytes = [], 0
                     if progress is not None:
                         await progress(report, len(todo))
             if round_:
-                await self._save_round(round_, deadline, reason, report)
+                await self._save_round(round_, deadline, reason, report, rewritten)
             if progress is not None:
                 await progress(report, len(todo))
             return report
@@ -377,10 +389,49 @@ class KvAgent:
 
     def _reusable(self, session: Session) -> dict[str, ChunkRef]:
         """Chunks a save may reference instead of writing: those of the checkpoint this agent last wrote or
-        verified for the session, less any it found corrupt since."""
+        verified for the session, less any it found corrupt since and any the store lost (``_lost``)."""
         if session.last is None:
             return {}
-        return {ref.digest: ref for ref in session.last.blocks if (ref.pack, ref.offset) not in self._corrupt}
+        return {ref.digest: ref for ref in session.last.blocks if self._usable(ref)}
+
+    def _usable(self, ref: ChunkRef) -> bool:
+        if (ref.pack, ref.offset) in self._corrupt:
+            return False
+        left = self._lost.get(ref.pack)
+        return left is None or ref.offset + ref.length <= left
+
+    async def _still_stored(self, sessions: Sequence[Session], rewrite: set[str]) -> dict[str, dict[str, ChunkRef]]:
+        """What each session of a round may reference (``_reusable``), once the store says the checkpoints they
+        build on are still there: a session whose last manifest is gone references nothing of it (retention marks
+        packs through manifests, so its packs may go at any time), and a pack that is gone or shorter than a
+        chunk it should hold is remembered in ``_lost``, its blocks written again. Sessions in ``rewrite``
+        reference nothing.
+
+        Costs two store calls per round whatever it holds, one ``manifests_present`` for the sessions and one
+        ``pack_sizes`` for the distinct packs their last checkpoints reference (a stat or a meta read each, the
+        same the checkpoint service pays to verify the round's report), never one per block; packs already known
+        lost are not asked about again. A round of unchanged sessions under ``changed_only`` never gets here."""
+        bases = {s.session_id: s.last for s in sessions if s.last is not None and s.session_id not in rewrite}
+        if not bases:
+            return {}
+        present = await self.store.manifests_present((sid, m.checkpoint_id) for sid, m in bases.items())
+        gone = [m.checkpoint_id for sid, m in bases.items() if (sid, m.checkpoint_id) not in present]
+        bases = {sid: m for sid, m in bases.items() if (sid, m.checkpoint_id) in present}
+        packs = {ref.pack for m in bases.values() for ref in m.blocks if self._usable(ref)}
+        sizes = await self.store.pack_sizes(packs) if packs else {}
+        lost: dict[str, int] = {}
+        for m in bases.values():
+            for ref in m.blocks:
+                if ref.pack in packs and self._usable(ref) and ref.offset + ref.length > sizes.get(ref.pack, 0):
+                    lost[ref.pack] = sizes.get(ref.pack, 0)
+        self._lost.update(lost)
+        if gone or lost:
+            log.warning(
+                "the store lost what saves built on; those blocks are written again",
+                extra={"pod": self.pod, "checkpoints": gone[:20], "packs": sorted(lost)[:20], "lost": len(lost)},
+            )
+        by_id = {s.session_id: s for s in sessions}
+        return {sid: self._reusable(by_id[sid]) for sid in bases}
 
     async def _save_round(
         self,
@@ -388,6 +439,7 @@ class KvAgent:
         deadline: float | None,
         reason: str,
         report: SaveReport,
+        rewrite: set[str],
     ) -> None:
         writer = self.store.open_pack()
         pending: list[tuple[Session, list[ChunkRef | None], int, int, str, int]] = []
@@ -408,10 +460,11 @@ class KvAgent:
             batch, batch_slots, batch_bytes = [], [], 0
 
         try:
+            reusable = await self._still_stored(sessions, rewrite)
             for session in sessions:
                 if deadline is not None and time.monotonic() > deadline:
                     raise DeadlineExceeded("deadline passed before the session was written")
-                known = self._reusable(session)
+                known = reusable.get(session.session_id, {})
                 blocks = list(session.blocks)
                 token_count, digest_of_tokens, version = session.token_count, session.tokens_digest, session.version
                 slots: list[ChunkRef | None] = [None] * len(blocks)

@@ -226,7 +226,8 @@ class AgentEndpoint:
     async def on_save(self, command: SaveSessions) -> SaveSessionsReport:
         """Idempotent: a repeated save of unchanged sessions commits checkpoints that write no new bytes. The
         service that asked records what it answers; sessions held under another generation than the command
-        names are refused. A ``prestop`` save (the pod's own hook) is recorded by the agent itself."""
+        names are refused; sessions it names in ``rewrite`` write every block again. A ``prestop`` save (the
+        pod's own hook) is recorded by the agent itself."""
         if self._stopped:
             raise PermanentError(f"pod {self.agent.pod}'s KV agent is stopped")
         if command.reason == "prestop":  # the pod's own hook (`gpuwarden agent final-save`), not the service
@@ -254,6 +255,7 @@ class AgentEndpoint:
             progress,
             generations=command.generations or None,
             changed_only=command.changed_only,
+            rewrite=command.rewrite,
         )
         log.info(
             "saved",

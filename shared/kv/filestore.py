@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shared.kv.manifest import CheckpointManifest, ChunkRef, encode_manifest, newest_first
-from shared.kv.store import CheckpointNotFound, PackInfo, StoreError, checked_ids, checked_pack, load_manifest
+from shared.kv.store import (
+    CheckpointNotFound,
+    InvalidId,
+    PackInfo,
+    StoreError,
+    checked_ids,
+    checked_pack,
+    load_manifest,
+)
 
 _IOV_MAX = 512
 T = TypeVar("T")
@@ -291,6 +299,20 @@ class FileStore:
             return found
 
         return await asyncio.to_thread(sizes)
+
+    async def manifests_present(self, checkpoints: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+        """One stat each, never a listing of a session's folder."""
+
+        def present() -> set[tuple[str, str]]:
+            found = set()
+            for session_id, checkpoint_id in set(checkpoints):
+                with contextlib.suppress(InvalidId):
+                    checked_ids(session_id, checkpoint_id)
+                    if os.path.isfile(self.sessions_dir / session_id / f"{checkpoint_id}.json"):
+                        found.add((session_id, checkpoint_id))
+            return found
+
+        return await asyncio.to_thread(present)
 
     async def packs(self) -> list[PackInfo]:
         def scan() -> list[PackInfo]:

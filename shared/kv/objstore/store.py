@@ -241,6 +241,15 @@ class NatsObjectStore(ObjectStream):
         metas = await asyncio.gather(*(self._meta(PACK_PREFIX + checked_pack(p)) for p in ids))
         return {p: m.size for p, m in zip(ids, metas, strict=True) if m is not None}
 
+    async def manifests_present(self, checkpoints: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+        """One meta read each, never a listing of a session's index."""
+        await self.ensure()
+        wanted = sorted(
+            (s, c) for s, c in set(checkpoints) if not id_problem("session", s) and not id_problem("checkpoint", c)
+        )
+        metas = await asyncio.gather(*(self._meta(manifest_name(s, c)) for s, c in wanted))
+        return {pair for pair, meta in zip(wanted, metas, strict=True) if meta is not None}
+
     async def packs(self) -> list[PackInfo]:
         metas = await self._scan_metas()
         return [
