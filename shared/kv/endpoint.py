@@ -156,6 +156,8 @@ class AgentEndpoint:
         self._model_subs: list[Subscription] = []
         self._switch_lock = asyncio.Lock()
         self._stopped = False
+        self._leaving = False
+        """``stop`` began: every announcement says the pod is leaving (a full one after a resync too)."""
         self._ended: set[str] = set()
         self._changed = asyncio.Event()
         self._incarnation = uuid.uuid4().hex[:16]
@@ -172,7 +174,7 @@ class AgentEndpoint:
 
     async def start(self) -> None:
         subjects = self.bus.subjects
-        self._stopped = False
+        self._stopped = self._leaving = False
         self._serving = await self.bus.serve(
             subjects.for_event(SaveSessions(pod=self.agent.pod)), self.on_save, (SaveSessions,)
         )
@@ -197,8 +199,11 @@ class AgentEndpoint:
         """Stop answering and announcing; the registry hears the pod is leaving (its sessions may be taken by
         other pods at once, rather than when its lease lapses)."""
         if not self._stopped and self._tasks:
+            self._leaving = True  # whatever is announced from now on says so, the announcing loop's too
             with contextlib.suppress(Exception):
-                await self.announce(leaving=True, timeout=1.0)
+                await self.announce(timeout=1.0)
+                if self._full:  # answered resync (a registry that lost writes): the full announcement, leaving
+                    await self.announce(timeout=1.0)
         self._stopped = True
         if self._serving is not None:
             await self._serving.unsubscribe()
@@ -378,6 +383,7 @@ class AgentEndpoint:
         """Tell the registry what changed since the last announcement it applied (a delta; every session only at
         start or when the registry asks for it), or that nothing did (a heartbeat renewing the pod's lease: the
         same cost whatever the pod holds). Changes the registry did not confirm are sent again with the next."""
+        leaving = leaving or self._leaving
         async with self._announce_lock:
             for change, generation in self.agent.take_changes().items():
                 self._pending[change] = generation

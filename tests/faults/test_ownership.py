@@ -208,3 +208,20 @@ async def _restored_passing_over(mesh: Mesh, rescuer: Pod, want: str, stale: Che
     assert stale.checkpoint_id not in recorded_ids
     await mesh.store.delete_checkpoint("s1", stale.checkpoint_id)  # what the refusal's deletion does
     await mesh.check()
+
+
+async def test_a_pod_that_stops_after_the_registry_lost_its_writes_still_leaves(mesh: Mesh) -> None:
+    """A Redis failover lost what the registry knew of llama-1 (its pod record: the next announcement no longer
+    follows and is answered resync). llama-1's agent stops: its leaving announcement is answered resync, and the full
+    announcement that follows must say it is leaving too (the announcing loop's own full announcement once cleared
+    the mark), so another pod takes its session at once rather than being told it is held."""
+    old = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
+    assert await mesh.periodic_turn() == 1
+    await mesh.client.delete(mesh.subjects.redis_key("kv", "podinfo", "llama-1"))
+    await mesh.evict(old)
+    leaving = await mesh.client.hget(mesh.subjects.redis_key("kv", "podinfo", "llama-1"), "leaving")
+    assert leaving == b"1"
+    new = await mesh.add_pod("llama-2", "node-2")
+    restored = await new.endpoint.restore("s1")
+    assert [bytes(b) for b in restored.blocks] == expected("s1", 2)
+    await mesh.check()
