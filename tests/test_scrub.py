@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.scrub import lost_pack
 from services.checkpoint.service import CheckpointService
-from shared.contract.checkpoint import AgentSessions, CheckpointForgotten, SaveSessions, SaveSessionsReport
+from shared.contract.checkpoint import (
+    AgentSessions,
+    CheckpointForgotten,
+    LocateCheckpoint,
+    SaveSessions,
+    SaveSessionsReport,
+)
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import report_event
 from shared.kv.filestore import FileStore
@@ -154,6 +160,9 @@ async def test_a_walk_forgets_what_the_store_lost_marks_the_holder_and_leaves_th
         }
         assert await s.service.registry.rewrites(POD) == {"s1", "s2", "s4"}
         assert s.files() == files  # the scrub never deletes
+        located = await s.service.on_locate(LocateCheckpoint(session_id="s2", pod=POD, node="node-1"))
+        assert located.candidates[0] == ids["s2"][0] and not located.from_store  # offered, not recorded again
+        assert await s.recorded("s2") == [ids["s2"][1]]
         metrics = s.service.scrub.replica.metrics
         assert metrics.scrub_forgotten.labels("pack")._value.get() == 1
         assert metrics.scrub_checked._value.get() == 8
