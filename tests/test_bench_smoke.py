@@ -14,6 +14,7 @@ from bench import bus as bench_bus
 from bench import checkpoint as bench_checkpoint
 from bench import metrics as bench_metrics
 from bench import resume as bench_resume
+from bench import scrub as bench_scrub
 from bench.common import BenchOptions, Target, default_out, parse_args, percentile
 
 REQUIRED_BUS_KEYS = (
@@ -211,3 +212,19 @@ def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: 
     assert data["per_node_agent_rss_mb"] > 0 and data["per_node_agent_idle_cpu_cores"] >= 0
     assert {t["key"] for t in data["targets"]} >= {"fleet_nodes", "idle_cpu_cores_total", "rss_mb_max"}
     assert data["params"]["figures"] == list(scale.FIGURES)
+
+
+def test_bench_scrub_walks_a_tiny_registry_and_writes_its_costs_per_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "scrub.json"
+    report = bench_scrub.run(BenchOptions("scrub", True, None, out), sizes={"small": 20, "large": 40})
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(report))
+    assert data["benchmark"] == "scrub" and data["mode"] == "quick"
+    for label, n in (("small", 20), ("large", 40)):
+        assert data[f"{label}_sessions"] == n and data[f"{label}_checkpoints"] == 2 * n
+        assert data[f"{label}_forgotten"] == data[f"{label}_lost"] >= 1
+        for key in ("redis_round_trips", "redis_commands", "store_calls"):
+            assert data[f"{label}_{key}_per_checkpoint"] > 0, key
+        assert data[f"{label}_checkpoints_per_s"] > 0
+        calls = data["params"]["calls"][f"{label}_detail"]
+        assert calls["store"]["manifest"] == 2 * n and calls["registry"]["forget_lost"] == data[f"{label}_lost"]

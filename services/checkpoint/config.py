@@ -43,6 +43,26 @@ class CheckpointSettings:
     )
     """Sessions of the store one retention turn walks: a turn costs what changed plus this many, whatever the
     store holds; one walk round the store takes ``sessions / gc_walk_sessions`` turns."""
+    scrub_interval_s: float = setting(
+        "GPUWARDEN_CHECKPOINT_SCRUB_S",
+        10.0,
+        "checkpoint: seconds between scrub turns (recorded checkpoints checked against the store); 0 disables them",
+        parse=seconds(allow_zero=True),
+    )
+    scrub_sessions: int = setting(
+        "GPUWARDEN_CHECKPOINT_SCRUB_SESSIONS",
+        500,
+        "checkpoint: sessions (with their recorded checkpoints) one scrub turn checks",
+        parse=count(),
+    )
+    """About this many sessions a turn (a SCAN step may give up to one step more): a turn costs this, whatever the
+    registry holds; one walk round the registry takes ``sessions / scrub_sessions`` turns."""
+    scrub_sample_bytes: int = setting(
+        "GPUWARDEN_CHECKPOINT_SCRUB_SAMPLE_BYTES",
+        16 * 1024 * 1024,
+        "checkpoint: bytes of chunks one scrub turn reads back to verify their digests (rot); 0: none read",
+        parse=count(minimum=0, maximum=1 << 40),
+    )
     drain_lease_s: float = setting(
         "GPUWARDEN_CHECKPOINT_DRAIN_LEASE_S",
         10.0,

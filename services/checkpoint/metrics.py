@@ -54,6 +54,28 @@ class CheckpointMetrics:
             "Checkpoints the registry had lost (a Redis failover) that restores found in the store and recorded again",
             registry=r,
         )
+        self.scrub_checked = Counter(
+            "gpuwarden_checkpoint_scrub_checked_total",
+            "Recorded checkpoints the scrub checked against the store (manifest and packs present and long enough)",
+            registry=r,
+        )
+        self.scrub_forgotten = Counter(
+            "gpuwarden_checkpoint_scrub_forgotten_total",
+            "Recorded checkpoints the scrub forgot, their files gone or damaged (reason: manifest, pack, rot)",
+            ["reason"],
+            registry=r,
+        )
+        self.rewrites = Counter(
+            "gpuwarden_checkpoint_rewrites_marked_total",
+            "Sessions marked for a full next save (a checkpoint of theirs lost a file), by who found it (scrub, save)",
+            ["by"],
+            registry=r,
+        )
+        self.scrub_restarts = Counter(
+            "gpuwarden_checkpoint_scrub_restarts_total",
+            "Scrub walks started again from the beginning because Redis changed (its run id: a promotion, a restart)",
+            registry=r,
+        )
         self.locations = Counter(
             "gpuwarden_kv_session_locations_total",
             "kv.session.location events, by outcome (published, or lost: routers then ask where)",

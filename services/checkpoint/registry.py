@@ -29,6 +29,10 @@ Keys, all under the root (``Subjects.redis_key``):
 - ``kv:restores``             stream of restore records
 - ``kv:last:<sid>``           hash: the session's last location change: sequence, reason, pod (the holder, or
   the last one), namespace, deployment (kept a week after it ends)
+- ``kv:rewrite:<pod>``        set: sessions the pod holds whose next save writes every block again (a checkpoint of
+  theirs lost a file: the scrub found it, or a save was refused for it); kept a week unless a full save clears it
+- ``kv:scrub``                hash: the scrub's walk: cursor (of SCAN over ``kv:checkpoints:*``), run_id (of the
+  Redis it walks: another one, a promotion or a restart, starts the walk again)
 
 Cost follows change: an announcement carries what changed since the last one the registry applied (a delta), and
 each script touches only the sessions it names and the indexes of their pod and node; a heartbeat renews one key.
@@ -367,7 +371,8 @@ local changes = {}
 for _, sid in ipairs(redis.call('HKEYS', heldkey)) do
   if drop(prefix, sid, pod) then table.insert(changes, located(prefix, sid, 'forgotten', '')) end
 end
-redis.call('DEL', heldkey, prefix .. ':kv:podinfo:' .. pod, prefix .. ':kv:alive:' .. pod)
+redis.call('DEL', heldkey, prefix .. ':kv:podinfo:' .. pod, prefix .. ':kv:alive:' .. pod,
+  prefix .. ':kv:rewrite:' .. pod)
 redis.call('HDEL', prefix .. ':kv:pods', pod)
 return changes
 """
@@ -448,6 +453,27 @@ if newest == ARGV[1] then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[3])
 return 1
+"""
+
+# KEYS = the session's checkpoints; ARGV = prefix, sid, cid, keep_newest. The scrub found the recorded checkpoint's
+# files gone or damaged: the pod holding the session is marked for a full next save (``kv:rewrite:<pod>``), and the
+# record is forgotten (with its summary and its place in retention's aging index), unless ``keep_newest`` ('1') and
+# it is the session's newest. Nothing when it is no longer recorded (retention forgot it meanwhile). Returns
+# (forgotten 0/1, it is or was the newest 0/1, the holder or '').
+_FORGET_LOST = """
+local prefix, sid, cid = ARGV[1], ARGV[2], ARGV[3]
+if not redis.call('ZSCORE', KEYS[1], cid) then return {0, 0, ''} end
+local newest = redis.call('ZREVRANGE', KEYS[1], 0, 0)[1] == cid
+local holder = redis.call('HGET', prefix .. ':kv:session:' .. sid, 'pod')
+if holder then
+  redis.call('SADD', prefix .. ':kv:rewrite:' .. holder, sid)
+  redis.call('PEXPIRE', prefix .. ':kv:rewrite:' .. holder, 604800000)
+end
+if newest and ARGV[4] == '1' then return {0, 1, holder or ''} end
+redis.call('ZREM', KEYS[1], cid)
+redis.call('DEL', prefix .. ':kv:checkpoint:' .. cid)
+redis.call('ZREM', prefix .. ':kv:retention:aging', sid .. '/' .. cid)
+return {1, newest and 1 or 0, holder or ''}
 """
 
 # ARGV = prefix. Per pod the registry knows: its sessions, its node, its namespace/deployment, and whether its
@@ -587,6 +613,17 @@ class Recording:
 
 
 @dataclass(frozen=True)
+class Forgotten:
+    """What the scrub's forgetting of a lost checkpoint did: ``forgotten`` (False: retention forgot it first, or it
+    is the newest and was kept), whether it is or was the session's ``newest``, and the ``holder`` marked for a full
+    next save ('' when no pod holds the session)."""
+
+    forgotten: bool
+    newest: bool
+    holder: str
+
+
+@dataclass(frozen=True)
 class Claim:
     """A claim's outcome: the generation handed out and the session's new location, or why it was refused
     (``held``: ``holder`` on ``holder_node`` is alive and holds it; ``deployment``: it belongs to ``holder``)."""
@@ -625,6 +662,7 @@ class SessionRegistry:
         self._release = client.register_script(_RELEASE)
         self._retire_older = client.register_script(_RETIRE_OLDER)
         self._summary = client.register_script(_SUMMARY)
+        self._forget_lost = client.register_script(_FORGET_LOST)
 
     def _key(self, *parts: str) -> str:
         return self.subjects.redis_key("kv", *parts)
@@ -1072,6 +1110,72 @@ class SessionRegistry:
         """True for one caller per ``interval_s`` and pod (periodic saves across replicas and restarts)."""
         taken = await self.client.set(self._key("turn", what, pod), owner, nx=True, px=max(1, int(interval_s * 1000)))
         return bool(taken)
+
+    # -- the scrub: a walk over the recorded checkpoints, and the sessions whose next save is full ---------------
+    @_redis_may_be_down
+    async def run_id(self) -> str:
+        """The run id of the Redis that answers (another after a promotion or a restart)."""
+        return str((await self.client.info("server")).get("run_id", ""))
+
+    @_redis_may_be_down
+    async def scrub_position(self) -> tuple[int, str]:
+        """Where the scrub's walk stands: its SCAN cursor (0: at the start), and the run id of the Redis it was
+        taken on ('' when none was kept)."""
+        cursor, run_id = await self.client.hmget(self._key("scrub"), "cursor", "run_id")
+        return int(cursor or 0), as_text(run_id or b"")
+
+    @_redis_may_be_down
+    async def keep_scrub_position(self, cursor: int, run_id: str) -> None:
+        await self.client.hset(self._key("scrub"), mapping={"cursor": cursor, "run_id": run_id})
+
+    @_redis_may_be_down
+    async def scan_checkpointed(self, cursor: int, count: int) -> tuple[int, list[str]]:
+        """One step of SCAN over the sessions with a recorded checkpoint: about ``count`` keys of the keyspace
+        looked at, whatever its size. Returns the next cursor (0: the walk went round) and the sessions found."""
+        prefix = self._key("checkpoints", "")
+        cursor, keys = await self.client.scan(cursor, match=prefix + "*", count=count)
+        return int(cursor), [as_text(k)[len(prefix) :] for k in keys]
+
+    @_redis_may_be_down
+    async def recorded_checkpoints(self, session_ids: Sequence[str], limit: int) -> dict[str, list[str]]:
+        """Each session's recorded checkpoint ids (up to ``limit``), newest first: one round trip."""
+        if not session_ids:
+            return {}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for sid in session_ids:
+                pipe.zrevrange(self._key("checkpoints", sid), 0, limit - 1)
+            rows = await pipe.execute()
+        return {sid: [as_text(c) for c in row] for sid, row in zip(session_ids, rows, strict=True)}
+
+    @_redis_may_be_down
+    async def forget_lost(self, session_id: str, checkpoint_id: str, keep_newest: bool = False) -> Forgotten:
+        """Forget a recorded checkpoint whose files are gone or damaged, and mark the session's holder for a full
+        next save; see ``_FORGET_LOST``. Idempotent: a second call finds nothing recorded."""
+        forgotten, newest, holder = await self._forget_lost(
+            keys=[self._key("checkpoints", session_id)],
+            args=[self.subjects.root, session_id, checkpoint_id, "1" if keep_newest else "0"],
+        )
+        return Forgotten(bool(forgotten), bool(newest), as_text(holder))
+
+    @_redis_may_be_down
+    async def rewrites(self, pod: str) -> set[str]:
+        """The sessions of ``pod`` whose next save writes every block again."""
+        return {as_text(s) for s in await self.client.smembers(self._key("rewrite", pod))}
+
+    @_redis_may_be_down
+    async def mark_rewrite(self, pod: str, session_ids: Sequence[str]) -> None:
+        """``pod``'s next save of these sessions writes every block again (kept a week unless cleared)."""
+        if session_ids:
+            key = self._key("rewrite", pod)
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.sadd(key, *session_ids)
+                pipe.pexpire(key, 604_800_000)
+                await pipe.execute()
+
+    @_redis_may_be_down
+    async def clear_rewrites(self, pod: str, session_ids: Sequence[str]) -> None:
+        if session_ids:
+            await self.client.srem(self._key("rewrite", pod), *session_ids)
 
     # -- audit: walks of the whole registry, for an invariant checker (tests/faults/checker.py), never a service --
     async def audit_checkpointed_sessions(self) -> AsyncIterator[str]:

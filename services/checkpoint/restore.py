@@ -11,11 +11,12 @@ import logging
 from dataclasses import dataclass
 
 from shared.contract.checkpoint import CheckpointLocation, LocateCheckpoint, SessionRestored
-from shared.kv.manifest import checkpoint_order, newest_first
+from shared.kv.manifest import CheckpointManifest, checkpoint_order, newest_first
 from shared.kv.store import CheckpointNotFound, StoreError
 
 from .registry import Claim
 from .replica import Replica
+from .scrub import lost_pack
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class Restores:
             verified.append(manifest)
             bytes_total[cid] = manifest.bytes_total
         from_store: list[str] = []
+        verified = await self._whole(verified)
         if verified:
             repaired = await registry.repair_checkpoints(session_id, verified, store.url)
             if repaired.fenced:  # stale saves whose files are not deleted yet: never a restore's candidates
@@ -192,6 +194,19 @@ class Restores:
         floor = max((checkpoint_order(c)[0] for c in ids), default=0)
         ids = ids[:RESTORE_CANDIDATES]
         return RestoreCandidates(ids, floor, from_store, bytes_total.get(ids[0], 0) if ids else 0)
+
+    async def _whole(self, manifests: list[CheckpointManifest]) -> list[CheckpointManifest]:
+        """Of the checkpoints only the store knows, those whose packs are all there and long enough (one look at
+        their packs): one the scrub forgot because a pack of it was lost is not recorded again (it stays a
+        candidate, which the restore passes over and says why). All of them when the packs cannot be looked at."""
+        if not manifests:
+            return manifests
+        try:
+            sizes = await self.replica.store.pack_sizes({ref.pack for m in manifests for ref in m.blocks})
+        except StoreError as exc:
+            log.warning("packs of unrecorded checkpoints not looked at", extra={"error": str(exc)})
+            return manifests
+        return [m for m in manifests if not lost_pack(m, sizes)]
 
     async def on_restored(self, event: SessionRestored) -> SessionRestored:
         """Idempotent: a repeated report publishes ``checkpoint.restored`` again (deduplicated by its event id)

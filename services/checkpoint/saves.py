@@ -18,6 +18,7 @@ from shared.contract.node import SessionFailure
 from shared.contract.sessions import SessionLocation
 from shared.kv.manifest import CheckpointManifest
 from shared.kv.store import StoreError
+from shared.plumbing.errors import TemporaryError
 
 from .registry import Recording
 from .replica import Replica
@@ -59,7 +60,8 @@ class Saves:
         """Have one pod's agent save; its report, or why there is none (``NoSaveReport``). With ``generations``
         the pod saves those sessions, each only under the generation named (a session it holds under another is
         refused); without, all it holds (what it no longer owns is then refused when recorded). ``changed_only``:
-        sessions with nothing new since their last checkpoint write nothing."""
+        sessions with nothing new since their last checkpoint write nothing. Sessions of the pod marked for a full
+        save (a checkpoint of theirs lost a file) are named in ``rewrite``."""
         command = SaveSessions(
             pod=pod,
             drain_id=drain_id,
@@ -67,6 +69,7 @@ class Saves:
             reason=reason,
             generations=generations or {},
             changed_only=changed_only,
+            rewrite=await self._rewrites(pod, generations),
         )
         ctx = self.replica.ctx
         try:
@@ -136,6 +139,7 @@ class Saves:
             )
         )
         events: list[Event] = []
+        fresh: set[str] = set()  # recorded for the first time by this report (not a duplicate or a replay)
         for c, manifest in manifests:
             problem = problems.get(c.checkpoint_id, "")
             outcome = recorded.get(c.checkpoint_id)
@@ -152,6 +156,7 @@ class Saves:
             total += c.bytes_total
             if not outcome.first_time:
                 continue  # recorded before: a report sent again or replayed is answered, and changes nothing
+            fresh.add(c.session_id)
             metrics.bytes.labels("logical").inc(c.bytes_total)
             metrics.bytes.labels("written").inc(c.bytes_written)
             metrics.sessions.labels("committed").inc()
@@ -170,6 +175,7 @@ class Saves:
             )
             if outcome.location is not None:
                 events.append(outcome.location)
+        await self._note_rewrites(report, fresh, problems)
         await self._publish_recorded(events)
         return Recorded(ok, failed, total)
 
@@ -183,6 +189,30 @@ class Saves:
             await self.replica.store.delete_checkpoint(c.session_id, c.checkpoint_id)
         except StoreError as exc:
             log.warning("refused checkpoint not removed", extra={"error": str(exc)})
+
+    async def _rewrites(self, pod: str, generations: dict[str, int] | None) -> list[str]:
+        """The pod's sessions marked for a full save (of those named, when the command names some); none when
+        Redis does not answer now (the save is then incremental; the mark stays for the next one)."""
+        try:
+            marked = await self.replica.registry.rewrites(pod)
+        except TemporaryError as exc:
+            log.warning("sessions to save in full not read", extra={"pod": pod, "error": str(exc)})
+            return []
+        return sorted(marked & set(generations) if generations else marked)
+
+    async def _note_rewrites(self, report: SaveSessionsReport, fresh: set[str], problems: dict[str, str]) -> None:
+        """A session whose save, recorded now for the first time, wrote every block (reused nothing) is healed: its
+        mark goes (a replayed full save of before the mark clears nothing). A save refused because a pack it
+        references is missing or short marks its session: the pod's next save of it is full."""
+        healed = [c.session_id for c in report.committed if c.session_id in fresh and c.bytes_written >= c.bytes_total]
+        lost = sorted({c.session_id for c in report.committed if problems.get(c.checkpoint_id, "").startswith("pack ")})
+        try:
+            await self.replica.registry.clear_rewrites(report.pod, healed)
+            await self.replica.registry.mark_rewrite(report.pod, lost)
+        except TemporaryError as exc:
+            log.warning("sessions to save in full not updated", extra={"pod": report.pod, "error": str(exc)})
+            return
+        self.replica.metrics.rewrites.labels("save").inc(len(lost))
 
     async def _publish_recorded(self, events: Sequence[Event]) -> None:
         """``checkpoint.saved`` and the locations that changed, in one batch of acknowledgements. What is

@@ -12,6 +12,8 @@ each over the one ``Replica`` (``replica.py``), and hands them their consumers, 
 - ``periodic.py``: periodic saves, and their sharing between replicas; ``gpu_failures.py``: saves of the pods on
   a GPU that failed;
 - ``retention.py``: which checkpoints and packs go, and ended sessions' checkpoints;
+- ``scrub.py``: the registry reconciled with the store (recorded checkpoints whose files are gone are forgotten,
+  their sessions' next saves made full);
 - ``queries.py``: where a session is, pages of sessions, the fleet's counts, ``GET /sessions/<id>``;
 - ``rollout.py``: model rollouts; ``metrics.py``: the metrics; ``ports.py``: the Protocols they depend on.
 
@@ -67,6 +69,7 @@ from .restore import Restores
 from .retention import Retention
 from .rollout import RolloutCoordinator
 from .saves import Saves
+from .scrub import Scrub
 
 
 class CheckpointService:
@@ -121,6 +124,7 @@ class CheckpointService:
         )
         saves = self.saves = Saves(replica)
         self.retention = Retention(replica)
+        self.scrub = Scrub(replica)
         self.announcements = Announcements(replica, self.retention)
         self.restores = Restores(replica)
         self.drain_verdicts = DrainVerdicts(replica, saves)
@@ -192,6 +196,8 @@ class CheckpointService:
         ctx.status["store"] = ports.store.url
         if self._settings.gc_interval_s > 0:
             ctx.spawn(self.retention.loop, "checkpoint-gc")
+        if self._settings.scrub_interval_s > 0:
+            ctx.spawn(self.scrub.loop, "checkpoint-scrub")
         ctx.spawn(self.periodic.loop, "checkpoint-periodic")
 
     def policy(self) -> CheckpointPolicy:

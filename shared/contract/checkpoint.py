@@ -69,6 +69,25 @@ class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored
     from_store: list[CheckpointId] = msgspec.field(default_factory=list)
 
 
+class CheckpointForgotten(Event, frozen=True, kw_only=True, tag="checkpoint.forgotten"):
+    """The registry no longer names a checkpoint it had recorded: the checkpoint service's scrub found its files
+    gone or damaged in the store. ``reason``: ``manifest`` (missing or unreadable), ``pack`` (a pack it references
+    is missing or shorter than a block in it) or ``rot`` (a sampled block's bytes do not match its digest; a
+    session's newest checkpoint is never forgotten for that, only marked). Nothing is deleted: only retention
+    deletes files. ``newest``: it was the session's newest recorded checkpoint (restores now take the next one).
+    ``pod``: the pod that holds the session, whose next save of it writes every block again (``SaveSessions.rewrite``);
+    '' when no pod holds it."""
+
+    family: ClassVar[str] = "checkpoint"
+
+    session_id: SessionId
+    checkpoint_id: CheckpointId
+    reason: str
+    detail: str = ""
+    newest: bool = False
+    pod: OptPodName = ""
+
+
 class CommittedCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
     session_id: SessionId
     checkpoint_id: CheckpointId

@@ -72,6 +72,7 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "checkpoint.saved",
         "checkpoint.failed",
         "checkpoint.restored",
+        "checkpoint.forgotten",
         "checkpoint.save.command",
         "kv.session.location",
         "kv.rollout.state",

@@ -86,6 +86,11 @@ ROUTES: dict[str, Route] = {
     "checkpoint.restored": Route(
         "checkpoint.{session_id}.restored", Delivery.JETSTREAM, "A session was restored from a checkpoint."
     ),
+    "checkpoint.forgotten": Route(
+        "checkpoint.{session_id}.forgotten",
+        Delivery.JETSTREAM,
+        "The registry forgot a recorded checkpoint whose files the scrub found gone or damaged in the store.",
+    ),
     "checkpoint.save.command": Route(
         "cmd.kvagent.{pod}.save", Delivery.CORE, "Request/reply: a pod's KV agent saves sessions, then reports."
     ),

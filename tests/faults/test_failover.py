@@ -167,8 +167,9 @@ async def test_redis_failover_between_checkpoints_restores_every_session_from_it
     rescuer = await mesh.add_pod("llama-4", "node-3", announce_s=QUIET)
     mesh.service.store = counting = CountingStore(mesh.store)  # type: ignore[assignment]
     taken = await _restore_all(mesh, rescuer, sessions, newest, dict.fromkeys(sessions, 8))
-    # what the repair cost: one listing per restore, one manifest read per checkpoint only the store knew
-    assert counting.calls == {"checkpoints": 9, "manifest": 9}, counting.calls
+    # what the repair cost: one listing per restore, one manifest read per checkpoint only the store knew, one look
+    # at its packs
+    assert counting.calls == {"checkpoints": 9, "manifest": 9, "pack_sizes": 9}, counting.calls
     assert {sid: taken[sid] for sid in moved} == {"a0": 3, "b0": 3}
     await eventually(lambda: {e.session_id for e in events} == set(sessions))
     for event in events:
