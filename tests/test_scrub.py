@@ -238,11 +238,11 @@ async def test_the_next_save_command_names_the_marked_sessions_until_a_full_save
     names it in ``rewrite`` (of the sessions the command names) until a save of it that wrote every block is
     recorded: an incremental one clears nothing."""
     async with scene(settings, bus, tmp_path) as s:
-        ids = await _two_checkpoints_each(s, ["s1", "s2"])
-        for pack in (await s.store.manifest("s1", ids["s1"][0])).packs:
-            os.unlink(s.store.packs_dir / f"{pack}.pack")
+        await _two_checkpoints_each(s, ["s1", "s2"])
         s.agent.append_block("s1", block_content("s1", 99, LAYOUT.block_bytes).reshape(2, -1))
-        report = await s.agent.save(["s1"])  # incremental on blocks whose pack is gone
+        report = await s.agent.save(["s1"])  # incremental: it references the earlier packs
+        for pack in (await s.store.manifest("s1", report.committed[0].checkpoint_id)).packs:
+            os.unlink(s.store.packs_dir / f"{pack}.pack")  # lost before the service verifies the report
         recorded = await s.service.saves.record(report_event(s.agent, report), "")
         assert not recorded.committed and "missing or short" in recorded.failed[0].reason
         assert await s.service.registry.rewrites(POD) == {"s1"}
