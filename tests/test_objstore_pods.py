@@ -88,7 +88,9 @@ async def test_a_manifest_in_a_pods_bucket_written_as_another_pod_is_refused(nc:
     fill(agent, "s1", 1)
     report = await agent.save(deadline_s=30, reason="drain")
     honest = await liar.manifest("s1", report.committed[0].checkpoint_id)
-    forged = seal_manifest(msgspec.structs.replace(honest, pod="llama-2", checkpoint_id=honest.checkpoint_id[:-1] + "0"))
+    forged = seal_manifest(
+        msgspec.structs.replace(honest, pod="llama-2", checkpoint_id=honest.checkpoint_id[:-1] + "0")
+    )
     await liar.commit_manifests([forged])
     with pytest.raises(ManifestCorrupt, match="written as pod 'llama-2'"):
         await open_store(f"nats://{root}", nc).manifest("s1", forged.checkpoint_id)
