@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--detach: seconds to wait for /readyz (default 90, and 0.2 more per node past 100)",
     )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="NATS behind the auth callout, as a real cluster runs it: every service under its own user, every "
+        "SIMULATED pod's KV agent under its pod's token, the CLI as the admin (secrets under $GPUWARDEN_HOME/secure)",
+    )
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=process.cmd_up)
 

@@ -314,3 +314,37 @@ def test_a_hollow_fleet_up_drain_down(home_env: dict[str, str]) -> None:
 
     down = gpuwarden(env, "down", timeout=90)
     assert down.returncode == 0 and down.stdout.strip().endswith("none left"), down.stdout + down.stderr
+
+
+def test_a_secured_mesh_runs_everyone_under_their_own_identity(home_env: dict[str, str]) -> None:
+    """``up --secure``: NATS behind the auth callout; every service connects with its own password, every
+    SIMULATED pod's KV agent with its pod's token, the CLI as the admin, the checkpoints in one bucket per pod; a
+    drain moves a node's sessions to a pod that reads them from the old holder's bucket, and nobody is refused."""
+    env = dict(home_env, GPUWARDEN_CHECKPOINT_STORE="nats://ck")
+    one_line_error(gpuwarden(dict(env, GPUWARDEN_NATS_URL="nats://127.0.0.1:1"), "up", "--secure"), 1, "--secure")
+    up = gpuwarden(env, "up", "--detach", "--secure", "--rate", "2", timeout=150)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "secured: every service and pod under its own identity" in up.stdout
+    state = json.loads((Path(env["GPUWARDEN_HOME"]) / "run.json").read_text())
+    assert state["secure"]["GPUWARDEN_NATS_USER"] == "gw-admin"
+
+    def held_on_node2() -> int:
+        return sum(1 for s in status(env)["sessions"] if s["node"] == "node-2" and s["bytes"] > 0)
+
+    until(held_on_node2, 120, "sessions with KV blocks on node-2")
+    drained = gpuwarden(env, "drain", "node-2", "--wait", timeout=180)
+    assert drained.returncode == 0 and "node-2 drained" in drained.stdout, drained.stdout + drained.stderr
+    events = gpuwarden(env, "events", "--kind", "checkpoint.restored", "--json")
+    assert events.returncode == 0 and '"checkpoint.restored"' in events.stdout, events.stderr
+
+    with urllib.request.urlopen(state["services"]["auth"], timeout=5) as answer:
+        callouts = json.loads(answer.read())["callouts"]
+    # each service by its own password (one per node of the node-scoped ones), the admin, and each pod by its token
+    assert callouts["refused"] == 0, callouts
+    for role, least in {"driver": 3, "device": 3, "metrics": 3, "scaler": 1, "checkpoint": 1, "admin": 1}.items():
+        assert callouts["authorized"].get(role, 0) >= least, (role, callouts)
+    assert callouts["authorized"].get("agent", 0) >= 3, callouts  # llama-1, llama-2 and the drain's new pod
+    logs = "".join(p.read_text(errors="replace") for p in Path(state["logs"]).glob("*.log")).lower()
+    assert "permissions violation" not in logs and "authorization violation" not in logs
+    down = gpuwarden(env, "down", timeout=60)
+    assert down.returncode == 0, down.stderr

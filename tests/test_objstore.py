@@ -22,6 +22,7 @@ from shared.kv.crypto import ChunkCipher
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import ChunkRef
 from shared.kv.objstore import NatsObjectStore, decode_sequences, encode_sequences
+from shared.kv.objstore.family import PodBuckets
 from shared.kv.store import ChunkCorrupt, StoreError
 from shared.kv.stores import open_store, parse_store_url
 from tests.helpers import eventually
@@ -494,8 +495,9 @@ def test_sequence_runs_round_trip() -> None:
 
 async def test_open_store_parses_the_variable(tmp_path: Path, nc: Client, root: str) -> None:
     assert isinstance(open_store(f"file://{tmp_path}/cp"), FileStore)
-    store = open_store(f"nats://{root}?replicas=1", nc)
-    assert isinstance(store, NatsObjectStore) and store.bucket == root and store.url == f"nats://{root}"
+    store = open_store(f"nats://{root}?replicas=1", nc, pod="llama-1")
+    assert isinstance(store, PodBuckets) and store.bucket == root and store.url == f"nats://{root}"
+    assert store.owner == "llama-1" and store.replicas == 1
     for bad in ("s3://bucket", "nats://has.dot", "nats://", "nats://b/x", "file://relative", "nats://b?chunk=1", ""):
         with pytest.raises(ValueError, match="GPUWARDEN_CHECKPOINT_STORE"):
             open_store(bad, nc)

@@ -60,7 +60,8 @@ from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import ROUTES, Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
-from shared.kv.objstore import NatsObjectStore
+from shared.kv.objstore.family import PodBuckets
+from shared.kv.stores import open_store
 from shared.plumbing.bus import Bus, PublishFailed
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.consumer import ConsumerSpec, consume, consumer_config, consumer_drift
@@ -235,6 +236,7 @@ def test_node_does_not_narrow_cluster_wide_services(subjects: Subjects) -> None:
 
 
 def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
+    drains = subjects.durable("checkpoint", "drains")
     perms = agent_permissions(subjects, pod="llama-1", bucket="ck")
     for kind in ("checkpoint.agent.sessions", "checkpoint.save.report", "checkpoint.save.progress"):
         assert may_publish(perms, concrete(subjects, kind, pod="llama-1"))
@@ -247,10 +249,35 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
     for kind in ROUTES:  # no lifecycle event at all: the checkpoint service records what agents report
         if kind != "deadletter" and ROUTES[kind].delivery.name == "JETSTREAM":
             assert not may_publish(perms, concrete(subjects, kind, pod="llama-1")), kind
-    assert may_publish(perms, "$O.ck.C.abc") and not may_publish(perms, "$O.other.C.abc")
-    assert may_publish(perms, "$JS.API.CONSUMER.CREATE.OBJ_ck.reader")
-    assert not may_publish(perms, "$JS.API.STREAM.CREATE.OBJ_ck")
-    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{subjects.events_stream.name}.x")
+    # the checkpoint store nats://ck: its own pod's bucket to write, every bucket to read, no consumer anywhere
+    assert may_publish(perms, "$O.ck-llama-1.C.abc") and may_publish(perms, "$JS.API.STREAM.CREATE.OBJ_ck-llama-1")
+    assert may_publish(perms, "$JS.API.STREAM.PURGE.OBJ_ck-llama-1")
+    for other in ("$O.ck-llama-2.C.abc", "$O.ck.C.abc", "$O.other.C.abc", "$JS.API.STREAM.PURGE.OBJ_ck-llama-2"):
+        assert not may_publish(perms, other), other
+    assert not may_publish(perms, "$JS.API.STREAM.CREATE.OBJ_ck") and not may_publish(
+        perms, "$JS.API.STREAM.PURGE.OBJ_ck"
+    )
+    assert may_publish(perms, "$O.ck.I.s1.c1.llama-1") and not may_publish(perms, "$O.ck.I.s1.c1.llama-2")
+    assert not may_publish(perms, "$JS.API.STREAM.PURGE.OBJIDX_ck")
+    assert may_publish(perms, "$JS.API.DIRECT.GET.OBJ_ck-llama-2") and may_publish(perms, "$JS.API.DIRECT.GET.OBJ_ck")
+    for spec in subjects.streams:  # the installation's own streams are no bucket
+        assert not may_publish(perms, f"$JS.API.DIRECT.GET.{spec.name}")
+        assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{spec.name}.x")
+        assert not may_publish(perms, f"$JS.API.CONSUMER.MSG.NEXT.{spec.name}.x")
+    assert not may_publish(perms, "$JS.API.CONSUMER.CREATE.OBJ_ck-llama-2.x")
+    shared = agent_permissions(subjects, bucket="ck")  # a static configuration's one agent user owns one bucket
+    assert may_publish(shared, "$O.ck.C.abc") and may_publish(shared, "$JS.API.CONSUMER.CREATE.OBJ_ck.reader")
+    custodian = service_permissions(subjects, "checkpoint", bucket="ck")  # retention: every pod's bucket
+    for bucket in ("ck-llama-1", "ck-llama-2", "ck"):
+        assert may_publish(custodian, f"$JS.API.STREAM.PURGE.OBJ_{bucket}")
+        assert may_publish(custodian, f"$JS.API.DIRECT.GET.OBJ_{bucket}")
+        assert not may_publish(custodian, f"$O.{bucket}.C.abc")  # it writes no checkpoint
+    assert may_publish(custodian, "$JS.API.STREAM.PURGE.OBJIDX_ck") and may_publish(custodian, "$JS.API.STREAM.NAMES")
+    for spec in subjects.streams:
+        assert not may_publish(custodian, f"$JS.API.STREAM.PURGE.{spec.name}")
+        assert not may_publish(custodian, f"$JS.API.DIRECT.GET.{spec.name}")
+    assert may_publish(custodian, f"$JS.API.CONSUMER.MSG.NEXT.{subjects.events_stream.name}.{drains}")
+    assert "deny" not in service_permissions(subjects, "driver", bucket="ck")["publish"]
     assert may_publish(perms, concrete(subjects, "model.prepare.report", pod="llama-1"))
     assert not may_publish(perms, concrete(subjects, "model.prepare.report", pod="llama-2"))
     assert perms["subscribe"]["allow"] == [
@@ -506,19 +533,21 @@ async def test_a_kv_agent_saves_and_restores_under_its_own_user(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The whole checkpoint path on least privilege: the checkpoint service as its user, the pod's KV agent as
-    the agents' user scoped to that pod, both on an Object Store bucket the admin created; a drain saves every
+    the agents' user scoped to that pod (its own bucket of the family ``nats://<bucket>``); a drain saves every
     session, and the pod, restarted, restores them. Speaking as another pod is refused."""
     caplog.set_level(logging.DEBUG)
     bucket = bucket_of(subjects)
-    await admin.js.create_object_store(bucket)
     service_bus = await Bus.connect(as_user("checkpoint"), subjects, "checkpoint", connect_timeout=2.0)
     agent_errors: list[Exception] = []
     agent_bus = await Bus.connect(
         as_user(AGENT), subjects, f"agent/{AGENT_POD}", connect_timeout=2.0, on_error=agent_errors.append
     )
-    service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=NatsObjectStore(service_bus.nc, bucket))
+    service_store = open_store(f"nats://{bucket}", service_bus.nc)
+    assert isinstance(service_store, PodBuckets)
+    await service_store.index.ensure()  # the checkpoint service makes the family's index; each pod its own bucket
+    service = CheckpointService(CheckpointSettings(gc_interval_s=0), store=service_store)
     running = await start_service(service, replace(settings, nats=as_user("checkpoint")), Wiring)
-    agent_store = NatsObjectStore(agent_bus.nc, bucket)
+    agent_store = open_store(f"nats://{bucket}", agent_bus.nc, pod=AGENT_POD)
     agent = KvAgent(agent_store, pod=AGENT_POD, node="node-1", namespace="llm", deployment="llama", layout=LAYOUT)
     blocks = {f"s{i}": [block_content(f"s{i}", b, LAYOUT.block_bytes) for b in range(3)] for i in range(3)}
     for sid, arrays in blocks.items():

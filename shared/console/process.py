@@ -116,9 +116,10 @@ def run_foreground(args: argparse.Namespace) -> int:
     log_dir = base / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     owned: list[Any] = []
+    secure = _secure(args, env, base)
     try:
-        _start_servers(env, base, owned, args)
-        return _run_mesh(args, env, nodes, base, path, log_dir, owned, hollow)
+        _start_servers(env, base, owned, args, secure)
+        return _run_mesh(args, env, nodes, base, path, log_dir, owned, hollow, secure)
     finally:
         for server in owned:
             server.cleanup()  # the Redis data folder stays for the next run
@@ -179,13 +180,38 @@ def _fleet(args: argparse.Namespace, env: dict[str, str], base: Path) -> tuple[l
     return nodes, hollow
 
 
-def _start_servers(env: dict[str, str], base: Path, owned: list[Any], args: argparse.Namespace) -> None:
-    """Start NATS and Redis unless their URLs are given; Redis keeps its data in ``base/redis`` (AOF)."""
+SECURE_DIR = "secure"
+"""Under ``GPUWARDEN_HOME``, ``up --secure``'s passwords, issuer seed, server configuration and pods' tokens."""
+
+
+def _secure(args: argparse.Namespace, env: dict[str, str], base: Path) -> Any:
+    """``--secure``: the secrets of the run (kept from an earlier one), or None. It needs the NATS server it
+    starts: an external one's configuration is not ``up``'s to write."""
+    if not getattr(args, "secure", False):
+        return None
+    if env.get("GPUWARDEN_NATS_URL"):
+        raise CommandError("--secure configures the NATS server it starts: leave GPUWARDEN_NATS_URL unset")
+    from shared.console.secure import callout_secrets
+
+    return callout_secrets(base / SECURE_DIR)
+
+
+def _start_servers(
+    env: dict[str, str], base: Path, owned: list[Any], args: argparse.Namespace, secure: Any = None
+) -> None:
+    """Start NATS and Redis unless their URLs are given; Redis keeps its data in ``base/redis`` (AOF). With
+    ``secure`` (``CalloutSecrets``), NATS knows one user, the auth callout's: everyone else is the callout's."""
     from shared.plumbing.devservers import NatsServer, RedisServer, free_port
 
     try:
         if not env.get("GPUWARDEN_NATS_URL"):
-            nats_server = NatsServer(port=args.nats_port or free_port())
+            config = None
+            if secure is not None:
+                from shared.console.secure import write_server_config
+                from shared.contract.subjects import Subjects
+
+                config = write_server_config(base / SECURE_DIR / "nats.conf", Subjects(env["GPUWARDEN_ROOT"]), secure)
+            nats_server = NatsServer(port=args.nats_port or free_port(), config=config)
             owned.append(nats_server)
             env["GPUWARDEN_NATS_URL"] = nats_server.start().url
         if not env.get("GPUWARDEN_REDIS_URL"):
@@ -205,25 +231,47 @@ def _run_mesh(
     log_dir: Path,
     servers: list[Any],
     hollow: bool = False,
+    secure: Any = None,
 ) -> int:
     """Start the plan's processes and keep them, and the servers this run started, running until stopped: a
-    process or server that exits is started again (a server on its own port and folder)."""
+    process or server that exits is started again (a server on its own port and folder). With ``secure``
+    (``CalloutSecrets``): the auth service first, then the streams (the admin's to create), then every service
+    under its own user and the simulation as the admin, each of its pods' KV agents with its own pod's token."""
+    from shared.contract.subjects import Subjects
     from shared.plumbing.hollow import node_list
 
     checkpoints = f"file://{base / 'checkpoints'}"
     plan: list[tuple[str, str, dict[str, str]]] = []
     listeners: dict[str, socket.socket] = {}
+    subjects = Subjects(env["GPUWARDEN_ROOT"])
 
     def http(label: str) -> dict[str, str]:
         """The HTTP listener of ``label``'s process: bound here, now, and held while the run lasts."""
         sock = listeners[label] = listening_socket()
         return {"GPUWARDEN_HTTP_ADDR": f"127.0.0.1:{sock.getsockname()[1]}", "GPUWARDEN_HTTP_FD": str(sock.fileno())}
 
+    def as_user(name: str) -> dict[str, str]:
+        if secure is None:
+            return {}
+        from shared.console.secure import user_env
+
+        return user_env(subjects, secure, name)
+
+    if secure is not None:
+        from shared.console.secure import auth_env
+        from shared.kv.stores import parse_store_url
+
+        store = env.get("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
+        kind, where, _ = parse_store_url(store)
+        auth = dict(env, GPUWARDEN_NODE=nodes[0], **http("auth"))
+        auth.update(auth_env(subjects, secure, where if kind == "nats" else ""))
+        plan.append(("auth", "services.auth", auth))
+
     for name in SERVICES:
         hosted = name in NODE_SCOPED and hollow
         for node in nodes if name in NODE_SCOPED and not hollow else [nodes[0]]:
             label = f"{name}@hollow" if hosted else f"{name}@{node}" if name in NODE_SCOPED else name
-            child = dict(env, GPUWARDEN_NODE=node, **http(label))
+            child = dict(env, GPUWARDEN_NODE=node, **http(label), **as_user(name))
             if hosted:
                 child["GPUWARDEN_HOLLOW_NODES"] = node_list(nodes)
             child.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
@@ -238,8 +286,10 @@ def _run_mesh(
                 child.setdefault("GPUWARDEN_METRICS_INTERVAL_S", "2" if quick else "15")
             plan.append((label, f"services.{name}", child))
     if env["GPUWARDEN_BACKEND"] == "sim":
-        sim_env = dict(env, GPUWARDEN_NODE=nodes[0], **http("sim"))
+        sim_env = dict(env, GPUWARDEN_NODE=nodes[0], **http("sim"), **as_user("admin"))
         sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
+        if secure is not None:  # the simulated cluster and workload as the admin; each pod's agent as its pod
+            sim_env["GPUWARDEN_SIM_TOKEN_DIR"] = str(base / SECURE_DIR / "tokens")
         plan.append(("sim", "shared.sim", sim_env))
     state: dict[str, Any] = {
         "pid": os.getpid(),
@@ -254,6 +304,8 @@ def _run_mesh(
         "logs": str(log_dir),
         "pids": {},
     }
+    if secure is not None:  # how the CLI connects: as the admin (``state.command_env``)
+        state["secure"] = as_user("admin")
     procs: dict[str, subprocess.Popen[bytes]] = {}
     extra = {"sim": ["--rate", str(args.rate)]}
 
@@ -285,6 +337,10 @@ def _run_mesh(
     signal.signal(signal.SIGTERM, on_signal)
     for label, name, child in plan:
         launch(label, name, child)
+        if label == "auth":  # nobody connects until the callout answers; the streams are the admin's to create
+            record()
+            _wait_ready(state["services"]["auth"], procs["auth"], log_dir / "auth.log")
+            _ensure_streams(dict(env, **as_user("admin")))
     record()
     if not args.quiet:
         print(banner(state, base))
@@ -332,6 +388,8 @@ def _run_mesh(
 
 def banner(state: dict[str, Any], base: Path) -> str:
     simulated = " (SIMULATED GPUs and cluster)" if state.get("simulated") else ""
+    if state.get("secure"):
+        simulated += ", secured: every service and pod under its own identity (auth callout)"
     lines = [
         f"gpuwarden is running{simulated}",
         f"  NATS   {state['nats_url']}   Redis {state['redis_url']}   root {state['root']}",
@@ -340,6 +398,42 @@ def banner(state: dict[str, Any], base: Path) -> str:
     lines.append(f"  home   {base}   (state, logs, checkpoints, Redis data)")
     lines.append("  try:   gpuwarden status      gpuwarden drain node-1 --wait      gpuwarden events --follow")
     return "\n".join(lines)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _ready(url):
+        if proc.poll() is not None:
+            raise CommandError(f"the auth service exited: {_last_words(log)} (log: {log})")
+        if time.monotonic() > deadline:
+            raise CommandError(f"the auth service was not ready within {timeout:g}s (log: {log})")
+        time.sleep(0.2)
+
+
+def _ensure_streams(env: dict[str, str]) -> None:
+    """The streams, created as the admin (a service may look them up, never create them on a secured server), and
+    with a ``nats://`` checkpoint store its index (``shared.kv.objstore.family``), before any pod saves."""
+    import asyncio
+
+    from shared.contract.subjects import Subjects
+    from shared.plumbing.bus import Bus
+
+    async def ensure() -> None:
+        settings = load_settings(env)
+        bus = await Bus.connect(settings.nats, Subjects(settings.root), "up", connect_timeout=5.0)
+        try:
+            await bus.ensure_streams()
+            store = env.get("GPUWARDEN_CHECKPOINT_STORE", "")
+            if store.startswith("nats://"):
+                from shared.kv.objstore.family import PodBuckets
+                from shared.kv.stores import parse_store_url
+
+                _, bucket, options = parse_store_url(store)
+                await PodBuckets(bus.nc, bucket, **options).index.ensure()
+        finally:
+            await bus.close(1.0)
+
+    asyncio.run(ensure())
 
 
 # -- detached -----------------------------------------------------------------------------------------------------
@@ -471,6 +565,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         argv.append("--hollow" if args.hollow else "--no-hollow")
     if args.seconds is not None:
         argv += ["--seconds", str(args.seconds)]
+    if getattr(args, "secure", False):
+        argv.append("--secure")
     return run_detached(args, argv)
 
 

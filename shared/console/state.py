@@ -97,6 +97,9 @@ def command_env() -> dict[str, str]:
         env.setdefault("GPUWARDEN_NATS_URL", state["nats_url"])
         env.setdefault("GPUWARDEN_REDIS_URL", state["redis_url"])
         env.setdefault("GPUWARDEN_ROOT", state.get("root", "gw"))
+        if state.get("secure") and not env.get("GPUWARDEN_NATS_USER"):  # `up --secure`: the CLI is the admin
+            for name, value in state["secure"].items():
+                env.setdefault(name, value)
     return env
 
 

@@ -288,21 +288,24 @@ def subscribe_allow(subjects: Subjects, service: str, node: str | None = None) -
 def service_permissions(
     subjects: Subjects, service: str, node: str | None = None, bucket: str | None = None
 ) -> dict[str, Any]:
-    """The NATS ``permissions`` object of ``service``'s user. With ``bucket``, the checkpoint service may also use
-    that Object Store bucket (it reads and deletes the checkpoints the agents write)."""
+    """The NATS ``permissions`` object of ``service``'s user. With ``bucket``, the checkpoint service may also read,
+    purge and list every bucket of that checkpoint store (``checkpoint_store_custodian``): it reads what the agents
+    report and deletes what retention lets go, in every pod's bucket."""
     allow = publish_allow(subjects, service, node)
-    if bucket is not None and service == "checkpoint":
-        allow = _unique([*allow, *object_store_api(bucket)])
-    return {
+    result: dict[str, Any] = {
         "publish": {"allow": allow},
         "subscribe": {"allow": subscribe_allow(subjects, service, node)},
         "allow_responses": True,
     }
+    if bucket is not None and service == "checkpoint":
+        custodian = checkpoint_store_custodian(subjects, bucket)
+        result["publish"] = {"allow": _unique([*allow, *custodian["allow"]]), "deny": custodian["deny"]}
+    return result
 
 
 def object_store_api(bucket: str) -> list[str]:
-    """What writing and reading checkpoints in the Object Store bucket ``bucket`` takes (shared.kv.objstore); the
-    bucket itself is created by the admin."""
+    """What writing and reading checkpoints in the Object Store bucket ``bucket`` takes (shared.kv.objstore), when
+    one user owns the whole bucket; the bucket itself is created by the admin."""
     stream = f"OBJ_{bucket}"
     return [
         f"$O.{bucket}.>",
@@ -316,13 +319,118 @@ def object_store_api(bucket: str) -> list[str]:
     ]
 
 
+# -- the checkpoint store on NATS: one bucket per pod ----------------------------------------------------------------
+#
+# ``nats://<bucket>`` is a family of Object Store buckets (shared.kv.objstore.family): each pod writes its packs and
+# manifests into a bucket of its own, ``<bucket>-<owner>`` (``pod_bucket``), and names each manifest in the family's
+# index stream, ``OBJIDX_<bucket>`` (subjects ``$O.<bucket>.I.<session>.<checkpoint>.<owner>``), where any reader
+# finds a session's checkpoints with one request. A pack's id ends with its owner (``<32 hex>-<owner>``), so a
+# manifest that references another pod's blocks says which bucket they are in. The bucket ``<bucket>`` itself is
+# the single bucket of earlier versions: still read, never written.
+#
+# Reads go through JetStream direct gets (``$JS.API.DIRECT.GET.<stream>``), never consumers: a consumer's pull
+# subject names the consumer, and a right to pull from any consumer of any stream would reach the services'
+# durables. A direct get on any stream is allowed, less the installation's own streams (``subjects.streams``): the
+# buckets are created as pods appear, and a stream name is one subject token, which no permission can match by
+# prefix. What JetStream holds beyond them in the same account (another installation's streams) is readable too:
+# isolate installations by account, as for the admin.
+
+INDEX_TOKEN = "I"
+_OWNER_MAX = 80
+
+
+def bucket_owner(pod: str) -> str:
+    """The token that names ``pod``'s bucket and ends its pack ids: the pod's name, dots as ``_`` (``subject_token``);
+    a name longer than 80 characters is cut and ended with a digest of the whole, so that a pack id stays within
+    the 128 characters of an id."""
+    token = subject_token(pod)
+    if len(token) <= _OWNER_MAX:
+        return token
+    import hashlib
+
+    return f"{token[: _OWNER_MAX - 13]}-{hashlib.sha256(pod.encode()).hexdigest()[:12]}"
+
+
+def pod_bucket(bucket: str, owner: str) -> str:
+    """The bucket of one pod (``owner``: its ``bucket_owner`` token) in the family ``bucket``: ``<bucket>-<owner>``."""
+    return f"{bucket}-{owner}"
+
+
+def index_stream(bucket: str) -> str:
+    """The family's index stream: ``OBJIDX_<bucket>`` (no Object Store bucket's stream is named so)."""
+    return f"OBJIDX_{bucket}"
+
+
+def index_subjects(bucket: str) -> str:
+    """Every entry of the family's index: ``$O.<bucket>.I.>`` (no Object Store stream's subjects: those are
+    ``$O.<bucket>.C.>`` and ``$O.<bucket>.M.>``)."""
+    return f"$O.{bucket}.{INDEX_TOKEN}.>"
+
+
+def _contract_stream_denials(subjects: Subjects, *apis: str) -> list[str]:
+    """``$JS.API.<api>.<stream>`` (and ``.>`` under it) for each of the installation's own streams."""
+    denied: list[str] = []
+    for spec in subjects.streams:
+        for api in apis:
+            denied += [f"{JS_API}.{api}.{spec.name}", f"{JS_API}.{api}.{spec.name}.>"]
+    return denied
+
+
+def checkpoint_store_reader(subjects: Subjects, bucket: str) -> dict[str, list[str]]:
+    """``{"allow": [...], "deny": [...]}`` for a publish list: read every bucket of the family ``bucket`` (stream
+    info and direct gets on any stream but the installation's own). Nothing here writes or purges."""
+    return {
+        "allow": [f"{JS_API}.STREAM.INFO.*", f"{JS_API}.DIRECT.GET.*"],
+        "deny": _contract_stream_denials(subjects, "DIRECT.GET"),
+    }
+
+
+def checkpoint_store_writer(subjects: Subjects, bucket: str, pod: str) -> dict[str, list[str]]:
+    """An agent's rights on the family ``bucket``: create, write, purge and delete in its own pod's bucket only;
+    name its own checkpoints in the index (entries ending with its owner token, no purge there); read every bucket
+    (``checkpoint_store_reader``); look up none of the installation's own streams but the dead letters'."""
+    owner = bucket_owner(pod)
+    own = pod_bucket(bucket, owner)
+    stream = f"OBJ_{own}"
+    reader = checkpoint_store_reader(subjects, bucket)
+    allow = [
+        f"$O.{own}.>",
+        f"$O.{bucket}.{INDEX_TOKEN}.*.*.{owner}",
+        f"{JS_API}.STREAM.CREATE.{stream}",
+        f"{JS_API}.STREAM.PURGE.{stream}",
+        f"{JS_API}.STREAM.MSG.DELETE.{stream}",
+        *reader["allow"],
+    ]
+    looked_up = [spec for spec in subjects.streams if spec.name != subjects.deadletter_stream.name]
+    deny = [*reader["deny"], *(f"{JS_API}.STREAM.INFO.{spec.name}" for spec in looked_up)]
+    return {"allow": allow, "deny": deny}
+
+
+def checkpoint_store_custodian(subjects: Subjects, bucket: str) -> dict[str, list[str]]:
+    """The checkpoint service's rights on the family ``bucket``: read every bucket, list the streams (to find
+    every pod's bucket), purge in any bucket (retention, refused saves, orphans), create the index stream, and index
+    the manifests of the single bucket of earlier versions that have no index entry yet. It purges none of the
+    installation's own streams."""
+    reader = checkpoint_store_reader(subjects, bucket)
+    allow = [
+        *reader["allow"],
+        f"{JS_API}.STREAM.NAMES",
+        f"{JS_API}.STREAM.PURGE.*",
+        f"{JS_API}.STREAM.CREATE.{index_stream(bucket)}",
+        f"$O.{bucket}.C.index.>",  # indexing the single bucket's manifests (shared.kv.objstore.codec.INDEX_TOKEN)
+    ]
+    return {"allow": allow, "deny": [*reader["deny"], *_contract_stream_denials(subjects, "STREAM.PURGE")]}
+
+
 def agent_permissions(
     subjects: Subjects, pod: str | None = None, bucket: str | None = None, name: str | None = None
 ) -> dict[str, Any]:
     """The KV agents' user. With ``pod``, the agent may speak only as that pod and hear only that pod's save
     commands (a user per pod: what the auth callout issues for a pod's service-account token); without, as any
-    pod (a static configuration's shared agent user). With ``bucket``, it may write and read checkpoints in that
-    JetStream Object Store bucket (``nats://<bucket>``) and nothing else of JetStream but storing a dead letter.
+    pod (a static configuration's shared agent user). With ``bucket`` and ``pod``, it may write checkpoints only in
+    its own pod's bucket of the family ``nats://<bucket>`` and read every bucket of it
+    (``checkpoint_store_writer``); with ``bucket`` alone (the shared agent user), it owns the one bucket
+    ``bucket`` (``object_store_api``). Nothing else of JetStream but storing a dead letter.
     It never publishes lifecycle events: the checkpoint service records what agents report. It answers save and
     prepare commands through ``allow_responses``. ``name``: the user's name, which names its inbox (default
     ``identity_name``: ``<root>-agent-<pod>``, or ``<root>-agent`` for any pod)."""
@@ -338,11 +446,19 @@ def agent_permissions(
     )
     deadletters = subjects.deadletter_stream
     publish = [*own, save_command, *requests, *deadletters.subjects, f"{JS_API}.STREAM.INFO.{deadletters.name}"]
-    if bucket is not None:
+    deny: list[str] = []
+    if bucket is not None and pod:
+        store = checkpoint_store_writer(subjects, bucket, pod)
+        publish += store["allow"]
+        deny = store["deny"]
+    elif bucket is not None:
         publish += object_store_api(bucket)
     inbox = _own_inbox(name or identity_name(subjects, Identity(AGENT, pod=pod or "")))
+    allowed: dict[str, Any] = {"allow": _unique(publish)}
+    if deny:
+        allowed["deny"] = deny
     return {
-        "publish": {"allow": _unique(publish)},
+        "publish": allowed,
         "subscribe": {"allow": [save_command, prepare_command, rollouts, inbox]},
         "allow_responses": True,
     }

@@ -1,8 +1,11 @@
 """Choose the checkpoint store from ``GPUWARDEN_CHECKPOINT_STORE``.
 
     file:///absolute/path          FileStore on a filesystem or PersistentVolume
-    nats://<bucket>                NatsObjectStore on the JetStream Object Store bucket (reachable from every
-    nats://<bucket>?replicas=3     node; created on first use with file storage and the given replicas)
+    nats://<bucket>                PodBuckets: JetStream Object Store buckets reachable from every node, one per
+    nats://<bucket>?replicas=3     pod (``<bucket>-<pod>``, created on first use with file storage and the given
+                                   replicas), so that a pod writes and deletes only its own checkpoints
+                                   (``shared.kv.objstore.family``); the single bucket ``<bucket>`` of earlier
+                                   versions is still read
 
 The NATS store rides on the service's existing connection (its credentials, TLS and reconnects), so ``nc`` is
 required for ``nats://`` and the URL carries no server address.
@@ -58,17 +61,18 @@ def parse_store_url(url: str) -> tuple[str, str, dict[str, Any]]:
     raise ValueError(f"{VARIABLE}={url!r}: expected {FORMS}")
 
 
-def open_store(url: str, nc: Client | None = None) -> CheckpointStore:
+def open_store(url: str, nc: Client | None = None, pod: str = "") -> CheckpointStore:
     """The store a ``GPUWARDEN_CHECKPOINT_STORE`` value names (see ``parse_store_url``). ``nats://`` needs the
-    service's connected client."""
+    service's connected client, and writes only as ``pod`` (an inference pod's KV agent; without it the store reads
+    and deletes, as the checkpoint service does)."""
     kind, where, options = parse_store_url(url)
     if kind == "file":
         return FileStore(where)
     if nc is None:
         raise ValueError(f"{VARIABLE}={url!r}: the NATS object store needs a connected NATS client (nc)")
-    from shared.kv.objstore import NatsObjectStore
+    from shared.kv.objstore.family import PodBuckets
 
-    return NatsObjectStore(nc, where, **options)
+    return PodBuckets(nc, where, pod=pod, **options)
 
 
 def _store_url(name: str, raw: str) -> str:

@@ -16,25 +16,53 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import redis.exceptions
 
+from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
 from shared.kv.stores import StoreSettings
+from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client, warm_pool
 from shared.plumbing.runner import ServiceContext, run
-from shared.plumbing.settings import settings_from_env
-from shared.ports.cluster import ClusterError
+from shared.plumbing.settings import Parse, Secret, documented, setting, settings_from_env
+from shared.ports.cluster import ClusterError, PodInfo
 from shared.sim.cluster import SharedSimCluster, SimCluster
 from shared.sim.conversations import publish_requests
 from shared.sim.exporter import PodRef, SimExporter, SimExporterHost
 from shared.sim.faults import serve_faults
 from shared.sim.gauges import WorkloadCollector
 from shared.sim.gpus import SimGpus
+from shared.sim.pods import PodLink
 from shared.sim.spec import SimSpec, load_spec
 from shared.sim.workload import SimWorkload
 
 log = logging.getLogger(__name__)
+
+
+def _folder(name: str, raw: str) -> Path:
+    path = Path(raw)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass(frozen=True)
+class PodIdentitySettings:
+    token_dir: Path | None = setting(
+        "GPUWARDEN_SIM_TOKEN_DIR",
+        None,
+        "sim: folder where each SIMULATED pod's service-account token is written, as the kubelet projects it; each "
+        "pod's KV agent then connects with it, as its own pod (a secured mesh: gpuwarden up --secure)",
+        parse=Parse(_folder),
+    )
+    """None: every pod's agent speaks on the simulation's own connection."""
+
+
+DOCUMENTED = documented(PodIdentitySettings)
+"""Every variable this module's settings read, as docs/configuration.md lists it (tools.envdoc)."""
+TOKEN_TTL_S = 3600.0
 
 REDIS_CONNECTIONS = 64
 """The simulation's one Redis pool: a fleet's exporter pages scraped at once wait for a connection, never fail for
@@ -51,9 +79,18 @@ class Simulation:
     """How often the simulation checks that its world is still in Redis."""
 
     def __init__(
-        self, spec: SimSpec, store_url: str, rate: float, sessions: int, prompt: int, new: int, max_turns: int = 12
+        self,
+        spec: SimSpec,
+        store_url: str,
+        rate: float,
+        sessions: int,
+        prompt: int,
+        new: int,
+        max_turns: int = 12,
+        token_dir: Path | None = None,
     ) -> None:
         self.spec = spec
+        self.token_dir = token_dir
         self.store_url = store_url
         self.rate = rate
         self.sessions = sessions
@@ -79,7 +116,9 @@ class Simulation:
             await asyncio.gather(*(port.attach() for port in ports[start : start + ATTACH_AT_ONCE]))
         await serve_faults(ctx.bus, client, ctx.subjects, self.spec)
         store = open_store(self.store_url, ctx.bus.nc)
-        self.workload = SimWorkload(ctx.bus, cluster, store, self.spec, gpus=gpus)
+        self.workload = SimWorkload(
+            ctx.bus, cluster, store, self.spec, gpus=gpus, link_pod=lambda pod: self._link(ctx, cluster, store, pod)
+        )
         await self.workload.start()
         ctx.status["simulation"] = self.workload.status
         ctx.telemetry.registry.register(WorkloadCollector(self.workload))
@@ -106,6 +145,33 @@ class Simulation:
                 )
 
             ctx.spawn(load, "sim-load")
+
+    async def _link(self, ctx: ServiceContext, cluster: SimCluster, shared: Any, pod: PodInfo) -> PodLink:
+        """How ``pod``'s KV agent reaches NATS and the store. With ``token_dir``: a connection of its own, proving
+        its pod with the token the SIMULATED cluster issued for it (written to ``<token_dir>/<namespace>_<pod>``
+        and read again at every reconnect, as a projected token). A ``nats://`` store writes as the pod; a file
+        store is the one all pods share."""
+        from shared.kv.stores import open_store, parse_store_url
+
+        bus, own_bus = ctx.bus, False
+        if self.token_dir is not None:
+            token = await cluster.issue_token(pod.namespace, pod.name, audience="gpuwarden", ttl_s=TOKEN_TTL_S)
+            path = self.token_dir / f"{pod.namespace}_{pod.name}"
+            path.write_text(token)
+            path.chmod(0o600)
+            nats = replace(
+                ctx.settings.nats,
+                user=None,
+                password=None,
+                token=Secret(token),
+                token_file=path,
+                inbox_prefix=inbox_prefix(identity_name(ctx.subjects, Identity(AGENT, pod=pod.name))),
+            )
+            bus = await Bus.connect(nats, ctx.subjects, f"agent/{pod.name}")
+            own_bus = True
+        if parse_store_url(self.store_url)[0] == "nats":
+            return PodLink(bus, open_store(self.store_url, bus.nc, pod=pod.name), own_bus=own_bus)
+        return PodLink(bus, shared, own_bus=own_bus, own_store=False)
 
     async def _keep_world(self, cluster: SimCluster) -> None:
         """Runs for the simulation's lifetime. Redis may come back empty (a restart without persistence, a
@@ -155,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = load_spec()
         store = settings_from_env(StoreSettings).url
+        token_dir = settings_from_env(PodIdentitySettings).token_dir
     except ValueError as exc:
         print(f"gpuwarden sim run: {exc}", file=sys.stderr)
         return 2
@@ -168,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.prompt_tokens,
                 args.new_tokens,
                 max(1, args.max_turns),
+                token_dir,
             )
         )
     return 0

@@ -14,6 +14,8 @@ from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.load import LoadReporter
 from shared.kv.manifest import KvLayout
+from shared.kv.store import CheckpointStore
+from shared.plumbing.bus import Bus
 from shared.ports.cluster import PodInfo
 from shared.sim.blockpool import BlockPool
 from shared.sim.cluster import SimCluster
@@ -21,6 +23,26 @@ from shared.sim.clusterstate import object_key
 from shared.sim.engines import PodEngine
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PodLink:
+    """How one pod's KV agent reaches NATS and the checkpoint store: on a secured mesh a connection of its own
+    (its pod identity, from its token) and a store that writes as the pod."""
+
+    bus: Bus
+    store: CheckpointStore
+    own_bus: bool = True
+    """The connection is the pod's own (closed when the pod goes), not the simulation's."""
+    own_store: bool = True
+    """The store is the pod's own (a ``nats://`` family store writing as the pod), not one all pods share."""
+
+    async def close(self) -> None:
+        if self.own_store:
+            with contextlib.suppress(Exception):
+                await self.store.close()
+        if self.own_bus:
+            await self.bus.close(0.5)
 
 
 @dataclass
@@ -41,6 +63,8 @@ class PodRuntime:
     """The load last written on the pod's GPU (written again only when it changes)."""
     stopping: bool = False
     gone: bool = False
+    link: PodLink | None = None
+    """The pod's own connection and store, when it has them (``SimWorkload.link_pod``): closed when it goes."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """The engine runs one step at a time: held while it computes and while its pool changes, so a session is never
     preempted in the middle of its own turn."""

@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from shared.contract.requests import InferenceRequest
@@ -53,7 +53,7 @@ from shared.ports.cluster import PodInfo
 from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.cluster import SimCluster
 from shared.sim.engines import DeploymentEngine, PodEngine, SessionCheck, engine_for
-from shared.sim.pods import PodModels, PodRuntime, pod_gpu
+from shared.sim.pods import PodLink, PodModels, PodRuntime, pod_gpu
 from shared.sim.sessions import RETIRED_KEPT, SESSION_IDLE_S, Preempted, SessionLocks, WorkloadStats, is_close
 from shared.sim.spec import DeploymentSpec, SimSpec
 
@@ -82,8 +82,12 @@ class SimWorkload:
         tick_s: float = 0.2,
         session_idle_s: float = SESSION_IDLE_S,
         clock: Callable[[], float] = time.monotonic,
+        link_pod: Callable[[PodInfo], Awaitable[PodLink]] | None = None,
     ) -> None:
         self.bus = bus
+        self.link_pod = link_pod
+        """How a pod's KV agent connects (``shared.sim.__main__``: its own connection with its pod's token on a
+        secured mesh, and a ``nats://`` store writing as the pod); None: the simulation's connection and store."""
         self.cluster = cluster
         self.store = store
         self.spec = spec
@@ -154,6 +158,8 @@ class SimWorkload:
                 task.cancel()
         for runtime in list(self.runtimes.values()):
             await runtime.endpoint.stop()
+            if runtime.link is not None:
+                await runtime.link.close()
         self.runtimes.clear()
 
     def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
@@ -226,13 +232,17 @@ class SimWorkload:
             for sid in [s for s, pod in self.home.items() if pod == name]:
                 del self.home[sid]
             await runtime.endpoint.stop()  # it leaves: the registry hears its sessions are no longer held
+            if runtime.link is not None:
+                await runtime.link.close()
             del self.runtimes[name]
 
     async def _start_pod(self, pod: PodInfo) -> None:
         deployment = self.deployments[(pod.namespace, pod.deployment)]
         engine = self.engines[(pod.namespace, pod.deployment, deployment.model.model_version)]
+        link = await self.link_pod(pod) if self.link_pod is not None else None
+        bus = link.bus if link is not None else self.bus
         agent = KvAgent(
-            self.store,
+            link.store if link is not None else self.store,
             pod=pod.name,
             node=pod.node,
             namespace=pod.namespace,
@@ -240,14 +250,14 @@ class SimWorkload:
             layout=engine.layout,
         )
         engines: dict[str, PodEngine] = {engine.layout.model_version: engine.for_pod(agent)}
-        endpoint = AgentEndpoint(agent, self.bus, announce_s=self.announce_s, models=PodModels(self, agent, engines))
+        endpoint = AgentEndpoint(agent, bus, announce_s=self.announce_s, models=PodModels(self, agent, engines))
         node_gpus = [g.memory_mib for n in self.spec.nodes if n.name == pod.node for g in n.gpus]
         fallback = float(min(node_gpus, default=self.spec.smallest_gpu_mib()))
         gpu_uuid, memory = await pod_gpu(self.cluster, self.gpus.get(pod.node), pod, fallback)
         capacity = max(deployment.kv_capacity(memory), deployment.model.max_len_blocks)
         pool = BlockPool(capacity)
         load = LoadReporter(
-            self.bus.publish,
+            bus.publish,
             lambda: (pool.used, pool.capacity),
             pod=pod.name,
             node=pod.node,
@@ -255,7 +265,7 @@ class SimWorkload:
             deployment=pod.deployment,
             interval_s=self.load_interval_s,
         )
-        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, pool, engines, load, gpu_uuid, memory)
+        self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, pool, engines, load, gpu_uuid, memory, link=link)
         await endpoint.start()  # asks for the serving version first: a pod started after a switch serves it
         log.info(
             "SIMULATED pod serving",

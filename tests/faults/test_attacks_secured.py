@@ -9,7 +9,6 @@ registry, the checkpoints, the consumers) and leaves the service serving; the fa
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,10 +20,10 @@ import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 
 from services.auth.config import AuthSettings
-from services.auth.natsjwt import account_key, new_account_seed
 from services.auth.service import AuthService
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
+from shared.console.secure import CalloutSecrets, callout_secrets, write_server_config
 from shared.contract.checkpoint import AgentSessions, CheckpointLocation, LocateCheckpoint, SaveSessionsReport
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
@@ -33,11 +32,12 @@ from shared.contract.permissions import (
     AGENT,
     AUTH,
     GATEWAY,
-    SERVICES,
     Identity,
+    bucket_owner,
     identity_name,
     inbox_prefix,
-    nats_callout_config,
+    index_stream,
+    pod_bucket,
     user_name,
 )
 from shared.contract.registry import codec
@@ -45,6 +45,8 @@ from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
+from shared.kv.objstore.codec import chunk_subject, manifest_name, meta_subject
+from shared.kv.objstore.family import PodBuckets, pack_owner
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.devservers import NatsServer
@@ -58,7 +60,7 @@ from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants
 from tests.faults.conftest import Pod
 from tests.helpers import eventually
-from tests.kvkit import LAYOUT
+from tests.kvkit import LAYOUT, block_content, fill
 
 SPEC = SimSpec(  # one GPU per node: llama-1 on node-1, llama-2 on node-2, a third pod would stay Pending
     nodes=[NodeSpec(name="node-1", gpus=[GpuSpec(count=1)]), NodeSpec(name="node-2", gpus=[GpuSpec(count=1)])],
@@ -66,35 +68,15 @@ SPEC = SimSpec(  # one GPU per node: llama-1 on node-1, llama-2 on node-2, a thi
 )
 
 
-@dataclass
-class Secrets:
-    folder: Path
-    passwords: dict[str, str]
-    seed: Path
-    issuer: str
+@pytest.fixture
+def secrets_of_the_mesh(tmp_path: Path) -> CalloutSecrets:
+    return callout_secrets(tmp_path / "secure")
 
 
 @pytest.fixture
-def callout_secrets(tmp_path: Path) -> Secrets:
-    folder = tmp_path / "passwords"
-    folder.mkdir()
-    passwords = {name: secrets.token_urlsafe(18) for name in (AUTH, *SERVICES, ADMIN, GATEWAY)}
-    for name, value in passwords.items():
-        (folder / name).write_text(value + "\n")
-    seed = tmp_path / "issuer.nk"
-    seed.write_bytes(new_account_seed())
-    seed.chmod(0o600)
-    return Secrets(folder, passwords, seed, account_key(seed.read_bytes()).public_key.decode())
-
-
-@pytest.fixture
-def secured(tmp_path: Path, subjects: Subjects, callout_secrets: Secrets) -> Iterator[NatsServer]:
+def secured(tmp_path: Path, subjects: Subjects, secrets_of_the_mesh: CalloutSecrets) -> Iterator[NatsServer]:
     """A nats-server that knows one user, the callout's; everyone else is the callout's to authenticate."""
-    conf = tmp_path / "nats.conf"
-    block = nats_callout_config(subjects, callout_secrets.passwords[AUTH], callout_secrets.issuer)
-    conf.write_text("jetstream {}\n" + block)
-    conf.chmod(0o600)
-    server = NatsServer(config=conf)
+    server = NatsServer(config=write_server_config(tmp_path / "nats.conf", subjects, secrets_of_the_mesh))
     try:
         server.start()
         yield server
@@ -107,7 +89,7 @@ class SecuredMesh:
     subjects: Subjects
     settings: Settings
     server: NatsServer
-    secrets: Secrets
+    secrets: CalloutSecrets
     cluster: SimCluster
     store: FileStore
     client: aioredis.Redis
@@ -182,16 +164,18 @@ class SecuredMesh:
 @pytest.fixture
 async def mesh(
     secured: NatsServer,
-    callout_secrets: Secrets,
+    secrets_of_the_mesh: CalloutSecrets,
     subjects: Subjects,
     settings: Settings,
     tmp_path: Path,
     redis_client: aioredis.Redis,
 ) -> AsyncIterator[SecuredMesh]:
     cluster = await SimCluster.create(settings.redis, subjects, SPEC)
-    auth_settings = AuthSettings(issuer_seed_file=callout_secrets.seed, password_dir=callout_secrets.folder)
+    auth_settings = AuthSettings(
+        issuer_seed_file=secrets_of_the_mesh.seed, password_dir=secrets_of_the_mesh.folder, bucket=bucket_of(subjects)
+    )
     nats_of = lambda name: NatsSettings(  # noqa: E731
-        servers=(secured.url,), user=user_name(subjects, name), password=Secret(callout_secrets.passwords[name])
+        servers=(secured.url,), user=user_name(subjects, name), password=Secret(secrets_of_the_mesh.passwords[name])
     )
     auth = await start_service(AuthService(auth_settings), replace(settings, nats=nats_of(AUTH)), Wiring)
     admin = await Bus.connect(nats_of(ADMIN), subjects, "admin", connect_timeout=2.0)
@@ -201,7 +185,7 @@ async def mesh(
     service = CheckpointService(CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
     checkpoint = await start_service(service, replace(settings, nats=nats_of("checkpoint")), Wiring)
     m = SecuredMesh(
-        subjects, settings, secured, callout_secrets, cluster, store, redis_client, admin, auth, checkpoint, service
+        subjects, settings, secured, secrets_of_the_mesh, cluster, store, redis_client, admin, auth, checkpoint, service
     )
 
     async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
@@ -220,6 +204,12 @@ async def mesh(
         await admin.close(0.5)
         await auth.stop(grace=1)
         await cluster.close()
+
+
+def bucket_of(subjects: Subjects) -> str:
+    """The checkpoint bucket family the callout grants (``GPUWARDEN_AUTH_BUCKET``); the mesh's service itself keeps
+    its checkpoints in files."""
+    return f"ck-{subjects.root}"
 
 
 def drains_consumer(mesh: SecuredMesh) -> tuple[str, str]:
@@ -503,3 +493,71 @@ async def _refused_now(mesh: SecuredMesh, token: Secret | None) -> bool:
     assert token is not None
     review = await mesh.cluster.review_token(token.reveal(), ("gpuwarden",))
     return not review.authenticated
+
+
+# -- the checkpoint object store: each pod's bucket is its own ------------------------------------------------------
+
+
+async def test_a_pods_checkpoints_are_its_own_to_write_and_everyones_to_read(mesh: SecuredMesh) -> None:
+    """On ``nats://<bucket>`` each pod writes into a bucket of its own: another pod reads its checkpoints (a restore
+    after a move) but can neither delete nor overwrite them, nor name a checkpoint as its; it writes and deletes its
+    own; the checkpoint service reads and deletes in every pod's bucket."""
+    bucket = bucket_of(mesh.subjects)
+    custodian_bus = await mesh.connect(mesh.as_user("checkpoint"), "checkpoint")
+    custodian = PodBuckets(custodian_bus.nc, bucket)
+    await custodian.index.ensure()  # the checkpoint service makes the family's index
+    buses: dict[str, Bus] = {}
+    stores: dict[str, PodBuckets] = {}
+    for name in ("llama-1", "llama-2"):
+        token = await mesh.cluster.issue_token("llm", name)
+        buses[name] = await mesh.connect(mesh.as_token(token, name), f"agent/{name}")
+        stores[name] = PodBuckets(buses[name].nc, bucket, pod=name)
+    first = KvAgent(stores["llama-1"], pod="llama-1", node="node-1", namespace="llm", deployment="llama", layout=LAYOUT)
+    originals = fill(first, "v1", 2)
+    saved = await first.save(deadline_s=20, reason="drain")
+    checkpoint = saved.committed[0].checkpoint_id
+    manifest = await custodian.manifest("v1", checkpoint)
+    victim = pod_bucket(bucket, bucket_owner("llama-1"))
+
+    second = KvAgent(
+        stores["llama-2"], pod="llama-2", node="node-2", namespace="llm", deployment="llama", layout=LAYOUT
+    )
+    restored = await second.restore("v1", generation=1)  # another pod reads it
+    assert [bytes(b) for b in restored.blocks] == [a.tobytes() for a in originals]
+
+    nc = buses["llama-2"].nc
+    attempts = {
+        f"$JS.API.STREAM.PURGE.OBJ_{victim}": b"{}",
+        f"$JS.API.STREAM.MSG.DELETE.OBJ_{victim}": b'{"seq": 1}',
+        f"$JS.API.STREAM.DELETE.OBJ_{victim}": b"",
+        f"$JS.API.STREAM.UPDATE.OBJ_{victim}": b"{}",
+        meta_subject(victim, manifest_name("v1", checkpoint)): b'{"deleted": true}',  # overwrite its commit
+        chunk_subject(victim, "forged"): b"x",
+        f"$O.{bucket}.I.v1.g0000000009-s0000000001-000000000000.llama-1": b"",  # name a checkpoint as llama-1's
+        f"$JS.API.STREAM.PURGE.{index_stream(bucket)}": b"{}",
+        f"$JS.API.STREAM.PURGE.{mesh.subjects.events_stream.name}": b"{}",
+        f"$JS.API.DIRECT.GET.{mesh.subjects.events_stream.name}": b'{"seq": 1}',  # reads are the buckets' only
+        f"$JS.API.STREAM.INFO.{mesh.subjects.requests_stream.name}": b"{}",
+        f"$JS.API.CONSUMER.CREATE.OBJ_{victim}": b"{}",  # no consumer anywhere
+    }
+    for subject, body in attempts.items():
+        await nc.publish(subject, body, reply=nc.new_inbox())
+    await nc.flush()
+    for subject in attempts:
+        await mesh.refused("agent/llama-2", "publish", subject)
+    assert await custodian.checkpoints("v1") == [checkpoint]  # untouched
+    assert (await custodian.manifest("v1", checkpoint)).manifest_digest == manifest.manifest_digest
+    assert (await custodian.pack_sizes(manifest.packs)).keys() == manifest.packs
+
+    second.append_block("v1", block_content("v1", 2, LAYOUT.block_bytes).reshape(2, -1))
+    own = await second.save(deadline_s=20, reason="periodic")  # it writes its own ...
+    newer = await custodian.manifest("v1", own.committed[0].checkpoint_id)
+    assert {pack_owner(p) for p in newer.packs} == {"llama-1", "llama-2"}
+    [mine] = [p for p in newer.packs if pack_owner(p) == "llama-2"]
+    await stores["llama-2"].delete_pack(mine)  # ... and deletes its own
+    assert mine not in await custodian.pack_sizes([mine])
+    await custodian.delete_checkpoint("v1", checkpoint)  # retention deletes in every pod's bucket
+    await custodian.delete_pack(next(iter(manifest.packs)))
+    assert await custodian.checkpoints("v1") == [newer.checkpoint_id]
+    assert not await custodian.pack_sizes(manifest.packs)
+    await mesh.check()

@@ -101,7 +101,7 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
             role = "worker" if self.is_worker else "scheduler"
             self.bus = await connect_bus(f"vllm-{role}/{self.config.pod}")
-        return open_store(self.config.store, self.bus.nc if self.bus is not None else None)
+        return open_store(self.config.store, self.bus.nc if self.bus is not None else None, pod=self.config.pod)
 
     def _lookup(self, session: str) -> int:
         try:

@@ -40,8 +40,13 @@ class NatsObjectStore(ObjectStream):
 
     The bucket is created (file storage, ``replicas``) on first use when it does not exist."""
 
-    async def _meta(self, name: str) -> ObjectMeta | None:
-        """The object's current meta, from the stream leader (consistent); None when absent or deleted."""
+    reindex = True
+    """Whether ``sweep_orphans`` indexes manifests that have no index entry (it publishes into the bucket): off for
+    a pod's bucket read by the checkpoint service, whose writer indexes every manifest itself."""
+
+    async def _last_meta(self, name: str) -> bytes | None:
+        """The last message on the object's meta subject, from the stream leader (consistent); None when there is
+        none."""
         try:
             resp = await self.api(
                 f"reading {name}",
@@ -53,7 +58,17 @@ class NatsObjectStore(ObjectStream):
                 return None
             raise
         try:
-            meta = ObjectMeta.parse(base64.b64decode(resp["message"].get("data") or ""))
+            return base64.b64decode(resp["message"].get("data") or "")
+        except (ValueError, KeyError, TypeError):
+            return b""  # unreadable: ``ObjectMeta.parse`` says why
+
+    async def _meta(self, name: str) -> ObjectMeta | None:
+        """The object's current meta; None when absent or deleted."""
+        data = await self._last_meta(name)
+        if data is None:
+            return None
+        try:
+            meta = ObjectMeta.parse(data)
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreError(f"{name}: meta message unreadable: {exc}") from exc
         return None if meta.deleted else meta
@@ -216,17 +231,11 @@ class NatsObjectStore(ObjectStream):
             await self.purge(chunk_subject(self.bucket, meta.nuid))
 
     async def _meta_any(self, name: str) -> ObjectMeta | None:
+        data = await self._last_meta(name)
+        if data is None:
+            return None
         try:
-            resp = await self.api(
-                f"reading {name}",
-                f"STREAM.MSG.GET.{self.stream}",
-                {"last_by_subj": meta_subject(self.bucket, name)},
-            )
-            return ObjectMeta.parse(base64.b64decode(resp["message"].get("data") or ""))
-        except ApiError as exc:
-            if exc.err_code == NO_MESSAGE:
-                return None
-            raise
+            return ObjectMeta.parse(data)
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -315,7 +324,8 @@ class NatsObjectStore(ObjectStream):
             for m in metas
             if _is_manifest(m.name)
         }
-        await self._index_missing(sorted(manifests - entries))
+        if self.reindex:
+            await self._index_missing(sorted(manifests - entries))
         orphans += sorted(entries - manifests)
         purged = 0
         now = time.time()
