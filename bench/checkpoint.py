@@ -6,7 +6,8 @@ The same blocks (Llama-3-8B shape: 2 MiB per 16-token block, deterministic conte
 - the KV agent into the file store (``save_gbps``/``restore_gbps``, every digest verified on restore);
 - safetensors, one file per session with an fsync after each (``safetensors_*``, a peer users know);
 - a second checkpoint after 10% of the blocks changed (``incremental_save_gbps``, logical bytes per second);
-- the NATS object store through our adapter and through nats-py's own object store (``objstore_*``, ``raw_objstore_*``);
+- the NATS object store through our adapter and through nats-py's own object store (``objstore_*``, ``raw_objstore_*``),
+  and per-pod buckets saved by one pod and restored by another (``podstore_*``, against the single bucket);
 - a drain of a whole simulated node through the checkpoint service (``drain_seconds``);
 - real cache tensors, as many bytes in as many sessions, in the same rounds: a Llama-shaped transformers model
   (random weights from a seed, no download) prefills a session; each ``DynamicCache`` goes into blocks
@@ -199,7 +200,9 @@ async def objstore_figures(url: str, sessions: dict[str, list[Any]], total: int)
     import nats
     from nats.js.api import ObjectMeta, ObjectMetaOptions
 
+    from shared.contract.permissions import bucket_owner, index_stream, pod_bucket
     from shared.kv.objstore import NatsObjectStore
+    from shared.kv.objstore.family import PodBuckets
 
     nc = await nats.connect(url)
     js = nc.jetstream()
@@ -223,11 +226,23 @@ async def objstore_figures(url: str, sessions: dict[str, list[Any]], total: int)
         get_s = time.perf_counter() - started
         with contextlib.suppress(Exception):
             await js.delete_object_store(peer_bucket)
+        # per-pod buckets (what `nats://<bucket>` opens now): saved by one pod, restored by another, which reads
+        # the first pod's bucket through direct gets (the read a restore after a drain makes)
+        family = "fam" + uuid.uuid4().hex[:8]
+        pod_save_s, _ = await agent_save(PodBuckets(nc, family, pod="bench-pod"), sessions)
+        pod_restore_s = await agent_restore(PodBuckets(nc, family, pod="bench-restorer"), sessions, "cpu")
+        for pod in ("bench-pod", "bench-restorer"):
+            with contextlib.suppress(Exception):
+                await js.delete_object_store(pod_bucket(family, bucket_owner(pod)))
+        with contextlib.suppress(Exception):
+            await js.delete_stream(index_stream(family))
         return {
             "objstore_save_gbps": total / save_s / 1e9,
             "objstore_restore_gbps": total / restore_s / 1e9,
             "raw_objstore_put_gbps": total / put_s / 1e9,
             "raw_objstore_get_gbps": total / get_s / 1e9,
+            "podstore_save_gbps": total / pod_save_s / 1e9,
+            "podstore_restore_gbps": total / pod_restore_s / 1e9,
         }
     finally:
         with contextlib.suppress(Exception):
@@ -357,6 +372,9 @@ async def measure(
             results |= await objstore_figures(url, make_sessions(sessions_n, blocks_n, "cpu"), total)
             results["objstore_restore_vs_raw_get"] = results["objstore_restore_gbps"] / results["raw_objstore_get_gbps"]
             results["objstore_save_vs_raw_put"] = results["objstore_save_gbps"] / results["raw_objstore_put_gbps"]
+            results["podstore_restore_vs_objstore"] = (
+                results["podstore_restore_gbps"] / results["objstore_restore_gbps"]
+            )
             results["drain_seconds"] = await drain_figure(url, root / "drain", sessions, pods)
         results["drain_limit_seconds"] = 1.3 * total / (results["raw_write_gbps"] * 1e9) + 1.0
         results["hf_bytes"] = hf.bytes
@@ -534,6 +552,12 @@ TARGETS = [
     Target("restore_vs_safetensors", ">=", 1.0, "file store restore faster than safetensors load"),
     Target("objstore_restore_vs_raw_get", ">=", 5.0, "object store restore >= 5x nats-py object store get"),
     Target("objstore_save_vs_raw_put", ">=", 1.5, "object store save >= 1.5x nats-py object store put"),
+    Target(
+        "podstore_restore_vs_objstore",
+        ">=",
+        0.7,
+        "per-pod buckets (direct gets, another pod's bucket) restore >= 0.7x the single bucket's consumer reads",
+    ),
     Target("incremental_vs_full", ">=", 5.0, "incremental save >= 5x full save in logical bytes/s"),
     Target("hf_save_vs_raw_path", ">=", 0.7, "transformers blocks to checkpoint >= 0.7x the raw-block save"),
     Target("hf_restore_vs_raw_path", ">=", 0.7, "checkpoint to transformers cache >= 0.7x the raw-block restore"),

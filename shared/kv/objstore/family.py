@@ -367,6 +367,27 @@ class PodBuckets:
             raise CheckpointNotFound(f"no checkpoint {checkpoint_id} for session {session_id}")
         return await legacy.manifest(session_id, checkpoint_id)
 
+    async def manifests_present(self, checkpoints: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Each checkpoint's index entries (one request each, all at once), each checked against its bucket (one
+        meta read each); what no entry names, in the single bucket when it exists."""
+        wanted = sorted(
+            (s, c) for s, c in set(checkpoints) if not id_problem("session", s) and not id_problem("checkpoint", c)
+        )
+
+        async def present(session_id: str, checkpoint_id: str) -> bool:
+            for _, _, owner in await self.index.entries(session_id, checkpoint_id):
+                if await self._holds(owner, manifest_name(session_id, checkpoint_id)):
+                    return True
+            return False
+
+        found = await self._gather(present(s, c) for s, c in wanted)
+        held = {pair for pair, ok in zip(wanted, found, strict=True) if ok}
+        rest = [pair for pair in wanted if pair not in held]
+        legacy = await self._legacy() if rest else None
+        if legacy is not None:
+            held |= await legacy.manifests_present(rest)
+        return held
+
     async def checkpoints(self, session_id: str) -> list[str]:
         """The session's index entries (one request), each checked against its bucket (one meta read each), and
         the single bucket's (one listing, when it exists)."""
