@@ -19,8 +19,14 @@ Redis, so a ``make run`` already running is never touched. It measures
 ``make run`` run them) at 10 nodes: what each of those processes holds and uses idle (``per_node_agent_rss_mb``,
 ``per_node_agent_idle_cpu_cores``), the cost hollow nodes avoid.
 
-``--quick`` runs the same at a few nodes (a smoke run; the fleet targets are missed by design). Session-scale
-figures (restores, periodic checkpoints, status, Redis calls per session) are separate figures of this registry.
+The same run then holds ``--fleet-sessions`` sessions (``bench.scale_sessions``: restores, periodic checkpoints,
+status, Redis calls per session) on pods of the fleet's simulated cluster, and upgrades every node's driver with
+them, ``--upgrade-parallel`` of the nodes at once (a tenth; ``bench.scale_upgrade``): ``fleet_upgrade_s``,
+``fleet_upgrade_verdicts`` (= ``fleet_upgrade_drains``, one a node), ``fleet_upgrade_lost``, the CPU each process
+spent on it; the fault suite's checker then reads back every checkpoint the registry records.
+
+``--quick`` runs the same at a few nodes (a smoke run; the fleet targets are missed by design), the coordinator
+passing every 2 s instead of its default 10.
 """
 
 from __future__ import annotations

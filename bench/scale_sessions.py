@@ -22,6 +22,9 @@ Figures (each in the JSON of ``bench.scale``):
 - ``status_s_small`` / ``status_s_large``: what ``gpuwarden status`` asks the checkpoint service (the counts per
   node, pod and deployment, and a page of 500 sessions) at 1,000 and at ``fleet_sessions`` sessions;
 - ``lost_sessions``: sessions started that the registry or the store lost by the end.
+
+The fleet's pods are hosted here alone, or (``on_cluster``, as ``bench.scale`` runs it) pods of the mesh's
+simulated cluster, which a rolling driver upgrade then evicts and moves (``bench.scale_upgrade``).
 """
 
 from __future__ import annotations
