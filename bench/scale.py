@@ -304,7 +304,7 @@ async def fleet_sessions(mesh: Mesh, options: ScaleOptions) -> dict[str, Any]:
         replicas_running=1,
         on_cluster=True,
         upgrade_parallel=options.upgrade_parallel,
-        upgrade_timeout_s=max(600.0, 2.0 * options.nodes),
+        upgrade_timeout_s=max(900.0, 4.0 * options.nodes),  # 438 s at 300 nodes, a busy machine
         cpu=lambda: cpu_seconds({**mesh.processes(), "bench": psutil.Process()}),  # the bench hosts the pods
     )
     if "fleet_upgrade_lost" in out:  # the simulation's own pods (the spec's deployment) were upgraded too

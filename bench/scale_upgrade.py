@@ -317,9 +317,13 @@ async def upgrade(
     started = time.monotonic()
     try:
         await set_driver(bench.mesh(), NEW_DRIVER, max_parallel, by="bench.scale")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(finished.wait(), timeout_s)
-        took = (max(done.values()) if done else time.monotonic()) - started
+        end = started + timeout_s
+        while not finished.is_set() and time.monotonic() < end:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), min(10.0, max(0.0, end - time.monotonic())))
+            if len(await upgraded(fleet.cluster)) == len(nodes):  # the events' count, should one be missed
+                break
+        took = (max(done.values()) if done and len(done) == len(nodes) else time.monotonic()) - started
         spent = {k: round(v - cpu_before[k], 2) for k, v in (cpu() if cpu else {}).items() if k in cpu_before}
         await fleet.settled(GRACE_S)
         deadline = time.monotonic() + 60
@@ -332,7 +336,7 @@ async def upgrade(
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
     bench.drain_ids.extend(drains)
-    labelled = [n for n in await fleet.cluster.nodes() if n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done"]
+    labelled = await upgraded(fleet.cluster)
     holders = {sid: p for p in fleet.pods.values() for sid in p.agent.sessions()}
     expected = bench.block.tobytes()
     lost = [
@@ -365,3 +369,8 @@ async def upgrade(
         "fleet_upgrade_cpu_s": spent,
         "fleet_upgrade_driver_cores": round(sum(spent[d] for d in driver) / took, 3) if driver and took else None,
     }
+
+
+async def upgraded(cluster: SimCluster) -> list[str]:
+    """The nodes whose upgrade state is ``upgrade-done`` (none was before: the fleet starts unlabelled)."""
+    return [n.name for n in await cluster.nodes() if n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done"]
