@@ -84,7 +84,8 @@ bench: install
 	$(BIN)/python -m bench.scale --quick
 
 # A simulated fleet (default 1,000 nodes x 8 GPUs, hollow nodes) of its own: memory, idle CPU per process, time to
-# come up, a drain in the fleet (bench/results/scale.json; BENCH_ARGS="--nodes 200" for less). Minutes.
+# come up, a drain in the fleet, 100,000 sessions on its pods and a rolling driver upgrade of every node with them
+# (bench/results/scale.json; BENCH_ARGS="--nodes 100 --fleet-sessions 10000" for less). Minutes.
 bench-scale: install
 	$(BIN)/python -m bench.scale $(BENCH_ARGS)
 

@@ -19,8 +19,14 @@ Redis, so a ``make run`` already running is never touched. It measures
 ``make run`` run them) at 10 nodes: what each of those processes holds and uses idle (``per_node_agent_rss_mb``,
 ``per_node_agent_idle_cpu_cores``), the cost hollow nodes avoid.
 
-``--quick`` runs the same at a few nodes (a smoke run; the fleet targets are missed by design). Session-scale
-figures (restores, periodic checkpoints, status, Redis calls per session) are separate figures of this registry.
+The same run then holds ``--fleet-sessions`` sessions (``bench.scale_sessions``: restores, periodic checkpoints,
+status, Redis calls per session) on pods of the fleet's simulated cluster, and upgrades every node's driver with
+them, ``--upgrade-parallel`` of the nodes at once (a tenth; ``bench.scale_upgrade``): ``fleet_upgrade_s``,
+``fleet_upgrade_verdicts`` (= ``fleet_upgrade_drains``, one a node), ``fleet_upgrade_lost``, the CPU each process
+spent on it; the fault suite's checker then reads back every checkpoint the registry records.
+
+``--quick`` runs the same at a few nodes (a smoke run; the fleet targets are missed by design), the coordinator
+passing every 2 s instead of its default 10.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +78,11 @@ class ScaleOptions:
     periodic_rounds: int = 3
     extra_replicas: int = 2
     """Checkpoint service replicas joining the one the fleet runs."""
+    upgrade_parallel: float = 0.1
+    """The rolling driver upgrade of every node with the fleet's sessions: this fraction of the nodes at once
+    (``max_parallel_upgrades``, at least one); 0: no upgrade."""
+    driver_reconcile_s: float | None = None
+    """The coordinator's pass interval (``GPUWARDEN_DRIVER_RECONCILE_S``); None: the service's default."""
 
 
 QUICK = ScaleOptions(
@@ -86,6 +97,7 @@ QUICK = ScaleOptions(
     periodic_interval_s=2.0,
     periodic_rounds=2,
     extra_replicas=1,
+    driver_reconcile_s=2.0,
 )
 
 
@@ -155,10 +167,15 @@ class Mesh:
 
 @contextlib.asynccontextmanager
 async def started_mesh(
-    nodes: int, gpus_per_node: int, *, hollow: bool = True, timeout: float = 900.0
+    nodes: int,
+    gpus_per_node: int,
+    *,
+    hollow: bool = True,
+    timeout: float = 900.0,
+    settings: Mapping[str, str] | None = None,
 ) -> AsyncIterator[tuple[Mesh, float]]:
     """A fleet of ``nodes`` simulated nodes up (and every hollow node ok), with the seconds that took; stopped and
-    removed after the block."""
+    removed after the block. ``settings``: more ``GPUWARDEN_*`` variables for every process of the mesh."""
     home = Path(tempfile.mkdtemp(prefix="gw-scale-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
     env.update(
@@ -166,6 +183,7 @@ async def started_mesh(
         GPUWARDEN_ROOT="scale",
         GPUWARDEN_SIM_SPEC=str(FLEET_SPEC),
         PYTHONPATH=str(REPO),
+        **(settings or {}),
     )
     mesh = Mesh(home, env)
     began = time.monotonic()
@@ -230,7 +248,13 @@ async def idle_cores(mesh: Mesh, options: ScaleOptions) -> dict[str, float]:
 @figure("fleet")
 async def fleet(options: ScaleOptions) -> dict[str, Any]:
     """Nodes, GPUs, time to come up, memory, idle CPU per process, and one node's drain in the fleet."""
-    async with started_mesh(options.nodes, options.gpus_per_node, timeout=options.up_timeout_s) as (mesh, up_s):
+    settings = {}
+    if options.driver_reconcile_s is not None:
+        settings["GPUWARDEN_DRIVER_RECONCILE_S"] = f"{options.driver_reconcile_s:g}"
+    async with started_mesh(options.nodes, options.gpus_per_node, timeout=options.up_timeout_s, settings=settings) as (
+        mesh,
+        up_s,
+    ):
         stop = asyncio.Event()
         sampler = asyncio.create_task(mesh.sample_until(stop, options.sample_every))
         try:
@@ -264,7 +288,8 @@ async def fleet_sessions(mesh: Mesh, options: ScaleOptions) -> dict[str, Any]:
     ``extra_replicas`` more replicas join."""
     from bench import scale_sessions
 
-    return await scale_sessions.run(
+    lost_before = await simulation_lost(mesh)
+    out = await scale_sessions.run(
         mesh.state["nats_url"],
         mesh.state["redis_url"],
         quick=options is QUICK or options.fleet_sessions < 1000,
@@ -277,7 +302,21 @@ async def fleet_sessions(mesh: Mesh, options: ScaleOptions) -> dict[str, Any]:
         store=mesh.home / "checkpoints",
         node_names=[f"node-{i + 1}" for i in range(options.nodes)],
         replicas_running=1,
+        on_cluster=True,
+        upgrade_parallel=options.upgrade_parallel,
+        upgrade_timeout_s=max(900.0, 4.0 * options.nodes),  # 438 s at 300 nodes, a busy machine
+        cpu=lambda: cpu_seconds({**mesh.processes(), "bench": psutil.Process()}),  # the bench hosts the pods
     )
+    if "fleet_upgrade_lost" in out:  # the simulation's own pods (the spec's deployment) were upgraded too
+        out["fleet_upgrade_sim_lost"] = await simulation_lost(mesh) - lost_before
+        out["fleet_upgrade_lost"] += out["fleet_upgrade_sim_lost"]
+    return out
+
+
+async def simulation_lost(mesh: Mesh) -> int:
+    """Sessions the simulation's own pods lost so far (``/healthz`` of ``sim``)."""
+    sim = (await asyncio.to_thread(http_json, mesh.state["services"]["sim"])).get("simulation", {})
+    return int(sim["lost"])
 
 
 @figure("per_node")
@@ -370,6 +409,9 @@ TARGETS = (
     Target("idle_redis_calls_per_session_s", "<=", 0.05, "idle registry load per held session"),
     Target("periodic_gaps_off", "<=", 0, "every pod's periodic saves kept their interval within 10%"),
     Target("status_ratio_large_vs_small", "<=", 2.0, "status at 100,000 sessions at most twice status at 1,000"),
+    Target("fleet_upgrade_nodes_missing", "<=", 0, "a rolling driver upgrade of every node, 10% at once, all done"),
+    Target("fleet_upgrade_verdicts_missing", "<=", 0, "every drain the upgrade asked for got its verdict"),
+    Target("fleet_upgrade_lost", "<=", 0, "no session lost by the upgrade"),
 )
 
 
@@ -395,6 +437,12 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, ScaleOptions, list[
         "--fleet-sessions", type=int, default=None, help="sessions held in the fleet (default 100000; 0: none)"
     )
     parser.add_argument("--periodic-interval", type=float, default=None, help="seconds (default 60; quick: 2)")
+    parser.add_argument(
+        "--upgrade-parallel",
+        type=float,
+        default=None,
+        help="the driver upgrade of every node: this fraction of them at once (default 0.1; 0: no upgrade)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="where the JSON goes (default bench/results/scale.json)")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")
     args = parser.parse_args(argv)
@@ -412,6 +460,8 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, ScaleOptions, list[
         periodic_interval_s=args.periodic_interval or base.periodic_interval_s,
         periodic_rounds=base.periodic_rounds,
         extra_replicas=base.extra_replicas,
+        upgrade_parallel=args.upgrade_parallel if args.upgrade_parallel is not None else base.upgrade_parallel,
+        driver_reconcile_s=base.driver_reconcile_s,
     )
     out = args.out or default_out("scale")
     return BenchOptions("scale", args.quick, None, out, args.strict), sizes, list(args.only or FIGURES)

@@ -22,6 +22,9 @@ Figures (each in the JSON of ``bench.scale``):
 - ``status_s_small`` / ``status_s_large``: what ``gpuwarden status`` asks the checkpoint service (the counts per
   node, pod and deployment, and a page of 500 sessions) at 1,000 and at ``fleet_sessions`` sessions;
 - ``lost_sessions``: sessions started that the registry or the store lost by the end.
+
+The fleet's pods are hosted here alone, or (``on_cluster``, as ``bench.scale`` runs it) pods of the mesh's
+simulated cluster, which a rolling driver upgrade then evicts and moves (``bench.scale_upgrade``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import numpy as np
 import psutil
 import redis.asyncio as aioredis
 
+from bench.scale_upgrade import CpuSeconds, FleetPods, upgrade
+from shared.console.client import MeshClient
 from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
@@ -54,7 +59,8 @@ from shared.kv.manifest import KvLayout
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.devservers import free_port
-from shared.plumbing.settings import NatsSettings
+from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
+from shared.sim.cluster import SimCluster
 
 LAYOUT = KvLayout(
     model_id="bench/one-block",
@@ -70,6 +76,8 @@ LAYOUT = KvLayout(
 
 ROOT = "gwscale"
 CONCURRENCY = 64
+PER_POD = 50
+"""Sessions held by each of the fleet's pods."""
 
 
 async def redis_commands(client: aioredis.Redis) -> int:
@@ -258,21 +266,19 @@ class SessionBench:
             await sub.unsubscribe()
         return took, event
 
+    def mesh(self) -> MeshClient:
+        """The mesh as a command of the CLI has it, on this bench's connections."""
+        assert self.bus is not None
+        settings = Settings(
+            nats=NatsSettings(servers=(self.nats_url,)), redis=RedisSettings(url=self.redis_url), root=self.root
+        )
+        return MeshClient(settings, self.bus, self.redis, None)
+
     async def status(self) -> float:
         """What ``gpuwarden status`` asks of the checkpoint service: the counts, and a page of 500 sessions."""
-        from shared.console.client import MeshClient
         from shared.console.snapshot import fleet_summary, read_sessions
-        from shared.plumbing.settings import RedisSettings, Settings
 
-        assert self.bus is not None
-        mesh = MeshClient(
-            Settings(
-                nats=NatsSettings(servers=(self.nats_url,)), redis=RedisSettings(url=self.redis_url), root=self.root
-            ),
-            self.bus,
-            self.redis,
-            None,
-        )
+        mesh = self.mesh()
         started = time.monotonic()
         await fleet_summary(mesh)
         await read_sessions(mesh, limit=500)
@@ -374,15 +380,16 @@ async def one_pod_figures(bench: SessionBench, sizes: tuple[int, int]) -> dict[s
     return out
 
 
+async def hosted_pods(bench: SessionBench, count: int) -> list[HostedPod]:
+    """``count`` pods hosted here alone, spread over the bench's nodes (the cluster does not know them)."""
+    return [await bench.add_pod(f"pod-{i}", bench.node_names[i % len(bench.node_names)]) for i in range(count)]
+
+
 async def fleet_figures(
-    bench: SessionBench, sessions: int, per_pod: int, interval_s: float, rounds: int
+    bench: SessionBench, pods: list[HostedPod], sessions: int, per_pod: int, interval_s: float, rounds: int
 ) -> dict[str, Any]:
-    """``sessions`` held by pods of ``per_pod`` spread over the bench's nodes: idle load, periodic saves with 10%
-    changing per interval, and status."""
-    pods: list[HostedPod] = []
-    count = (sessions + per_pod - 1) // per_pod
-    for i in range(count):
-        pods.append(await bench.add_pod(f"pod-{i}", bench.node_names[i % len(bench.node_names)]))
+    """``sessions`` held by ``pods``, ``per_pod`` each: idle load, periodic saves with 10% changing per interval,
+    and status."""
     started_at = time.monotonic()
     await bounded(
         [
@@ -469,9 +476,19 @@ async def run(
     store: Path | None = None,
     node_names: list[str] | None = None,
     replicas_running: int = 0,
+    on_cluster: bool = False,
+    upgrade_parallel: float = 0.0,
+    upgrade_timeout_s: float = 1800.0,
+    cpu: CpuSeconds | None = None,
 ) -> dict[str, Any]:
     """Every figure. Against a mesh already running (a fleet of ``node_names`` under ``root``, with its own
-    checkpoint service and ``store``), ``replicas`` more replicas join the ``replicas_running`` it has."""
+    checkpoint service and ``store``), ``replicas`` more replicas join the ``replicas_running`` it has.
+
+    ``on_cluster``: the fleet's sessions live on pods of the mesh's simulated cluster (``FleetPods``), not on pods
+    hosted here alone; then, with ``upgrade_parallel``, a rolling driver upgrade of every node at that fraction
+    of the nodes at once runs with them before the checker (``bench.scale_upgrade``; ``cpu``: the mesh's
+    processes' CPU seconds so far, by name)."""
+    fleet: FleetPods | None = None
     with tempfile.TemporaryDirectory(prefix="gw-scale-") as home:
         bench = SessionBench(nats_url, redis_url, Path(home), replicas, root=root, store=store)
         bench.node_names = node_names or [f"node-{i + 1}" for i in range(max(3, nodes))]
@@ -485,7 +502,14 @@ async def run(
             out["status_s_small"] = round(min([await bench.status() for _ in range(3)]), 3)
             out["status_sessions_small"] = await bench.held()  # every session the registry places
             await bench.leave(small)
-            out.update(await fleet_figures(bench, sessions, 50, interval_s, rounds))
+            count = (sessions + PER_POD - 1) // PER_POD
+            if on_cluster:
+                fleet = FleetPods(bench, SimCluster(bench.redis, bench.subjects), count)
+                pods = await fleet.start()
+            else:
+                pods = await hosted_pods(bench, count)
+            out.update(await fleet_figures(bench, pods, sessions, PER_POD, interval_s, rounds))
+            out["fleet_on_cluster"] = on_cluster
             out["status_sessions_large"] = await bench.held()
             out["status_ratio_large_vs_small"] = round(out["status_s_large"] / out["status_s_small"], 2)
             out["checkpoint_replicas"] = replicas + replicas_running
@@ -493,7 +517,11 @@ async def run(
             if out.get(f"restore_s_{a}"):
                 out[f"restore_growth_{b}_vs_{a}"] = round(out[f"restore_s_{b}"] / out[f"restore_s_{a}"], 2)
                 out[f"restore_cpu_growth_{b}_vs_{a}"] = round(out[f"restore_cpu_s_{b}"] / out[f"restore_cpu_s_{a}"], 2)
+            if fleet is not None and upgrade_parallel > 0:
+                out.update(await upgrade(bench, fleet, upgrade_parallel, upgrade_timeout_s, cpu))
             out.update(await checked(bench))
             return out
         finally:
+            if fleet is not None:
+                await fleet.stop()
             await bench.close()

@@ -207,6 +207,15 @@ def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: 
     for key in ("idle_redis_calls_per_session_s", "periodic_round_s", "status_s_small", "status_s_large"):
         assert isinstance(data[key], int | float), key
     assert isinstance(data["periodic_interval_kept"], bool)
+    # those sessions on pods of the simulated cluster, through a rolling driver upgrade of every node
+    assert data["fleet_on_cluster"] is True and data["fleet_upgrade_sessions"] == 200
+    assert data["fleet_upgrade_nodes"] == data["fleet_upgrade_nodes_labelled_done"] == 4
+    assert data["fleet_upgrade_drains"] == data["fleet_upgrade_verdicts"] == 4, data["fleet_upgrade_problems"]
+    assert data["fleet_upgrade_verdicts_completed"] == 4
+    assert data["fleet_upgrade_lost"] == 0, (data["fleet_upgrade_lost_first"], data["fleet_upgrade_problems"])
+    assert data["fleet_upgrade_evicted_pods"] >= 4 and data["fleet_upgrade_moved"] >= 200  # each pod moved once
+    assert data["fleet_upgrade_s"] > 0 and data["fleet_upgrade_cpu_s"]["driver@hollow"] >= 0
+    assert data["checker_problems"] == 0, data["checker_first_problems"]
     # the same services one process per node, for comparison: 3 agents a node
     assert data["per_node_nodes"] == 2 and data["per_node_processes"] == 12
     assert data["per_node_agent_rss_mb"] > 0 and data["per_node_agent_idle_cpu_cores"] >= 0

@@ -510,6 +510,33 @@ async def test_an_unanswered_prestop_ends_with_the_grace_period(
     assert "llama-2" not in placement and placement["llama-5"] == ("node-a", "Running")
 
 
+async def test_a_deployment_created_later_gets_its_pods_bound_once_and_a_different_one_is_refused(
+    subjects: Subjects, redis_client: aioredis.Redis, spec_file: Path
+) -> None:
+    cluster = await SimCluster.create(redis_client, subjects, load_spec(str(spec_file)))
+    await cluster.scale("llm", "llama", 2)
+    for pod in await cluster.pods(namespace="llm"):
+        if pod.phase == "Terminating":  # their GPUs are free once their preStop is done
+            await cluster.mark_prestop_done("llm", pod.name)
+    await cluster.create_deployment("llm", "bench", 2, max_unavailable=2, grace_period_s=60)
+    assert [(d.name, d.replicas) for d in await cluster.deployments("llm")] == [("bench", 2), ("llama", 2)]
+    bench = {p.name: (p.node, p.phase) for p in await cluster.pods(namespace="llm") if p.deployment == "bench"}
+    assert sorted(bench.values()) == [("node-b", "Running"), ("node-c", "Running")]
+    revision = cluster.revision
+    await cluster.create_deployment("llm", "bench", 2, max_unavailable=2, grace_period_s=60)  # the same: nothing
+    await cluster.node("node-a")
+    assert cluster.revision == revision
+    with pytest.raises(ClusterError, match="llm/bench is in the simulated cluster already"):
+        await cluster.create_deployment("llm", "bench", 3)
+    with pytest.raises(ClusterError, match="replicas must be >= 0"):
+        await cluster.create_deployment("llm", "other", -1)
+    evicted = min(bench)
+    assert await cluster.evict("llm", evicted) is EvictionOutcome.EVICTED  # its PodDisruptionBudget allows it
+    await cluster.mark_prestop_done("llm", evicted)
+    after = {p.name: p.phase for p in await cluster.pods(namespace="llm") if p.deployment == "bench"}
+    assert evicted not in after and len(after) == 2  # the replacement runs wherever a GPU is free
+
+
 async def test_a_watch_that_fell_behind_the_trimmed_stream_says_so(
     subjects: Subjects, redis_client: aioredis.Redis, spec_file: Path
 ) -> None:

@@ -228,6 +228,29 @@ class SimCluster:
     async def scale(self, namespace: str, deployment: str, replicas: int) -> None:
         await self._mutate(lambda state, now: (None, state.scale(namespace, deployment, replicas)))
 
+    async def create_deployment(
+        self,
+        namespace: str,
+        name: str,
+        replicas: int,
+        *,
+        gpus_per_pod: int = 1,
+        max_unavailable: int = 1,
+        grace_period_s: float = 30.0,
+    ) -> None:
+        """A deployment the spec did not have, its pods made and bound at once (``kubectl create deployment``);
+        the simulation's workload does not play them: whoever made it does. Idempotent. (Simulation only.)"""
+        deployment = SimDeployment(
+            name=name,
+            namespace=namespace,
+            replicas=replicas,
+            gpus_per_pod=gpus_per_pod,
+            max_unavailable=max_unavailable,
+            grace_period_s=grace_period_s,
+            labels={"app": name},
+        )
+        await self._mutate(lambda state, now: (None, state.add_deployment(deployment)))
+
     async def mark_prestop_done(self, namespace: str, pod: str) -> None:
         """The workload has run the pod's preStop hook; the pod goes now. Idempotent. (Simulation only: a real
         pod's preStop ends when its hook returns.)"""

@@ -210,6 +210,19 @@ class ClusterState(msgspec.Struct, kw_only=True):
         target.replicas = replicas
         return [ClusterChange("deployment", "MODIFIED", deployment, namespace)]
 
+    def add_deployment(self, deployment: SimDeployment) -> list[ClusterChange]:
+        """Create a deployment, as ``kubectl create`` does; ``reconcile`` makes and binds its pods. Idempotent: the
+        same deployment again changes nothing; another one under the same name is refused (``ClusterError``)."""
+        if deployment.replicas < 0:
+            raise ClusterError(f"deployment {deployment.key}: replicas must be >= 0, not {deployment.replicas}")
+        existing = self.deployments.get(deployment.key)
+        if existing is not None:
+            if existing == deployment:
+                return []
+            raise ClusterError(f"deployment {deployment.key} is in the simulated cluster already, unlike this one")
+        self.deployments[deployment.key] = deployment
+        return [ClusterChange("deployment", "ADDED", deployment.name, deployment.namespace)]
+
     # -- pods ---------------------------------------------------------------------------------------------------
     def evict(self, namespace: str, pod: str, now: float) -> tuple[EvictionOutcome, list[ClusterChange]]:
         """The Eviction API. A Running pod becomes Terminating (its preStop runs) unless that would leave its

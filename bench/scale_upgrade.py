@@ -1,0 +1,376 @@
+"""The fleet's sessions on pods the simulated cluster knows, and a rolling driver upgrade of every node with them
+(``bench.scale``'s ``fleet_upgrade_*`` figures; ``bench.scale_sessions`` runs both).
+
+``FleetPods`` creates a deployment of its own on the simulated cluster (``llm/bench``, one GPU a pod:
+``SimCluster.create_deployment``), which the cluster's scheduler binds to the fleet's nodes, and plays its pods as
+``shared.sim.workload`` plays the spec's (the simulation leaves a deployment it was not given alone): each Running
+pod hosts a KV agent on the node the cluster bound it to (``SessionBench.add_pod``); a pod turning Terminating runs
+its preStop (the final save, recorded by the checkpoint service), leaves, and tells the cluster it is done; the
+sessions it held are then restored on the pod that holds the fewest (its replacement, which the cluster has started
+on a node still schedulable), as a router sends their next requests there, each checked block for block against
+what the pod held. A pod the cluster deletes without its preStop (its grace period ran out) loses what it held.
+
+``upgrade`` asks for a rolling driver upgrade of every node as ``gpuwarden upgrade-driver VERSION --max-parallel N``
+does (``operations.set_driver``: the ``driver`` document's ``desired_version``, ``auto_upgrade`` on, N nodes at
+once and N unavailable), N a tenth of the nodes, and follows it to the end:
+
+- ``fleet_upgrade_s``: from the document's write to the last node ``upgrade-done`` on the new driver;
+- ``fleet_upgrade_nodes``: nodes upgraded; ``fleet_upgrade_drains``: drains the upgrade asked for (one a node that
+  had pods); ``fleet_upgrade_verdicts``: those drains' verdicts (``_completed``: how many completed);
+- ``fleet_upgrade_sessions``: sessions the fleet's pods held when it began; ``fleet_upgrade_lost``: of those, the
+  ones no pod holds afterwards with the blocks it had (or that the registry does not place there, or records no
+  checkpoint of); ``fleet_upgrade_evicted_pods`` and ``fleet_upgrade_moved``: preStops run and sessions restored;
+- ``fleet_upgrade_cpu_s``: CPU seconds each of the mesh's processes spent meanwhile (given ``cpu``), and
+  ``fleet_upgrade_driver_cores``: the driver host's (the coordinator) over the upgrade's time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any
+
+from shared.console.operations import set_driver
+from shared.console.snapshot import UPGRADE_STATE_LABEL
+from shared.contract.driver import DriverUpgradeStateChanged
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.kv.endpoint import LocateRefused, SessionHeld
+from shared.kv.store import CheckpointNotFound, ChunkCorrupt
+from shared.ports.cluster import ClusterError, PodInfo
+from shared.sim.cluster import SimCluster
+
+if TYPE_CHECKING:
+    from bench.scale_sessions import HostedPod, SessionBench
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "llm"
+DEPLOYMENT = "bench"
+"""The deployment the hosted pods name (``SessionBench.add_pod``), now also the cluster's."""
+GRACE_S = 120.0
+"""The pods' grace period: their preStop (a final save of 50 sessions, a move into them finishing first) fits."""
+NEW_DRIVER = "560.35.03"
+RESTORE_WAIT_S = 60.0
+"""How long a move retries a session the registry still names the pod that left as holder of (it hears the pod
+leave with its last announcement; at worst its lease lapses, 3 announcement intervals)."""
+CONCURRENCY = 64
+"""Sessions restored at once, all moves together."""
+FOLLOW_EVERY_S = 0.25
+"""The least time between two readings of the cluster: a burst of changes is read once."""
+
+CpuSeconds = Callable[[], Mapping[str, float]]
+
+
+class FleetPods:
+    """The fleet's pods: a deployment of the simulated cluster that this benchmark plays. Level-triggered: the
+    hosted pods follow the cluster's, woken by its changes."""
+
+    def __init__(self, bench: SessionBench, cluster: SimCluster, replicas: int) -> None:
+        self.bench = bench
+        self.cluster = cluster
+        self.replicas = replicas
+        self.pods: dict[str, HostedPod] = {}
+        """The pods serving now, by name."""
+        self.leaving: set[str] = set()
+        """Pods whose preStop runs."""
+        self.locks: dict[str, asyncio.Lock] = {}
+        """Per pod: a move into it and its preStop do not overlap (the preStop saves what the move brought)."""
+        self.incoming: dict[str, int] = {}
+        self.moving = 0
+        self.prestops = 0
+        self.moved = 0
+        self.killed: list[str] = []
+        """Sessions of pods deleted without their preStop."""
+        self.problems: list[str] = []
+        self._slots = asyncio.Semaphore(CONCURRENCY)
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    async def start(self, timeout_s: float = 300.0) -> list[HostedPod]:
+        """Create the deployment, host each of its pods once all run, and follow the cluster from then on."""
+        await self.cluster.create_deployment(
+            NAMESPACE,
+            DEPLOYMENT,
+            self.replicas,
+            max_unavailable=max(1, self.replicas // 10),
+            grace_period_s=GRACE_S,
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            running = [p for p in await self._mine() if p.phase == "Running"]
+            if len(running) >= self.replicas:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{len(running)} of {self.replicas} pods of {NAMESPACE}/{DEPLOYMENT} running after {timeout_s:g}s "
+                    "(too few free GPUs in the fleet?)"
+                )
+            await asyncio.sleep(0.5)
+        await self.reconcile()
+        self._spawn(self._watch(), "fleet-pods-watch")
+        self._spawn(self._follow(), "fleet-pods-follow")
+        return list(self.pods.values())
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+
+    async def settled(self, timeout_s: float) -> None:
+        """Until no preStop and no move runs (``TimeoutError`` naming what still does after ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while self.leaving or self.moving:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pods still leaving after {timeout_s:g}s: {sorted(self.leaving)[:10]}")
+            await asyncio.sleep(0.2)
+
+    def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.problems.append(f"{task.get_name()}: {task.exception()!r}")
+
+    # -- following the cluster ------------------------------------------------------------------------------------
+    async def _mine(self) -> list[PodInfo]:
+        return [p for p in await self.cluster.pods(namespace=NAMESPACE) if p.deployment == DEPLOYMENT]
+
+    async def _watch(self) -> None:
+        """Wakes ``_follow`` on every change of the cluster; a watch that ends (trimmed, Redis away) starts again
+        from what the last reading saw."""
+        while True:
+            try:
+                async for _ in self.cluster.watch():
+                    self._wake.set()
+            except ClusterError as exc:
+                log.warning("cluster watch ended; following again", extra={"error": str(exc)})
+                self._wake.set()
+                await asyncio.sleep(0.5)
+
+    async def _follow(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            self._wake.clear()
+            try:
+                await self.reconcile()
+            except ClusterError as exc:
+                log.warning("cluster unreadable; pods followed again shortly", extra={"error": str(exc)})
+            await asyncio.sleep(FOLLOW_EVERY_S)
+
+    async def reconcile(self) -> None:
+        """The hosted pods follow the cluster's, whatever changes were missed: a Running pod is hosted, a
+        Terminating one runs its preStop, and one deleted before its preStop ended loses what it held."""
+        mine = await self._mine()
+        present = {p.name for p in mine}
+        for pod in mine:
+            if pod.phase == "Running" and pod.name not in self.pods and pod.node:
+                self.locks[pod.name] = asyncio.Lock()
+                self.incoming[pod.name] = 0
+                self.pods[pod.name] = await self.bench.add_pod(pod.name, pod.node)
+            elif pod.phase == "Terminating" and pod.name in self.pods and pod.name not in self.leaving:
+                self.leaving.add(pod.name)
+                self._spawn(self._pre_stop(pod.name), f"prestop-{pod.name}")
+        for name in [n for n in self.pods if n not in present and n not in self.leaving]:
+            gone = self.pods.pop(name)
+            self.killed.extend(gone.agent.sessions())
+            await self.bench.leave(gone)
+
+    # -- a pod leaves, its sessions move --------------------------------------------------------------------------
+    async def _pre_stop(self, name: str) -> None:
+        """The pod's preStop: its final save once a move into it is done, then it leaves (the registry hears its
+        sessions are free) and the cluster hears it is done; then its sessions move."""
+        pod = self.pods[name]
+        try:
+            async with self.locks[name]:
+                await pod.endpoint.final_save(deadline_s=GRACE_S * 0.8)
+                held = {sid: len(pod.agent.blocks(sid)) for sid in pod.agent.sessions()}
+                await self.bench.leave(pod)
+            self.pods.pop(name, None)
+            self.locks.pop(name, None)
+            self.incoming.pop(name, None)
+            with contextlib.suppress(ClusterError):  # its grace period ends it anyway
+                await self.cluster.mark_prestop_done(NAMESPACE, name)
+            self.prestops += 1
+            self.moving += 1
+        finally:
+            self.leaving.discard(name)
+        try:
+            await self._move(held)
+        finally:
+            self.moving -= 1
+
+    def _least_loaded(self) -> HostedPod | None:
+        serving = [p for n, p in self.pods.items() if n not in self.leaving]
+        if not serving:
+            return None
+        return min(serving, key=lambda p: (len(p.agent.sessions()) + self.incoming.get(p.name, 0), p.name))
+
+    async def _move(self, held: dict[str, int]) -> None:
+        """Restore ``held`` (session -> its blocks) on the pod that holds the fewest; one that starts leaving
+        before the move begins is passed over for the next."""
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            target = self._least_loaded()
+            if target is None:
+                if time.monotonic() > deadline:
+                    self.problems.append(f"no pod to move {len(held)} sessions to")
+                    return
+                await asyncio.sleep(0.2)
+                continue
+            self.incoming[target.name] += len(held)
+            try:
+                async with self.locks[target.name]:
+                    if target.name in self.pods and target.name not in self.leaving:
+                        await self._restore_all(target, held)
+                        return
+            finally:
+                if target.name in self.incoming:
+                    self.incoming[target.name] -= len(held)
+
+    async def _restore_all(self, target: HostedPod, held: dict[str, int]) -> None:
+        expected = self.bench.block.tobytes()
+
+        async def one(sid: str, blocks: int) -> None:
+            async with self._slots:
+                if not await self._restore(target, sid):
+                    return
+            got = target.agent.blocks(sid)
+            if len(got) != blocks or any(memoryview(b).tobytes() != expected for b in got):
+                self.problems.append(f"{sid} restored on {target.name} with {len(got)} blocks, {blocks} were held")
+                return
+            self.moved += 1
+
+        await asyncio.gather(*(one(sid, blocks) for sid, blocks in held.items()))
+        await target.endpoint.announce()
+
+    async def _restore(self, target: HostedPod, sid: str) -> bool:
+        deadline = time.monotonic() + RESTORE_WAIT_S
+        while True:
+            try:
+                await target.endpoint.restore(sid, timeout=30)
+                return True
+            except (SessionHeld, LocateRefused, TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    self.problems.append(f"{sid} not restored on {target.name} in {RESTORE_WAIT_S:g}s: {exc}")
+                    return False
+                await asyncio.sleep(0.2)
+            except (CheckpointNotFound, ChunkCorrupt) as exc:
+                self.problems.append(f"{sid} has no good checkpoint to restore on {target.name}: {exc}")
+                return False
+
+
+# -- the upgrade --------------------------------------------------------------------------------------------------
+async def upgrade(
+    bench: SessionBench,
+    fleet: FleetPods,
+    parallel: float,
+    timeout_s: float,
+    cpu: CpuSeconds | None = None,
+) -> dict[str, Any]:
+    """A rolling driver upgrade of every node of the cluster, ``parallel`` of them at once (at least one), with
+    the fleet's sessions on their pods; its drains join ``bench.drain_ids`` (the checker expects one verdict each)."""
+    assert bench.bus is not None
+    subjects = bench.subjects
+    nodes = [n.name for n in await fleet.cluster.nodes()]
+    before = {sid: len(p.agent.blocks(sid)) for p in fleet.pods.values() for sid in p.agent.sessions()}
+    drains: dict[str, str] = {}
+    verdicts: dict[str, str] = {}
+    done: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    finished = asyncio.Event()
+    heard = asyncio.Event()
+
+    async def on_drain(event: DrainRequested) -> None:
+        if event.requested_by == "driver":
+            drains.setdefault(event.drain_id, event.node)
+
+    async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
+        verdicts.setdefault(event.drain_id, "completed" if isinstance(event, DrainCompleted) else "failed")
+        heard.set()
+
+    async def on_state(event: DriverUpgradeStateChanged) -> None:
+        if event.state == "upgrade-done" and event.installed_version == NEW_DRIVER:
+            done.setdefault(event.node, time.monotonic())
+        elif event.state == "upgrade-failed":
+            failed[event.node] = event.reason
+        if len(done) >= len(nodes) or failed:
+            finished.set()
+
+    subs = [
+        await bench.bus.subscribe(subjects.pattern("node.drain.requested"), on_drain, (DrainRequested,)),
+        await bench.bus.subscribe(subjects.pattern("node.drain.completed"), on_verdict, (DrainCompleted,)),
+        await bench.bus.subscribe(subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,)),
+        await bench.bus.subscribe(subjects.pattern("driver.upgrade.state"), on_state, (DriverUpgradeStateChanged,)),
+    ]
+    max_parallel = max(1, math.ceil(len(nodes) * parallel))
+    cpu_before = dict(cpu()) if cpu else {}
+    started = time.monotonic()
+    try:
+        await set_driver(bench.mesh(), NEW_DRIVER, max_parallel, by="bench.scale")
+        end = started + timeout_s
+        while not finished.is_set() and time.monotonic() < end:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), min(10.0, max(0.0, end - time.monotonic())))
+            if len(await upgraded(fleet.cluster)) == len(nodes):  # the events' count, should one be missed
+                break
+        took = (max(done.values()) if done and len(done) == len(nodes) else time.monotonic()) - started
+        spent = {k: round(v - cpu_before[k], 2) for k, v in (cpu() if cpu else {}).items() if k in cpu_before}
+        await fleet.settled(GRACE_S)
+        deadline = time.monotonic() + 60
+        while set(drains) - set(verdicts) and time.monotonic() < deadline:  # the verdicts still on their way
+            heard.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(heard.wait(), deadline - time.monotonic())
+    finally:
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+    bench.drain_ids.extend(drains)
+    labelled = await upgraded(fleet.cluster)
+    holders = {sid: p for p in fleet.pods.values() for sid in p.agent.sessions()}
+    expected = bench.block.tobytes()
+    lost = [
+        sid
+        for sid, blocks in before.items()
+        if sid not in holders
+        or len(got := holders[sid].agent.blocks(sid)) != blocks
+        or any(memoryview(b).tobytes() != expected for b in got)
+    ]
+    unplaced = await bench.lost(list(fleet.pods.values()))
+    driver = [label for label in spent if label.startswith("driver")]
+    return {
+        "fleet_upgrade_s": round(took, 1),
+        "fleet_upgrade_nodes": len(done),
+        "fleet_upgrade_nodes_missing": len(nodes) - len(done),
+        "fleet_upgrade_nodes_labelled_done": len(labelled),
+        "fleet_upgrade_max_parallel": max_parallel,
+        "fleet_upgrade_failed_nodes": dict(sorted(failed.items())[:10]),
+        "fleet_upgrade_drains": len(drains),
+        "fleet_upgrade_verdicts": sum(1 for d in drains if d in verdicts),
+        "fleet_upgrade_verdicts_completed": sum(1 for d in drains if verdicts.get(d) == "completed"),
+        "fleet_upgrade_verdicts_missing": sum(1 for d in drains if d not in verdicts),
+        "fleet_upgrade_sessions": len(before),
+        "fleet_upgrade_lost": len(lost) + unplaced,
+        "fleet_upgrade_lost_first": sorted(lost)[:10],
+        "fleet_upgrade_evicted_pods": fleet.prestops,
+        "fleet_upgrade_killed_sessions": len(fleet.killed),
+        "fleet_upgrade_moved": fleet.moved,
+        "fleet_upgrade_problems": fleet.problems[:10],
+        "fleet_upgrade_cpu_s": spent,
+        "fleet_upgrade_driver_cores": round(sum(spent[d] for d in driver) / took, 3) if driver and took else None,
+    }
+
+
+async def upgraded(cluster: SimCluster) -> list[str]:
+    """The nodes whose upgrade state is ``upgrade-done`` (none was before: the fleet starts unlabelled)."""
+    return [n.name for n in await cluster.nodes() if n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done"]
