@@ -17,6 +17,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 import redis.asyncio as aioredis
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.auth.config import AuthSettings
@@ -32,6 +33,7 @@ from shared.contract.permissions import (
     AGENT,
     AUTH,
     GATEWAY,
+    PUBLISHES,
     Identity,
     bucket_owner,
     identity_name,
@@ -59,6 +61,7 @@ from shared.sim.tokens import sign as sign_token
 from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants
 from tests.faults.conftest import Pod
+from tests.faults.test_replay import Sent, Wire, kind_of, replay, settled, source_of, state_of
 from tests.helpers import eventually
 from tests.kvkit import LAYOUT, block_content, fill
 
@@ -561,3 +564,43 @@ async def test_a_pods_checkpoints_are_its_own_to_write_and_everyones_to_read(mes
     assert await custodian.checkpoints("v1") == [newer.checkpoint_id]
     assert not await custodian.pack_sizes(manifest.packs)
     await mesh.check()
+
+
+async def test_every_message_sent_again_by_its_own_sender_changes_nothing(mesh: SecuredMesh) -> None:
+    """Issue #30 on the secured mesh: what only the pod itself may send (its announcements, takes, restored
+    reports and preStop save report), the checkpoint service's save commands and events, and the admin's drain
+    request, each sent again byte for byte on its sender's own connection (a late duplicate of its own request,
+    as a connection that fails over sends) after llama-1's sessions moved to llama-2. Nothing changes, nothing is
+    deleted, the checker is clean."""
+    wire = Wire()
+    sub = await mesh.admin.nc.subscribe(f"{mesh.subjects.root}.>", cb=wire.heard)
+    sessions, pods, drains = ["s1", "s2"], ["llama-1", "llama-2"], ["d1"]
+    old = await mesh.add_pod("llama-1", sessions)
+    assert isinstance(await mesh.drain("node-1", "d1"), DrainCompleted)
+    await old.endpoint.final_save(deadline_s=10)
+    await old.endpoint.stop()
+    new = await mesh.add_pod("llama-2", [])
+    for sid in sessions:
+        assert [bytes(b) for b in (await new.endpoint.restore(sid)).blocks] == [
+            block_content(sid, i, LAYOUT.block_bytes).tobytes() for i in range(2)
+        ]
+    await eventually(lambda: sum(kind_of(s) == "cmd.checkpoint.restored" for s in wire.sent) >= 2)
+    await sub.unsubscribe()
+    senders = {f"agent/{name}": pod.bus.nc for name, pod in mesh.pods.items()}
+
+    def sender(sent: Sent) -> Client:
+        """The service for the kinds it publishes (a restored report's body keeps the agent's source), the pod
+        for what its agent sent, the admin for the rest (the drain request)."""
+        if kind_of(sent) in PUBLISHES["checkpoint"]:
+            return mesh.service.ctx.bus.nc
+        return senders.get(source_of(sent), mesh.admin.nc)
+
+    assert {"cmd.checkpoint.record", "cmd.checkpoint.locate", "checkpoint.agent.sessions"} <= {
+        kind_of(s) for s in wire.sent
+    }
+    before = await state_of(mesh, sessions, pods, drains)
+    assert all(before[sid]["recorded"] and before[sid]["stored"] for sid in sessions)
+    await replay(wire, sender)
+    await settled(mesh, before, sessions, pods, drains)
+    assert not [e for who, errors in mesh.errors.items() for e in errors if "permissions violation" in str(e)]
+    await mesh.check(drains=drains)

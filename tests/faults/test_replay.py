@@ -12,18 +12,23 @@ duplicate window would arrive."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
+import redis.asyncio as aioredis
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from services.checkpoint.service import CheckpointService
 from shared.contract.checkpoint import SaveSessionsReport
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.sessions import SessionLocation, WhereIsSession
+from shared.contract.subjects import Subjects
+from shared.kv.filestore import FileStore
 from shared.plumbing.configsync import ConfigStore
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
@@ -54,10 +59,10 @@ class Wire:
         self.sent.append(Sent(msg.subject, bytes(msg.data), dict(msg.headers or {}) or None, bool(msg.reply)))
 
     def kinds(self) -> set[str]:
-        return {_kind_of(s) for s in self.sent}
+        return {kind_of(s) for s in self.sent}
 
 
-def _kind_of(sent: Sent) -> str:
+def kind_of(sent: Sent) -> str:
     """The message kind: the subject less its root and the pod or node it names."""
     parts = sent.subject.split(".")[1:]
     if parts[:2] == ["cmd", "checkpoint"] and len(parts) == 4:
@@ -68,7 +73,24 @@ def _kind_of(sent: Sent) -> str:
         return ".".join(parts)
 
 
-async def _state(mesh: Mesh, sessions: Iterable[str], pods: Iterable[str], drains: Iterable[str]) -> dict[str, Any]:
+class Scene(Protocol):
+    """What the replay checks read: the open mesh of tests/faults/conftest.py, or the secured one."""
+
+    client: aioredis.Redis
+    subjects: Subjects
+    store: FileStore
+    service: CheckpointService
+
+
+def source_of(sent: Sent) -> str:
+    """Who sent it, as its body says (``agent/<pod>``, ``checkpoint/<node>``, ...); '' for a body without one."""
+    try:
+        return str(msgspec.json.decode(sent.data).get("source", ""))
+    except (msgspec.DecodeError, AttributeError):
+        return ""
+
+
+async def state_of(mesh: Scene, sessions: Iterable[str], pods: Iterable[str], drains: Iterable[str]) -> dict[str, Any]:
     """What a replay must not change: per session its holder and generation, the generation counter, its seal, its
     recorded checkpoints and the checkpoints the store holds; per pod whether it counts as alive (a replayed
     heartbeat must not bring back a pod that left); per drain its recorded verdict."""
@@ -93,14 +115,14 @@ async def _state(mesh: Mesh, sessions: Iterable[str], pods: Iterable[str], drain
     return out
 
 
-async def _replay(mesh: Mesh, wire: Wire, skip: Iterable[str] = ()) -> list[str]:
-    """Send every captured message again, as it was (stored events a second time without their message id too);
-    returns the answers' kinds, for the record."""
-    nc = mesh.bus.nc
+async def replay(wire: Wire, sender: Callable[[Sent], Client]) -> list[str]:
+    """Send every captured message again, as it was (stored events a second time without their message id too),
+    each on the connection ``sender`` names for it; returns the answers' kinds, for the record."""
     answers: list[str] = []
+    used: set[Client] = set()
     for sent in list(wire.sent):
-        if _kind_of(sent) in skip:
-            continue
+        nc = sender(sent)
+        used.add(nc)
         variants = [sent.headers]
         if sent.headers and MSG_ID in sent.headers:
             variants.append({k: v for k, v in sent.headers.items() if k != MSG_ID} or None)
@@ -111,21 +133,26 @@ async def _replay(mesh: Mesh, wire: Wire, skip: Iterable[str] = ()) -> list[str]
                 except NoRespondersError:  # asked of a pod that is gone
                     answers.append("no responder")
                     continue
+                except TimeoutError as exc:
+                    raise AssertionError(
+                        f"{kind_of(sent)} on {sent.subject} from {source_of(sent)} sent again: no answer {sent.headers}"
+                    ) from exc
                 answers.append(str(msgspec.json.decode(reply.data).get("kind", "?")))
             else:
                 await nc.publish(sent.subject, sent.data, headers=headers)
-    await nc.flush(timeout=5)
+    for nc in used:
+        await nc.flush(timeout=5)
     return answers
 
 
-async def _settled(mesh: Mesh, before: dict[str, Any], sessions: list[str], pods: list[str], drains: list[str]) -> None:
+async def settled(mesh: Scene, before: dict[str, Any], sessions: list[str], pods: list[str], drains: list[str]) -> None:
     """The state equals ``before`` once the service has handled what was replayed (it may still be handling stored
     events: wait for the equality, failing with the difference when it does not come)."""
     after: dict[str, Any] = {}
 
     async def same() -> bool:
         nonlocal after
-        after = await _state(mesh, sessions, pods, drains)
+        after = await state_of(mesh, sessions, pods, drains)
         return after == before
 
     try:
@@ -182,10 +209,10 @@ async def test_every_message_sent_again_changes_nothing_and_deletes_nothing(mesh
         assert kind in kinds, f"the scenario sent no {kind}: {sorted(kinds)}"
 
     # 1. after the move
-    before = await _state(mesh, sessions, pods, drains)
+    before = await state_of(mesh, sessions, pods, drains)
     assert all(seals[sid] in before[sid]["recorded"] and seals[sid] in before[sid]["stored"] for sid in sessions)
-    await _replay(mesh, wire)
-    await _settled(mesh, before, sessions, pods, drains)
+    await replay(wire, lambda _: mesh.bus.nc)
+    await settled(mesh, before, sessions, pods, drains)
     await mesh.check(drains=drains)
     for sid in sessions:  # what llama-2 restored is still there and still restores
         assert (await new.endpoint.restore(sid)).manifest.checkpoint_id == seals[sid]
@@ -193,10 +220,10 @@ async def test_every_message_sent_again_changes_nothing_and_deletes_nothing(mesh
     # 2. after the new holder saved under its generation
     new.grow("s1", 1)
     assert await mesh.periodic_turn() == 1
-    before = await _state(mesh, sessions, pods, drains)
+    before = await state_of(mesh, sessions, pods, drains)
     assert before["s1"]["recorded"][-1] != seals["s1"]
-    await _replay(mesh, wire)
-    await _settled(mesh, before, sessions, pods, drains)
+    await replay(wire, lambda _: mesh.bus.nc)
+    await settled(mesh, before, sessions, pods, drains)
     await mesh.check(drains=drains)
 
     # 3. after retention deleted what llama-1 saved of s1 (one checkpoint a session kept: the new holder's)
@@ -204,18 +231,18 @@ async def test_every_message_sent_again_changes_nothing_and_deletes_nothing(mesh
     await ConfigStore(mesh.client, mesh.subjects).write("checkpoint", policy, 1, "replay")
     await eventually(lambda: mesh.service.policy().keep_per_session == 1)
     await mesh.service.collect_garbage()
-    before = await _state(mesh, sessions, pods, drains)
+    before = await state_of(mesh, sessions, pods, drains)
     assert len(before["s1"]["stored"]) == 1 and seals["s1"] not in before["s1"]["stored"]
-    await _replay(mesh, wire)
-    await _settled(mesh, before, sessions, pods, drains)
+    await replay(wire, lambda _: mesh.bus.nc)
+    await settled(mesh, before, sessions, pods, drains)
     await mesh.check(drains=drains)
 
     # 4. after a session ended (its checkpoints retired)
     new.endpoint.end_session("s3")
     await eventually(lambda: _gone(mesh, "s3"))
-    before = await _state(mesh, sessions, pods, drains)
-    await _replay(mesh, wire)
-    await _settled(mesh, before, sessions, pods, drains)
+    before = await state_of(mesh, sessions, pods, drains)
+    await replay(wire, lambda _: mesh.bus.nc)
+    await settled(mesh, before, sessions, pods, drains)
     found = await mesh.check(drains=drains)
     assert found.recorded >= 2
     for sid in ("s1", "s2"):
@@ -223,7 +250,7 @@ async def test_every_message_sent_again_changes_nothing_and_deletes_nothing(mesh
 
 
 def _restored_reported(mesh: Mesh, wire: Wire, sid: str) -> bool:
-    return any(_kind_of(s) == "cmd.checkpoint.restored" and sid.encode() in s.data for s in wire.sent)
+    return any(kind_of(s) == "cmd.checkpoint.restored" and sid.encode() in s.data for s in wire.sent)
 
 
 async def _gone(mesh: Mesh, sid: str) -> bool:
