@@ -157,7 +157,8 @@ class AgentEndpoint:
         self._switch_lock = asyncio.Lock()
         self._stopped = False
         self._leaving = False
-        """``stop`` began: every announcement says the pod is leaving (a full one after a resync too)."""
+        """``stop`` is under way: every announcement says the pod is leaving (a full one after a resync too, the
+        announcing loop's until it is cancelled)."""
         self._ended: set[str] = set()
         self._changed = asyncio.Event()
         self._incarnation = uuid.uuid4().hex[:16]
@@ -217,6 +218,7 @@ class AgentEndpoint:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
         self._tasks.clear()
+        self._leaving = False  # the loop is gone; an announcement asked for explicitly from now on says what it says
 
     def end_session(self, session_id: str) -> None:
         """The conversation is over: the engine drops it, and the next announcement retires its checkpoints."""
