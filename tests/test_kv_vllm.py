@@ -197,20 +197,19 @@ async def test_a_drained_conversation_goes_on_in_another_engine_token_for_token(
     assert moved2["logprobs"] == ref2["logprobs"]  # bit for bit
 
     # the checkpoint's blocks hold K and V where the agent's layout says: layer 0 by hand from the weights
-    agent = KvAgent(
-        mesh.store, pod="reader", node="node-x", namespace="default", deployment="vllm", layout=manifest.layout
-    )
-    await agent.restore("vllm-moved")
     lay = manifest.layout
+    agent = KvAgent(mesh.store, pod="reader", node="node-x", namespace="default", deployment="vllm", layout=lay)
+    await agent.restore("vllm-moved")
     block0 = np.asarray(agent.blocks("vllm-moved")[0]).view(np.uint8).view(np.float32)
     block0 = block0.reshape(lay.layers, 2, lay.kv_heads, lay.block_tokens, lay.head_dim)
-    keys, values = layer0_kv(mesh.model, turn1[: lay.block_tokens])
-    np.testing.assert_allclose(block0[0, 1].transpose(1, 0, 2), values, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(block0[0, 0, :, 0], keys[0], rtol=1e-4, atol=1e-5)  # position 0: no rotation
+    keys, values = layer0_kv(mesh.model, turn1[: lay.block_tokens])  # [positions, heads, head_dim]
+    np.testing.assert_allclose(block0[0, 0], keys.transpose(1, 0, 2), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(block0[0, 1], values.transpose(1, 0, 2), rtol=1e-4, atol=1e-5)
 
 
 def layer0_kv(model: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Layer 0's K and V of ``ids`` ([positions, kv_heads, head_dim]) before the rotary embedding, by hand."""
+    """Layer 0's K (rotated by position, as Llama's rotary embedding does) and V of ``ids``, by hand:
+    ``[positions, kv_heads, head_dim]``."""
     weights = load_file(str(model / "model.safetensors"))
     config: dict[str, Any] = json.loads((model / "config.json").read_text())
     x = weights["model.embed_tokens.weight"][torch.tensor(ids)].double()
@@ -219,7 +218,13 @@ def layer0_kv(model: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     heads = config["num_key_value_heads"]
     k = (x @ weights["model.layers.0.self_attn.k_proj.weight"].double().T).reshape(len(ids), heads, -1)
     v = (x @ weights["model.layers.0.self_attn.v_proj.weight"].double().T).reshape(len(ids), heads, -1)
-    return k.numpy(), v.numpy()
+    dim = k.shape[-1]
+    theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.arange(len(ids), dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos()[:, None], torch.cat([angles, angles], -1).sin()[:, None]
+    half = torch.cat([-k[..., dim // 2 :], k[..., : dim // 2]], -1)
+    return (k * cos + half * sin).numpy(), v.numpy()
 
 
 async def test_a_checkpoint_of_another_model_is_refused_and_computed_anew(mesh: Mesh) -> None:

@@ -175,26 +175,40 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         hint: str | PagedLayout = self.config.kv_layout
         if not hint:
-            hint = self._backend_layout(next(iter(kv_caches))) or ""
+            name = next(iter(kv_caches))
+            hint = self._backend_layout(name, kv_caches[name]) or ""
         self.worker.register(PagedCache(kv_caches, self.layout, hint))
 
-    def _backend_layout(self, layer_name: str) -> PagedLayout | None:
-        """The layout the layer's attention backend declares (its cache shape, or for vLLM 0.32 its name); None
-        when vLLM does not let us ask it (the shape then decides where it can)."""
+    def _backend_layout(self, layer_name: str, tensor: torch.Tensor) -> PagedLayout | None:
+        """The layout the layer's attention backend declares: its cache shape (before vLLM 0.32), else its name,
+        and where its own cache writer (``do_kv_cache_update``) puts K and V; None when vLLM does not let us ask
+        it (the shape then decides where it can)."""
         try:
             layer = self._vllm_config.compilation_config.static_forward_context[layer_name]
             backend = layer.get_attn_backend()
+            name = str(backend.get_name())
         except Exception as exc:  # an older or newer vLLM: infer from the tensors' shape instead
             log.info("attention backend not available (%s); inferring the layout from the cache shape", exc)
             return None
+        impl = getattr(layer, "impl", None)
+        writer = None
+        if impl is not None and hasattr(impl, "do_kv_cache_update"):
+
+            def writer(key: torch.Tensor, value: torch.Tensor, page: torch.Tensor, slots: torch.Tensor) -> None:
+                impl.do_kv_cache_update(layer, key, value, page, slots)
+
         lay = self.layout
-        return PagedLayout.from_backend(
-            str(backend.get_name()),
+        paged = PagedLayout.from_backend(
+            name,
             getattr(backend, "get_kv_cache_shape", None),
+            writer,
+            tensor[:1],
             lay.block_tokens,
             lay.kv_heads,
             lay.head_dim,
         )
+        log.info("attention backend %s: paged KV layout %s", name, paged.kind)
+        return paged
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

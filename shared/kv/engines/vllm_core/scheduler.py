@@ -152,11 +152,11 @@ class SchedulerBook:
             self.held.pop(request.session, None)
         else:
             self.held[request.session] = list(tokens[:num_computed])
-        self._finishes.append(FinishSpec(req_id, request.session, num_computed, list(block_ids), request.end))
-        if num_computed <= 0 or not block_ids:
-            return False
-        self.holding.add(req_id)
-        return True
+        hold = num_computed > 0 and bool(block_ids)
+        self._finishes.append(FinishSpec(req_id, request.session, num_computed, list(block_ids), request.end, hold))
+        if hold:
+            self.holding.add(req_id)
+        return hold
 
     def released(self, req_ids: Iterable[str]) -> None:
         """The workers reported these requests' copies done (``KVConnectorOutput.finished_sending``)."""

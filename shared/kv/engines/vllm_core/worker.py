@@ -226,7 +226,8 @@ class WorkerBook:
             self.loop.ordered(lambda: self._end(session))
         elif self.save_on_finish and session in self.held_full:
             self._saves.append(self.loop.ordered(lambda: self.agent.save([session], reason="finish")))
-        self._done.add(finish.req_id)
+        if finish.held:
+            self._done.add(finish.req_id)
         return copied
 
     async def _end(self, session: str) -> None:
