@@ -410,7 +410,8 @@ def run(
             else "not run"
         ),
     }
-    return finish(options, results, TARGETS, params, machine_info())
+    targets = TARGETS if vllm else [t for t in TARGETS if not t.key.startswith("vllm_")]
+    return finish(options, results, targets, params, machine_info())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
