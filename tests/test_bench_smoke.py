@@ -179,7 +179,7 @@ def test_bench_resume_has_its_vllm_case_on_a_tiny_model(tmp_path: Path) -> None:
     connector on the second, and recomputed there; both give the same next token, with the same logprob."""
     out = tmp_path / "resume.json"
     options = BenchOptions("resume", quick=True, nats_url=None, out=out)
-    report = bench_resume.run(options, contexts=(1024,), rounds=1, pairs=1, progress=False)
+    report = bench_resume.run(options, contexts=(1024, 4096), rounds=1, pairs=1, progress=False)
     data = written(out, report, "resume", (*VLLM_RESUME_KEYS, "vllm_resume_vs_recompute_4k", "vllm_resume_exact"))
     assert data["vllm_resume_exact"] == 1 and data["vllm_resume_logprobs_identical"] == 1
     assert [(d["context"], d["resume"]["cached"]) for d in data["vllm_detail"]] == [(1024, 1024), (4096, 4096)]
