@@ -91,7 +91,9 @@ def measure_vllm(
                 resume, recompute = answers["resume"], answers["recompute"]
                 expected = (len(turn) - 1) // BLOCK_SIZE * BLOCK_SIZE
                 if resume["cached"] != expected:
-                    raise RuntimeError(f"{session}: resume loaded {resume['cached']} tokens, not {expected}")
+                    raise RuntimeError(
+                        f"{session}: resume loaded {resume['cached']} tokens, not {expected}; engine B's {b.tail()}"
+                    )
                 exact = exact and resume["tokens"] == recompute["tokens"]
                 identical = identical and resume["logprobs"] == recompute["logprobs"]
                 detail.append({"context": ctx, "round": r, "resume": resume, "recompute": recompute})

@@ -89,7 +89,13 @@ def serve(args: argparse.Namespace) -> None:
     if args.store:
         from vllm.config import KVTransferConfig
 
-        extra: dict[str, Any] = {"store": args.store, "pod": args.pod, "nats": args.nats, "announce_s": args.announce_s}
+        extra: dict[str, Any] = {
+            "store": args.store,
+            "pod": args.pod,
+            "nats": args.nats,
+            "announce_s": args.announce_s,
+            "lookup_timeout_s": args.lookup_timeout_s,
+        }
         if not args.nats:
             extra["save_on_finish"] = args.save_on_finish
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -194,16 +200,16 @@ class EngineProcess:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"no {prefix!r} from the engine in {timeout:.0f} s; {self._tail()}") from None
+                raise TimeoutError(f"no {prefix!r} from the engine in {timeout:.0f} s; {self.tail()}") from None
             if line is None:
-                raise RuntimeError(f"the engine exited ({self.proc.wait()}); {self._tail()}")
+                raise RuntimeError(f"the engine exited ({self.proc.wait()}); {self.tail()}")
             if line.startswith(prefix):
                 return line[len(prefix) :]
 
-    def _tail(self) -> str:
+    def tail(self) -> str:
         self._log_file.flush()
         lines = self.log.read_text(errors="replace").splitlines()
-        return f"its log ({self.log}) ends:\n" + "\n".join(lines[-25:])
+        return f"log ({self.log}) ends:\n" + "\n".join(lines[-25:])
 
     def wait_ready(self, timeout: float = 600.0) -> EngineProcess:
         self._next("READY", timeout)
@@ -252,6 +258,13 @@ def main() -> None:
     parser.add_argument("--nats", action="store_true", help="answer the checkpoint service (GPUWARDEN_NATS_URL)")
     parser.add_argument("--save-on-finish", action="store_true", help="without NATS: commit after each request")
     parser.add_argument("--announce-s", type=float, default=5.0, help="how often the agent announces its sessions")
+    parser.add_argument(
+        "--lookup-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long the scheduler waits to learn what a checkpoint holds (the connector's default is 5 s; the "
+        "machines these tests share can be far busier than a server)",
+    )
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     parser.add_argument("--max-model-len", type=int, default=8192)
     args = parser.parse_args()

@@ -43,7 +43,7 @@ from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
-from shared.kv.manifest import CheckpointManifest
+from shared.kv.manifest import CheckpointManifest, KvLayout
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.runner import RunningService, start_service
@@ -229,8 +229,17 @@ def layer0_kv(model: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 async def test_a_checkpoint_of_another_model_is_refused_and_computed_anew(mesh: Mesh) -> None:
     """A pod of another model on node-c holds the session; its checkpoint, saved at a drain, is not for B."""
-    ours = newest_manifest(mesh.store, "vllm-moved").layout
-    theirs = msgspec.structs.replace(ours, model_id="another-llama", weights_digest="f" * 64)
+    theirs = KvLayout(  # the shape of the engines' model (2 layers, 2 KV heads of 32), another model's weights
+        model_id="another-llama",
+        model_version="unversioned",
+        tokenizer_id="another-llama@unversioned",
+        dtype="float32",
+        block_tokens=BLOCK_SIZE,
+        layers=2,
+        kv_heads=2,
+        head_dim=32,
+        weights_digest="f" * 64,
+    )
     foreign = KvAgent(mesh.store, pod="llama-c", node="node-c", namespace="default", deployment="llama", layout=theirs)
     endpoint = AgentEndpoint(foreign, mesh.bus, announce_s=1.0)
     await endpoint.start()
