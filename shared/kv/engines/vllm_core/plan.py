@@ -41,13 +41,16 @@ class CopySpec(msgspec.Struct, frozen=True, array_like=True):
 
 class FinishSpec(msgspec.Struct, frozen=True, array_like=True):
     """The request finished with ``tokens`` positions computed in ``block_ids``: copy what the agent lacks (the
-    partial tail too), then report the request so vLLM frees its blocks. ``end``: the conversation is over."""
+    partial tail too), then report the request so vLLM frees its blocks (``held``: only when the scheduler told
+    vLLM to hold them; a request it freed at once, such as one failed at its load, is never reported).
+    ``end``: the conversation is over."""
 
     req_id: str
     session: str
     tokens: int
     block_ids: list[int]
     end: bool = False
+    held: bool = True
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,7 +15,7 @@ from shared.kv.engines.vllm_core.plan import ClaimSpec, CopySpec, FinishSpec, Lo
 from shared.kv.manifest import KvLayout, check_compatible, newest_first
 from shared.kv.store import CheckpointNotFound, CheckpointStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.gpuwarden.scheduler")  # under vLLM's logger: its handlers print it
 
 
 @dataclass
@@ -82,7 +82,7 @@ class SchedulerBook:
         count = num_external // self.block_size
         ids = list(block_ids[first : first + count])
         if len(ids) != count:
-            log.warning("fewer blocks allocated than tokens offered", extra={"req": req_id, "blocks": len(ids)})
+            log.warning("request %s: fewer blocks allocated (%d) than tokens offered", req_id, len(ids))
             return
         self._loads.append(LoadSpec(req_id, offer.session, first, ids, offer.from_store))
         if offer.from_store:
@@ -152,11 +152,11 @@ class SchedulerBook:
             self.held.pop(request.session, None)
         else:
             self.held[request.session] = list(tokens[:num_computed])
-        self._finishes.append(FinishSpec(req_id, request.session, num_computed, list(block_ids), request.end))
-        if num_computed <= 0 or not block_ids:
-            return False
-        self.holding.add(req_id)
-        return True
+        hold = num_computed > 0 and bool(block_ids)
+        self._finishes.append(FinishSpec(req_id, request.session, num_computed, list(block_ids), request.end, hold))
+        if hold:
+            self.holding.add(req_id)
+        return hold
 
     def released(self, req_ids: Iterable[str]) -> None:
         """The workers reported these requests' copies done (``KVConnectorOutput.finished_sending``)."""
@@ -212,7 +212,7 @@ async def checkpoint_tokens(
         try:
             check_compatible(manifest, layout)
         except ValueError as exc:
-            log.warning("checkpoint refused", extra={"session": session, "error": str(exc)})
+            log.warning("checkpoint of session %s refused: %s", session, exc)
             return 0
         return manifest.token_count
     return 0

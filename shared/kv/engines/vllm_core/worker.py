@@ -17,7 +17,7 @@ from shared.kv.engines.vllm_core.paged import PagedCache
 from shared.kv.engines.vllm_core.plan import FinishSpec, LoadSpec, StepPlan
 from shared.kv.store import StoreError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.gpuwarden.worker")  # under vLLM's logger: its handlers print it
 
 
 class SessionPort:
@@ -39,7 +39,7 @@ class SessionPort:
                 await self.endpoint.start_session(session, self.claim_timeout_s)
                 return
             except (TimeoutError, LocateRefused, StoreError, OSError) as exc:
-                log.warning("could not claim the session; held under generation 0", extra={"error": str(exc)})
+                log.warning("could not claim session %s; held under generation 0: %s", session, exc)
         self.agent.register_session(session)
 
     async def restore(self, session: str) -> int:
@@ -51,12 +51,12 @@ class SessionPort:
             else:
                 restored = await self.agent.restore(session)
         except StoreError as exc:  # CheckpointNotFound, ChunkCorrupt, ManifestCorrupt: nothing usable
-            log.warning("restore found nothing usable", extra={"session": session, "error": str(exc)})
+            log.warning("restore of session %s found nothing usable: %s", session, exc)
             if session not in self.agent.sessions():
                 self.agent.register_session(session)
             return 0
         if restored.fell_back_from:
-            log.warning("restored an older checkpoint", extra={"session": session, "skipped": restored.fell_back_from})
+            log.warning("session %s: restored an older checkpoint, skipping %s", session, restored.fell_back_from)
         return restored.manifest.token_count
 
     def end(self, session: str) -> None:
@@ -153,14 +153,12 @@ class WorkerBook:
         try:
             blocks = self.loop.ordered(fetch).result(self.load_timeout_s)
         except Exception as exc:  # a failed load is recomputed by vLLM, never a crash
-            log.warning("loading a session failed", extra={"session": load.session, "error": str(exc)})
+            log.warning("loading session %s failed: %s", load.session, exc)
             blocks = []
         try:
             cache.scatter(load.block_ids[: len(blocks)], blocks)
         except (TypeError, ValueError, RuntimeError) as exc:
-            log.warning(
-                "restored blocks do not fit the paged cache", extra={"session": load.session, "error": str(exc)}
-            )
+            log.warning("session %s: restored blocks do not fit the paged cache: %s", load.session, exc)
             blocks = []
         report.loaded_blocks += len(blocks)
         if len(blocks) < want:
@@ -204,7 +202,7 @@ class WorkerBook:
             self.agent.register_session(session)
         count = len(self.agent.blocks(session))
         if first > count:
-            log.warning("a gap in a session's blocks; not kept", extra={"session": session, "first": first})
+            log.warning("session %s: a gap before block %d; not kept", session, first)
             return
         for i, block in enumerate(blocks, first):
             if i < count:
@@ -228,7 +226,8 @@ class WorkerBook:
             self.loop.ordered(lambda: self._end(session))
         elif self.save_on_finish and session in self.held_full:
             self._saves.append(self.loop.ordered(lambda: self.agent.save([session], reason="finish")))
-        self._done.add(finish.req_id)
+        if finish.held:
+            self._done.add(finish.req_id)
         return copied
 
     async def _end(self, session: str) -> None:
