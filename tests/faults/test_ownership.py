@@ -54,7 +54,7 @@ async def test_a_pod_that_lost_a_session_never_rolls_it_back(mesh: Mesh) -> None
     assert await mesh.periodic_turn() >= 1
     fourth = await mesh.add_pod("gone-4", "node-3")
     assert [bytes(b) for b in (await fourth.endpoint.restore("s1")).blocks] == expected("s1", 5)
-    await mesh.check(drains=["d1", "d2"])
+    await mesh.check(min_checkpoints=5, drains=["d1", "d2"])
 
 
 async def test_a_stopped_agent_stops_answering(mesh: Mesh) -> None:
@@ -86,7 +86,7 @@ async def test_gone_pods_leave_the_registry_silent_ones_that_still_exist_do_not(
     assert {f.session_id for f in verdict.failed_sessions} == {"h1"}
     assert await mesh.sessions_on("node-1") == {"h1"}
     assert "ghost-1" not in await mesh.service.registry.pods()
-    await mesh.check(drains=["d1"])
+    await mesh.check(min_checkpoints=0, drains=["d1"])
 
 
 async def _both_silent(mesh: Mesh, *pods: str) -> bool:
@@ -106,7 +106,7 @@ async def test_an_ended_session_is_retired_by_its_owner_only(mesh: Mesh) -> None
     assert len(await mesh.service.registry.checkpoints("s2")) == 1
     assert await mesh.store.checkpoints("s1") == [] and len(await mesh.store.checkpoints("s2")) == 1
     assert await mesh.sessions_on("node-1") == set() and await mesh.sessions_on("node-2") == {"s2"}
-    await mesh.check()
+    await mesh.check(min_checkpoints=1)
 
 
 async def _no_checkpoints(mesh: Mesh, sid: str) -> bool:
@@ -129,7 +129,7 @@ async def test_a_session_dropped_then_ended_is_retired_by_the_pod_that_owned_it_
     await mesh.announce(pod)
     await eventually(lambda: _no_checkpoints(mesh, "s1"))
     assert await mesh.store.checkpoints("s1") == []
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_an_older_agent_that_says_claim_still_takes_the_session(mesh: Mesh) -> None:
@@ -207,7 +207,7 @@ async def _restored_passing_over(mesh: Mesh, rescuer: Pod, want: str, stale: Che
     recorded_ids = {str(r["checkpoint_id"]) for r in await mesh.service.registry.checkpoints("s1")}
     assert stale.checkpoint_id not in recorded_ids
     await mesh.store.delete_checkpoint("s1", stale.checkpoint_id)  # what the refusal's deletion does
-    await mesh.check()
+    await mesh.check(min_checkpoints=1)
 
 
 async def test_a_pod_that_stops_after_the_registry_lost_its_writes_still_leaves(mesh: Mesh) -> None:
@@ -224,4 +224,4 @@ async def test_a_pod_that_stops_after_the_registry_lost_its_writes_still_leaves(
     new = await mesh.add_pod("llama-2", "node-2")
     restored = await new.endpoint.restore("s1")
     assert [bytes(b) for b in restored.blocks] == expected("s1", 2)
-    await mesh.check()
+    await mesh.check(min_checkpoints=1)
