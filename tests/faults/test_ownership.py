@@ -167,10 +167,10 @@ async def test_a_restore_passes_over_another_pods_checkpoint_of_the_holders_gene
 
 async def test_a_restore_passes_over_a_save_of_the_old_holder_made_after_the_session_moved(mesh: Mesh) -> None:
     """The seal fence of a restore's repair (``_REPAIR``). s1 moves from llama-1 to llama-2 (a new generation,
-    restored from llama-1's newest checkpoint); llama-1,
-    still running, saves its copy once more, under its old generation, and the file is in the store before the
-    refusal's deletion. llama-2 is evicted before it saved anything: the next restore takes what llama-2 restored
-    (the seal of its generation), not llama-1's later save, which is never recorded."""
+    restored from llama-1's newest checkpoint); llama-1, still running, saves its copy once more, under its old
+    generation, and the file is in the store before the refusal's deletion. llama-2 is evicted before it saved
+    anything: the next restore takes what llama-2 restored (the seal of its generation), not llama-1's later save,
+    which is never recorded."""
     old = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
     assert await mesh.periodic_turn() == 1
     recorded = await mesh.service.registry.newest_checkpoint("s1")
