@@ -58,9 +58,11 @@ test: install
 
 # The fault suite alone, the `long` scenarios included (the others are part of `make test` too): real NATS (a
 # 3-server cluster for failover), Redis and processes killed with SIGKILL, each scenario followed by the invariant
-# checker (tests/faults/checker.py).
+# checker (tests/faults/checker.py); then every other test marked `long` (the agent package installed from the
+# package index), which `make test` leaves out: every test is run by some target.
 faults: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/faults $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m long --ignore=tests/faults tests $(PYTEST_ARGS)
 
 check: install format lint types layers rules
 	$(BIN)/python -m tools.schemas --check

@@ -446,13 +446,16 @@ async def fleet_figures(
     return out
 
 
-async def checked(bench: SessionBench) -> dict[str, Any]:
-    """The fault suite's invariant checker over what the run left (every recorded checkpoint of every session read
-    back and verified, node and pod indexes, generations, every drain's verdict), once the run is quiet."""
+async def checked(bench: SessionBench, sessions: int) -> dict[str, Any]:
+    """The fault suite's invariant checker over what the run left (the store walked and compared with the registry
+    both ways, every checkpoint read back and verified, node and pod indexes, generations, every drain's verdict),
+    once the run is quiet; the fleet's ``sessions`` were each saved at least once (the checker finds no fewer)."""
     from tests.faults.checker import check_invariants
 
     started = time.monotonic()
-    found = await check_invariants(bench.store, bench.redis, bench.subjects, drains=bench.drain_ids)
+    found = await check_invariants(
+        bench.store, bench.redis, bench.subjects, min_checkpoints=sessions, drains=bench.drain_ids
+    )
     return {
         "checker_problems": len(found.problems),
         "checker_first_problems": found.problems[:5],
@@ -519,7 +522,7 @@ async def run(
                 out[f"restore_cpu_growth_{b}_vs_{a}"] = round(out[f"restore_cpu_s_{b}"] / out[f"restore_cpu_s_{a}"], 2)
             if fleet is not None and upgrade_parallel > 0:
                 out.update(await upgrade(bench, fleet, upgrade_parallel, upgrade_timeout_s, cpu))
-            out.update(await checked(bench))
+            out.update(await checked(bench, sessions))
             return out
         finally:
             if fleet is not None:

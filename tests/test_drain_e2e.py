@@ -108,7 +108,7 @@ async def run_drain_scenario(
             assert home.agent.tokens(sid) >= tokens[sid] + 5  # (a real model's pending reply token adds one)
             check = await workload.check_session(sid)
             assert check.verified is True, (sid, check.detail)
-        found = await check_invariants(store, client, subjects, drains=["upgrade-1"])
+        found = await check_invariants(store, client, subjects, drains=["upgrade-1"], min_checkpoints=len(moving))
         assert found, found.problems
         assert found.recorded >= len(moving)
     finally:

@@ -149,25 +149,25 @@ def test_up_drain_upgrade_status_down(home_env: dict[str, str]) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    # the live table is drawn in place on a terminal only: told its pipe is one (rich's TTY_COMPATIBLE, without
+    # colours), it draws each table as it takes it, and the test reads the first one drawn
     watcher = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "status", "--watch", "--interval", "1"],
-        env=env,
+        env={**env, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "NO_COLOR": "1", "COLUMNS": "160"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    watcher_started = time.monotonic()
     # the feed prints the uncordon whether it reads it in its first page or as it follows (it subscribes before it
     # reads that page), so this waits for what it prints, not for it to be "ready"
     assert gpuwarden(env, "uncordon", "node-2").stdout.strip() == "node-2 uncordoned"
     followed = read_until(follower, '"node-2"', 60)
-    # The live table prints to a pipe only when it stops (rich draws a Live display in place on a terminal
-    # only), so nothing it prints can say it has drawn once: it is given 6 s from its start, as a user would.
-    time.sleep(max(0.0, 6.0 - (time.monotonic() - watcher_started)))
+    watched = read_until(watcher, "nodes (SIMULATED)", 60)
     for proc in (follower, watcher):
         proc.send_signal(signal.SIGINT)
     followed_rest, follow_err = follower.communicate(timeout=30)
-    watched, watch_err = watcher.communicate(timeout=30)
+    watched_rest, watch_err = watcher.communicate(timeout=30)
+    watched += watched_rest
     followed += followed_rest
     assert follower.returncode == 0 and "Traceback" not in follow_err, follow_err
     assert [json.loads(line)["node"] for line in followed.splitlines()] == ["node-2"]

@@ -14,6 +14,7 @@ from shared.adapters.metrics import NvmlSource
 from shared.adapters.nvml import NvmlGpus, cuda_version_text, mig_profile_name, normalise_bus_id
 from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort, MigProfile
 from tests.fake_nvml import EventData, FakeGpu, FakeNvml, Memory, NVMLError
+from tests.helpers import eventually
 
 
 @pytest.fixture
@@ -31,6 +32,12 @@ async def gpus(fake: FakeNvml) -> Any:
 async def next_event(events: Any, timeout: float = 3.0) -> GpuHealthEvent:
     event: GpuHealthEvent = await asyncio.wait_for(anext(events), timeout)
     return event
+
+
+async def watching(fake: FakeNvml, gpus: int) -> None:
+    """Until the health thread has registered ``gpus`` GPUs for XID events (it starts once a stream subscribed, and
+    lists the GPUs first): a state awaited, not slept for."""
+    await eventually(lambda: len(fake.registered) >= gpus, timeout=5)
 
 
 def test_helpers() -> None:
@@ -141,7 +148,7 @@ async def test_xid_reaches_health_events(gpus: NvmlGpus, fake: FakeNvml) -> None
 async def test_lost_gpu(gpus: NvmlGpus, fake: FakeNvml) -> None:
     events: Any = gpus.health_events()
     pending = asyncio.ensure_future(next_event(events))
-    await asyncio.sleep(0.05)
+    await watching(fake, 2)  # the health thread took both GPUs' handles before one is lost
     fake.gpus[1].lost = True
     event = await pending
     assert (event.uuid, event.kind) == ("GPU-bbbb", "lost")
@@ -156,7 +163,7 @@ async def test_lost_seen_by_a_call_is_reported(gpus: NvmlGpus, fake: FakeNvml) -
     await gpus.devices()
     events: Any = gpus.health_events()
     pending = asyncio.ensure_future(next_event(events))
-    await asyncio.sleep(0.01)
+    await watching(fake, 2)  # subscribed: the health thread starts after the subscription
     fake.gpus[0].lost = True
     await gpus.utilisation()
     event = await pending
@@ -168,7 +175,7 @@ async def test_health_events_end_on_close(fake: FakeNvml) -> None:
     port = NvmlGpus(fake, event_wait_ms=20)
     events: Any = port.health_events()
     pending = asyncio.ensure_future(next_event(events))
-    await asyncio.sleep(0.05)
+    await watching(fake, 2)  # subscribed and watching: the close ends a running stream
     await port.close()
     with pytest.raises(StopAsyncIteration):
         await pending

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -135,6 +136,11 @@ async def test_the_store_walk_goes_round_in_slices_and_collects_packs_only_at_it
         assert [len(await store.checkpoints(s)) for s in ("s1", "s2", "s3")] == [2, 4, 4]
         await _saved(store, ["late"], 1)  # a session saved after the walk began: its pack is younger than the cutoff
         late_packs = {p.pack_id for p in await store.packs()} - packs_before
+        # a file's mtime comes from the kernel's coarse clock, which may lag time.time() (the walk's cutoff) by a
+        # tick: the late pack is stamped with a time read after the walk began, so it is after the cutoff for sure
+        after_cutoff = time.time_ns()
+        for pack_id in late_packs:
+            os.utime(store.packs_dir / f"{pack_id}.pack", ns=(after_cutoff, after_cutoff))
         assert await service.retention.turn() == (2, 0)
         deleted, packs = await service.retention.turn()  # s3, and the walk's end: the second round's pack goes
         assert (deleted, packs) == (2, 1)

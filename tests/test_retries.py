@@ -5,10 +5,11 @@ failures not tried again)."""
 from __future__ import annotations
 
 import asyncio
-import time
+from types import SimpleNamespace
 
 import pytest
 
+from shared.plumbing import retries
 from shared.plumbing.retries import JETSTREAM_API, JETSTREAM_PUBLISH, LOOP_RESTART, NODE_LABELS, RetryPolicy
 
 
@@ -72,14 +73,24 @@ async def test_a_cancellation_is_never_tried_again() -> None:
     assert flaky.calls == 1
 
 
-async def test_a_deadline_is_never_waited_past() -> None:
+async def test_a_deadline_is_never_waited_past(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock the test moves by each wait taken (no wall-clock margin): with 0.1 s waits (and 0.01 s of
+    jitter) before a deadline 0.25 s away, the third failure is raised rather than waited on, since its wait would
+    end at 0.31 s."""
+    now = [0.0]
+    monkeypatch.setattr(retries, "time", SimpleNamespace(monotonic=lambda: now[0]))
     flaky = Flaky(100)
-    deadline = time.monotonic() + 0.25
+    policy = RetryPolicy(on=(ValueError,), first_s=0.1, max_s=0.1, jitter_s=0.01)
+    waits: list[tuple[float, float]] = []
+
+    def waited(_: Exception, wait: float) -> None:
+        waits.append((now[0], wait))
+        now[0] += wait + policy.jitter_s
+
     with pytest.raises(ValueError):
-        await RetryPolicy(on=(ValueError,), first_s=0.1, max_s=0.1).call(flaky, deadline=deadline)
-    gave_up = time.monotonic()
-    assert 2 <= flaky.calls <= 3
-    assert gave_up < deadline + 0.05, "a try would have waited past the deadline"
+        await policy.call(flaky, deadline=0.25, note=waited)
+    assert flaky.calls == 3 and [w for _, w in waits] == [0.1, 0.1]
+    assert all(at + wait + policy.jitter_s <= 0.25 for at, wait in waits)
 
 
 async def test_tries_as_a_block() -> None:

@@ -123,8 +123,8 @@ async def test_a_view_of_one_node_is_woken_by_that_node_only(redis_client: aiore
             async for change in mine.watch():
                 heard.append(change)
 
+        assert mine._seen > 0  # the watch follows from the revision read, whenever its task first runs
         watching = asyncio.create_task(watch())
-        await asyncio.sleep(0)
         await other.set_node_labels("node-1", {"a": "1"})
         await other.set_node_labels("node-2", {"a": "2"})
         await eventually(lambda: heard, timeout=5)

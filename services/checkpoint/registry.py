@@ -1214,6 +1214,15 @@ class SessionRegistry:
         )
 
     @_redis_may_be_down
+    async def seal(self, session_id: str) -> tuple[int, str] | None:
+        """The session's seal as stored (``kv:sealed:<sid>``): the generation it was taken for and the newest
+        checkpoint the store held then ('' for none); None when no claim left one."""
+        gen, checkpoint = await self.client.hmget(self._key("sealed", session_id), "generation", "checkpoint")
+        if gen is None:
+            return None
+        return int(gen), as_text(checkpoint or b"")
+
+    @_redis_may_be_down
     async def drain_state(self, drain_id: str) -> str:
         """The drain's recorded state (running, completed, failed), '' when no drain of that id was taken."""
         raw = await self.client.hget(self._key("drain", drain_id), "state")

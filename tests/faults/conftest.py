@@ -25,6 +25,7 @@ from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent
+from shared.kv.crypto import ChunkCipher
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
@@ -70,12 +71,16 @@ class Mesh:
     bus: Bus
     pods: list[Pod] = field(default_factory=list)
     verdicts: list[DrainCompleted | DrainFailed] = field(default_factory=list)
+    cipher: ChunkCipher | None = None
+    """The key the mesh's pods encrypt their checkpoints with (None: not encrypted)."""
 
     async def add_pod(
         self, name: str, node: str, sessions: list[str] = (), blocks: int = 3, announce_s: float = 30.0
     ) -> Pod:  # type: ignore[assignment]
         bus = await Bus.connect(self.settings.nats, self.subjects, f"agent/{name}")
-        agent = KvAgent(self.store, pod=name, node=node, namespace="llm", deployment="llama", layout=LAYOUT)
+        agent = KvAgent(
+            self.store, pod=name, node=node, namespace="llm", deployment="llama", layout=LAYOUT, cipher=self.cipher
+        )
         endpoint = AgentEndpoint(agent, bus, announce_s=announce_s)
         pod = Pod(name, agent, endpoint, bus)
         for sid in sessions:
@@ -133,8 +138,15 @@ class Mesh:
         )
         return letters
 
-    async def check(self, **kwargs: Any) -> Findings:
-        found = await check_invariants(self.store, self.client, self.subjects, **kwargs)
+    async def check(self, *, min_checkpoints: int, **kwargs: Any) -> Findings:
+        """The invariant checker over the mesh (``check_invariants``): ``min_checkpoints``, the recorded checkpoints
+        the scenario made at least; every verdict the mesh saw published is checked against the recorded one; the
+        mesh's key decrypts what its pods encrypted."""
+        kwargs.setdefault("verdicts", self.verdicts)
+        kwargs.setdefault("ciphers", [self.cipher] if self.cipher is not None else [])
+        found = await check_invariants(
+            self.store, self.client, self.subjects, min_checkpoints=min_checkpoints, **kwargs
+        )
         assert found, "\n".join(found.problems)
         return found
 
@@ -146,15 +158,17 @@ async def open_mesh(
     store: FileStore,
     bus: Bus,
     service_settings: CheckpointSettings | None = None,
+    cipher: ChunkCipher | None = None,
 ) -> AsyncIterator[Mesh]:
     """The checkpoint service on ``settings`` (its Redis may be this test's own, or Sentinels) and ``store``;
-    periodic checkpoints off unless a scenario asks for them: scenarios take their turns explicitly."""
+    periodic checkpoints off unless a scenario asks for them: scenarios take their turns explicitly. ``cipher``:
+    the key the pods encrypt their checkpoints with."""
     service = CheckpointService(service_settings or CheckpointSettings(gc_interval_s=0, drain_lease_s=2.0), store=store)
     running = await start_service(service, settings, Wiring)
     client = redis_client(settings.redis, timeout=10.0)
     await ConfigStore(client, subjects).write("checkpoint", CheckpointPolicy(periodic_interval_s=0), 0, "faults")
     await eventually(lambda: service.policy().periodic_interval_s == 0)
-    m = Mesh(settings, subjects, store, service, running, client, bus)
+    m = Mesh(settings, subjects, store, service, running, client, bus, cipher=cipher)
 
     async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
         m.verdicts.append(event)
@@ -178,6 +192,14 @@ async def open_mesh(
 @pytest.fixture
 async def mesh(settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus) -> AsyncIterator[Mesh]:
     async with open_mesh(settings, subjects, FileStore(tmp_path / "store"), bus) as m:
+        yield m
+
+
+@pytest.fixture
+async def encrypted_mesh(settings: Settings, subjects: Subjects, tmp_path: Path, bus: Bus) -> AsyncIterator[Mesh]:
+    """The mesh whose pods encrypt every chunk (AES-256-GCM, a key of this test's own)."""
+    cipher = ChunkCipher(os.urandom(32))
+    async with open_mesh(settings, subjects, FileStore(tmp_path / "store"), bus, cipher=cipher) as m:
         yield m
 
 

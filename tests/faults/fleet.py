@@ -143,8 +143,13 @@ class Fleet:
             return False
         return all([(await self.gpus(n.name).versions()).driver == version for n in nodes])
 
-    async def check(self, drains: list[str] = ()) -> Findings:  # type: ignore[assignment]
-        found = await check_invariants(self.store, self.client, self.subjects, drains=drains)
+    async def check(self, *, min_checkpoints: int, drains: list[str] = ()) -> Findings:  # type: ignore[assignment]
+        """The invariant checker over the fleet: ``min_checkpoints`` recorded checkpoints the scenario made at
+        least, and every verdict the events stream holds checked against the recorded one."""
+        seen = [v for each in self.verdicts.values() for v in each]
+        found = await check_invariants(
+            self.store, self.client, self.subjects, min_checkpoints=min_checkpoints, drains=drains, verdicts=seen
+        )
         assert found, "\n".join(found.problems)
         return found
 

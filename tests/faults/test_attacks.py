@@ -34,7 +34,7 @@ async def test_an_announcement_naming_another_pod_is_refused_and_changes_nothing
     assert await mesh.sessions_on("node-2") == {"s1", "s2"}  # the victim's sessions stand
     await mesh.announce(victim)  # and its own announcements still count
     assert await mesh.sessions_on("node-2") == {"s1", "s2"}
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_a_drain_request_naming_another_node_than_its_subject_fails_and_drains_nothing(mesh: Mesh) -> None:
@@ -46,7 +46,7 @@ async def test_a_drain_request_naming_another_node_than_its_subject_fails_and_dr
     verdict = next(v for v in mesh.verdicts if v.drain_id == "forged-1")
     assert isinstance(verdict, DrainFailed) and verdict.node == "node-1" and "node-2" in verdict.reason
     assert await mesh.store.checkpoints("s1") == []  # node-2 was never drained
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_a_forged_copy_never_decides_another_nodes_drain(mesh: Mesh) -> None:
@@ -60,7 +60,7 @@ async def test_a_forged_copy_never_decides_another_nodes_drain(mesh: Mesh) -> No
     await eventually(lambda: any(v.drain_id == "after-1" for v in mesh.verdicts))
     verdicts = [v for v in mesh.verdicts if v.drain_id == "real-1"]
     assert [(type(v), v.node) for v in verdicts] == [(DrainCompleted, "node-2")]
-    await mesh.check(drains=["real-1", "after-1"])
+    await mesh.check(min_checkpoints=1, drains=["real-1", "after-1"])
 
 
 async def test_every_drain_request_gets_one_verdict_whatever_its_fields(mesh: Mesh) -> None:
@@ -75,7 +75,7 @@ async def test_every_drain_request_gets_one_verdict_whatever_its_fields(mesh: Me
         verdicts = [v for v in mesh.verdicts if v.drain_id == drain_id]
         assert len(verdicts) == 1 and isinstance(verdicts[0], DrainFailed), drain_id
         assert "deadline_s" in verdicts[0].reason, verdicts[0].reason
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_a_pod_may_ask_only_as_itself(mesh: Mesh) -> None:
@@ -94,7 +94,7 @@ async def test_a_pod_may_ask_only_as_itself(mesh: Mesh) -> None:
         mesh.subjects.agent_command("locate", "llama-2"), LocateCheckpoint(session_id="s1", pod="llama-2"), 5
     )
     assert isinstance(answer, CheckpointLocation)  # the service still serves the pod that asks as itself
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 BAD_IDS = ["", "../../x", "\x00", "x" * 10_000, "*", "a b", "s1\n", "../../../../tmp"]
@@ -139,7 +139,7 @@ async def test_identifiers_that_break_paths_or_subjects_are_refused_everywhere(m
     await mesh.service.registry.forget_pod("llama-1")  # its pod is gone: the session restores elsewhere
     restored = await (await mesh.add_pod("llama-2", "node-2")).endpoint.restore("s1")
     assert [bytes(b) for b in restored.blocks] == expected("s1", 3)
-    await mesh.check()
+    await mesh.check(min_checkpoints=1)
 
 
 async def test_a_pod_cannot_take_and_end_another_live_pods_session(mesh: Mesh) -> None:
@@ -168,4 +168,4 @@ async def test_a_pod_cannot_take_and_end_another_live_pods_session(mesh: Mesh) -
     )
     answer = await attacker.bus.request(mesh.subjects.agent_command("locate", "llama-1"), other, 5)
     assert isinstance(answer, CheckpointLocation) and "llm/llama" in answer.refused
-    await mesh.check()
+    await mesh.check(min_checkpoints=2)

@@ -158,8 +158,15 @@ class SecuredMesh:
         )
         assert isinstance(answer, CheckpointLocation), answer
 
-    async def check(self, **kwargs: object) -> Findings:
-        found = await check_invariants(self.store, self.client, self.subjects, **kwargs)  # type: ignore[arg-type]
+    async def check(self, *, min_checkpoints: int, **kwargs: object) -> Findings:
+        kwargs.setdefault("verdicts", self.verdicts)
+        found = await check_invariants(
+            self.store,
+            self.client,
+            self.subjects,
+            min_checkpoints=min_checkpoints,
+            **kwargs,  # type: ignore[arg-type]
+        )
         assert found, "\n".join(found.problems)
         return found
 
@@ -248,7 +255,7 @@ async def test_the_gateway_can_neither_take_ack_nor_redirect_the_drains(mesh: Se
     assert after.ack_floor.stream_seq == before.ack_floor.stream_seq
     verdict = await mesh.drain("node-2", "after-gateway")
     assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 1  # the service still answers
-    await mesh.check(drains=["after-gateway"])
+    await mesh.check(min_checkpoints=1, drains=["after-gateway"])
 
 
 async def test_the_gateway_reads_locations_and_rollouts_and_nothing_else(mesh: SecuredMesh) -> None:
@@ -278,7 +285,7 @@ async def test_the_gateway_reads_locations_and_rollouts_and_nothing_else(mesh: S
     await gateway.nc.subscribe(where, queue="checkpoint")  # answering in the service's place
     await mesh.refused("gateway", "subscription", where)
     await mesh.still_serving("llama-1", "s1")
-    await mesh.check(drains=["d-read"])
+    await mesh.check(min_checkpoints=1, drains=["d-read"])
 
 
 # -- a pod's agent --------------------------------------------------------------------------------------------------
@@ -318,7 +325,7 @@ async def test_an_agent_speaks_asks_and_hears_only_as_its_own_pod(mesh: SecuredM
     verdict = await mesh.drain("node-2", "after-agent")  # and its sessions are all saved
     assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 2, verdict
     assert set(await mesh.service.registry.sessions_of_pod(victim.name)) == {"v1", "v2"}
-    await mesh.check(drains=["after-agent"])
+    await mesh.check(min_checkpoints=2, drains=["after-agent"])
 
 
 async def test_a_connection_name_proves_nothing(mesh: SecuredMesh) -> None:
@@ -331,7 +338,7 @@ async def test_a_connection_name_proves_nothing(mesh: SecuredMesh) -> None:
     await impostor.nc.flush()
     await mesh.refused("agent/llama-2", "publish", subject)
     assert await mesh.sessions_on("node-2") == {"v1"}
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_nobody_reads_replies_meant_for_another(mesh: SecuredMesh) -> None:
@@ -359,7 +366,7 @@ async def test_nobody_reads_replies_meant_for_another(mesh: SecuredMesh) -> None
     await mesh.still_serving("llama-2", "v1")  # a reply to llama-2 ...
     await mesh.drain("node-2", "d-replies")  # ... and the save commands' replies to the service
     assert heard == []  # ... reached none of them
-    await mesh.check(drains=["d-replies"])
+    await mesh.check(min_checkpoints=1, drains=["d-replies"])
 
 
 async def test_a_service_user_cannot_take_a_pods_claims(mesh: SecuredMesh) -> None:
@@ -372,7 +379,7 @@ async def test_a_service_user_cannot_take_a_pods_claims(mesh: SecuredMesh) -> No
     await driver.nc.subscribe(announcements, queue="checkpoint")
     await mesh.refused("driver/node-1", "subscription", announcements)
     await mesh.still_serving("llama-2", "v1")
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 # -- credentials that prove nothing ---------------------------------------------------------------------------------
@@ -416,7 +423,7 @@ async def test_tokens_and_passwords_that_prove_nothing_are_refused(mesh: Secured
     ok = await mesh.connect(mesh.as_token(genuine, "llama-2"), "agent/llama-2")  # the genuine one still works
     assert ok.connected
     await mesh.still_serving("llama-1", "s1")
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_a_pods_token_stops_working_once_the_pod_is_gone(mesh: SecuredMesh) -> None:
@@ -426,7 +433,7 @@ async def test_a_pods_token_stops_working_once_the_pod_is_gone(mesh: SecuredMesh
     assert "llama-2" not in {p.name for p in await mesh.cluster.pods()}
     with pytest.raises(ConnectionRefusedError):
         await Bus.connect(mesh.as_token(token, "llama-2"), mesh.subjects, "replayed", connect_timeout=1.0)
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 # -- a consumer changed behind the service's back --------------------------------------------------------------------
@@ -449,7 +456,7 @@ async def test_a_drifted_drains_consumer_is_repaired_when_the_service_starts(mes
     assert repaired.config.max_deliver == 20
     verdict = await mesh.drain("node-1", "after-repair")
     assert isinstance(verdict, DrainCompleted) and verdict.sessions_committed == 1
-    await mesh.check(drains=["after-repair"])
+    await mesh.check(min_checkpoints=1, drains=["after-repair"])
 
 
 async def test_nobody_but_its_owner_may_touch_a_services_consumer(mesh: SecuredMesh) -> None:
@@ -465,7 +472,7 @@ async def test_nobody_but_its_owner_may_touch_a_services_consumer(mesh: SecuredM
         await mesh.admin.js.consumer_info(stream, "not-" + durable)
     assert (await mesh.admin.js.consumer_info(stream, durable)).config.durable_name == durable
     await asyncio.sleep(0)
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_an_agent_reconnects_with_the_token_the_kubelet_wrote_last(mesh: SecuredMesh, tmp_path: Path) -> None:
@@ -489,7 +496,7 @@ async def test_an_agent_reconnects_with_the_token_the_kubelet_wrote_last(mesh: S
     await mesh.refused("agent/llama-1", "publish", other)
     assert token_file.read_text() == first
     assert mesh.auth.ctx.health()["callouts"]["authorized"]["agent"] >= 3  # llama-2, llama-1, llama-1 again
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def _refused_now(mesh: SecuredMesh, token: Secret | None) -> bool:
@@ -563,7 +570,7 @@ async def test_a_pods_checkpoints_are_its_own_to_write_and_everyones_to_read(mes
     await custodian.delete_pack(next(iter(manifest.packs)))
     assert await custodian.checkpoints("v1") == [newer.checkpoint_id]
     assert not await custodian.pack_sizes(manifest.packs)
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_every_message_sent_again_by_its_own_sender_changes_nothing(mesh: SecuredMesh) -> None:
@@ -603,4 +610,4 @@ async def test_every_message_sent_again_by_its_own_sender_changes_nothing(mesh: 
     await replay(wire, sender)
     await settled(mesh, before, sessions, pods, drains)
     assert not [e for who, errors in mesh.errors.items() for e in errors if "permissions violation" in str(e)]
-    await mesh.check(drains=drains)
+    await mesh.check(min_checkpoints=4, drains=drains)

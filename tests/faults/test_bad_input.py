@@ -43,7 +43,7 @@ async def test_garbage_on_every_checkpoint_subject_is_refused_and_the_service_go
     await mesh.evict(mesh.pods[0])
     other = await mesh.add_pod("llama-2", "node-2")
     assert [bytes(b) for b in (await other.endpoint.restore("s1")).blocks] == expected("s1", 3)
-    await mesh.check(drains=["after"])
+    await mesh.check(min_checkpoints=1, drains=["after"])
 
 
 async def test_a_locate_the_service_refuses_is_a_refusal_not_a_timeout(mesh: Mesh) -> None:
@@ -71,4 +71,4 @@ async def test_temporary_files_older_than_the_grace_period_are_collected(mesh: M
     mesh.service.settings = type(mesh.service.settings)(gc_interval_s=0, gc_grace_s=600)
     await mesh.service.collect_garbage()
     assert not any(p.exists() for p in old) and young.exists()
-    await mesh.check(temp_grace_s=600)
+    await mesh.check(min_checkpoints=1, temp_grace_s=600)

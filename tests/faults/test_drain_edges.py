@@ -149,7 +149,7 @@ async def test_a_request_out_of_range_from_another_system_gets_its_failed_verdic
         assert saved.returncode == 0, saved.stdout + saved.stderr
         asked, answered = (msgspec.json.decode(line) for line in saved.stdout.splitlines())
         assert answered["kind"] == "node.drain.completed" and answered["drain_id"] == asked["drain_id"]
-        await f.check(drains=[*drains, asked["drain_id"]])
+        await f.check(min_checkpoints=answered["sessions_committed"], drains=[*drains, asked["drain_id"]])
 
 
 async def test_draining_every_node_during_a_rollout_and_a_driver_upgrade_deadlocks_nothing(
@@ -211,7 +211,7 @@ async def test_draining_every_node_during_a_rollout_and_a_driver_upgrade_deadloc
         await f.talk(fresh)  # the fleet serves again, on the new model version
         assert {r.agent.layout.model_version for r in f.workload.runtimes.values()} == {"2"}
         f.sessions_intact(fresh)
-        await f.check(drains=drain_ids)
+        await f.check(min_checkpoints=12, drains=drain_ids)
 
 
 async def test_uncordon_while_the_upgrade_holds_the_node_needs_force(

@@ -81,7 +81,7 @@ async def test_a_runner_killed_mid_drain_hands_the_drain_on_and_it_gets_one_verd
     assert [v.drain_id for v in seen].count("dk") == 1
     client = aioredis.Redis.from_url(settings.redis.url)
     try:
-        found = await check_invariants(store, client, subjects, drains=["dk", "dz"])
+        found = await check_invariants(store, client, subjects, drains=["dk", "dz"], min_checkpoints=2)
         assert found, found.problems
     finally:
         await client.aclose()
@@ -114,7 +114,7 @@ async def test_a_verdict_with_thousands_of_failures_summarises_and_keeps_the_lis
     assert len(msgspec.json.encode(verdict)) < 1024 * 1024
     kept = await mesh.client.lrange(verdict.failed_ref, 0, -1)
     assert sorted(json.loads(k)["session_id"] for k in kept) == sids
-    await mesh.check(drains=["big"])
+    await mesh.check(min_checkpoints=0, drains=["big"])
 
 
 async def test_a_re_sent_drain_id_is_answered_with_its_recorded_verdict(mesh: Mesh) -> None:
@@ -143,7 +143,7 @@ async def test_a_re_sent_drain_id_is_answered_with_its_recorded_verdict(mesh: Me
     assert first["event_id"] != second["event_id"]
     # run once: one checkpoint of s1, not two
     assert len(await mesh.service.registry.checkpoints("s1")) == 1
-    await mesh.check(drains=["again"])
+    await mesh.check(min_checkpoints=1, drains=["again"])
 
 
 async def test_a_drain_whose_verdict_redis_lost_is_answered_from_the_events_stream(mesh: Mesh) -> None:
@@ -163,7 +163,7 @@ async def test_a_drain_whose_verdict_redis_lost_is_answered_from_the_events_stre
     assert second.sessions_committed == first.sessions_committed == 1 and second.event_id != first.event_id
     assert len(await mesh.service.registry.checkpoints("s1")) == 1  # not run again
     assert await mesh.service.registry.drain_verdict("lost") is not None  # recorded again
-    await mesh.check(drains=["lost"])
+    await mesh.check(min_checkpoints=1, drains=["lost"])
 
 
 async def test_a_verdict_redis_lost_is_found_by_a_query_that_names_the_node(mesh: Mesh) -> None:
@@ -178,7 +178,7 @@ async def test_a_verdict_redis_lost_is_found_by_a_query_that_names_the_node(mesh
     found = await recorded_verdict(mesh.bus, "asked", node="node-1")
     assert isinstance(found, DrainCompleted) and found.drain_id == "asked" and found.sessions_committed == 1
     assert await recorded_verdict(mesh.bus, "asked") == found  # recorded again
-    await mesh.check(drains=["asked"])
+    await mesh.check(min_checkpoints=1, drains=["asked"])
 
 
 async def _verdicts_of(mesh: Mesh, drain_id: str, count: int) -> bool:
@@ -190,7 +190,7 @@ async def test_a_drain_of_a_node_the_cluster_lacks_fails_with_that_reason(mesh: 
     await eventually(lambda: any(v.drain_id == "nowhere" for v in mesh.verdicts))
     verdict = next(v for v in mesh.verdicts if v.drain_id == "nowhere")
     assert isinstance(verdict, DrainFailed) and "node-99 is not in the cluster" in verdict.reason
-    await mesh.check(drains=["nowhere"])
+    await mesh.check(min_checkpoints=0, drains=["nowhere"])
 
 
 async def test_the_recorded_verdict_is_what_the_service_answers_for_a_drain_id(mesh: Mesh) -> None:

@@ -175,7 +175,7 @@ async def test_redis_failover_between_checkpoints_restores_every_session_from_it
     for event in events:
         assert event.checkpoint_id == newest[event.session_id] and newest[event.session_id] in event.from_store
     assert await _newest_recorded(mesh, sessions) == newest  # repaired
-    await mesh.check()
+    await mesh.check(min_checkpoints=18)
 
 
 async def test_a_restore_asks_the_store_for_one_listing_of_its_session_when_the_registry_is_whole(mesh: Mesh) -> None:
@@ -194,7 +194,7 @@ async def test_a_restore_asks_the_store_for_one_listing_of_its_session_when_the_
     mesh.service.store = counting = CountingStore(mesh.store)  # type: ignore[assignment]
     await _restore_all(mesh, rescuer, pod.agent.sessions(), newest, dict.fromkeys(pod.agent.sessions(), 4))
     assert counting.calls == {"checkpoints": 3}, counting.calls
-    await mesh.check()
+    await mesh.check(min_checkpoints=9)
 
 
 @pytest.mark.parametrize("release", ["after-promotion", "during-failover"])
@@ -253,7 +253,7 @@ async def test_redis_failover_mid_drain_gives_one_verdict_and_every_session_its_
     rescuer = await mesh.add_pod("llama-3", "node-3", announce_s=QUIET)
     taken = await _restore_all(mesh, rescuer, sessions, newest, blocks)
     assert all(taken[sid] > before[sid] for sid in sessions), (before, taken)
-    await mesh.check(drains=["failover", "after"])
+    await mesh.check(min_checkpoints=14, drains=["failover", "after"])
 
 
 # -- NATS: helpers ------------------------------------------------------------------------------------------------
@@ -397,7 +397,7 @@ async def test_nats_the_cli_fails_over_when_its_server_dies_mid_drain(
         await f.talk(sessions)
         f.sessions_intact(sessions)
         assert f.workload.stats.restored >= len(moving)
-        await f.check(drains=["cli-failover"])
+        await f.check(min_checkpoints=len(moving), drains=["cli-failover"])
 
 
 # -- NATS: leaders SIGKILLed mid-drain and mid-upgrade ------------------------------------------------------------
@@ -435,7 +435,7 @@ async def test_nats_a_leader_killed_mid_drain_leaves_one_verdict_and_every_sessi
         await f.one_verdict_each([drain_id])
         await f.talk(sessions)
         f.sessions_intact(sessions)
-        await f.check(drains=[drain_id])
+        await f.check(min_checkpoints=len(moving), drains=[drain_id])
 
 
 @pytest.mark.long
@@ -464,4 +464,4 @@ async def test_nats_a_leader_killed_mid_upgrade_leaves_every_node_upgraded_and_e
         drains = sorted(f.verdicts)
         assert len(drains) >= len(f.spec.nodes)  # one per node at least: the upgrade's own
         await f.one_verdict_each(drains)
-        await f.check(drains=drains)
+        await f.check(min_checkpoints=len(sessions), drains=drains)

@@ -115,7 +115,7 @@ async def test_a_pack_lost_between_drains_is_written_again_by_the_next_drain(los
         manifest = await lossy.store.manifest(sid, newest)
         assert manifest.bytes_written == 3 * len(expected(sid, 1)[0])  # the three blocks of the lost pack
     await restored_elsewhere(lossy, pod)
-    await lossy.check(drains=["d1"], corrupted=damaged)
+    await lossy.check(min_checkpoints=7, drains=["d1"], corrupted=damaged)
 
 
 async def test_a_pack_lost_during_a_drain_fails_it_honestly_and_the_next_drain_completes(lossy: Mesh) -> None:
@@ -128,7 +128,7 @@ async def test_a_pack_lost_during_a_drain_fails_it_honestly_and_the_next_drain_c
     completed = await drain(lossy, "d2")
     assert isinstance(completed, DrainCompleted) and completed.sessions_committed == len(SESSIONS), completed
     await restored_elsewhere(lossy, pod)
-    await lossy.check(drains=["d1", "d2"], corrupted=damaged)
+    await lossy.check(min_checkpoints=7, drains=["d1", "d2"], corrupted=damaged)
 
 
 async def test_a_save_command_naming_sessions_to_rewrite_writes_them_whole(mesh: Mesh) -> None:

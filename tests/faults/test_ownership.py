@@ -9,6 +9,8 @@ import pytest
 from shared.contract.checkpoint import LocateCheckpoint, SaveSessions, SaveSessionsReport
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import codec
+from shared.kv.agent import SaveReport
+from shared.kv.endpoint import report_event
 from shared.kv.manifest import CheckpointManifest, checkpoint_order, new_checkpoint_id, seal_manifest
 from tests.faults.conftest import Mesh, Pod, expected
 from tests.helpers import eventually
@@ -54,7 +56,7 @@ async def test_a_pod_that_lost_a_session_never_rolls_it_back(mesh: Mesh) -> None
     assert await mesh.periodic_turn() >= 1
     fourth = await mesh.add_pod("gone-4", "node-3")
     assert [bytes(b) for b in (await fourth.endpoint.restore("s1")).blocks] == expected("s1", 5)
-    await mesh.check(drains=["d1", "d2"])
+    await mesh.check(min_checkpoints=5, drains=["d1", "d2"])
 
 
 async def test_a_stopped_agent_stops_answering(mesh: Mesh) -> None:
@@ -86,7 +88,7 @@ async def test_gone_pods_leave_the_registry_silent_ones_that_still_exist_do_not(
     assert {f.session_id for f in verdict.failed_sessions} == {"h1"}
     assert await mesh.sessions_on("node-1") == {"h1"}
     assert "ghost-1" not in await mesh.service.registry.pods()
-    await mesh.check(drains=["d1"])
+    await mesh.check(min_checkpoints=0, drains=["d1"])
 
 
 async def _both_silent(mesh: Mesh, *pods: str) -> bool:
@@ -106,7 +108,7 @@ async def test_an_ended_session_is_retired_by_its_owner_only(mesh: Mesh) -> None
     assert len(await mesh.service.registry.checkpoints("s2")) == 1
     assert await mesh.store.checkpoints("s1") == [] and len(await mesh.store.checkpoints("s2")) == 1
     assert await mesh.sessions_on("node-1") == set() and await mesh.sessions_on("node-2") == {"s2"}
-    await mesh.check()
+    await mesh.check(min_checkpoints=1)
 
 
 async def _no_checkpoints(mesh: Mesh, sid: str) -> bool:
@@ -129,7 +131,7 @@ async def test_a_session_dropped_then_ended_is_retired_by_the_pod_that_owned_it_
     await mesh.announce(pod)
     await eventually(lambda: _no_checkpoints(mesh, "s1"))
     assert await mesh.store.checkpoints("s1") == []
-    await mesh.check()
+    await mesh.check(min_checkpoints=0)
 
 
 async def test_an_older_agent_that_says_claim_still_takes_the_session(mesh: Mesh) -> None:
@@ -148,10 +150,11 @@ async def test_an_older_agent_that_says_claim_still_takes_the_session(mesh: Mesh
 
 
 async def test_a_restore_passes_over_another_pods_checkpoint_of_the_holders_generation(mesh: Mesh) -> None:
-    """A save refused as stale is deleted right after the refusal; a restore that lists the store before that
-    must not take it as the newest. Here the store holds, unrecorded, a checkpoint of the generation s1's holder
-    has, written by another pod (the stale save, or the other holder of a generation a claim lost in a Redis
-    failover handed out twice), one sequence newer than the holder's: the restore takes the holder's."""
+    """The holder fence of a restore's repair (``_REPAIR``): a save refused as stale is deleted right after the
+    refusal; a restore that lists the store before that must not take it as the newest. Here the store holds,
+    unrecorded, a checkpoint of the generation s1's holder has, written by another pod (the stale save, or the
+    other holder of a generation a claim lost in a Redis failover handed out twice), one sequence newer than the
+    holder's: the restore takes the holder's."""
     holder = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
     assert await mesh.periodic_turn() == 1
     recorded = await mesh.service.registry.newest_checkpoint("s1")
@@ -163,10 +166,11 @@ async def test_a_restore_passes_over_another_pods_checkpoint_of_the_holders_gene
 
 
 async def test_a_restore_passes_over_a_save_of_the_old_holder_made_after_the_session_moved(mesh: Mesh) -> None:
-    """s1 moves from llama-1 to llama-2 (a new generation, restored from llama-1's newest checkpoint); llama-1,
-    still running, saves its copy once more, under its old generation, and the file is in the store before the
-    refusal's deletion. llama-2 is evicted before it saved anything: the next restore takes what llama-2 restored
-    (the seal of its generation), not llama-1's later save, which is never recorded."""
+    """The seal fence of a restore's repair (``_REPAIR``). s1 moves from llama-1 to llama-2 (a new generation,
+    restored from llama-1's newest checkpoint); llama-1, still running, saves its copy once more, under its old
+    generation, and the file is in the store before the refusal's deletion. llama-2 is evicted before it saved
+    anything: the next restore takes what llama-2 restored (the seal of its generation), not llama-1's later save,
+    which is never recorded."""
     old = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
     assert await mesh.periodic_turn() == 1
     recorded = await mesh.service.registry.newest_checkpoint("s1")
@@ -206,8 +210,9 @@ async def _restored_passing_over(mesh: Mesh, rescuer: Pod, want: str, stale: Che
     assert [bytes(b) for b in restored.blocks] == expected("s1", 2)
     recorded_ids = {str(r["checkpoint_id"]) for r in await mesh.service.registry.checkpoints("s1")}
     assert stale.checkpoint_id not in recorded_ids
-    await mesh.store.delete_checkpoint("s1", stale.checkpoint_id)  # what the refusal's deletion does
-    await mesh.check()
+    assert stale.checkpoint_id in await mesh.store.checkpoints("s1")  # not deleted yet: the checker fences it too
+    found = await mesh.check(min_checkpoints=1)
+    assert found.fenced == 1
 
 
 async def test_a_pod_that_stops_after_the_registry_lost_its_writes_still_leaves(mesh: Mesh) -> None:
@@ -224,4 +229,135 @@ async def test_a_pod_that_stops_after_the_registry_lost_its_writes_still_leaves(
     new = await mesh.add_pod("llama-2", "node-2")
     restored = await new.endpoint.restore("s1")
     assert [bytes(b) for b in restored.blocks] == expected("s1", 2)
-    await mesh.check()
+    await mesh.check(min_checkpoints=1)
+
+
+# -- the fences of recording a save (``_RECORD``), each from both sides: the save it refuses, the save it lets by ---
+
+
+async def _moved(mesh: Mesh) -> tuple[Pod, Pod, str]:
+    """s1 saved by llama-1 under generation 1, then taken by llama-2 (generation 2, sealed at llama-1's newest
+    checkpoint, which it restores). llama-1's agent stops, and still holds its copy (a pod still running)."""
+    old = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
+    assert await mesh.periodic_turn() == 1
+    seal = str((await mesh.service.registry.checkpoints("s1"))[0]["checkpoint_id"])
+    await mesh.evict(old)
+    new = await mesh.add_pod("llama-2", "node-2")
+    assert (await new.endpoint.restore("s1")).manifest.checkpoint_id == seal
+    assert (await mesh.service.registry.generation("s1"), new.agent.generation("s1")) == (2, 2)
+    return old, new, seal
+
+
+async def _reported(mesh: Mesh, pod: Pod, saved: SaveReport) -> SaveSessionsReport:
+    """The pod's report of ``saved`` as its agent sends it (``cmd.checkpoint.record``), and the service's answer."""
+    subject = mesh.subjects.agent_command("record", pod.name)
+    answer = await mesh.bus.request(subject, report_event(pod.agent, saved), timeout=10)
+    assert isinstance(answer, SaveSessionsReport)
+    return answer
+
+
+async def _recorded(mesh: Mesh, sid: str) -> list[str]:
+    return [str(r["checkpoint_id"]) for r in await mesh.service.registry.checkpoints(sid)]
+
+
+async def test_generation_fence_an_older_generations_save_is_never_recorded(mesh: Mesh) -> None:
+    """The generation fence (``_RECORD``: a save of a generation below the session's counter is refused). llama-1
+    lost s1 to llama-2 and saves its copy on: the save is refused by name, never recorded, and the session's newest
+    recorded checkpoint stays what llama-2 restored. Without the fence, llama-1's save would be the newest."""
+    old, new, seal = await _moved(mesh)
+    old.grow("s1", 1)
+    late = await old.agent.save()
+    answer = await _reported(mesh, old, late)
+    assert not answer.committed and "refused" in answer.failed[0].reason and "generation 2" in answer.failed[0].reason
+    assert late.committed[0].checkpoint_id not in await _recorded(mesh, "s1")
+    assert (await _recorded(mesh, "s1"))[0] == seal
+    assert [bytes(b) for b in (await new.endpoint.restore("s1")).blocks] == expected("s1", 2)
+    await mesh.check(min_checkpoints=1)
+
+
+async def test_generation_fence_lets_the_holder_record_above_a_counter_redis_lost(mesh: Mesh) -> None:
+    """The generation fence refuses only generations below the counter: the holder's save under a generation above
+    it (a Redis failover lost the claim's counter) is recorded, and the counter rises to it. A fence that asked for
+    the counter's own generation would refuse the one pod that holds the session."""
+    _, new, seal = await _moved(mesh)
+    await mesh.client.delete(mesh.subjects.redis_key("kv", "generation", "s1"))
+    new.grow("s1", 1)
+    saved = await new.agent.save()
+    answer = await _reported(mesh, new, saved)
+    assert [c.session_id for c in answer.committed] == ["s1"] and not answer.failed
+    assert await _recorded(mesh, "s1") == [saved.committed[0].checkpoint_id, seal]
+    assert await mesh.service.registry.generation("s1") == 2
+    await mesh.check(min_checkpoints=2)
+
+
+async def test_holder_fence_another_pods_save_of_the_holders_generation_is_refused_and_deleted(mesh: Mesh) -> None:
+    """The holder fence (``_RECORD``: a save of the current generation by a pod other than its holder is refused,
+    and is stale: the refusal deletes it). llama-9 was handed s1's generation too (a claim a Redis failover lost
+    handed it out twice) and saves under it; llama-1 holds that generation: llama-9's save is refused, deleted, and
+    llama-1's checkpoint stays the newest. Without the fence, llama-9's save would be recorded as the newest."""
+    holder = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
+    assert await mesh.periodic_turn() == 1
+    (mine,) = await _recorded(mesh, "s1")
+    other = await mesh.add_pod("llama-9", "node-9")
+    other.agent.register_session("s1", generation=1)  # what the lost claim gave it
+    other.grow("s1", 2)
+    theirs = await other.agent.save()
+    assert theirs.committed[0].generation == 1
+    answer = await _reported(mesh, other, theirs)
+    assert not answer.committed and "held by pod llama-1" in answer.failed[0].reason
+    assert await _recorded(mesh, "s1") == [mine]
+    assert theirs.committed[0].checkpoint_id not in await mesh.store.checkpoints("s1")  # stale: deleted
+    await mesh.check(min_checkpoints=1)
+    assert holder.agent.generation("s1") == 1
+
+
+async def test_holder_fence_lets_the_holder_record_its_own_generation(mesh: Mesh) -> None:
+    """The holder fence refuses only another pod: after a refused save of its generation by another pod, the
+    holder's own next save under that generation is recorded, as every save of its before. A fence on the
+    generation alone would refuse the holder too."""
+    holder = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
+    assert await mesh.periodic_turn() == 1
+    holder.grow("s1", 1)
+    saved = await holder.agent.save()
+    answer = await _reported(mesh, holder, saved)
+    assert [c.session_id for c in answer.committed] == ["s1"] and not answer.failed
+    assert (await _recorded(mesh, "s1"))[0] == saved.committed[0].checkpoint_id
+    await mesh.check(min_checkpoints=2)
+
+
+async def test_seal_fence_an_old_holders_save_after_the_seal_is_stale_and_deleted(mesh: Mesh) -> None:
+    """The seal fence (``_RECORD``: a refused save of an older generation that sorts after the current
+    generation's seal was made after that claim, by a pod that had lost the session: stale, and deleted by the
+    refusal). Without the fence it would be refused and kept: a file no restore may take, left in the store."""
+    old, _, seal = await _moved(mesh)
+    old.grow("s1", 1)
+    late = await old.agent.save()
+    assert late.committed[0].checkpoint_id > seal
+    assert late.committed[0].checkpoint_id in await mesh.store.checkpoints("s1")
+    answer = await _reported(mesh, old, late)
+    assert not answer.committed
+    assert late.committed[0].checkpoint_id not in await mesh.store.checkpoints("s1")
+    found = await mesh.check(min_checkpoints=1)
+    assert found.store_only == 0
+
+
+async def test_seal_fence_keeps_a_save_made_before_the_session_moved(mesh: Mesh) -> None:
+    """The seal fence deletes only what sorts after the seal: llama-1's save made before s1 moved, whose report
+    arrives only after the move, is refused (llama-1 no longer holds the generation) but kept: it was committed
+    while llama-1 held the session, and a refusal never deletes what someone committed. A fence on the generation
+    alone would delete it."""
+    old = await mesh.add_pod("llama-1", "node-1", ["s1"], blocks=2)
+    old.grow("s1", 1)
+    early = await old.agent.save()  # committed; its report is late
+    old.grow("s1", 1)
+    assert await mesh.periodic_turn() == 1  # the next save, reported and recorded: the newest
+    await mesh.evict(old)
+    new = await mesh.add_pod("llama-2", "node-2")
+    restored = await new.endpoint.restore("s1")
+    assert restored.manifest.checkpoint_id > early.committed[0].checkpoint_id  # the seal
+    answer = await _reported(mesh, old, early)
+    assert not answer.committed and "refused" in answer.failed[0].reason
+    assert early.committed[0].checkpoint_id in await mesh.store.checkpoints("s1")  # kept
+    assert early.committed[0].checkpoint_id not in await _recorded(mesh, "s1")
+    found = await mesh.check(min_checkpoints=1)
+    assert found.store_only == 1 and found.fenced == 0  # older than the newest recorded: no problem, no fence

@@ -49,7 +49,7 @@ async def test_a_pod_killed_without_prestop_restores_from_its_last_periodic_chec
         assert [bytes(b) for b in restored.blocks] == expected("chat-1", blocks)
         assert 0 < blocks <= held[0]
         print(f"killed holding {held[0]} blocks; restored {blocks} (interval 0.5 s, one block per 50 ms)")
-        await mesh.check()
+        await mesh.check(min_checkpoints=3)
     finally:
         if worker.poll() is None:
             worker.kill()

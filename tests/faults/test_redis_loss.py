@@ -51,10 +51,12 @@ def test_a_persistent_redis_killed_with_sigkill_comes_back_with_what_it_acknowle
         client.hset("gw:config:driver", mapping={"version": 3, "doc": "{}"})
         # appendfsync everysec: a write may wait up to about a second (longer while the disk is slow to fsync)
         # before it reaches the AOF; the promise is about what reached it, so wait until nothing is pending
-        for _ in range(200):
+        deadline = time.monotonic() + 30
+        while True:
             info = client.info("persistence")
             if info.get("aof_buffer_length", 0) == 0 and info.get("aof_pending_bio_fsync", 0) == 0:
                 break
+            assert time.monotonic() < deadline, f"the AOF still had writes pending after 30 s: {info}"
             time.sleep(0.05)
         client.close()
         server.kill()

@@ -98,13 +98,13 @@ async def test_a_redis_pause_mid_retention_leaves_no_recorded_checkpoint_without
             await mesh.service.collect_garbage()  # one checkpoint went, then Redis stopped answering
         assert store.deleted == 1
         await eventually(lambda: answers(own_redis.url), timeout=15)
-        await mesh.check()  # every recorded checkpoint has its file
+        await mesh.check(min_checkpoints=7)  # every recorded checkpoint has its file
         assert sum([len(await mesh.store.checkpoints(sid)) for sid in pod.agent.sessions()]) == 7
 
         assert (await mesh.service.collect_garbage())[0] == 3  # the next turn finishes the job
         for sid in pod.agent.sessions():
             assert len(await mesh.store.checkpoints(sid)) == len(await mesh.service.registry.checkpoints(sid)) == 1
-        await mesh.check()
+        await mesh.check(min_checkpoints=4)
         await mesh.evict(pod)
         other = await mesh.add_pod("llama-2", "node-2")
         for sid in pod.agent.sessions():
@@ -124,10 +124,10 @@ async def test_a_redis_pause_mid_retention_of_an_ended_session_leaves_no_recorde
         with pytest.raises(TemporaryError):
             await mesh.service.retire_session("s1")
         await eventually(lambda: answers(own_redis.url), timeout=15)
-        await mesh.check()
+        await mesh.check(min_checkpoints=2)
         await mesh.service.retire_session("s1")
         assert await mesh.store.checkpoints("s1") == [] and await mesh.service.registry.checkpoints("s1") == []
-        await mesh.check()
+        await mesh.check(min_checkpoints=0)
 
 
 # -- a rolling driver upgrade, followed by the CLI, through a Redis pause -------------------------------------------
@@ -221,7 +221,7 @@ async def test_upgrade_driver_wait_follows_the_upgrade_through_a_redis_pause(
         # every drain the upgrade asked for has its one verdict, recorded; the invariants hold
         await eventually(lambda: len(drains) == 3 and {v.drain_id for v in verdicts} == set(drains), timeout=30)
         assert sorted(v.drain_id for v in verdicts) == sorted(drains)
-        found = await check_invariants(store, client, subjects, drains=drains)
+        found = await check_invariants(store, client, subjects, drains=drains, min_checkpoints=9)
         assert found and found.recorded > 0, found.problems
     finally:
         if cli is not None and cli.returncode is None:

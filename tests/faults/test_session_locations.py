@@ -149,7 +149,7 @@ async def test_a_session_drained_and_restored_elsewhere_is_followed_in_order(mes
     )
     newest = {e.session_id: e for e in (codec.decode(m.data) for m in await catch_up.fetch(2, timeout=5))}
     assert newest == router.table
-    await mesh.check(drains=["d1", "d2"])
+    await mesh.check(min_checkpoints=1, drains=["d1", "d2"])
 
 
 async def test_a_session_its_engine_dropped_is_held_by_nothing(mesh: Mesh) -> None:
