@@ -8,7 +8,7 @@ import asyncio
 import sys
 from typing import Any
 
-from shared.console.state import UsageError
+from shared.console.state import CommandError, UsageError
 from shared.contract.registry import BY_KIND, codec
 
 
@@ -18,7 +18,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     async def main() -> int:
         from shared.console.client import open_mesh
 
-        mesh = await open_mesh()
+        mesh = await open_mesh(read_only=True)
         samples = snapshot.SampleListener(mesh)
         try:
             await samples.start()
@@ -67,7 +67,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             return
         width = out.width
-        if not printed:
+        if not printed and found:
             out.print(events.line(("time", "kind", "source", "what"), width), style="bold")
             printed = True
         for event in found:
@@ -76,12 +76,15 @@ def cmd_events(args: argparse.Namespace) -> int:
     async def main() -> int:
         from shared.console.client import open_mesh
 
-        mesh = await open_mesh()
+        mesh = await open_mesh(read_only=True)
         try:
-            await events.page_then_follow(mesh, kinds, args.limit, show, args.follow)
-            return 0
+            shown = await events.page_then_follow(mesh, kinds, args.limit, show, args.follow)
         finally:
             await mesh.close()
+        if not shown:  # as grep: nothing matched is exit 1, and said
+            what = f"of kind {args.kind} " if args.kind else ""
+            raise CommandError(f"no event {what}is stored in {mesh.subjects.events_stream.name} (yet)")
+        return 0
 
     try:
         return asyncio.run(main())
