@@ -111,10 +111,10 @@ class Parser(argparse.ArgumentParser):
             chosen = _chosen(self, parsed)
             flags = [o for a in chosen._actions for o in a.option_strings]
             first = extras[0]
-            hint = _did_you_mean(first.split("=", 1)[0], flags) if first.startswith("-") else ""
-            what = "option" if first.startswith("-") else "argument"
             more = f" (and {' '.join(extras[1:])})" if extras[1:] else ""
-            chosen.error(f"no {what} {first}{more}{hint}")
+            if first.startswith("-"):
+                chosen.error(f"no option {first}{more}{_did_you_mean(first.split('=', 1)[0], flags)}")
+            chosen.error(f"unexpected argument {first}{more}")
         return parsed
 
 

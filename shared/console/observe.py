@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import sys
 from typing import Any
 
@@ -54,7 +55,11 @@ def cmd_events(args: argparse.Namespace) -> int:
     if args.kind:
         kinds = events.kinds_matching(args.kind)
         if not kinds:
-            raise UsageError(f"--kind {args.kind}: no such event kind (kinds: {', '.join(sorted(BY_KIND))})")
+            names = sorted({k.rsplit(".", i)[0] for k in BY_KIND for i in range(k.count(".") + 1)})
+            close = difflib.get_close_matches(args.kind, names, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            families = ", ".join(sorted({k.split(".")[0] for k in BY_KIND}))
+            raise UsageError(f"--kind {args.kind}: no such event kind{hint} (kinds begin {families})")
     out = render.console()
 
     printed = False
