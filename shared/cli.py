@@ -373,7 +373,7 @@ def _unreachable(exc: BaseException) -> ServerUnreachable | None:
     if isinstance(exc, ServerUnreachable):
         return exc
     try:
-        settings = command_settings()
+        settings = command_settings(needs=())  # the URLs the command used (it checked they were named)
     except (SettingsError, CommandError, OSError, ValueError, KeyError):
         settings = Settings()
     if redis_unreachable(exc):

@@ -359,10 +359,11 @@ def _run_mesh(
         for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
+        for label, proc in procs.items():
             try:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
+                print(f"  {label} did not stop within 15 s of SIGTERM; killed", flush=True)
                 proc.kill()
                 proc.wait()
         for sock in listeners.values():
