@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from shared.console.state import UsageError, command_env
+from shared.console.state import NATS_ONLY, UsageError, command_env
 from shared.contract.checkpoint import SaveSessionsReport
 from shared.contract.registry import codec
 
@@ -15,7 +15,7 @@ def cmd_agent_final_save(args: argparse.Namespace) -> int:
     """The preStop hook of an inference pod: ask the pod's KV agent to save everything, wait for the report."""
     from shared.kv.prestop import final_save, prestop_command
 
-    env = command_env()
+    env = command_env(NATS_ONLY)
     try:
         command = prestop_command(args.pod, args.deadline)
     except ValueError as exc:

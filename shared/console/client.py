@@ -1,5 +1,9 @@
 """One connection to a running mesh for a command: the bus, Redis, the cluster port, and the run's state file
-(``open_mesh``); or the bus alone (``command_bus``)."""
+(``open_mesh``); or the bus alone (``command_bus``).
+
+A command that only reads (``status``, ``events``, ``where``, ``deadletters``) opens them ``read_only``: it looks
+the streams up and creates none, so pointed at a NATS that is not a mesh's it says so and leaves nothing behind.
+A command that acts creates the streams when they are missing, as every service does at its start."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
-from shared.plumbing.settings import Settings
+from shared.plumbing.settings import Settings, public_url
 from shared.ports.cluster import ClusterError, ClusterPort
 
 __all__ = ["CommandError", "MeshClient", "command_bus", "open_mesh", "read_state"]
@@ -38,13 +42,10 @@ class MeshClient:
         return self.bus.subjects
 
     @classmethod
-    async def open(cls, settings: Settings, state: dict[str, Any], source: str = "cli") -> MeshClient:
-        bus = await Bus.connect(settings.nats, Subjects(settings.root), source, connect_timeout=3.0)
-        try:
-            await bus.ensure_streams()
-        except BaseException:
-            await bus.close(1)
-            raise
+    async def open(
+        cls, settings: Settings, state: dict[str, Any], source: str = "cli", *, read_only: bool = False
+    ) -> MeshClient:
+        bus = await command_bus(settings, source, read_only=read_only)
         from shared.wiring import Wiring  # the adapters and the simulation: not for the commands of the bus alone
 
         redis = redis_client(settings.redis)
@@ -81,13 +82,27 @@ class MeshClient:
         await self.bus.close(1)
 
 
-async def open_mesh() -> MeshClient:
+async def open_mesh(*, read_only: bool = False) -> MeshClient:
     """The mesh a command acts on, found through ``command_settings`` and the run's state file."""
-    return await MeshClient.open(command_settings(), read_state(state_file(os.environ)))
+    settings = command_settings()
+    return await MeshClient.open(settings, read_state(state_file(os.environ)), read_only=read_only)
 
 
-async def command_bus(settings: Settings, source: str = "cli") -> Bus:
-    """A bus for a command that needs nothing else of the mesh, the streams made sure of first."""
+async def command_bus(settings: Settings, source: str = "cli", *, read_only: bool = False) -> Bus:
+    """A bus for a command that needs nothing else of the mesh: the streams made sure of first, or with
+    ``read_only`` looked up (``NoStreams`` when any is missing)."""
     bus = await Bus.connect(settings.nats, Subjects(settings.root), source, connect_timeout=3.0)
-    await bus.ensure_streams()
+    try:
+        if not read_only:
+            await bus.ensure_streams()
+        elif missing := await bus.missing_streams():
+            where = ", ".join(public_url(s) for s in settings.nats.servers)
+            raise CommandError(
+                f"no gpuwarden mesh with root {settings.root!r} at NATS {where}: its stream(s) {', '.join(missing)} "
+                "are missing (another program's NATS, another GPUWARDEN_ROOT, or streams deleted); nothing was "
+                "created; `gpuwarden up --detach` starts a mesh"
+            )
+    except BaseException:
+        await bus.close(1)
+        raise
     return bus

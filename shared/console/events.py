@@ -94,10 +94,10 @@ async def listen(mesh: MeshClient, kinds: list[str] | None, on_event: Callable[[
 
 async def page_then_follow(
     mesh: MeshClient, kinds: list[str] | None, limit: int, show: Callable[[list[Event]], None], follow: bool
-) -> None:
+) -> int:
     """The newest ``limit`` stored events, then (``follow``) each new one until cancelled, none lost between the
     two: the subscription starts first and what it hears meanwhile is shown after the page, less what the page
-    already showed."""
+    already showed. Returns how many stored events it showed (without ``follow``)."""
     heard: list[Event] = []
     live = False
 
@@ -112,8 +112,9 @@ async def page_then_follow(
     page = await stored(mesh, kinds, limit)
     show(page)
     if not follow:
-        return
+        return len(page)
     shown = {e.event_id for e in page}
     show([e for e in heard if e.event_id not in shown])
     live = True
     await asyncio.Event().wait()
+    return len(page)  # not reached: following ends with the command

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from shared.console.state import UsageError, command_settings, read_json_arg
+from shared.console.state import NATS_ONLY, CommandError, UsageError, command_settings, read_json_arg
 from shared.contract.deadletter import DeadLetter
 from shared.contract.registry import BY_KIND, codec
 from shared.contract.sessions import SessionLocation, WhereIsSession
@@ -25,7 +25,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         kinds = ", ".join(sorted(BY_KIND))
         raise UsageError(f"not a valid event: {exc} (kinds: {kinds})") from None
-    settings = command_settings()
+    settings = command_settings(NATS_ONLY)
 
     async def main() -> None:
         from shared.console.client import command_bus
@@ -46,12 +46,12 @@ def _subject(settings: Settings, event: Any) -> str:
 
 
 def cmd_deadletters(args: argparse.Namespace) -> int:
-    settings = command_settings()
+    settings = command_settings(NATS_ONLY)
 
     async def main() -> int:
         from shared.console.client import command_bus
 
-        bus = await command_bus(settings)
+        bus = await command_bus(settings, read_only=True)
         try:
             stream = bus.subjects.deadletter_stream.name
             info = await bus.js.stream_info(stream)
@@ -84,20 +84,29 @@ def cmd_deadletters(args: argparse.Namespace) -> int:
 
 def cmd_where(args: argparse.Namespace) -> int:
     """One line: which pod holds the session's KV cache now (exit 0), or why none does (exit 1)."""
-    settings = command_settings()
+    settings = command_settings(NATS_ONLY)
 
     async def main() -> int:
         from shared.console.client import command_bus
 
-        bus = await command_bus(settings)
+        bus = await command_bus(settings, read_only=True)
         try:
             answer = await bus.request(
                 bus.subjects.command("checkpoint", "where"), WhereIsSession(session_id=args.session), 5.0
             )
+        except TimeoutError as exc:
+            raise CommandError(
+                f"the checkpoint service did not answer ({exc}): is it running? `gpuwarden status` lists the services"
+            ) from None
         finally:
             await bus.close(1)
         if not isinstance(answer, SessionLocation):
-            raise UsageError(f"the checkpoint service answered: {getattr(answer, 'reason', answer.kind)}")
+            raise CommandError(f"the checkpoint service answered: {getattr(answer, 'reason', answer.kind)}")
+        if answer.reason == "unknown" and not answer.held:
+            raise CommandError(
+                f"no session {args.session!r} is known: no pod holds it, no checkpoint of it is recorded "
+                "(`gpuwarden status` lists sessions)"
+            )
         print(where_line(answer))
         return 0 if answer.held else 1
 

@@ -19,7 +19,7 @@ def cmd_nats_auth(args: argparse.Namespace) -> int:
     and a gateway (a KV-aware router) when DIR has a ``gateway`` password file."""
     from shared.contract.permissions import AUTH, OPTIONAL_USERS, USERS, nats_auth_config, nats_callout_config
 
-    settings = command_settings()
+    settings = command_settings(needs=())  # the root alone: no server is asked
     directory = Path(args.password_dir)
     if args.issuer_seed_file:
         path = directory / AUTH

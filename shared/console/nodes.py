@@ -11,7 +11,7 @@ import re
 import sys
 from typing import Any
 
-from shared.console.state import UsageError, command_settings
+from shared.console.state import UsageError
 from shared.contract.node import DrainCompleted
 from shared.contract.registry import codec
 
@@ -37,14 +37,17 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         drain_request(args.node, drain_id, args.reason, args.requested_by, args.deadline)
     except InvalidDrain as exc:
         raise UsageError(f"checkpoint: {exc}") from None
-    settings = command_settings()
 
     async def main() -> int:
-        from shared.console.client import command_bus
+        from shared.console.client import open_mesh
+        from shared.console.operations import known_node
 
-        bus = await command_bus(settings)
+        mesh = await open_mesh()
+        bus = mesh.bus
         drains = DrainClient(bus.publish, args.requested_by)
         try:
+            if mesh.cluster is not None:  # a node the cluster lacks is refused here, before anything is published
+                await known_node(mesh, args.node)
             async with drains.watch(bus, drain_id, args.node) if args.wait else contextlib.nullcontext() as verdict:
                 await drains.ask(drain_id, args.node, args.reason, args.deadline)
                 print(json.dumps({"drain_requested": args.node, "drain_id": drain_id}))
@@ -58,7 +61,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
                 print(codec.encode(result).decode())
                 return 0 if isinstance(result, DrainCompleted) else 1
         finally:
-            await bus.close(1)
+            await mesh.close()
 
     return asyncio.run(main())
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import sys
 from typing import Any
 
-from shared.console.state import UsageError
+from shared.console.state import CommandError, UsageError
 from shared.contract.registry import BY_KIND, codec
 
 
@@ -18,7 +19,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     async def main() -> int:
         from shared.console.client import open_mesh
 
-        mesh = await open_mesh()
+        mesh = await open_mesh(read_only=True)
         samples = snapshot.SampleListener(mesh)
         try:
             await samples.start()
@@ -54,7 +55,11 @@ def cmd_events(args: argparse.Namespace) -> int:
     if args.kind:
         kinds = events.kinds_matching(args.kind)
         if not kinds:
-            raise UsageError(f"--kind {args.kind}: no such event kind (kinds: {', '.join(sorted(BY_KIND))})")
+            names = sorted({k.rsplit(".", i)[0] for k in BY_KIND for i in range(k.count(".") + 1)})
+            close = difflib.get_close_matches(args.kind, names, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            families = ", ".join(sorted({k.split(".")[0] for k in BY_KIND}))
+            raise UsageError(f"--kind {args.kind}: no such event kind{hint} (kinds begin {families})")
     out = render.console()
 
     printed = False
@@ -67,7 +72,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             return
         width = out.width
-        if not printed:
+        if not printed and found:
             out.print(events.line(("time", "kind", "source", "what"), width), style="bold")
             printed = True
         for event in found:
@@ -76,12 +81,15 @@ def cmd_events(args: argparse.Namespace) -> int:
     async def main() -> int:
         from shared.console.client import open_mesh
 
-        mesh = await open_mesh()
+        mesh = await open_mesh(read_only=True)
         try:
-            await events.page_then_follow(mesh, kinds, args.limit, show, args.follow)
-            return 0
+            shown = await events.page_then_follow(mesh, kinds, args.limit, show, args.follow)
         finally:
             await mesh.close()
+        if not shown:  # as grep: nothing matched is exit 1, and said
+            what = f"of kind {args.kind} " if args.kind else ""
+            raise CommandError(f"no event {what}is stored in {mesh.subjects.events_stream.name} (yet)")
+        return 0
 
     try:
         return asyncio.run(main())

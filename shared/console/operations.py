@@ -31,6 +31,7 @@ from shared.console.snapshot import (
     UPGRADE_WAS_CORDONED_ANNOTATION,
     read_sessions,
 )
+from shared.console.state import named
 from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.device import DeviceInventory
@@ -88,11 +89,11 @@ class DrainResult:
         return msgspec.to_builtins(self.__dict__ | {"sessions": [s.__dict__ for s in self.sessions]})
 
 
-async def _known_node(mesh: MeshClient, node: str) -> None:
+async def known_node(mesh: MeshClient, node: str) -> None:
+    """``CommandError`` naming the nodes there are, unless the cluster has ``node``."""
     cluster = mesh.need_cluster()
     if await cluster.node(node) is None:
-        names = ", ".join(sorted(n.name for n in await cluster.nodes())) or "none: is the mesh running?"
-        raise CommandError(f"no node {node!r} in the cluster (nodes: {names})")
+        raise CommandError(f"no node {node!r} in the cluster (nodes: {named(n.name for n in await cluster.nodes())})")
 
 
 UNCORDON_FREE_STATES = ("", "upgrade-required", "upgrade-done")
@@ -105,7 +106,7 @@ _CAS_TRIES = 5
 async def cordon(mesh: MeshClient, node: str, drain_id: str = "", by: str = "cli") -> None:
     """Cordon ``node`` (naming the drain on it). A node a driver upgrade holds is marked as cordoned by a person
     too, so the upgrade leaves it cordoned when it is done, as it does a node cordoned before it began."""
-    await _known_node(mesh, node)
+    await known_node(mesh, node)
     cluster = mesh.need_cluster()
     for _ in range(_CAS_TRIES):
         info = await cluster.node(node)
@@ -129,7 +130,7 @@ async def uncordon(mesh: MeshClient, node: str, by: str = "cli", *, force: bool 
     cordon (it uncordons the node itself when done), unless ``force``: a person's word over the upgrade's, which
     goes on with the node schedulable and leaves it so. A compare-and-set on the node as read: a node the upgrade
     takes meanwhile is read again and judged again."""
-    await _known_node(mesh, node)
+    await known_node(mesh, node)
     cluster = mesh.need_cluster()
     for _ in range(_CAS_TRIES):
         info = await cluster.node(node)
@@ -172,7 +173,7 @@ async def drain(
         drain_request(node, drain_id, reason, requested_by, deadline_s)
     except InvalidDrain as exc:
         raise CommandError(str(exc)) from None
-    await _known_node(mesh, node)
+    await known_node(mesh, node)
     started = time.monotonic()
     result = DrainResult(node=node, drain_id=drain_id)
     before = await read_sessions(mesh, node=node)

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shared.console.state import CommandError, home, read_state, state_file
+from shared.console.state import CommandError, alive, home, read_state, state_file
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import load_settings
 
@@ -43,21 +43,6 @@ def _write_state(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(state, indent=2))
     os.replace(tmp, path)
-
-
-def alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):  # a zombie (exited, not yet reaped by its parent) is gone for our purposes
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
 
 
 def live_pid(path: Path) -> int | None:
@@ -374,10 +359,11 @@ def _run_mesh(
         for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
+        for label, proc in procs.items():
             try:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
+                print(f"  {label} did not stop within 15 s of SIGTERM; killed", flush=True)
                 proc.kill()
                 proc.wait()
         for sock in listeners.values():

@@ -10,7 +10,7 @@ import os
 import re
 import sys
 
-from shared.console.state import UsageError, command_env, command_settings
+from shared.console.state import REDIS_ONLY, UsageError, command_env, command_settings
 from shared.contract.subjects import Subjects
 
 
@@ -56,7 +56,7 @@ def cmd_sim_label(args: argparse.Namespace) -> int:
     from shared.sim.cluster import SimCluster
 
     changes = label_changes(args.labels)
-    settings = command_settings()
+    settings = command_settings(REDIS_ONLY)
 
     async def main() -> int:
         cluster = SimCluster(redis_client(settings.redis), Subjects(settings.root), owns_client=True)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import msgspec
 
 from shared.console.client import CommandError, MeshClient
+from shared.console.state import named
 from shared.contract.base import Event
 from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import ModelVersions
@@ -254,6 +255,8 @@ async def take(
     ``max_sessions`` (of ``node`` when given)."""
     cluster = mesh.need_cluster()
     infos, pods, deployments = await asyncio.gather(cluster.nodes(), cluster.pods(), cluster.deployments())
+    if node and node not in {info.name for info in infos}:
+        raise CommandError(f"--node {node}: no such node in the cluster (nodes: {named(i.name for i in infos)})")
     s = mesh.subjects
     inventories: dict[str, DeviceInventory] = {}
     for info in infos:

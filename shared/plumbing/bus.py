@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -168,6 +169,9 @@ class Bus:
     API_DEADLINE = 30.0
     """Seconds a JetStream API call (stream and consumer lookups and creation) is tried again while the cluster
     cannot answer it: its server failed over, or a meta or stream leader election is running."""
+    LOOKUP_DEADLINE = 5.0
+    """How long ``missing_streams`` asks a server that does not answer JetStream's API before it takes the streams
+    as missing (a server without JetStream never answers)."""
 
     NO_RESPONDER_GRACE = 3.0
     """Seconds a request answered "no responders" is sent again: long enough for responders connected to a server
@@ -387,6 +391,20 @@ class Bus:
     async def ensure_streams(self) -> None:
         for spec in self.subjects.streams:
             await self.ensure_stream(spec)
+
+    async def missing_streams(self) -> list[str]:
+        """The streams of this root that the server lacks: looked up, never created (what a reader asks before it
+        reads, so that it writes nothing into a server that is not this mesh's)."""
+        missing = []
+        for spec in self.subjects.streams:
+            lookup = functools.partial(self.js.stream_info, spec.name)
+            try:
+                await JETSTREAM_API.call(lookup, deadline=time.monotonic() + self.LOOKUP_DEADLINE)
+            except nats.js.errors.NotFoundError:
+                missing.append(spec.name)
+            except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):
+                return [s.name for s in self.subjects.streams]  # a server without JetStream has none of them
+        return missing
 
     # -- publishing ---------------------------------------------------------------------------------------------
     def encode(self, event: Event) -> bytes:

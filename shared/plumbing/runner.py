@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shared.contract.base import Event
 from shared.contract.config import ConfigApplied
+from shared.contract.permissions import NODE_SCOPED
 from shared.contract.subjects import Subjects
 from shared.plumbing import logs
 from shared.plumbing.bus import Bus, Handler
@@ -256,7 +257,9 @@ async def start_service(
     endpoint. A service that fails to start has its stop hooks run before the error goes up."""
     subjects = Subjects(settings.root)
     telemetry = Telemetry(service.name)
-    source = f"{service.name}/{settings.node}" if settings.node else service.name
+    # A node-scoped service speaks for its node (``driver/node-3``); any other one for the cluster: the node its
+    # replica happens to run on is no part of its name, which an events table would read as the node concerned.
+    source = f"{service.name}/{settings.node}" if settings.node and service.name in NODE_SCOPED else service.name
     bus = await Bus.connect(settings.nats, subjects, source, telemetry)
     bus_only = bool(getattr(service, "bus_only", False))
     if not bus_only:
