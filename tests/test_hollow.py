@@ -370,7 +370,9 @@ async def test_a_hollow_fleet_upgrades_one_node_through_its_drain(
             )
         await eventually(lambda: workload.stats.served >= before + len(moving), timeout=30)
         assert workload.stats.lost == 0 and workload.stats.restored >= len(moving)
-        found = await check_invariants(store, client, subjects, drains=[completed[0].drain_id])
+        found = await check_invariants(
+            store, client, subjects, drains=[completed[0].drain_id], min_checkpoints=len(moving)
+        )
         assert found, found.problems
         drivers = [run.service for run in hosts["driver"].nodes.values()]
         coordinating = [d.ctx.node for d in drivers if isinstance(d, DriverService) and d.coordinator is not None]

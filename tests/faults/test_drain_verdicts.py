@@ -119,7 +119,12 @@ async def test_a_verdict_with_thousands_of_failures_summarises_and_keeps_the_lis
 
 async def test_a_re_sent_drain_id_is_answered_with_its_recorded_verdict(mesh: Mesh) -> None:
     await mesh.add_pod("llama-1", "node-1", ["s1"])
-    env = dict(os.environ, GPUWARDEN_NATS_URL=mesh.settings.nats.servers[0], GPUWARDEN_ROOT=mesh.subjects.root)
+    env = dict(
+        os.environ,
+        GPUWARDEN_NATS_URL=mesh.settings.nats.servers[0],
+        GPUWARDEN_REDIS_URL=mesh.settings.redis.url,
+        GPUWARDEN_ROOT=mesh.subjects.root,
+    )
     command = [
         sys.executable,
         "-m",

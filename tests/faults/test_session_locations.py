@@ -227,7 +227,12 @@ async def test_gpuwarden_where_prints_one_line(mesh: Mesh, tmp_path: Path) -> No
 
     assert await where_cli("s1") == (0, "s1: pod llama-1 on node node-1, generation 1\n", "")
     assert await where_cli("s2") == (1, "s2: held by no pod (ended, last on pod llama-1)\n", "")
-    assert await where_cli("nope") == (1, "nope: unknown (no pod holds it, no checkpoint)\n", "")
+    code, out, err = await where_cli("nope")  # a lookup that matches nothing: one line on stderr (issue #35)
+    assert (
+        (code, out) == (1, "")
+        and err.startswith("gpuwarden where: no session 'nope' is known")
+        and err.count("\n") == 1
+    )
     code, out, err = await where_cli("a b")
     assert (code, out) == (2, "") and "argument session: session id 'a b' is not valid" in err
 
