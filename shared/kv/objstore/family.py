@@ -171,37 +171,26 @@ class FamilyIndex(ObjectStream):
         self.stream = index_stream(bucket)
         self.root = f"$O.{bucket}.{INDEX_TOKEN}"
 
-    async def ensure(self) -> None:
-        if self._ready:
-            return
-        async with self._ready_lock:
-            if self._ready:
-                return
-            what = f"opening the index of {self.bucket}"
-            try:
-                await self.api(what, f"STREAM.INFO.{self.stream}")
-            except ApiError as exc:
-                if exc.err_code != STREAM_NOT_FOUND or not self.create:
-                    raise
-                config = {
-                    "name": self.stream,
-                    "description": "gpuwarden: which pod's bucket holds each checkpoint",
-                    "subjects": [f"{self.root}.>"],
-                    "storage": "file",
-                    "num_replicas": self.replicas,
-                    "retention": "limits",
-                    "discard": "old",
-                    "max_msgs_per_subject": 1,
-                    "allow_direct": True,
-                    "deny_delete": True,
-                    "allow_rollup_hdrs": False,
-                }
-                try:
-                    await self.api(f"creating {self.stream}", f"STREAM.CREATE.{self.stream}", config)
-                except ApiError as create_exc:
-                    if "already in use" not in str(create_exc):
-                        raise
-            self._ready = True
+    async def _create(self) -> None:
+        """The index stream: one entry per checkpoint (its subject names the owning pod), read by direct gets."""
+        config = {
+            "name": self.stream,
+            "description": "gpuwarden: which pod's bucket holds each checkpoint",
+            "subjects": [f"{self.root}.>"],
+            "storage": "file",
+            "num_replicas": self.replicas,
+            "retention": "limits",
+            "discard": "old",
+            "max_msgs_per_subject": 1,
+            "allow_direct": True,
+            "deny_delete": True,
+            "allow_rollup_hdrs": False,
+        }
+        try:
+            await self.api(f"creating {self.stream}", f"STREAM.CREATE.{self.stream}", config)
+        except ApiError as exc:
+            if "already in use" not in str(exc):
+                raise
 
     def entry(self, session_id: str, checkpoint_id: str, owner: str) -> str:
         checked_ids(session_id, checkpoint_id)

@@ -109,22 +109,25 @@ class ObjectStream:
         async with self._ready_lock:
             if self._ready:
                 return
-            what = f"opening object store {self.bucket}"
             try:
-                await self.api(what, f"STREAM.INFO.{self.stream}")
+                await self.api(f"opening {self.stream}", f"STREAM.INFO.{self.stream}")
             except ApiError as exc:
                 if exc.err_code != STREAM_NOT_FOUND or not self.create:
                     raise
-                try:
-                    await self.js.create_object_store(
-                        self.bucket,
-                        description="gpuwarden KV cache checkpoints",
-                        storage=js_api.StorageType.FILE,
-                        replicas=self.replicas,
-                    )
-                except Exception as create_exc:
-                    raise StoreError(f"creating object store {self.bucket}: {create_exc}") from create_exc
+                await self._create()
             self._ready = True
+
+    async def _create(self) -> None:
+        """Make the stream that ``ensure`` found missing: here the Object Store bucket."""
+        try:
+            await self.js.create_object_store(
+                self.bucket,
+                description="gpuwarden KV cache checkpoints",
+                storage=js_api.StorageType.FILE,
+                replicas=self.replicas,
+            )
+        except Exception as exc:
+            raise StoreError(f"creating object store {self.bucket}: {exc}") from exc
 
     async def purge(self, subject: str, timeout: float | None = None) -> None:
         await self.api(f"purging {subject}", f"STREAM.PURGE.{self.stream}", {"filter": subject}, timeout=timeout)
