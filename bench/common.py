@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -298,3 +299,23 @@ def finish(
 
 def exit_code(options: BenchOptions, report: dict[str, Any]) -> int:
     return 1 if options.strict and not report.get("targets_passed", False) else 0
+
+
+class Counting:
+    """A port whose calls are counted by name (what a component asks of the registry or the store), passing every
+    call through to ``inner``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted

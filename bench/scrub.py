@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,30 +31,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from bench.common import BenchOptions, exit_code, finish, machine_info, nats_server, parse_args
+from bench.common import BenchOptions, Counting, exit_code, finish, machine_info, nats_server, parse_args
 
 SIZES_FULL = {"small": 1000, "large": 10000}
 SIZES_QUICK = {"small": 60, "large": 300}
 LOST_SHARE = 0.01
-
-
-class Counting:
-    """A port whose calls are counted by name (the scrub's view of the registry or the store)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.inner, name)
-        if not callable(attr):
-            return attr
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return attr(*args, **kwargs)
-
-        return counted
 
 
 async def _commands(client: Any) -> int:

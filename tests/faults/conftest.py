@@ -11,7 +11,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ import redis.exceptions
 
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
+from shared.contract.base import Event
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed
@@ -39,6 +40,8 @@ from tests.faults.checker import Findings, check_invariants
 from tests.helpers import eventually, get, with_redis
 from tests.kvkit import LAYOUT, block_content
 from tests.servers import ReplicatedRedis
+
+E = TypeVar("E", bound=Event)
 
 
 @dataclass
@@ -118,6 +121,16 @@ class Mesh:
         if turns:
             await self.client.delete(*turns)
         return await self.service.periodic_saves(3600)
+
+    async def heard(self, kind: str, event_type: type[E]) -> list[E]:
+        """The events of ``kind`` published from now on (every node, session or pod), as they arrive."""
+        seen: list[E] = []
+
+        async def on_event(event: E) -> None:
+            seen.append(event)
+
+        await self.bus.subscribe(self.subjects.pattern(kind), on_event, (event_type,))
+        return seen
 
     async def dead_letters(self, durable: str) -> list[DeadLetter]:
         """The dead letters stored from now on, as they arrive (a durable consumer of this test's own)."""

@@ -22,12 +22,12 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.common import Counting
 from shared.console import operations
 from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import DriverPolicy
@@ -49,35 +49,6 @@ pytestmark = pytest.mark.timeout(240)
 QUIET = 600.0
 """Pods announce when what they hold changes, not on a timer, so that the registry after a failover is exactly
 what the promoted replica had."""
-
-
-class CountingStore:
-    """The service's view of the store, counting what it asks (the agents keep the store itself)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.inner, name)
-        if not callable(attr):
-            return attr
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return attr(*args, **kwargs)
-
-        return counted
-
-
-async def _restored_events(mesh: Mesh) -> list[SessionRestored]:
-    seen: list[SessionRestored] = []
-
-    async def on_restored(event: SessionRestored) -> None:
-        seen.append(event)
-
-    await mesh.bus.subscribe(mesh.subjects.pattern("checkpoint.restored"), on_restored, (SessionRestored,))
-    return seen
 
 
 async def _newest_recorded(mesh: Mesh, sessions: list[str]) -> dict[str, str]:
@@ -163,9 +134,9 @@ async def test_redis_failover_between_checkpoints_restores_every_session_from_it
 
     for pod in (first, second, mover):  # their nodes went down with the primary: every session restores elsewhere
         await pod.endpoint.stop()
-    events = await _restored_events(mesh)
+    events = await mesh.heard("checkpoint.restored", SessionRestored)
     rescuer = await mesh.add_pod("llama-4", "node-3", announce_s=QUIET)
-    mesh.service.store = counting = CountingStore(mesh.store)  # type: ignore[assignment]
+    mesh.service.store = counting = Counting(mesh.store)  # type: ignore[assignment]
     taken = await _restore_all(mesh, rescuer, sessions, newest, dict.fromkeys(sessions, 8))
     # what the repair cost: one listing per restore, one manifest read per checkpoint only the store knew, one look
     # at its packs
@@ -191,7 +162,7 @@ async def test_a_restore_asks_the_store_for_one_listing_of_its_session_when_the_
     newest = await _newest_recorded(mesh, pod.agent.sessions())
     await mesh.evict(pod)
     rescuer = await mesh.add_pod("llama-2", "node-2", announce_s=QUIET)
-    mesh.service.store = counting = CountingStore(mesh.store)  # type: ignore[assignment]
+    mesh.service.store = counting = Counting(mesh.store)  # type: ignore[assignment]
     await _restore_all(mesh, rescuer, pod.agent.sessions(), newest, dict.fromkeys(pod.agent.sessions(), 4))
     assert counting.calls == {"checkpoints": 3}, counting.calls
     await mesh.check(min_checkpoints=9)

@@ -48,16 +48,6 @@ async def _recorded(mesh: Mesh, sessions: list[str]) -> dict[str, list[str]]:
     }
 
 
-async def _forgotten_events(mesh: Mesh) -> list[CheckpointForgotten]:
-    seen: list[CheckpointForgotten] = []
-
-    async def on_forgotten(event: CheckpointForgotten) -> None:
-        seen.append(event)
-
-    await mesh.bus.subscribe(mesh.subjects.pattern("checkpoint.forgotten"), on_forgotten, (CheckpointForgotten,))
-    return seen
-
-
 async def _end_on_the_primary_alone(
     ha: ReplicatedRedis, mesh: Mesh, pods: list[Pod], ending: int
 ) -> tuple[list[str], list[str]]:
@@ -108,7 +98,7 @@ async def test_records_of_sessions_ended_on_the_old_primary_are_forgotten_by_the
     assert not found and all(any(sid in p for sid in ended) for p in found.problems), found.problems
     newest = {sid: (await mesh.store.checkpoints(sid))[0] for sid in kept}
 
-    events = await _forgotten_events(mesh)
+    events = await mesh.heard("checkpoint.forgotten", CheckpointForgotten)
     walked = await mesh.service.scrub.walk()
     assert walked.restarted and walked.forgotten == sum(len(c) for c in back.values())
     assert mesh.service.scrub.replica.metrics.scrub_restarts._value.get() == 1
@@ -139,7 +129,7 @@ async def test_the_scrub_loop_reconciles_a_fleet_after_a_failover_on_its_own(
             await mesh.add_pod(f"llama-{p}", f"node-{p}", [f"f{p}-{i}" for i in range(8)], blocks=2, announce_s=QUIET)
             for p in range(3)
         ]
-        events = await _forgotten_events(mesh)
+        events = await mesh.heard("checkpoint.forgotten", CheckpointForgotten)
         ended, kept = await _end_on_the_primary_alone(replicated_redis, mesh, pods, ending=4)
         kept_records = await _recorded(mesh, kept)
         await _fail_over(replicated_redis, mesh)
