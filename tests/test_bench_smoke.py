@@ -176,8 +176,9 @@ VLLM_RESUME_KEYS = tuple(f"vllm_{figure}_{size}" for size in ("1k", "4k") for fi
 
 @pytest.mark.xdist_group("vllm")  # beside tests/test_kv_vllm.py's engines, never at the same time
 def test_bench_resume_has_its_vllm_case_on_a_tiny_model(tmp_path: Path) -> None:
-    """The vLLM case at a tiny size: two vLLM engines (CPU build), a 1k and a 4k conversation resumed through the
-    connector on the second, and recomputed there; both give the same next token, with the same logprob."""
+    """The vLLM case at a tiny size (``bench/resume_vllm.py``, which ``bench.resume`` runs): two vLLM engines (CPU
+    build), a 1k and a 4k conversation resumed through the connector on the second, and recomputed there; both
+    give the same next token, with the same logprob."""
     out = tmp_path / "resume.json"
     options = BenchOptions("resume", quick=True, nats_url=None, out=out)
     report = bench_resume.run(options, contexts=(1024, 4096), rounds=1, pairs=1, progress=False)
@@ -227,6 +228,7 @@ def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: 
         assert isinstance(data[key], int | float), key
     assert isinstance(data["periodic_interval_kept"], bool)
     # those sessions on pods of the simulated cluster, through a rolling driver upgrade of every node
+    # (bench/scale_upgrade.py, which bench.scale runs after the session figures)
     assert data["fleet_on_cluster"] is True and data["fleet_upgrade_sessions"] == 200
     assert data["fleet_upgrade_nodes"] == data["fleet_upgrade_nodes_labelled_done"] == 4
     assert data["fleet_upgrade_drains"] == data["fleet_upgrade_verdicts"] == 4, data["fleet_upgrade_problems"]
