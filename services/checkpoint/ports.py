@@ -1,11 +1,14 @@
 """What the checkpoint service needs from the outside world, as Protocols: the checkpoint store, the session
 registry and the cluster. The service gets them from ``ctx.backends`` (``adapters.py``: the store and Redis the
 composition root opens, the registry over that Redis, the cluster port) or from its caller (tests hand a store);
-every decision module depends on these Protocols only."""
+every decision module depends on these Protocols only. The record types the registry answers in (where a session
+is placed, what an announcement, a claim, a record or a repair decided) live here too, so the Redis adapter
+(``registry.py``) imports its port, never the reverse."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint
@@ -15,7 +18,92 @@ from shared.kv.manifest import CheckpointManifest, ChunkRef
 from shared.kv.store import PackInfo
 from shared.ports.cluster import NodeInfo, PodInfo
 
-from .registry import Applied, Claim, FleetCounts, Forgotten, Recording, Repaired, SessionPlace
+
+@dataclass(frozen=True)
+class SessionPlace:
+    """Where the registry places a session (its pod's view); ``SessionLocation`` is the routers' view."""
+
+    session_id: str
+    pod: str
+    node: str
+    namespace: str
+    deployment: str
+    generation: int = 0
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What one announcement changed: sessions announced under a generation that moved on (stale), ended ones
+    whose checkpoints are to be retired, the locations that changed, and whether the agent must resync."""
+
+    stale: list[str]
+    retired: list[str]
+    changes: list[SessionLocation]
+    resync: bool = False
+
+
+@dataclass(frozen=True)
+class Repaired:
+    """What a repair did with the store's checkpoints the registry lacked: recorded anew, or fenced (a stale save not
+    deleted yet: another pod's checkpoint of the generation the session's holder has now, or an older generation's
+    sorting after the current generation's seal; see ``lua.REPAIR``)."""
+
+    added: list[str]
+    fenced: list[str]
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What recording one reported checkpoint decided (``lua.RECORD``). ``outcome``: ``recorded`` (anew: ``location``
+    is the session's new location), ``duplicate`` (recorded before: a report sent again or replayed, answered as
+    committed and changing nothing), ``refused`` (``refused`` says why; kept, since it may be what someone else
+    committed, such as the seal a new holder restored from) or ``stale`` (refused, and a save nobody may take for
+    committed: the refusal may delete it)."""
+
+    refused: str
+    location: SessionLocation | None
+    outcome: str
+
+    @property
+    def deletable(self) -> bool:
+        return self.outcome == "stale"
+
+    @property
+    def first_time(self) -> bool:
+        return self.outcome == "recorded"
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """What the scrub's forgetting of a lost checkpoint did: ``forgotten`` (False: retention forgot it first, or it
+    is the newest and was kept), whether it is or was the session's ``newest``, and the ``holder`` marked for a full
+    next save ('' when no pod holds the session)."""
+
+    forgotten: bool
+    newest: bool
+    holder: str
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim's outcome: the generation handed out and the session's new location, or why it was refused
+    (``held``: ``holder`` on ``holder_node`` is alive and holds it; ``deployment``: it belongs to ``holder``)."""
+
+    generation: int
+    location: SessionLocation | None
+    refused: str = ""
+    holder: str = ""
+    holder_node: str = ""
+
+
+@dataclass(frozen=True)
+class FleetCounts:
+    """Sessions per pod, each pod's node and deployment (``namespace/name``), and the pods whose lease stands."""
+
+    by_pod: dict[str, int]
+    nodes: dict[str, str]
+    deployments: dict[str, str]
+    alive: list[str]
 
 
 class Store(Protocol):

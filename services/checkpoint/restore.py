@@ -14,7 +14,7 @@ from shared.contract.checkpoint import CheckpointLocation, LocateCheckpoint, Ses
 from shared.kv.manifest import CheckpointManifest, checkpoint_order, newest_first
 from shared.kv.store import CheckpointNotFound, StoreError
 
-from .registry import Claim
+from .ports import Claim
 from .replica import Replica
 from .scrub import lost_pack
 

@@ -20,7 +20,7 @@ from shared.kv.manifest import CheckpointManifest
 from shared.kv.store import StoreError
 from shared.plumbing.errors import TemporaryError
 
-from .registry import Recording
+from .ports import Recording
 from .replica import Replica
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ decrypted when the manifest names a key (``key_id``), and every chunk's digest c
   (a) older (generation, sequence) than the session's newest recorded checkpoint: retention forgets the record
       before it deletes the file, and a refused save that is not stale is kept (it may be what someone else
       committed);
-  (b) fenced, by the fences a restore's repair applies (``_REPAIR`` in ``services/checkpoint/registry.py``): a
+  (b) fenced, by the fences a restore's repair applies (``REPAIR`` in ``services/checkpoint/registry_scripts.py``): a
       checkpoint of the generation the session's holder has now made by another pod, or one of an older generation
       than the session's counter sorting after that generation's seal: a stale save, refused and not deleted yet;
   (c) of a session the scenario names in ``unrecorded``: Redis lost its newest records (a failover) and no restore
@@ -135,7 +135,7 @@ async def read_checkpoint(store: CheckpointStore, sid: str, cid: str, ciphers: d
 def is_stale(
     cid: str, generation: int, pod: str, holder: tuple[str, int] | None, counter: int, seal: str | None
 ) -> bool:
-    """The fences of a restore's repair (``_REPAIR``), written out again: a checkpoint of the generation the
+    """The fences of a restore's repair (``REPAIR``), written out again: a checkpoint of the generation the
     session's holder has now made by another pod, or one of an older generation than the counter sorting after the
     seal of the counter's generation ('' when the store held none then: everything after it)."""
     if holder is not None and generation == holder[1] and pod != holder[0]:

@@ -150,7 +150,7 @@ async def test_an_older_agent_that_says_claim_still_takes_the_session(mesh: Mesh
 
 
 async def test_a_restore_passes_over_another_pods_checkpoint_of_the_holders_generation(mesh: Mesh) -> None:
-    """The holder fence of a restore's repair (``_REPAIR``): a save refused as stale is deleted right after the
+    """The holder fence of a restore's repair (``REPAIR``): a save refused as stale is deleted right after the
     refusal; a restore that lists the store before that must not take it as the newest. Here the store holds,
     unrecorded, a checkpoint of the generation s1's holder has, written by another pod (the stale save, or the
     other holder of a generation a claim lost in a Redis failover handed out twice), one sequence newer than the
@@ -166,7 +166,7 @@ async def test_a_restore_passes_over_another_pods_checkpoint_of_the_holders_gene
 
 
 async def test_a_restore_passes_over_a_save_of_the_old_holder_made_after_the_session_moved(mesh: Mesh) -> None:
-    """The seal fence of a restore's repair (``_REPAIR``). s1 moves from llama-1 to llama-2 (a new generation,
+    """The seal fence of a restore's repair (``REPAIR``). s1 moves from llama-1 to llama-2 (a new generation,
     restored from llama-1's newest checkpoint); llama-1, still running, saves its copy once more, under its old
     generation, and the file is in the store before the refusal's deletion. llama-2 is evicted before it saved
     anything: the next restore takes what llama-2 restored (the seal of its generation), not llama-1's later save,
@@ -232,7 +232,7 @@ async def test_a_pod_that_stops_after_the_registry_lost_its_writes_still_leaves(
     await mesh.check(min_checkpoints=1)
 
 
-# -- the fences of recording a save (``_RECORD``), each from both sides: the save it refuses, the save it lets by ---
+# -- the fences of recording a save (``RECORD``), each from both sides: the save it refuses, the save it lets by ---
 
 
 async def _moved(mesh: Mesh) -> tuple[Pod, Pod, str]:
@@ -261,7 +261,7 @@ async def _recorded(mesh: Mesh, sid: str) -> list[str]:
 
 
 async def test_generation_fence_an_older_generations_save_is_never_recorded(mesh: Mesh) -> None:
-    """The generation fence (``_RECORD``: a save of a generation below the session's counter is refused). llama-1
+    """The generation fence (``RECORD``: a save of a generation below the session's counter is refused). llama-1
     lost s1 to llama-2 and saves its copy on: the save is refused by name, never recorded, and the session's newest
     recorded checkpoint stays what llama-2 restored. Without the fence, llama-1's save would be the newest."""
     old, new, seal = await _moved(mesh)
@@ -291,7 +291,7 @@ async def test_generation_fence_lets_the_holder_record_above_a_counter_redis_los
 
 
 async def test_holder_fence_another_pods_save_of_the_holders_generation_is_refused_and_deleted(mesh: Mesh) -> None:
-    """The holder fence (``_RECORD``: a save of the current generation by a pod other than its holder is refused,
+    """The holder fence (``RECORD``: a save of the current generation by a pod other than its holder is refused,
     and is stale: the refusal deletes it). llama-9 was handed s1's generation too (a claim a Redis failover lost
     handed it out twice) and saves under it; llama-1 holds that generation: llama-9's save is refused, deleted, and
     llama-1's checkpoint stays the newest. Without the fence, llama-9's save would be recorded as the newest."""
@@ -326,7 +326,7 @@ async def test_holder_fence_lets_the_holder_record_its_own_generation(mesh: Mesh
 
 
 async def test_seal_fence_an_old_holders_save_after_the_seal_is_stale_and_deleted(mesh: Mesh) -> None:
-    """The seal fence (``_RECORD``: a refused save of an older generation that sorts after the current
+    """The seal fence (``RECORD``: a refused save of an older generation that sorts after the current
     generation's seal was made after that claim, by a pod that had lost the session: stale, and deleted by the
     refusal). Without the fence it would be refused and kept: a file no restore may take, left in the store."""
     old, _, seal = await _moved(mesh)
