@@ -25,15 +25,12 @@ service only decides, orders and records.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
-
-import numpy as np
 
 from shared.kv.buffers import Block, Staging, as_block
 from shared.kv.crypto import ChunkCipher
@@ -47,13 +44,13 @@ from shared.kv.manifest import (
     new_checkpoint_id,
     seal_manifest,
 )
+from shared.kv.reading import read_verified
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt, StoreError
 
 log = logging.getLogger(__name__)
 
 ROUND_BYTES = 256 * 1024 * 1024  # commit a pack and its sessions' manifests at least this often
 BATCH_BYTES = 64 * 1024 * 1024  # bytes handed to the store per write call
-RESTORE_ROUND_BYTES = 16 * 1024 * 1024  # bytes read per round on restore; the previous round is verified meanwhile
 
 
 class SessionUnknown(KeyError):
@@ -598,7 +595,7 @@ class KvAgent:
                 # a session restores only into the model version that built it, if this pod holds it
                 held = self.layouts.get(manifest.layout.model_version, self.layout)
                 check_compatible(manifest, held)
-                blocks = await self._read_verified(manifest, into)
+                blocks = await read_verified(self.store, self.cipher, manifest, into, self._staging_for)
             except StoreError as exc:
                 if isinstance(exc, ChunkCorrupt) and manifest is not None and 0 <= exc.index < len(manifest.blocks):
                     ref = manifest.blocks[exc.index]
@@ -634,99 +631,3 @@ class KvAgent:
         if only_missing:
             raise CheckpointNotFound(summary)
         raise ChunkCorrupt(ids[-1], -1, summary)
-
-    def _verify_chunk(
-        self,
-        manifest: CheckpointManifest,
-        i: int,
-        view: memoryview,
-        target: Block,
-        in_place: bool,
-        offset: int,
-        to_device: list[tuple[int, Block]],
-    ) -> None:
-        ref = manifest.blocks[i]
-        if manifest.key_id:
-            if self.cipher is None or self.cipher.key_id != manifest.key_id:
-                raise ChunkCorrupt(manifest.checkpoint_id, i, f"encrypted with key {manifest.key_id!r}, not held")
-            try:
-                plain = self.cipher.open(view, ref.nonce, ref.digest)
-            except ValueError as exc:
-                raise ChunkCorrupt(manifest.checkpoint_id, i, str(exc)) from None
-            view = view[: ref.size]
-            view[:] = plain
-        if digest(view) != ref.digest:
-            raise ChunkCorrupt(manifest.checkpoint_id, i, "digest mismatch")
-        if target.on_device:
-            to_device.append((offset, target))
-        elif not in_place:
-            assert target.host is not None
-            target.host[:] = view
-
-    async def _read_verified(self, manifest: CheckpointManifest, into: Sequence[Any] | None) -> list[Any]:
-        refs = manifest.blocks
-        if into is not None:
-            if len(into) != len(refs):
-                raise ValueError(
-                    f"restore of {manifest.session_id}: {len(refs)} blocks in the checkpoint, {len(into)} given"
-                )
-            targets = [as_block(b) for b in into]
-            for i, (t, ref) in enumerate(zip(targets, refs, strict=True)):
-                if t.nbytes != ref.size:
-                    raise ValueError(f"restore target block {i} has {t.nbytes} bytes, checkpoint block {ref.size}")
-            out = list(into)
-        else:
-            out = [np.empty(ref.size, dtype=np.uint8) for ref in refs]
-            targets = [as_block(a) for a in out]
-        direct = self.cipher is None and manifest.key_id == ""
-        in_place = [direct and not t.on_device for t in targets]
-        staged = sum(r.length for r, ok in zip(refs, in_place, strict=True) if not ok)
-        staging = self._staging_for(staged) if staged else None
-        views: list[memoryview] = []
-        offsets: list[int] = []
-        offset = 0
-        for ref, target, ok in zip(refs, targets, in_place, strict=True):
-            if ok:
-                assert target.host is not None
-                views.append(target.host)
-                offsets.append(-1)
-            else:
-                assert staging is not None
-                views.append(staging.view[offset : offset + ref.length])
-                offsets.append(offset)
-                offset += ref.length
-        # Read in rounds and verify round k while round k+1 is read: the reads run in I/O threads (no GIL), so
-        # checking digests costs little more than the disk already does.
-        rounds: list[list[int]] = []
-        size = 0
-        for i, ref in enumerate(refs):
-            if not rounds or size >= RESTORE_ROUND_BYTES:
-                rounds.append([])
-                size = 0
-            rounds[-1].append(i)
-            size += ref.length
-
-        async def read(indexes: list[int]) -> None:
-            try:
-                await self.store.read_chunks([refs[i] for i in indexes], [views[i] for i in indexes])
-            except StoreError as exc:
-                raise ChunkCorrupt(manifest.checkpoint_id, -1, str(exc)) from exc
-
-        to_device: list[tuple[int, Block]] = []
-        pending = asyncio.ensure_future(read(rounds[0])) if rounds else None
-        try:
-            for k, indexes in enumerate(rounds):
-                assert pending is not None
-                await pending
-                pending = asyncio.ensure_future(read(rounds[k + 1])) if k + 1 < len(rounds) else None
-                for i in indexes:
-                    self._verify_chunk(manifest, i, views[i], targets[i], in_place[i], offsets[i], to_device)
-        finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
-        if to_device:
-            assert staging is not None
-            await asyncio.to_thread(staging.host_to_device, to_device)
-        return out
