@@ -11,12 +11,11 @@ import logging
 from dataclasses import dataclass
 
 from shared.contract.checkpoint import CheckpointLocation, LocateCheckpoint, SessionRestored
-from shared.kv.manifest import CheckpointManifest, checkpoint_order, newest_first
+from shared.kv.manifest import CheckpointManifest, checkpoint_order, lost_pack, newest_first
 from shared.kv.store import CheckpointNotFound, StoreError
 
 from .ports import Claim
 from .replica import Replica
-from .scrub import lost_pack
 
 log = logging.getLogger(__name__)
 

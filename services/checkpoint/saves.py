@@ -16,7 +16,7 @@ from shared.contract.checkpoint import CheckpointSaved, CommittedCheckpoint, Sav
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import SessionFailure
 from shared.contract.sessions import SessionLocation
-from shared.kv.manifest import CheckpointManifest
+from shared.kv.manifest import CheckpointManifest, lost_pack
 from shared.kv.store import StoreError
 from shared.plumbing.errors import TemporaryError
 
@@ -126,10 +126,8 @@ class Saves:
                 problems[c.checkpoint_id] = "manifest differs from the agent's report"
             elif (manifest.generation, manifest.sequence, manifest.pod) != (c.generation, c.sequence, report.pod):
                 problems[c.checkpoint_id] = "manifest's generation, sequence or pod differs from the agent's report"
-            for ref in manifest.blocks:
-                if ref.pack not in packs or packs[ref.pack] < ref.offset + ref.length:
-                    problems[c.checkpoint_id] = f"pack {ref.pack} missing or short"
-                    break
+            if lost := lost_pack(manifest, packs):
+                problems[c.checkpoint_id] = lost
         sound = [c for c, _ in manifests if c.checkpoint_id not in problems]
         recorded = dict(
             zip(

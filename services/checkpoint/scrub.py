@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from shared.contract.base import Event
 from shared.contract.checkpoint import CheckpointForgotten
-from shared.kv.manifest import CheckpointManifest, ChunkRef, digest
+from shared.kv.manifest import CheckpointManifest, ChunkRef, digest, lost_pack
 from shared.kv.store import CheckpointNotFound, ManifestCorrupt, StoreError
 from shared.plumbing.errors import TemporaryError
 
@@ -40,18 +40,6 @@ CHECKPOINTS_PER_SESSION = 64
 """Recorded checkpoints of a session one turn checks (retention keeps far fewer)."""
 MANIFEST_READS = 16
 """Manifests read from the store at once."""
-
-
-def lost_pack(manifest: CheckpointManifest, pack_sizes: Mapping[str, int]) -> str:
-    """Why the blocks of ``manifest`` cannot all be read back from packs of these sizes ('' when they can): a
-    pack missing, or shorter than a block it holds ends."""
-    for ref in manifest.blocks:
-        size = pack_sizes.get(ref.pack)
-        if size is None:
-            return f"pack {ref.pack} missing"
-        if size < ref.offset + ref.length:
-            return f"pack {ref.pack} short: {size} bytes, a block ends at {ref.offset + ref.length}"
-    return ""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 import msgspec
@@ -213,3 +213,15 @@ def encode_manifest(manifest: CheckpointManifest) -> bytes:
 
 def decode_manifest(data: bytes) -> CheckpointManifest:
     return _decoder.decode(data)
+
+
+def lost_pack(manifest: CheckpointManifest, pack_sizes: Mapping[str, int]) -> str:
+    """Why the blocks of ``manifest`` cannot all be read back from packs of these sizes ('' when they can): a
+    pack missing, or shorter than a block it holds ends."""
+    for ref in manifest.blocks:
+        size = pack_sizes.get(ref.pack)
+        if size is None:
+            return f"pack {ref.pack} missing"
+        if size < ref.offset + ref.length:
+            return f"pack {ref.pack} short: {size} bytes, a block ends at {ref.offset + ref.length}"
+    return ""
