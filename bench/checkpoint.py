@@ -256,10 +256,10 @@ async def drain_figure(url: str, directory: Path, sessions: dict[str, list[Any]]
     from services.checkpoint.service import CheckpointService
     from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
     from shared.contract.subjects import Subjects
+    from shared.host.devservers import RedisServer
+    from shared.host.runner import start_service
     from shared.kv.endpoint import AgentEndpoint
     from shared.plumbing.bus import Bus
-    from shared.plumbing.devservers import RedisServer
-    from shared.plumbing.runner import start_service
     from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
     from shared.wiring import Wiring
 

@@ -73,7 +73,7 @@ def nats_server(url: str | None = None) -> Iterator[str]:
     if url:
         yield url
         return
-    from shared.plumbing.devservers import NatsServer
+    from shared.host.devservers import NatsServer
 
     server = NatsServer().start()
     try:
@@ -170,7 +170,7 @@ def _package_version(name: str) -> str | None:
 def nats_server_binary_version() -> str | None:
     """The version of the nats-server binary the project would start, if there is one."""
     try:
-        from shared.plumbing.devservers import nats_server_binary
+        from shared.host.devservers import nats_server_binary
 
         out = subprocess.run([nats_server_binary(), "--version"], capture_output=True, text=True, timeout=5)
     except (RuntimeError, OSError, subprocess.SubprocessError):

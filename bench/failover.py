@@ -23,8 +23,8 @@ from bench.common import BenchOptions, Target, exit_code, finish, machine_info, 
 from shared.contract.node import NodeCordoned
 from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import Subjects
+from shared.host.devservers import NatsCluster
 from shared.plumbing.bus import Bus
-from shared.plumbing.devservers import NatsCluster
 from shared.plumbing.settings import NatsSettings
 
 NAME = "failover"

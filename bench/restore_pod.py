@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.common import BenchOptions, Target, default_out, exit_code, finish, machine_info
 from bench.scale_sessions import SessionBench
-from shared.plumbing.devservers import NatsServer, RedisServer
+from shared.host.devservers import NatsServer, RedisServer
 
 SIZES = (1000, 5000)
 QUICK_SIZES = (20, 100)

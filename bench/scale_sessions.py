@@ -52,13 +52,13 @@ from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.subjects import Subjects
+from shared.host.devservers import free_port
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import KvLayout
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
-from shared.plumbing.devservers import free_port
 from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
 from shared.sim.cluster import SimCluster
 

@@ -48,13 +48,13 @@ async def one_size(url: str, label: str, sessions_n: int, folder: Path) -> dict[
     from services.checkpoint.scrub import Scrub
     from services.checkpoint.service import CheckpointService
     from shared.contract.subjects import Subjects
+    from shared.host.devservers import RedisServer
+    from shared.host.runner import start_service
     from shared.kv.agent import KvAgent
     from shared.kv.endpoint import report_event
     from shared.kv.filestore import FileStore
     from shared.kv.presets import LLAMA_3_8B
     from shared.plumbing.configsync import redis_client
-    from shared.plumbing.devservers import RedisServer
-    from shared.plumbing.runner import start_service
     from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
     from shared.wiring import Wiring
 

@@ -43,8 +43,8 @@ from bench.common import BenchOptions, Target, finish, latency_summary, machine_
 from shared.contract.driver import DriverUpgradeStateChanged
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.subjects import Subjects
+from shared.host.devservers import NatsServer, RedisServer
 from shared.plumbing.bus import Bus
-from shared.plumbing.devservers import NatsServer, RedisServer
 from shared.plumbing.settings import NatsSettings
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ hands ``Wiring`` to the runner (``run(service, Wiring)``), which builds it once 
 service as ``ctx.backends`` (the ``shared.ports.backends.Backends`` Protocol). Services never import this module or
 ``shared.sim`` (an import-linter contract holds them to it); tests hand it, or ports of their own, the same way.
 
-``HollowWiring`` is the same choice for a process that hosts many simulated nodes (``shared.plumbing.hollow``):
+``HollowWiring`` is the same choice for a process that hosts many simulated nodes (``shared.host.hollow``):
 each node's ports are the ones ``Wiring`` gives, built over what the nodes share: one Redis pool, one informer of
 the simulated cluster (``SharedSimCluster``: each node's watch sees its own node's changes), one reader of every
 node's GPU health stream (``SimHealthFeed``), the nodes' GPU states read together (``SimGpuStore``) and one
@@ -123,7 +123,7 @@ class Wiring:
 
 
 class HollowWiring:
-    """The ports of every node of a hollow host (``shared.plumbing.hollow.HostBackends``), SIMULATED: what the
+    """The ports of every node of a hollow host (``shared.host.hollow.HostBackends``), SIMULATED: what the
     nodes share is built once, here, and closed after they have all stopped."""
 
     def __init__(self, settings: Settings, subjects: Subjects, bus: Bus) -> None:

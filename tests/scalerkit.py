@@ -11,8 +11,8 @@ from nats.js import api as js_api
 from services.scaler.config import ScalerSettings, ScalerTls
 from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.service import ScalerService
+from shared.host.runner import RunningService, start_service
 from shared.plumbing.bus import Bus
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import HostPort, Settings
 from shared.wiring import Wiring
 

@@ -1,5 +1,5 @@
 """Real NATS and Redis servers for tests: given by URL, from testcontainers when a Docker engine answers, or
-started here (see ``shared.plumbing.devservers``) on free ports with temporary directories."""
+started here (see ``shared.host.devservers``) on free ports with temporary directories."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.plumbing.devservers import NatsCluster, NatsServer, RedisSentinel, RedisServer, free_port
+from shared.host.devservers import NatsCluster, NatsServer, RedisSentinel, RedisServer, free_port
 
 __all__ = [
     "NatsCluster",

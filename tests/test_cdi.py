@@ -28,8 +28,8 @@ from services.device.plugin import KubeletDevicePlugin
 from services.device.service import DeviceService
 from shared.contract.device import GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import parse_spec

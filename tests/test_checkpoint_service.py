@@ -20,13 +20,13 @@ from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.consumer import ConsumerSpec, consume
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
 from tests.helpers import eventually

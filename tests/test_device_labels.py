@@ -31,8 +31,8 @@ from services.device.service import DeviceService
 from shared.adapters.kube import KubeCluster
 from shared.contract.device import DeviceInventory, GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.plumbing.bus import Bus
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.faults import XidFault, apply_fault

@@ -22,7 +22,7 @@ from services.device.resources import ResourceError
 from services.device.service import DeviceService
 from shared.contract.device import GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
-from shared.plumbing.runner import start_service
+from shared.host.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.sim.faults import XidFault, apply_fault
 from shared.sim.gpus import SimGpus

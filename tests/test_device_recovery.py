@@ -18,9 +18,9 @@ from services.device.health import judge, may_recover
 from services.device.service import DeviceService
 from shared.contract.device import DeviceHealthChanged, GpuXid
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.plumbing.bus import Bus
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.ports.gpu import GpuHealthEvent
 from shared.sim.faults import XidFault, apply_fault

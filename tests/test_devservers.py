@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.plumbing import devservers
-from shared.plumbing.devservers import NatsCluster, NatsServer, PortTaken
+from shared.host import devservers
+from shared.host.devservers import NatsCluster, NatsServer, PortTaken
 
 
 @pytest.fixture

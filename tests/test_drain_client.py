@@ -1,13 +1,13 @@
-"""The one drain client (``shared.plumbing.drains``): a drain is named, asked over the real bus, followed until its
+"""The one drain client (``shared.clients.drains``): a drain is named, asked over the real bus, followed until its
 verdict, asked again by a restarted process, and cleared so that a late verdict is never used."""
 
 from __future__ import annotations
 
+from shared.clients.drains import MAX_ID_CHARS, DrainClient
 from shared.contract.base import Event
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
-from shared.plumbing.drains import MAX_ID_CHARS, DrainClient
 from tests.helpers import eventually
 
 
@@ -95,7 +95,7 @@ def test_ids_made_from_a_dns_node_name_are_valid_and_a_long_suffix_still_fits() 
 def test_a_request_the_checkpoint_service_would_refuse_is_refused_before_it_is_sent() -> None:
     import pytest
 
-    from shared.plumbing.drains import InvalidDrain, drain_request
+    from shared.clients.drains import InvalidDrain, drain_request
 
     request = drain_request("node-1", "drain-node-1-ab", "maintenance", "cli", 20.0)
     assert (request.node, request.drain_id, request.requested_by, request.deadline_s) == (
@@ -129,7 +129,7 @@ async def test_a_verdict_stored_but_not_heard_is_found_in_the_stream(bus: Bus, s
     """A verdict published while the watcher's connection failed over is not heard; it is stored, and found."""
     import asyncio
 
-    from shared.plumbing.drains import stream_end, wait_verdict
+    from shared.clients.drains import stream_end, wait_verdict
 
     await bus.ensure_streams()
     since = await stream_end(bus)
@@ -150,7 +150,7 @@ async def test_a_verdict_stored_but_not_heard_is_found_in_the_stream(bus: Bus, s
 async def test_the_newest_drain_of_a_node_and_its_verdict_are_looked_up_in_the_stream(
     bus: Bus, subjects: Subjects
 ) -> None:
-    from shared.plumbing.drains import newest_drain
+    from shared.clients.drains import newest_drain
 
     await bus.ensure_streams()
     assert await newest_drain(bus, "node-1") is None

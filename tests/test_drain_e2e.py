@@ -12,11 +12,11 @@ from services.checkpoint.service import CheckpointService
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.kv.filestore import FileStore
 from shared.kv.store import CheckpointStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
 from shared.sim.cluster import SimCluster

@@ -19,8 +19,8 @@ from shared.contract.deadletter import DeadLetter
 from shared.contract.driver import InstallDriver
 from shared.contract.permissions import USERS, nats_auth_config, user_name
 from shared.contract.subjects import Subjects
+from shared.host.devservers import NatsServer
 from shared.plumbing.bus import Bus
-from shared.plumbing.devservers import NatsServer
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import NatsSettings, Secret, Settings
 from shared.ports.gpu import GpuError

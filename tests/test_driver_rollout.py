@@ -21,11 +21,11 @@ from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverUpgradeStateChanged
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
+from shared.host.runner import RunningService, start_service
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.configsync import redis_client as open_redis
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
 from shared.sim.cluster import SimCluster

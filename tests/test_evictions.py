@@ -1,10 +1,10 @@
-"""The one eviction routine (``shared.plumbing.evictions``): a round asks the Eviction API once per pod, says which
+"""The one eviction routine (``shared.clients.evictions``): a round asks the Eviction API once per pod, says which
 pods a PodDisruptionBudget refused, and the backoff after refused rounds doubles up to its cap and starts over."""
 
 from __future__ import annotations
 
+from shared.clients.evictions import COMMAND_BACKOFF, MAX_BACKOFF_S, PdbBackoff, evict_pods
 from shared.contract.subjects import Subjects
-from shared.plumbing.evictions import COMMAND_BACKOFF, MAX_BACKOFF_S, PdbBackoff, evict_pods
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.spec import DeploymentSpec, NodeSpec, SimSpec

@@ -34,13 +34,13 @@ from shared.contract.driver import DriverUpgradeStateChanged
 from shared.contract.node import DrainCompleted, DrainFailed, NodeCordoned
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
+from shared.host.hollow import HollowHost, HollowPlan, node_list, parse_nodes
+from shared.host.runner import ServiceContext, start_service
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.consumer import ConsumerSpec, node_consumer
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.hollow import HollowHost, HollowPlan, node_list, parse_nodes
-from shared.plumbing.runner import ServiceContext, start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.exporter import PodRef, SimExporter, SimExporterHost

@@ -40,13 +40,13 @@ from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.subjects import Subjects
+from shared.host.runner import RunningService, start_service
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import CheckpointManifest, KvLayout
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.spec import NodeSpec, SimSpec

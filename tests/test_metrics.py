@@ -29,9 +29,9 @@ from shared.adapters.exposition import ExpositionParser
 from shared.adapters.metrics import DcgmScrape, NvmlSource, PrometheusQuery
 from shared.contract.metrics import DeploymentUtilisation, GpuSample
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.plumbing.bus import Bus
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.ports.metrics import MetricsSourceError, SourceRead
 from shared.sim.exporter import PodRef, SimExporter, find_exporter

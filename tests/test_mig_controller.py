@@ -43,6 +43,7 @@ from shared.contract.configdocs import MigConfig, MigDeviceGroup
 from shared.contract.device import GpuDevice, MigConfigChanged, MigInstance
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
@@ -50,7 +51,6 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, VersionedConfig
 from shared.plumbing.consumer import consume
 from shared.plumbing.errors import InvalidConfig, SettingsError
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.ports.gpu import GpuError, MigProfile
 from shared.sim.cluster import SimCluster

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shared.clients.rollouts import RolloutRefused, begin_rollout, deployment_key, read_models, settle_rollout
 from shared.contract.configdocs import ModelVersions
 from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent
@@ -21,7 +22,6 @@ from shared.kv.manifest import IncompatibleCheckpoint
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.errors import InvalidConfig
-from shared.plumbing.rollouts import RolloutRefused, begin_rollout, deployment_key, read_models, settle_rollout
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import EvictionOutcome
 from shared.sim.conversations import Conversations

@@ -26,11 +26,11 @@ from services.device.service import DeviceService
 from shared.contract.checkpoint import CheckpointSaved
 from shared.contract.device import DeviceHealthChanged, GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.clusterstate import ClusterState, from_spec

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.retention import CheckpointRecord, RetentionPolicy, expired, unreferenced_packs
 from services.checkpoint.service import CheckpointService
+from shared.host.runner import start_service
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import checkpoint_order
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
 from tests.kvkit import fill, make_agent

@@ -25,9 +25,9 @@ from services.scaler.service import ScalerService
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.subjects import Subjects
+from shared.host.runner import ServiceContext, start_service
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
-from shared.plumbing.runner import ServiceContext, start_service
 from shared.plumbing.settings import HostPort, Settings, load_settings
 from shared.wiring import Wiring
 from tests.helpers import eventually, fetch, get, with_redis

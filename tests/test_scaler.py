@@ -34,8 +34,8 @@ from shared.contract.models import RolloutState
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
+from shared.host.runner import RunningService, start_service
 from shared.plumbing.bus import Bus
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import HostPort, Settings
 from shared.wiring import Wiring
 from tests.fake_kube_api import FakeKubeApi

@@ -39,11 +39,11 @@ from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.requests import InferenceRequest
 from shared.contract.scaler import ScaleDecision
 from shared.contract.subjects import Subjects
+from shared.host.runner import RunningService, start_service
 from shared.kv.filestore import FileStore
 from shared.kv.load import LoadReporter
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import HostPort, Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.gauges import WorkloadCollector

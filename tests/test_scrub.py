@@ -22,12 +22,12 @@ from shared.contract.checkpoint import (
     SaveSessions,
     SaveSessionsReport,
 )
+from shared.host.runner import RunningService, start_service
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import report_event
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import CheckpointManifest, ChunkRef, lost_pack
 from shared.plumbing.bus import Bus
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
 from tests.helpers import eventually

@@ -58,6 +58,8 @@ from shared.contract.permissions import (
 )
 from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import ROUTES, Subjects
+from shared.host.devservers import NatsServer
+from shared.host.runner import start_service
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.objstore.family import PodBuckets
@@ -65,8 +67,6 @@ from shared.kv.stores import open_store
 from shared.plumbing.bus import Bus, PublishFailed
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.consumer import ConsumerSpec, consume, consumer_config, consumer_drift
-from shared.plumbing.devservers import NatsServer
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import NatsSettings, RedisSettings, Secret, Settings
 from shared.ports.cluster import NODE_NAME_EXTRA, POD_NAME_EXTRA, ClusterError, TokenReview
 from shared.sim.cluster import SimCluster

@@ -27,8 +27,8 @@ from services.device.health import GpuHealth, judge
 from services.device.service import DeviceService
 from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuXid
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.plumbing.bus import Bus
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.ports.gpu import DriverInstallError, GpuError, GpuHealthEvent, GpuPort
 from shared.sim.faults import (

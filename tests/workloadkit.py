@@ -17,10 +17,10 @@ from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
-from shared.plumbing.runner import start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.conversations import Conversations

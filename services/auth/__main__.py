@@ -1,6 +1,6 @@
 """`python -m services.auth`: run the auth callout until SIGTERM (bad settings: one line, exit 2)."""
 
-from shared.plumbing.runner import main
+from shared.host.entry import main
 from shared.wiring import Wiring
 
 from .service import AuthService

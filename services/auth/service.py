@@ -30,8 +30,8 @@ from services.auth.natsjwt import (
 )
 from services.auth.ports import TokenReviewer
 from shared.contract.permissions import AUTH_CALLOUT_SUBJECT, identity_name, permissions
+from shared.host.runner import ServiceContext
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.runner import ServiceContext
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`python -m services.checkpoint`: run the checkpoint service until SIGTERM (bad settings: one line, exit 2)."""
 
-from shared.plumbing.runner import main
+from shared.host.entry import main
 from shared.wiring import Wiring
 
 from .service import CheckpointService

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.host.runner import ServiceContext
 from shared.kv.store import CheckpointStore
 from shared.plumbing.configsync import ConfigStore
-from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 
 from .config import CheckpointSettings

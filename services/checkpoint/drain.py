@@ -21,6 +21,7 @@ from typing import Literal
 
 import msgspec
 
+from shared.clients.drains import last_verdict
 from shared.contract.base import DrainId, is_token
 from shared.contract.checkpoint import CheckpointFailed, SaveSessionsReport
 from shared.contract.node import (
@@ -33,7 +34,6 @@ from shared.contract.node import (
     deadline_problem,
 )
 from shared.contract.registry import codec
-from shared.plumbing.drains import last_verdict
 from shared.plumbing.errors import PermanentError, TemporaryError
 
 from .pods import forget_gone_pods

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.sessions import SessionLocation
-from shared.plumbing.runner import ServiceContext
+from shared.host.runner import ServiceContext
 
 from .config import CheckpointSettings
 from .metrics import CheckpointMetrics

@@ -22,11 +22,11 @@ import math
 import time
 from typing import Any
 
+from shared.clients.rollouts import current_state, deployment_key, read_models, rollout_state, settle_rollout
 from shared.contract.configdocs import DeploymentModel, ModelRollout
 from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, ServingQuery
+from shared.host.runner import ServiceContext
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
-from shared.plumbing.rollouts import current_state, deployment_key, read_models, rollout_state, settle_rollout
-from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 
 from .registry import SessionRegistry

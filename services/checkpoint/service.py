@@ -49,9 +49,9 @@ from shared.contract.sessions import (
     SessionsQuery,
     WhereIsSession,
 )
+from shared.host.runner import ServiceContext
 from shared.plumbing.consumer import ConsumerSpec
 from shared.plumbing.http import Response
-from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 
 from .adapters import open_ports

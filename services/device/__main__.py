@@ -1,11 +1,11 @@
 """`python -m services.device`: run the device service until SIGTERM (bad settings: one line, exit 2); with
-``GPUWARDEN_HOLLOW_NODES``, once per node named there, all in this process (``shared.plumbing.hollow``)."""
+``GPUWARDEN_HOLLOW_NODES``, once per node named there, all in this process (``shared.host.hollow``)."""
 
 from dataclasses import replace
 
+from shared.host.entry import main
+from shared.host.hollow import HollowPlan
 from shared.plumbing.errors import SettingsError
-from shared.plumbing.hollow import HollowPlan
-from shared.plumbing.runner import main
 from shared.wiring import HollowWiring, Wiring
 
 from .config import load

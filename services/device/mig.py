@@ -47,16 +47,16 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shared.clients.drains import Drain, DrainClient
 from shared.contract.base import Event
 from shared.contract.configdocs import MigConfig, MigDeviceGroup
 from shared.contract.device import GpuDevice, MigConfigChanged, MigConfigState
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.subjects import Subjects
+from shared.host.runner import ServiceContext
 from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.consumer import ConsumerSpec, node_consumer
-from shared.plumbing.drains import Drain, DrainClient
 from shared.plumbing.retries import CLUSTER_REWATCH
-from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError, GpuPort, MigProfile
 

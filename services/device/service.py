@@ -26,8 +26,8 @@ import msgspec
 
 from shared.contract.device import DeviceHealthChanged, DeviceInventory, GpuDevice, GpuXid
 from shared.contract.node import NodeCordoned, NodeUncordoned
+from shared.host.runner import ServiceContext
 from shared.plumbing.consumer import node_consumer
-from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
 

@@ -32,11 +32,11 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, cast, get_args
 
+from shared.clients.drains import DrainClient, VerdictUnknown
+from shared.clients.evictions import PdbBackoff, evict_pods
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged, UpgradeState
-from shared.plumbing.drains import DrainClient, VerdictUnknown
-from shared.plumbing.evictions import PdbBackoff, evict_pods
 from shared.ports.cluster import ClusterConflict, ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError
 
@@ -374,7 +374,7 @@ class UpgradeCoordinator:
                 await self._request_drain(view.name, drain_id, self.policy(), "driver-upgrade")
 
     async def _evict(self, view: NodeView, action: Action, policy: DriverPolicy) -> None:
-        """One round of evictions (``shared.plumbing.evictions``); a round a PodDisruptionBudget refused sets when
+        """One round of evictions (``shared.clients.evictions``); a round a PodDisruptionBudget refused sets when
         the node may be tried again (``NodeView.evict_after``), later after each refused round in a row. Not a
         ``shared.plumbing.retries`` policy: the delay is state kept per node across passes, not a wait in a loop."""
         done = await evict_pods(self.cluster, view.name, action.pods)

@@ -57,7 +57,7 @@ class DrainVerdicts(Protocol):
     async def get(self, drain_id: str, node: str = "") -> str:
         """``completed``, ``failed: <reason>``, or '' while the drain has none (``node``: the drain's, so that a
         verdict Redis lost is found in the events stream). Raises
-        ``shared.plumbing.drains.VerdictUnknown`` when the record cannot be read now."""
+        ``shared.clients.drains.VerdictUnknown`` when the record cannot be read now."""
         ...
 
 

@@ -12,9 +12,9 @@ import uuid
 
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainCompleted, DrainFailed
+from shared.host.runner import ServiceContext
 from shared.plumbing.configsync import VersionedConfig
 from shared.plumbing.consumer import ConsumerSpec
-from shared.plumbing.runner import ServiceContext
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuPort
 

@@ -1,12 +1,12 @@
 """Drain verdicts as the coordinator reads them: asked of the checkpoint service, which records each drain's one
-verdict (``shared.plumbing.drains.recorded_verdict``). The driver keeps no copy: any replica that leads asks the
+verdict (``shared.clients.drains.recorded_verdict``). The driver keeps no copy: any replica that leads asks the
 same record."""
 
 from __future__ import annotations
 
+from shared.clients.drains import recorded_verdict
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.plumbing.bus import Bus
-from shared.plumbing.drains import recorded_verdict
 
 
 def verdict_text(verdict: DrainCompleted | DrainFailed | None) -> str:

@@ -22,8 +22,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from shared.contract.base import is_token
 from shared.contract.device import DeviceInventory
 from shared.contract.metrics import GpuSample, UtilisationRecord
+from shared.host.runner import ServiceContext
 from shared.plumbing.consumer import node_consumer
-from shared.plumbing.runner import ServiceContext
 from shared.ports.metrics import MetricsSource, MetricsSourceError, SourceRead
 
 from .aggregate import Aggregator, CounterWatch, deployment_from_pod_name

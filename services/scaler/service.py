@@ -11,8 +11,8 @@ from shared.contract.load import PodLoad
 from shared.contract.metrics import DeploymentUtilisation
 from shared.contract.models import RolloutState
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.host.runner import ServiceContext
 from shared.plumbing.consumer import ConsumerSpec
-from shared.plumbing.runner import ServiceContext
 
 from .adapters import JetStreamQueue, cluster_placement
 from .config import ScalerSettings, load

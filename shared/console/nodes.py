@@ -29,7 +29,7 @@ def _check_deadline(deadline_s: float) -> None:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     """Save every session on the node (a drain request, as the checkpoint service takes it): no cordon, no
     eviction. ``--wait`` prints the verdict. Named, asked and waited for by the one drain client."""
-    from shared.plumbing.drains import DrainClient, InvalidDrain, drain_request
+    from shared.clients.drains import DrainClient, InvalidDrain, drain_request
 
     _check_deadline(args.deadline)
     drain_id = args.drain_id or DrainClient.new_id(f"drain-{args.node}")

@@ -2,8 +2,8 @@
 
 ``drain`` does what ``kubectl drain`` users expect, plus the step gpuwarden exists for: it cordons the node (naming
 its drain on the node, so the driver service asks for no second one), asks the checkpoint service to commit every
-session there and waits for the verdict (through the one drain client, ``shared.plumbing.drains``), evicts the
-node's pods through the Eviction API (the one eviction routine, ``shared.plumbing.evictions``: a
+session there and waits for the verdict (through the one drain client, ``shared.clients.drains``), evicts the
+node's pods through the Eviction API (the one eviction routine, ``shared.clients.evictions``: a
 PodDisruptionBudget refusal is retried with backoff), waits until the node is empty, and with ``--wait`` follows
 each session to the pod that takes it until that pod has restored it and verified every digest (its
 ``checkpoint.restored`` event, published by the KV agent only after the check, for a generation newer than the one
@@ -23,6 +23,8 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
+from shared.clients.drains import DrainClient, InvalidDrain, drain_request
+from shared.clients.evictions import COMMAND_BACKOFF, COMMAND_POLL_S, evict_pods
 from shared.console.client import CommandError, MeshClient
 from shared.console.snapshot import (
     CORDON_DRAIN_ANNOTATION,
@@ -39,8 +41,6 @@ from shared.contract.driver import UpgradeState
 from shared.contract.node import DrainFailed, DrainOutcome, NodeCordoned, NodeUncordoned
 from shared.contract.requests import InferenceRequest
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
-from shared.plumbing.drains import DrainClient, InvalidDrain, drain_request
-from shared.plumbing.evictions import COMMAND_BACKOFF, COMMAND_POLL_S, evict_pods
 from shared.ports.cluster import ClusterConflict
 
 DrainPhase = Literal["cordoned", "saving", "saved", "evicted", "evicting", "moving"]
@@ -165,7 +165,7 @@ async def drain(
     drain_id: str = "",
     report: Report = lambda phase, done: None,
 ) -> DrainResult:
-    """Cordon, save (the drain client: ``shared.plumbing.drains``), evict (``shared.plumbing.evictions``) and,
+    """Cordon, save (the drain client: ``shared.clients.drains``), evict (``shared.clients.evictions``) and,
     with ``wait``, follow the sessions to the pods that restore them (see the module)."""
     drains = DrainClient(mesh.bus.publish, requested_by)
     drain_id = drain_id or drains.new_id(f"drain-{node}")

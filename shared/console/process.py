@@ -6,7 +6,7 @@ and workload, and keeps them running: a process that exits is started again. Eac
 by ``up`` itself when it plans the process and handed down as a listening socket (``GPUWARDEN_HTTP_FD``): the
 port is held for the whole run, so a restarted process finds it still its own and never loops on a port another
 program took meanwhile. With hollow nodes (``--hollow``, or ``hollow: true`` in the spec) each node-scoped service
-is one process for every node (``GPUWARDEN_HOLLOW_NODES``, ``shared.plumbing.hollow``), so a fleet of a thousand
+is one process for every node (``GPUWARDEN_HOLLOW_NODES``, ``shared.host.hollow``), so a fleet of a thousand
 simulated nodes is five service processes, not 3,002; ``--nodes N`` makes such a fleet (``node-1``..``node-N``)
 from the spec's deployments. ``$GPUWARDEN_HOME/run.json`` says
 where everything is: the URLs, every health URL, and the pid of every process the run started, which is what
@@ -186,7 +186,7 @@ def _start_servers(
 ) -> None:
     """Start NATS and Redis unless their URLs are given; Redis keeps its data in ``base/redis`` (AOF). With
     ``secure`` (``CalloutSecrets``), NATS knows one user, the auth callout's: everyone else is the callout's."""
-    from shared.plumbing.devservers import NatsServer, RedisServer, free_port
+    from shared.host.devservers import NatsServer, RedisServer, free_port
 
     try:
         if not env.get("GPUWARDEN_NATS_URL"):
@@ -223,7 +223,7 @@ def _run_mesh(
     (``CalloutSecrets``): the auth service first, then the streams (the admin's to create), then every service
     under its own user and the simulation as the admin, each of its pods' KV agents with its own pod's token."""
     from shared.contract.subjects import Subjects
-    from shared.plumbing.hollow import node_list
+    from shared.host.hollow import node_list
 
     checkpoints = f"file://{base / 'checkpoints'}"
     plan: list[tuple[str, str, dict[str, str]]] = []

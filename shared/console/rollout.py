@@ -54,8 +54,8 @@ async def known_deployment(settings: Settings, namespace: str, name: str) -> Non
 
 
 def cmd_rollout(args: argparse.Namespace, settings: Settings) -> int:
+    from shared.clients.rollouts import RolloutRefused, begin_rollout, deployment_key, read_models
     from shared.plumbing.configsync import ConfigStore, redis_client
-    from shared.plumbing.rollouts import RolloutRefused, begin_rollout, deployment_key, read_models
 
     namespace, _, name = args.deployment.partition("/")
     if not namespace or not name:

@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from shared.clients.drains import StoredDrain, newest_drain
+from shared.clients.rollouts import read_models
 from shared.console.client import CommandError, MeshClient
 from shared.console.state import named
 from shared.contract.base import Event
@@ -37,8 +39,6 @@ from shared.contract.node import DrainCompleted, DrainFailed, DrainOutcome
 from shared.contract.scaler import ScaleDecision
 from shared.contract.sessions import FleetQuery, FleetSummary, SessionRecord, SessionsPage, SessionsQuery
 from shared.plumbing.configsync import ConfigStore
-from shared.plumbing.drains import StoredDrain, newest_drain
-from shared.plumbing.rollouts import read_models
 from shared.ports.cluster import NodeInfo, PodInfo
 
 UPGRADE_STATE_LABEL = "nvidia.com/gpu-driver-upgrade-state"

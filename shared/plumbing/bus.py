@@ -169,9 +169,10 @@ class Bus:
     API_DEADLINE = 30.0
     """Seconds a JetStream API call (stream and consumer lookups and creation) is tried again while the cluster
     cannot answer it: its server failed over, or a meta or stream leader election is running."""
-    LOOKUP_DEADLINE = 5.0
-    """How long ``missing_streams`` asks a server that does not answer JetStream's API before it takes the streams
-    as missing (a server without JetStream never answers)."""
+    LOOKUP_DEADLINE = 20.0
+    """How long ``missing_streams`` keeps asking, for all the streams together, while JetStream's API times out
+    (a leader election after a server died can outlast a single call's timeout on a loaded machine). A server
+    without JetStream answers at once (no responders, 503), so a foreign NATS costs nothing of this."""
 
     NO_RESPONDER_GRACE = 3.0
     """Seconds a request answered "no responders" is sent again: long enough for responders connected to a server
@@ -396,10 +397,11 @@ class Bus:
         """The streams of this root that the server lacks: looked up, never created (what a reader asks before it
         reads, so that it writes nothing into a server that is not this mesh's)."""
         missing = []
+        deadline = time.monotonic() + self.LOOKUP_DEADLINE
         for spec in self.subjects.streams:
             lookup = functools.partial(self.js.stream_info, spec.name)
             try:
-                await JETSTREAM_API.call(lookup, deadline=time.monotonic() + self.LOOKUP_DEADLINE)
+                await JETSTREAM_API.call(lookup, deadline=deadline)
             except nats.js.errors.NotFoundError:
                 missing.append(spec.name)
             except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):

@@ -47,7 +47,7 @@ class NodeScope:
     """What makes a durable consumer one node's: the node, the route kinds it follows (each route has a
     ``{node}`` field) and the consumer's name without the node (``family``). One node's process consumes exactly
     the spec's ``durable`` and ``filter_subjects``; a process hosting many nodes' agents (the hollow host,
-    ``shared.plumbing.hollow``) consumes each family once for all of them and hands every event to the handler of
+    ``shared.host.hollow``) consumes each family once for all of them and hands every event to the handler of
     the node it names, so its cost does not grow with the nodes it hosts."""
 
     node: str

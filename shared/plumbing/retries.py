@@ -10,7 +10,7 @@ the next ``tries()`` starts the waits over.
 
 What is not a plain retry of an operation stays hand-written, where it lives and saying why:
 
-- ``PdbBackoff`` (``shared.plumbing.evictions``): the delay after a round of evictions a PodDisruptionBudget refused,
+- ``PdbBackoff`` (``shared.clients.evictions``): the delay after a round of evictions a PodDisruptionBudget refused,
   which the driver's coordinator keeps per node across its reconcile passes (state, not a loop) and the CLI's
   ``drain`` mixes with its poll of the node until the node is empty (a refusal is no failure);
 - the durable consumer's nak delays (``shared.plumbing.consumer``): the server redelivers, nothing here waits;

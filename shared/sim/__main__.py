@@ -24,10 +24,10 @@ from typing import Any, NoReturn
 import redis.exceptions
 
 from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
+from shared.host.runner import ServiceContext, run
 from shared.kv.stores import StoreSettings
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client, warm_pool
-from shared.plumbing.runner import ServiceContext, run
 from shared.plumbing.settings import Parse, Secret, documented, setting, settings_from_env
 from shared.ports.cluster import ClusterError, PodInfo
 from shared.sim.cluster import SharedSimCluster, SimCluster

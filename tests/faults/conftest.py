@@ -25,6 +25,8 @@ from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.subjects import Subjects
+from shared.host.devservers import free_port
+from shared.host.runner import RunningService, start_service
 from shared.kv.agent import KvAgent
 from shared.kv.crypto import ChunkCipher
 from shared.kv.endpoint import AgentEndpoint
@@ -32,8 +34,6 @@ from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.consumer import ConsumerSpec, consume
-from shared.plumbing.devservers import free_port
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring
 from tests.faults.checker import Findings, check_invariants

@@ -26,12 +26,12 @@ from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.requests import InferenceRequest
 from shared.contract.sessions import SessionLocation, WhereIsSession
 from shared.contract.subjects import Subjects
+from shared.host.runner import RunningService, start_service
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import CheckpointManifest
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.consumer import ConsumerSpec, consume
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.engines import verify_blocks

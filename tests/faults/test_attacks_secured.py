@@ -44,6 +44,8 @@ from shared.contract.permissions import (
 )
 from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
+from shared.host.devservers import NatsServer
+from shared.host.runner import RunningService, start_service
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
@@ -51,8 +53,6 @@ from shared.kv.objstore.codec import chunk_subject, manifest_name, meta_subject
 from shared.kv.objstore.family import PodBuckets, pack_owner
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
-from shared.plumbing.devservers import NatsServer
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import NatsSettings, Secret, Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.plumbing.devservers import free_port
+from shared.host.devservers import free_port
 
 DRIVER_POLICY = '{"desired_version": "560.35.03"}'
 

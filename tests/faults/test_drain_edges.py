@@ -15,6 +15,8 @@ import msgspec
 import nats.js.errors
 import pytest
 
+from shared.clients.drains import wait_verdict
+from shared.clients.rollouts import begin_rollout, deployment_key, read_models
 from shared.console import operations
 from shared.console.client import CommandError, MeshClient
 from shared.contract.configdocs import DriverPolicy
@@ -23,8 +25,6 @@ from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
-from shared.plumbing.drains import wait_verdict
-from shared.plumbing.rollouts import begin_rollout, deployment_key, read_models
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from tests.faults.fleet import NEW_DRIVER, NODES, SPEC, fleet

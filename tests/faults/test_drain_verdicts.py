@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import redis.asyncio as aioredis
 
+from shared.clients.drains import recorded_verdict
 from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.subjects import Subjects
@@ -22,7 +23,6 @@ from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
-from shared.plumbing.drains import recorded_verdict
 from shared.plumbing.settings import Settings
 from tests.faults.checker import check_invariants
 from tests.faults.conftest import Mesh, Runner

@@ -31,9 +31,9 @@ from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainRequested
 from shared.contract.subjects import Subjects
+from shared.host.devservers import RedisServer, free_port
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, ConfigWatcher, redis_client
-from shared.plumbing.devservers import RedisServer, free_port
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterError
 from shared.sim.cluster import SimCluster

@@ -26,11 +26,11 @@ from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.requests import InferenceRequest
 from shared.contract.subjects import Subjects
+from shared.host.runner import RunningService, start_service
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, redis_client
 from shared.plumbing.errors import TemporaryError
-from shared.plumbing.runner import RunningService, start_service
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.gpus import SimGpus

@@ -30,8 +30,8 @@ from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
 from services.scaler.trigger import MAX_KEY_BYTES, MAX_KEYS, MAX_NAME_BYTES, MAX_VALUE_BYTES
 from shared.adapters.httpclient import http_get
+from shared.host.runner import RunningService
 from shared.plumbing.bus import Bus
-from shared.plumbing.runner import RunningService
 from shared.plumbing.settings import Settings
 from tests.helpers import eventually
 from tests.scalerkit import ref, serving_consumer, start_scaler

@@ -47,13 +47,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from shared.contract.base import Event, id_problem, subject_token
 from shared.contract.config import ConfigApplied
 from shared.contract.subjects import Subjects
+from shared.host.runner import Service, ServiceContext
 from shared.plumbing import logs
 from shared.plumbing.bus import Bus, Handler
 from shared.plumbing.configsync import ConfigWatcher, VersionedConfig, share_redis_pool, warm_pool
 from shared.plumbing.consumer import Consumer, ConsumerSpec, consume
 from shared.plumbing.errors import SettingsError, TemporaryError
 from shared.plumbing.http import Response, SmallHttpServer
-from shared.plumbing.runner import Service, ServiceContext
 from shared.plumbing.settings import Parse, Settings, count, documented, load_settings, setting
 from shared.plumbing.telemetry import Telemetry
 from shared.ports.backends import Backends

@@ -24,7 +24,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -39,12 +39,9 @@ from shared.plumbing.consumer import Consumer, ConsumerSpec, consume
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.http import Response, Route, SmallHttpServer
 from shared.plumbing.retries import LOOP_RESTART
-from shared.plumbing.settings import Settings, load_settings, settings_from_env
+from shared.plumbing.settings import Settings, load_settings
 from shared.plumbing.telemetry import Telemetry
 from shared.ports.backends import Backends
-
-if TYPE_CHECKING:
-    from shared.plumbing.hollow import HollowPlan
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +124,7 @@ class ServiceContext:
 
     async def sleep(self, period: float) -> None:
         """Wait between two rounds of a periodic loop that runs every ``period`` seconds. One node's process
-        sleeps ``period``; a process hosting many nodes (``shared.plumbing.hollow``) wakes the loops of all its
+        sleeps ``period``; a process hosting many nodes (``shared.host.hollow``) wakes the loops of all its
         nodes with the same period together, on one timer, at the next multiple of the period (the first wait may
         be shorter), so that a thousand nodes' rounds are one wakeup and their reads can share round trips."""
         await asyncio.sleep(period)
@@ -302,32 +299,6 @@ async def start_service(
         },
     )
     return RunningService(ctx, http)
-
-
-def main(
-    name: str, make: Callable[[], Service], backends: BackendsFactory | None = None, hollow: HollowPlan | None = None
-) -> int:
-    """A service's ``__main__``: build the service (its own settings are read there) and ``run`` it. Bad settings,
-    shared or the service's own, are one line on stderr and exit status 2, never a traceback.
-
-    A node-scoped service hands ``hollow`` too: with ``GPUWARDEN_HOLLOW_NODES`` set, it runs once per node named
-    there, every instance in this process (``shared.plumbing.hollow``)."""
-    import os
-
-    from shared.plumbing.hollow import HollowSettings, run_hollow
-
-    try:
-        hollow_settings = settings_from_env(HollowSettings)
-        nodes = hollow_settings.nodes
-        if nodes and hollow is None:
-            raise SettingsError("GPUWARDEN_HOLLOW_NODES: this service runs once per cluster, not once per node")
-        service = hollow.instance(True) if nodes and hollow is not None else make()
-    except SettingsError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
-        return 2
-    if nodes and hollow is not None:
-        return run_hollow(name, hollow_settings, hollow, os.environ)
-    return run(service, backends)
 
 
 def run(service: Service, backends: BackendsFactory | None = None, settings: Settings | None = None) -> int:
