@@ -23,6 +23,7 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
+from nats.aio.client import AUTHORIZATION_VIOLATION
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import api as js_api
@@ -159,6 +160,22 @@ class Relinks:
         return self._next
 
 
+class _ReconnectingClient(NatsClient):
+    """nats-py's client, except that an authorization error on an established connection sends it back to
+    reconnecting (presenting its credentials afresh) instead of closing it for good. On a mesh secured by the auth
+    callout a server that restarts before the callout is back refuses the clients that reconnect first; nats-py
+    closes such a connection and never opens it again, which leaves a service running without a bus. The error is
+    still reported (``error_cb``) on every refusal, and bad credentials keep the service unready, never dead."""
+
+    async def _process_err(self, err_msg: str) -> None:
+        if AUTHORIZATION_VIOLATION in err_msg and self.is_connected and self.options["allow_reconnect"]:
+            self._err = nats.errors.AuthorizationError()
+            await self._error_cb(self._err)
+            await self._process_op_err(self._err)
+            return
+        await super()._process_err(err_msg)
+
+
 class Bus:
     """A connection to NATS under one subject root. Create with ``await Bus.connect(...)``.
 
@@ -272,7 +289,7 @@ class Bus:
             options["user_credentials"] = str(settings.creds_file)
         if settings.tls.enabled:
             options["tls"] = settings.tls.context()
-        nc = NatsClient()
+        nc = _ReconnectingClient()
         connecting = asyncio.ensure_future(nc.connect(**options))
         await asyncio.wait((connecting, auth_failed), timeout=connect_timeout * 2, return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done() or connecting.exception() is not None:
