@@ -264,3 +264,8 @@ def runners() -> Iterator[list[Runner]]:
 
 
 __all__ = ["Mesh", "Pod", "Runner", "expected", "np", "open_mesh"]
+
+
+# The secured mesh's fixtures (tests/faults/secured.py), for every test here; imported last, as that kit builds on
+# ``Pod`` above.
+from tests.faults.secured import secrets_of_the_mesh, secured, secured_mesh  # noqa: E402, F401
