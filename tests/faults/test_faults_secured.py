@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from services.auth.config import AuthSettings
+from services.auth.service import AuthService
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
-from shared.contract.permissions import user_name
+from shared.contract.permissions import AUTH, user_name
 from shared.host.runner import start_service
 from shared.plumbing.consumer import ConsumerSpec, consume
 from shared.plumbing.settings import NatsSettings, Secret
 from shared.wiring import Wiring
-from tests.faults.secured import SecuredMesh
+from tests.faults.secured import SecuredMesh, bucket_of
 from tests.faults.test_replay import Wire
 from tests.helpers import eventually
 from tests.kvkit import LAYOUT, block_content
@@ -106,3 +108,37 @@ async def test_the_checkpoint_service_replaced_mid_drain_on_the_secured_mesh(sec
     mesh.checkpoint = await start_service(service, replace(mesh.settings, nats=nats), Wiring)
     mesh.service = service
     await moved_and_restored(mesh, sessions, "d-service-restart", verdicts)
+
+
+async def test_clients_come_back_when_the_auth_callout_comes_back_after_the_server(secured_mesh: SecuredMesh) -> None:
+    """The server restarts while the auth service is away: every client trying to reconnect is refused (the
+    callout does not answer) for as long as it is away, and none gives up; once the callout is back they all are
+    authenticated again, and a drain asked then completes."""
+    mesh = secured_mesh
+    verdicts = await stored_verdicts(mesh)
+    sessions = [f"ar{i}" for i in range(4)]
+    await mesh.add_pod("llama-1", sessions)
+    await mesh.auth.stop(grace=0.2)
+    mesh.server.stop()
+    mesh.server.start()
+    buses = [mesh.admin, mesh.service.ctx.bus, *(p.bus for p in mesh.pods.values())]
+    log = mesh.server.store / "server.log"
+    await eventually(lambda: "authentication error" in log.read_text(errors="replace"), timeout=30)  # refused
+    auth_nats = NatsSettings(
+        servers=(mesh.server.url,),
+        user=user_name(mesh.subjects, AUTH),
+        password=Secret(mesh.secrets.passwords[AUTH]),
+    )
+    mesh.auth = await start_service(
+        AuthService(
+            AuthSettings(
+                issuer_seed_file=mesh.secrets.seed, password_dir=mesh.secrets.folder, bucket=bucket_of(mesh.subjects)
+            )
+        ),
+        replace(mesh.settings, nats=auth_nats),
+        Wiring,
+    )
+    await eventually(lambda: all(b.nc.is_connected for b in buses), timeout=30)
+    assert not any(b.nc.is_closed for b in buses)
+    await mesh.admin.publish(DrainRequested(node="node-1", drain_id="d-auth-back", deadline_s=25))
+    await moved_and_restored(mesh, sessions, "d-auth-back", verdicts)
