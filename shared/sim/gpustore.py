@@ -34,7 +34,7 @@ from shared.plumbing.retries import SIM_REDIS
 from shared.ports.gpu import GpuError, GpuHealthEvent
 from shared.sim.gpustate import SimLoad, SimNodeState
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("shared.sim.gpus")  # the adapter's logger, which log filters name
 
 T = TypeVar("T")
 

@@ -33,7 +33,7 @@ from shared.sim.cluster import (
 from shared.sim.clusterstate import ClusterState
 from shared.sim.gpustore import raise_if_cancelled
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("shared.sim.cluster")  # the adapter's logger, which log filters name
 
 T = TypeVar("T")
 
