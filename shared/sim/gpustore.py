@@ -199,6 +199,7 @@ def health_event(fields: dict[Any, Any]) -> GpuHealthEvent:
 
 
 def redis_down(exc: Exception) -> bool:
+    """Redis, or the way to it, failed: the read is worth trying again (``retries.SIM_REDIS``)."""
     return isinstance(exc, redis.exceptions.RedisError | OSError)
 
 
