@@ -127,9 +127,7 @@ def report_parts(report: SaveSessionsReport) -> list[SaveSessionsReport]:
             room -= len(taken[-1])
         take_c, take_f, take_n, take_k = taken
         parts.append(
-            msgspec.structs.replace(
-                report, committed=take_c, failed=take_f, not_held=take_n, kept=take_k, unchanged=0
-            )
+            msgspec.structs.replace(report, committed=take_c, failed=take_f, not_held=take_n, kept=take_k, unchanged=0)
         )
     parts[-1] = msgspec.structs.replace(parts[-1], unchanged=report.unchanged, parts_recorded=len(parts) - 1)
     return parts
@@ -163,9 +161,7 @@ def final_save_command(pod: str, deadline_s: float) -> SaveSessions:
     """The pod's last save, as its preStop hook asks for it: every session it holds, only what changed since each
     one's last checkpoint written, the rest named to be confirmed (``confirm_unchanged``). The asker records the
     report."""
-    return SaveSessions(
-        pod=pod, deadline_s=deadline_s, reason="prestop", changed_only=True, confirm_unchanged=True
-    )
+    return SaveSessions(pod=pod, deadline_s=deadline_s, reason="prestop", changed_only=True, confirm_unchanged=True)
 
 
 class ModelHost(Protocol):
