@@ -7,9 +7,10 @@ node's pods through the Eviction API (the one eviction routine, ``shared.clients
 PodDisruptionBudget refusal is retried with backoff), waits until the node is empty, and with ``--wait`` follows
 each session to the pod that takes it until that pod has restored it and verified every digest (its
 ``checkpoint.restored`` event, published by the KV agent only after the check, for a generation newer than the one
-drained; heard by subscription: ``SessionMoves``). A session whose conversation ends in between (its client closes
-it: an inference request with neither prompt nor new tokens) has nothing left to restore and is counted as ended,
-not as lost.
+drained; heard by subscription: ``SessionMoves``). A session whose conversation ends in between, for any reason (its
+client closes it: an inference request with neither prompt nor new tokens; or its pod ends it: expired, or at its
+context limit, which the registry publishes as a ``kv.session.location`` ``ended``) has nothing left to restore and
+is counted as ended, not as lost.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import msgspec
 from shared.clients.drains import DrainClient, InvalidDrain, drain_request
 from shared.clients.evictions import COMMAND_BACKOFF, COMMAND_POLL_S, evict_pods
 from shared.console.client import CommandError, MeshClient
+from shared.console.saveprogress import SaveProgressListener
 from shared.console.snapshot import (
     CORDON_DRAIN_ANNOTATION,
     UPGRADE_FAILURE_ANNOTATION,
@@ -40,11 +42,13 @@ from shared.contract.device import DeviceInventory
 from shared.contract.driver import UpgradeState
 from shared.contract.node import DrainFailed, DrainOutcome, NodeCordoned, NodeUncordoned
 from shared.contract.requests import InferenceRequest
+from shared.contract.sessions import SessionLocation
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
 from shared.ports.cluster import ClusterConflict
 
 DrainPhase = Literal["cordoned", "saving", "saved", "evicted", "evicting", "moving"]
-"""Where ``drain`` is: the node cordoned (``sessions``: how many to save), the save asked for (``sessions``), saved
+"""Where ``drain`` is: the node cordoned (``sessions``: how many to save), the save asked for (``sessions``; then,
+as the pods' agents report it, ``done`` and ``bytes`` so far: ``SaveProgressListener``), saved
 (``sessions``, ``bytes``), one pod evicted (``pod``), pods still to leave (``pods_left``), sessions restored or ended
 elsewhere so far (``done`` of ``total``)."""
 
@@ -53,8 +57,8 @@ Report = Callable[[DrainPhase, dict[str, Any]], None]
 or plain lines)."""
 
 MoveOutcome = Literal["", "restored", "ended"]
-"""What became of a drained session: restored elsewhere (and verified), ended (its client closed it in transit),
-or nothing yet ('')."""
+"""What became of a drained session: restored elsewhere (and verified), ended (closed by its client, expired, or at
+its context limit, in transit), or nothing yet ('')."""
 
 
 @dataclass
@@ -176,11 +180,17 @@ async def drain(
     await known_node(mesh, node)
     started = time.monotonic()
     result = DrainResult(node=node, drain_id=drain_id)
-    before = await read_sessions(mesh, node=node)
+    before = await read_sessions(mesh, node=node, verified=False)
     result.sessions = [MovedSession(s.id, s.pod, s.generation) for s in before]
+
+    def saving(done: int, nbytes: int) -> None:
+        report("saving", {"sessions": len(before), "done": min(done, len(before)), "bytes": nbytes})
+
     async with contextlib.AsyncExitStack() as listening:
         moves = await listening.enter_async_context(SessionMoves(mesh, node, result.sessions)) if wait else None
         verdict = await listening.enter_async_context(drains.watch(mesh.bus, drain_id, node))
+        pods = {s.pod for s in before}
+        await listening.enter_async_context(SaveProgressListener(mesh.bus, drain_id, pods, saving))
         await cordon(mesh, node, drain_id)
         report("cordoned", {"sessions": len(before)})
         await drains.ask(drain_id, node, reason, deadline_s)
@@ -250,13 +260,14 @@ async def _evict_all(mesh: MeshClient, node: str, end: float, report: Report) ->
 
 class SessionMoves:
     """Where the sessions drained from ``node`` went: entered before the node is cordoned, it hears every
-    ``checkpoint.restored`` event (published by a KV agent only once every digest checked out, and stored) and
-    every session its client closes (an inference request with neither prompt nor new tokens). A session is
-    ``restored`` once a pod off the node restored it under a generation newer than the drained one, ``ended`` once
-    its client closed it without that. What happened before the subscription began (between the read of the
-    sessions and the cordon), or while this connection was failing over to another server and heard nothing, is
-    looked up in the events stream: once per session still waiting when ``follow`` begins, after each reconnect,
-    and at the end, never on a timer."""
+    ``checkpoint.restored`` event (published by a KV agent only once every digest checked out, and stored), every
+    session its client closes (an inference request with neither prompt nor new tokens) and every session that
+    ends otherwise (its pod ended it: expired, or at its context limit; the registry's ``kv.session.location``
+    ``ended``). A session is ``restored`` once a pod off the node restored it under a generation newer than the
+    drained one, ``ended`` once it ended without that. What happened before the subscription began (between the
+    read of the sessions and the cordon), or while this connection was failing over to another server and heard
+    nothing, is looked up in the events stream: once per session still waiting when ``follow`` begins, after each
+    reconnect, and at the end, never on a timer."""
 
     LOOKUPS_AT_ONCE = 64
     """Stored events read at once in a lookup: bounded, so a node of thousands of sessions does not flood NATS."""
@@ -266,7 +277,7 @@ class SessionMoves:
         self.node = node
         self.sessions = {m.id: m for m in sessions}
         self.restored: dict[str, SessionRestored] = {}
-        self.closed: set[str] = set()
+        self.ended: set[str] = set()
         self._changed = asyncio.Event()
         self._subs: list[Any] = []
 
@@ -279,6 +290,9 @@ class SessionMoves:
             )
             self._subs.append(
                 await bus.subscribe(s.pattern("requests.inference"), self._on_request, (InferenceRequest,))
+            )
+            self._subs.append(
+                await bus.subscribe(s.pattern("kv.session.location"), self._on_location, (SessionLocation,))
             )
         except BaseException:
             await self._close()
@@ -307,22 +321,35 @@ class SessionMoves:
         self._note_restored(event)
 
     async def _on_request(self, event: InferenceRequest) -> None:
-        if event.prompt_tokens == 0 and event.max_new_tokens == 0 and event.session_id in self.sessions:
-            self.closed.add(event.session_id)
+        if event.prompt_tokens == 0 and event.max_new_tokens == 0:
+            self._note_ended(event.session_id)
+
+    async def _on_location(self, event: SessionLocation) -> None:
+        if event.reason == "ended":
+            self._note_ended(event.session_id)
+
+    def _note_ended(self, session_id: str) -> None:
+        if session_id in self.sessions and session_id not in self.ended:
+            self.ended.add(session_id)
             self._changed.set()
 
     async def _look_up(self) -> None:
-        """The newest stored ``checkpoint.restored`` of each session still waiting (bounded: see the class)."""
-        s = self.mesh.subjects
+        """The newest stored ``checkpoint.restored`` of each session still waiting, and for one never restored its
+        newest location, which says whether it ended (bounded: see the class)."""
         waiting = [m.id for m in self.sessions.values() if not m.outcome and m.id not in self.restored]
         for at in range(0, len(waiting), self.LOOKUPS_AT_ONCE):
-            batch = waiting[at : at + self.LOOKUPS_AT_ONCE]
-            found = await asyncio.gather(
-                *(self.mesh.last_event(s.pattern("checkpoint.restored", session_id=sid)) for sid in batch)
-            )
-            for event in found:
-                if isinstance(event, SessionRestored):
-                    self._note_restored(event)
+            await asyncio.gather(*(self._look_up_one(sid) for sid in waiting[at : at + self.LOOKUPS_AT_ONCE]))
+
+    async def _look_up_one(self, sid: str) -> None:
+        s = self.mesh.subjects
+        event = await self.mesh.last_event(s.pattern("checkpoint.restored", session_id=sid))
+        if isinstance(event, SessionRestored):
+            self._note_restored(event)
+        if sid in self.restored or sid in self.ended:
+            return
+        location = await self.mesh.last_event(s.pattern("kv.session.location", session_id=sid))
+        if isinstance(location, SessionLocation) and location.reason == "ended":
+            self._note_ended(sid)
 
     def _judge(self) -> int:
         """Decide what can be decided; the number of sessions with an outcome."""
@@ -335,7 +362,7 @@ class SessionMoves:
                 moved.new_pod, moved.new_node = event.pod, event.node
                 moved.checkpoint_id = event.checkpoint_id
                 moved.fell_back_from = list(event.fell_back_from)
-            elif moved.id in self.closed:
+            elif moved.id in self.ended:
                 moved.outcome = "ended"
         return sum(1 for m in self.sessions.values() if m.outcome)
 

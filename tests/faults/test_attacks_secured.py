@@ -437,4 +437,4 @@ async def test_every_message_sent_again_by_its_own_sender_changes_nothing(mesh: 
     await replay(wire, sender)
     await settled(mesh, before, sessions, pods, drains)
     assert not [e for who, errors in mesh.errors.items() for e in errors if "permissions violation" in str(e)]
-    await mesh.check(min_checkpoints=4, drains=drains)
+    await mesh.check(min_checkpoints=2, drains=drains)  # the drain's; the preStop found nothing new
