@@ -14,7 +14,7 @@ from shared.plumbing.configsync import ConfigStore
 from shared.ports.cluster import ClusterPort
 
 from .config import CheckpointSettings
-from .leases import Leases
+from .leases import ReplicaLeases
 from .ports import Store
 from .registry import SessionRegistry
 
@@ -23,7 +23,7 @@ from .registry import SessionRegistry
 class OpenedPorts:
     store: Store
     registry: SessionRegistry
-    leases: Leases
+    leases: ReplicaLeases
     cluster: ClusterPort
     config: ConfigStore
     """The configuration documents in Redis, over the registry's client (model rollouts write them)."""
@@ -41,5 +41,5 @@ async def open_ports(
     if cluster is None:
         cluster = await ctx.backends.cluster()
         ctx.on_stop(cluster.close)
-    leases = Leases(registry.client, ctx.subjects)
+    leases = ReplicaLeases(registry.client, ctx.subjects)
     return OpenedPorts(store, registry, leases, cluster, ConfigStore(registry.client, ctx.subjects))

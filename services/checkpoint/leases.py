@@ -52,7 +52,7 @@ return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 
 
-class Leases:
+class ReplicaLeases:
     def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
         self.client = client
         self.keys = RegistryKeys(subjects)

@@ -227,7 +227,7 @@ class Registry(Protocol):
 
 
 class Leases(Protocol):
-    """Who runs what among the replicas (``leases.Leases`` in Redis): each drain's lease and its one recorded
+    """Who runs what among the replicas (``leases.ReplicaLeases`` in Redis): each drain's lease and its one recorded
     verdict, the turns that let one replica act per interval, and the replicas' membership."""
 
     # drains

@@ -53,7 +53,7 @@ from .announcements import Announcements
 from .config import CheckpointSettings, load
 from .drain import DrainVerdicts
 from .gpu_failures import GPU_FAILURE_SAVE_S, GpuFailures
-from .leases import Leases
+from .leases import ReplicaLeases
 from .metrics import CheckpointMetrics
 from .periodic import PeriodicSaves
 from .ports import Store
@@ -113,7 +113,7 @@ class CheckpointService:
         self.ctx = ctx
         ports = await open_ports(ctx, self._settings, self._store, self.cluster)
         self.registry: SessionRegistry = ports.registry
-        self.leases: Leases = ports.leases
+        self.leases: ReplicaLeases = ports.leases
         self._store, self.cluster = ports.store, ports.cluster  # a restart of this object uses them again
         metrics = CheckpointMetrics(ctx.telemetry.registry)
         replica = self._replica = Replica(

@@ -52,7 +52,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from services.checkpoint.audit import RegistryAudit
-from services.checkpoint.leases import Leases
+from services.checkpoint.leases import ReplicaLeases
 from services.checkpoint.registry import SessionRegistry
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.registry import codec
@@ -158,7 +158,7 @@ async def check_invariants(
     unrecorded: Iterable[str] = (),
     temp_grace_s: float | None = None,
 ) -> Findings:
-    """Reads the registry through its own read methods (``SessionRegistry``, ``Leases``) and its audit
+    """Reads the registry through its own read methods (``SessionRegistry``, ``ReplicaLeases``) and its audit
     (``RegistryAudit``): the key layout is the registry package's alone. The store is listed by the store's own
     methods, as a restore lists it."""
     found = Findings()
@@ -260,7 +260,7 @@ async def check_invariants(
             f"found {found.recorded} recorded checkpoint(s) that restore, the scenario made at least {min_checkpoints}"
         )
     await check_locations(registry, audit, found)
-    await check_verdicts(Leases(client, subjects), audit, found, list(drains), list(verdicts))
+    await check_verdicts(ReplicaLeases(client, subjects), audit, found, list(drains), list(verdicts))
     if temp_grace_s is not None and isinstance(store, FileStore):
         cutoff = time.time() - temp_grace_s
         for folder, _, files in os.walk(store.root):
@@ -297,7 +297,7 @@ def _said(verdict: Verdict) -> bytes:
 
 
 async def check_verdicts(
-    leases: Leases, audit: RegistryAudit, found: Findings, drains: list[str], seen: list[Verdict]
+    leases: ReplicaLeases, audit: RegistryAudit, found: Findings, drains: list[str], seen: list[Verdict]
 ) -> None:
     by_id: dict[str, set[bytes]] = {}
     for verdict in seen:
