@@ -15,7 +15,8 @@ each over the one ``Replica`` (``replica.py``), and hands them their consumers, 
 - ``scrub.py``: the registry reconciled with the store (recorded checkpoints whose files are gone are forgotten,
   their sessions' next saves made full);
 - ``queries.py``: where a session is, pages of sessions, the fleet's counts, ``GET /sessions/<id>``;
-- ``rollout.py``: model rollouts; ``metrics.py``: the metrics; ``ports.py``: the Protocols they depend on.
+- ``rollout.py``: model rollouts; ``metrics.py``: the metrics; ``ports.py``: the Protocols they depend on, which
+  the Redis adapters ``registry.py`` (sessions, checkpoints) and ``leases.py`` (drains, turns, replicas) satisfy.
 
 Sessions are owned: a pod takes one by claiming it (``locate`` with ``claim``), which hands out the session's
 next generation. Saves of an older generation are refused, so a pod that lost a session never rolls it back,
