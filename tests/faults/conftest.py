@@ -120,7 +120,7 @@ class Mesh:
         turns = [k async for k in self.client.scan_iter(match=self.subjects.redis_key("kv", "turn", "*"))]
         if turns:
             await self.client.delete(*turns)
-        return await self.service.periodic_saves(3600)
+        return await self.service.periodic.periodic_saves(3600)
 
     async def heard(self, kind: str, event_type: type[E]) -> list[E]:
         """The events of ``kind`` published from now on (every node, session or pod), as they arrive."""

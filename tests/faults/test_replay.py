@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from services.checkpoint.audit import RegistryAudit
 from services.checkpoint.service import CheckpointService
 from shared.contract.checkpoint import SaveSessionsReport
 from shared.contract.configdocs import CheckpointPolicy
@@ -98,7 +99,7 @@ async def state_of(mesh: Scene, sessions: Iterable[str], pods: Iterable[str], dr
     key = mesh.subjects.redis_key
     out: dict[str, Any] = {}
     for sid in sessions:
-        place = await mesh.service.registry.session_record(sid)
+        place = await RegistryAudit(r, mesh.subjects).session_record(sid)
         out[sid] = {
             "holder": (place.pod, place.generation) if place else None,
             "counter": await mesh.service.registry.generation(sid),
@@ -111,7 +112,7 @@ async def state_of(mesh: Scene, sessions: Iterable[str], pods: Iterable[str], dr
         leaving = await r.hget(key("kv", "podinfo", pod), "leaving")
         out[f"pod {pod}"] = (alive, leaving)
     for drain_id in drains:
-        out[f"drain {drain_id}"] = await mesh.service.registry.drain_verdict(drain_id)
+        out[f"drain {drain_id}"] = await mesh.service.leases.drain_verdict(drain_id)
     return out
 
 
@@ -230,7 +231,7 @@ async def test_every_message_sent_again_changes_nothing_and_deletes_nothing(mesh
     policy = CheckpointPolicy(periodic_interval_s=0, keep_per_session=1)
     await ConfigStore(mesh.client, mesh.subjects).write("checkpoint", policy, 1, "replay")
     await eventually(lambda: mesh.service.policy().keep_per_session == 1)
-    await mesh.service.collect_garbage()
+    await mesh.service.retention.collect_garbage()
     before = await state_of(mesh, sessions, pods, drains)
     assert len(before["s1"]["stored"]) == 1 and seals["s1"] not in before["s1"]["stored"]
     await replay(wire, lambda _: mesh.bus.nc)
