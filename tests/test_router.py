@@ -169,7 +169,7 @@ async def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
         for suffix in PODS:
             fake.add("pods", serving_pod(suffix))
         fake.add("pods", serving_pod("z", deployment="other", ip="10.0.9.9"))
-        rules = shipped_rules("router")
+        rules = shipped_rules("router", Path(__file__).resolve().parents[1] / "deploy" / "router" / "rbac.yaml")
         fake.authorize = lambda access: allowed(access, rules)
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(
@@ -445,3 +445,35 @@ def test_memory_stays_bounded_by_max_sessions() -> None:
             SessionLocation(session_id=f"s{i}", sequence=1, reason="placed", held=True, pod=pod_name("a"))
         )
     assert len(picker.sessions) == 1000 and "s4999" in picker.sessions and "s0" not in picker.sessions
+
+
+# -- deploy/router, validated offline -------------------------------------------------------------------------------
+
+
+def test_the_router_manifests_agree_with_each_other_with_the_example_pool_and_with_the_settings() -> None:
+    import yaml
+
+    from services.router.config import load
+
+    folder = Path(__file__).resolve().parents[1] / "deploy" / "router"
+    (kustomization,) = yaml.safe_load_all((folder / "kustomization.yaml").read_text())
+    docs = [d for name in kustomization["resources"] for d in yaml.safe_load_all((folder / name).read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    pool, service, deployment = by_kind["InferencePool"], by_kind["Service"], by_kind["Deployment"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    picker = pool["spec"]["endpointPickerRef"]
+    assert (picker["kind"], picker["name"], picker["failureMode"]) == ("Service", service["metadata"]["name"], "FailClose")
+    (grpc_port,) = [p for p in service["spec"]["ports"] if p["targetPort"] == "grpc"]
+    assert picker["port"]["number"] == grpc_port["port"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    settings = load(env)
+    assert settings.listen.port == grpc_port["port"] == next(p["containerPort"] for p in container["ports"])
+    assert [{"number": settings.target_port}] == pool["spec"]["targetPorts"]
+    assert settings.namespace == kustomization["namespace"]
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == by_kind["ServiceAccount"]["metadata"]["name"]
+    examples = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "inference.yaml"
+    served = next(d for d in yaml.safe_load_all(examples.read_text()) if d and d["kind"] == "Deployment")
+    assert (served["metadata"]["namespace"], served["metadata"]["name"]) == (settings.namespace, settings.deployment)
+    assert pool["spec"]["selector"]["matchLabels"].items() <= served["spec"]["template"]["metadata"]["labels"].items()
+    assert {8000} == {p["containerPort"] for c in served["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
