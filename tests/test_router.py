@@ -40,6 +40,7 @@ from tests.rbackit import allowed, shipped_rules
 NS, DEP = "llm", "llama"
 PODS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
 SESSION_HEADER = "x-session-id"
+ROUTER_RBAC = Path(__file__).resolve().parents[1] / "deploy" / "router" / "rbac.yaml"
 
 
 def pod_name(suffix: str) -> str:
@@ -169,7 +170,7 @@ async def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
         for suffix in PODS:
             fake.add("pods", serving_pod(suffix))
         fake.add("pods", serving_pod("z", deployment="other", ip="10.0.9.9"))
-        rules = shipped_rules("router", Path(__file__).resolve().parents[1] / "deploy" / "router" / "rbac.yaml")
+        rules = shipped_rules("router", ROUTER_RBAC)
         fake.authorize = lambda access: allowed(access, rules)
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(
@@ -222,9 +223,7 @@ async def test_a_session_read_back_at_start_goes_to_its_holder_then_follows_each
         assert first.endpoints[0] == endpoint("a") and len(first.endpoints) == 3
         assert first.metadata == ",".join(first.endpoints)
         assert set(first.endpoints) == {endpoint(s) for s in PODS}
-        assert (await route(mesh.stub, body={"model": "m", "user": "s2", "messages": []})).endpoints[0] == endpoint(
-            "b"
-        )
+        assert (await route(mesh.stub, body={"model": "m", "user": "s2", "messages": []})).endpoints[0] == endpoint("b")
         await mesh.located("s1", 3, "b")
         await eventually(lambda: first_is(mesh.stub, "s1", "b"), timeout=5)
         await mesh.located("s1", 2, "a")  # late and older: ignored
@@ -462,7 +461,11 @@ def test_the_router_manifests_agree_with_each_other_with_the_example_pool_and_wi
     pool, service, deployment = by_kind["InferencePool"], by_kind["Service"], by_kind["Deployment"]
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     picker = pool["spec"]["endpointPickerRef"]
-    assert (picker["kind"], picker["name"], picker["failureMode"]) == ("Service", service["metadata"]["name"], "FailClose")
+    assert (picker["kind"], picker["name"], picker["failureMode"]) == (
+        "Service",
+        service["metadata"]["name"],
+        "FailClose",
+    )
     (grpc_port,) = [p for p in service["spec"]["ports"] if p["targetPort"] == "grpc"]
     assert picker["port"]["number"] == grpc_port["port"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]

@@ -1,1 +1,1 @@
-"""The router: the endpoint picker of the Kubernetes inference gateway, sending each session to the pod holding its KV."""
+"""The router: the inference gateway's endpoint picker, sending each session to the pod that holds its KV cache."""

@@ -315,7 +315,9 @@ def _pod_info(pod: Obj) -> PodInfo | None:
     )
     labels = meta.get("labels") or {}
     conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or [] if isinstance(c, dict)}
-    restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [] if isinstance(c, dict))
+    restarts = sum(
+        int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [] if isinstance(c, dict)
+    )
     return PodInfo(
         name=meta["name"],
         namespace=meta.get("namespace", ""),
