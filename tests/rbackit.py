@@ -11,11 +11,12 @@ from tests.fake_kube_api import Access
 RBAC = Path(__file__).resolve().parent.parent / "deploy" / "rbac"
 
 
-def shipped_rules(role: str) -> set[Access]:
+def shipped_rules(role: str, path: Path | None = None) -> set[Access]:
     """What the (Cluster)Roles bound to ``gpuwarden-<role>`` allow, as (verb, group, resource, namespace) with
-    namespace "" for a ClusterRole and the Role's namespace otherwise."""
+    namespace "" for a ClusterRole and the Role's namespace otherwise. ``path``: the file, where it is not
+    deploy/rbac/<role>.yaml (the router's lies beside its pool, in deploy/router/)."""
     allowed: set[Access] = set()
-    for doc in yaml.safe_load_all((RBAC / f"{role}.yaml").read_text()):
+    for doc in yaml.safe_load_all((path or RBAC / f"{role}.yaml").read_text()):
         if not doc or doc.get("kind") not in ("ClusterRole", "Role"):
             continue
         namespace = doc["metadata"].get("namespace", "") if doc["kind"] == "Role" else "*"

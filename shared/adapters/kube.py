@@ -314,6 +314,10 @@ def _pod_info(pod: Obj) -> PodInfo | None:
         "Terminating" if meta.get("deletionTimestamp") else ("Running" if phase == "Running" else "Pending")
     )
     labels = meta.get("labels") or {}
+    conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or [] if isinstance(c, dict)}
+    restarts = sum(
+        int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [] if isinstance(c, dict)
+    )
     return PodInfo(
         name=meta["name"],
         namespace=meta.get("namespace", ""),
@@ -322,6 +326,10 @@ def _pod_info(pod: Obj) -> PodInfo | None:
         phase=shown,
         gpus=_pod_gpus(spec),
         labels=dict(labels),
+        uid=str(meta.get("uid") or ""),
+        ip=str(status.get("podIP") or ""),
+        ready=conditions.get("Ready", "True" if phase == "Running" else "False") == "True",
+        restarts=restarts,
     )
 
 

@@ -78,6 +78,7 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "kv.rollout.state",
         "model.prepare.command",
     ),
+    "router": (),  # the endpoint picker answers the gateway over gRPC; it publishes no event
 }
 
 SERVICES: tuple[str, ...] = tuple(PUBLISHES)
@@ -97,6 +98,7 @@ HEARS: dict[str, tuple[str, ...]] = {
         "kv.fleet.query",  # session counts (the CLI's status)
         "node.drain.query",  # a drain's recorded verdict (the driver's coordinator)
     ),
+    "router": ("kv.session.location", "kv.pod.load", "kv.rollout.state"),  # where sessions are, pods' KV load
 }
 
 
@@ -249,6 +251,8 @@ def consumer_api(subjects: Subjects, service: str, node: str = "") -> list[str]:
         ]
     if service == "scaler":  # queue depth: the workload consumers' counts (no message), as KEDA's NATS scaler
         allowed.append(f"{JS_API}.CONSUMER.INFO.{subjects.requests_stream.name}.*")
+    if service == "router":  # at start, the newest location of each session read back: no consumer, no other event
+        allowed.append(f"{JS_API}.DIRECT.GET.{subjects.events_stream.name}.{subjects.pattern('kv.session.location')}")
     return _unique(allowed)
 
 

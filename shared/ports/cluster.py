@@ -46,6 +46,14 @@ class PodInfo:
     phase: PodPhase
     gpus: int = 1
     labels: Mapping[str, str] = field(default_factory=dict)
+    uid: str = ""
+    """The pod's UID: another pod, even of the same name, has another ('' where the cluster does not say)."""
+    ip: str = ""
+    """The pod's IP address ('' until it has one)."""
+    ready: bool = True
+    """The pod's Ready condition where the cluster reports one (a Running pod counts as ready otherwise)."""
+    restarts: int = 0
+    """Container restarts so far (summed over its containers): a restarted server lost what its memory held."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -447,6 +447,7 @@ def _pod_info(pod: SimPod) -> PodInfo:
         phase=pod.phase,
         gpus=pod.gpus,
         labels=dict(pod.labels),
+        uid=pod.uid,
     )
 
 

@@ -1,0 +1,1 @@
+"""The router: the inference gateway's endpoint picker, sending each session to the pod that holds its KV cache."""

@@ -1,0 +1,126 @@
+"""The router's adapters: where sessions are, from the bus, and the pool's pods, from the cluster port.
+
+Locations: the router hears every ``kv.session.location`` as it is published (a core subscription on the subject,
+which the events stream also stores), and at start, and again after a reconnect (a gap in what it heard), reads back
+the newest location of every session from the events stream: the stream's subjects of that kind (one per
+session, listed by ``STREAM.INFO`` with a subject filter, a page of 100,000 at a time) and, for each, the last
+message with a JetStream direct get on exactly that subject. Both feed ``EndpointPicker.on_location``, which keeps
+the newest per session whatever order they come in. Nothing here asks the checkpoint service, and nothing reads
+any other event or creates a consumer (docs/security.md: the router's user).
+
+Pods: the pool's namespace is listed once per change the cluster's watch reports (changes that come together are
+one listing) and every ``pods_resync_s`` besides: the level the picker is set to, never a replay of changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from shared.contract.sessions import SessionLocation
+from shared.plumbing.bus import DEFAULT_MAX_EVENT_BYTES, Bus
+from shared.ports.cluster import ClusterPort
+
+from .picker import EndpointPicker
+
+log = logging.getLogger(__name__)
+
+READ_WINDOW = 512
+"""Direct gets in flight at once while reading back the newest locations."""
+
+
+class LocationReader:
+    """Reads back the newest ``kv.session.location`` of every session from the events stream."""
+
+    def __init__(self, bus: Bus, picker: EndpointPicker) -> None:
+        self.bus = bus
+        self.picker = picker
+        self.read = 0
+        self.refused = 0
+
+    async def _subjects(self) -> list[str]:
+        s = self.bus.subjects
+        stream, pattern = s.events_stream.name, s.pattern("kv.session.location")
+        found: list[str] = []
+        while True:
+            request = json.dumps({"subjects_filter": pattern, "offset": len(found)}).encode()
+            reply = await self.bus.nc.request(f"$JS.API.STREAM.INFO.{stream}", request, timeout=10)
+            info = json.loads(reply.data)
+            if "error" in info:
+                raise RuntimeError(f"stream info {stream}: {info['error'].get('description', info['error'])}")
+            page = list((info.get("state") or {}).get("subjects") or {})
+            found += page
+            if not page or len(found) >= int(info.get("total") or 0):
+                return found
+
+    async def _last(self, subject: str) -> None:
+        stream = self.bus.subjects.events_stream.name
+        reply = await self.bus.nc.request(f"$JS.API.DIRECT.GET.{stream}.{subject}", b"", timeout=10)
+        if not reply.data:  # a status (404: purged since it was listed), no message
+            return
+        event, reason = self.bus.decode(reply.data, (SessionLocation,), DEFAULT_MAX_EVENT_BYTES, subject)
+        if not isinstance(event, SessionLocation):
+            self.refused += 1
+            log.warning("stored location refused", extra={"subject": subject, "reason": reason[:200]})
+            return
+        self.picker.on_location(event)
+        self.read += 1
+
+    async def read_newest(self) -> int:
+        """Every session's newest stored location into the picker; returns how many were read."""
+        subjects = await self._subjects()
+        window = asyncio.Semaphore(READ_WINDOW)
+
+        async def one(subject: str) -> None:
+            async with window:
+                await self._last(subject)
+
+        before = self.read
+        await asyncio.gather(*(one(subject) for subject in subjects))
+        return self.read - before
+
+
+async def follow_reconnects(bus: Bus, reread: Callable[[], Awaitable[int]], poll_s: float = 1.0) -> None:
+    """Read the newest locations again each time the connection to NATS comes back: what was published while it
+    was down was not heard. A loop for ``ctx.spawn``."""
+    was_connected = bus.connected
+    while True:
+        await asyncio.sleep(poll_s)
+        connected = bus.connected
+        if connected and not was_connected:
+            count = await reread()
+            log.info("locations read again after a reconnect", extra={"sessions": count})
+        was_connected = connected
+
+
+class PodFollower:
+    """The pool's pods from the cluster port into the picker, level-triggered."""
+
+    def __init__(self, cluster: ClusterPort, picker: EndpointPicker, resync_s: float) -> None:
+        self.cluster = cluster
+        self.picker = picker
+        self.resync_s = resync_s
+        self.changed = asyncio.Event()
+        self.listings = 0
+
+    async def list_once(self) -> None:
+        pods = await self.cluster.pods(namespace=self.picker.namespace)
+        self.picker.set_pods(pods)
+        self.listings += 1
+
+    async def watch(self) -> None:
+        """Wake the listing loop on each change of a pod of the pool's namespace (a loop for ``ctx.spawn``)."""
+        async for change in self.cluster.watch():
+            if change.kind == "pod" and change.namespace in ("", self.picker.namespace):
+                self.changed.set()
+
+    async def relist(self) -> None:
+        """List on each wake-up, or every ``resync_s`` (a loop for ``ctx.spawn``)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), self.resync_s)
+            self.changed.clear()
+            await self.list_once()

@@ -1,0 +1,246 @@
+"""What the router knows, and the pick: which endpoints, in order, serve one request.
+
+The knowledge is kept in memory and changed by events, never read per request: the pool's pods as the cluster lists
+them (``set_pods``), each pod's KV-cache load (``on_load``, from ``kv.pod.load``) and each session's newest location
+(``on_location``, from ``kv.session.location``). ``pick`` is a function of that and the request's facts, with the
+time passed in.
+
+A session is credited to one incarnation of its pod, never to a name. The incarnation is the pod's UID and its
+container restarts as the cluster reports them: a pod replaced under the same name (a StatefulSet) or a server
+restarted in place lost what its GPU held, and a new ``PodIncarnation`` stands for it; the sessions credited to the
+old one are not routed to the new one, and nothing has to walk them to forget them. A location that names a pod
+the cluster has not shown yet is credited to the incarnation the pod has when it is first seen.
+
+Memory is bounded: a session's entry is one small record, kept until ``max_sessions`` newer changes push it out
+(the least recently changed first); a session that is no longer held keeps only its sequence (so that an older,
+late event cannot bring it back), and goes out the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shared.contract.load import PodLoad
+from shared.contract.sessions import SessionLocation
+from shared.ports.cluster import PodInfo
+
+
+class Outcome(Enum):
+    """How a pick went (counted per outcome; docs/routing.md)."""
+
+    HOLDER = "holder"  # the session's holder first
+    HOLDER_GONE = "holder-gone"  # the session was held by a pod that cannot serve now: balanced
+    UNPLACED = "unplaced"  # the router knows the session, no pod holds it: balanced (the pod restores it)
+    UNKNOWN_SESSION = "unknown-session"  # never heard of: balanced (the pod starts or restores it)
+    NO_SESSION = "no-session"  # the request names none: balanced
+    REFUSED_SESSION = "refused-session"  # a forged or malformed id, or another deployment's session: balanced
+    NO_ENDPOINT = "no-endpoint"  # 503
+    SHED = "shed"  # 429
+
+
+@dataclass(slots=True, eq=False)
+class PodIncarnation:
+    """One life of one pod: what the cluster says of it now, and its last load report."""
+
+    name: str
+    identity: str | None = None
+    """``<uid>/<restarts>``; None while the pod has only been named by a location, not seen in the cluster."""
+    endpoint: str = ""
+    """``ip:port`` of its model server ('' while it has no IP)."""
+    ready: bool = False
+    current: bool = True
+    """False once another incarnation replaced it or it left the cluster: nothing is credited to it any more."""
+    blocks_used: int = 0
+    blocks_total: int = 0
+    load_at: float | None = None
+
+    @property
+    def serves(self) -> bool:
+        return self.current and self.ready and bool(self.endpoint)
+
+    def utilisation(self, now: float, stale_s: float) -> float | None:
+        """KV blocks used of its pool by a report younger than ``stale_s``; None when unknown (never idle)."""
+        if self.load_at is None or now - self.load_at > stale_s or self.blocks_total <= 0:
+            return None
+        return self.blocks_used / self.blocks_total
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A session's newest location as the router keeps it: its holder (None: nothing holds it) and the sequence."""
+
+    holder: PodIncarnation | None
+    sequence: int
+    foreign: bool = False
+    """The session belongs to another deployment: never routed within this pool."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the router read of one request: the session it names ('' for none; ``session_problem`` says why one
+    named was refused) and the candidate endpoints the gateway allows (None: any)."""
+
+    session: str = ""
+    session_problem: str = ""
+    subset: frozenset[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """The answer: ``endpoints`` in order (the first is the destination, the rest the fallbacks), or an HTTP
+    ``status`` (503, 429) with ``reason``; ``refused_session`` says why the named session was not used."""
+
+    outcome: Outcome
+    endpoints: tuple[str, ...] = ()
+    status: int = 200
+    reason: str = ""
+    refused_session: str = ""
+
+
+def incarnation_of(pod: PodInfo) -> str:
+    """The identity a restart or a replacement changes: the UID (the name where the cluster gives none) and the
+    container restarts."""
+    return f"{pod.uid or pod.name}/{pod.restarts}"
+
+
+@dataclass
+class EndpointPicker:
+    """The router's memory of one pool (``namespace``/``deployment``) and its picks."""
+
+    namespace: str
+    deployment: str
+    target_port: int = 8000
+    fallbacks: int = 2
+    shed_at: float = 0.99
+    load_stale_s: float = 15.0
+    max_sessions: int = 1_000_000
+    pods: dict[str, PodIncarnation] = field(default_factory=dict)
+    sessions: dict[str, Placement] = field(default_factory=dict)
+    picks: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in Outcome})
+    ignored_locations: int = 0
+
+    # -- knowledge ------------------------------------------------------------------------------------------------
+    def _ours(self, namespace: str, deployment: str) -> bool:
+        """Whether an event naming ``namespace``/``deployment`` is about this pool (an event naming neither is)."""
+        return (not namespace or namespace == self.namespace) and (not deployment or deployment == self.deployment)
+
+    def set_pods(self, listed: Iterable[PodInfo]) -> None:
+        """The pool's pods as the cluster lists them now (level-triggered: the whole listing, any number of times).
+        A pod of another deployment in ``listed`` is ignored. Idempotent."""
+        seen: set[str] = set()
+        for pod in listed:
+            if pod.namespace != self.namespace or pod.deployment != self.deployment:
+                continue
+            seen.add(pod.name)
+            identity = incarnation_of(pod)
+            known = self.pods.get(pod.name)
+            if known is None or (known.identity is not None and known.identity != identity):
+                if known is not None:
+                    known.current = False
+                known = self.pods[pod.name] = PodIncarnation(pod.name, identity)
+            elif known.identity is None:
+                known.identity = identity  # named by a location first: this is the life it was named in
+            known.endpoint = f"{pod.ip}:{self.target_port}" if pod.ip else ""
+            if ":" in pod.ip:
+                known.endpoint = f"[{pod.ip}]:{self.target_port}"
+            known.ready = pod.phase == "Running" and pod.ready
+        for name in [n for n, p in self.pods.items() if n not in seen and p.identity is not None]:
+            self.pods.pop(name).current = False
+
+    def on_load(self, load: PodLoad, now: float) -> None:
+        """A pod's load report (telemetry: the newest wins; a report for a pod not listed yet is kept for it)."""
+        if not self._ours(load.namespace, load.deployment):
+            return
+        pod = self.pods.get(load.pod)
+        if pod is None:
+            pod = self.pods[load.pod] = PodIncarnation(load.pod)
+        pod.blocks_used, pod.blocks_total, pod.load_at = load.blocks_used, load.blocks_total, now
+
+    def on_location(self, location: SessionLocation) -> bool:
+        """A session's location; kept when it ``supersedes`` what is known (returns whether it was). Idempotent:
+        the same or an older location changes nothing, whatever order they arrive in."""
+        known = self.sessions.get(location.session_id)
+        if known is not None and location.sequence <= known.sequence:
+            self.ignored_locations += 1
+            return False
+        if not self._ours(location.namespace, location.deployment):
+            placement = Placement(None, location.sequence, foreign=True)
+        elif location.held and location.pod:
+            holder = self.pods.get(location.pod)
+            if holder is None:
+                holder = self.pods[location.pod] = PodIncarnation(location.pod)
+            placement = Placement(holder, location.sequence)
+        else:
+            placement = Placement(None, location.sequence)
+        if known is not None:
+            del self.sessions[location.session_id]  # re-inserted last: the dict's order is the order of change
+        self.sessions[location.session_id] = placement
+        while len(self.sessions) > self.max_sessions:
+            del self.sessions[next(iter(self.sessions))]
+        return True
+
+    # -- picking --------------------------------------------------------------------------------------------------
+    def pick(self, facts: RequestFacts, now: float) -> Pick:
+        """The endpoints for one request: the session's holder first when it can serve, then the least loaded pods
+        (by KV-cache utilisation; pods with no fresh report after those with one); within ``facts.subset`` when
+        the gateway gave one. 503 when no endpoint can serve; 429 when no holder can take it and every candidate
+        is at ``shed_at`` or above. Changes nothing but the counters."""
+        candidates = [p for p in self.pods.values() if p.serves]
+        if facts.subset is not None:
+            candidates = [p for p in candidates if p.endpoint in facts.subset]
+        if not candidates:
+            reason = "no ready endpoint in the pool"
+            if facts.subset is not None:
+                reason = "none of the gateway's candidate endpoints is a ready pod of the pool"
+            return self._count(Pick(Outcome.NO_ENDPOINT, status=503, reason=reason))
+        loads = {id(p): p.utilisation(now, self.load_stale_s) for p in candidates}
+
+        def by_load(pod: PodIncarnation) -> tuple[int, float, str]:
+            used = loads[id(pod)]
+            return (1, 0.0, pod.name) if used is None else (0, used, pod.name)
+
+        ranked = sorted(candidates, key=by_load)
+        outcome, holder, refused = self._holder(facts, candidates)
+        if holder is not None:
+            ranked.remove(holder)
+            ranked.insert(0, holder)
+        elif all((used := loads[id(p)]) is not None and used >= self.shed_at for p in candidates):
+            return self._count(
+                Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
+            )
+        endpoints = tuple(p.endpoint for p in ranked[: 1 + self.fallbacks])
+        return self._count(Pick(outcome, endpoints, refused_session=refused))
+
+    def _holder(
+        self, facts: RequestFacts, candidates: list[PodIncarnation]
+    ) -> tuple[Outcome, PodIncarnation | None, str]:
+        if facts.session_problem:
+            return Outcome.REFUSED_SESSION, None, facts.session_problem
+        if not facts.session:
+            return Outcome.NO_SESSION, None, ""
+        placement = self.sessions.get(facts.session)
+        if placement is None:
+            return Outcome.UNKNOWN_SESSION, None, ""
+        if placement.foreign:
+            return Outcome.REFUSED_SESSION, None, f"session {facts.session} belongs to another deployment"
+        holder = placement.holder
+        if holder is None:
+            return Outcome.UNPLACED, None, ""
+        if holder.current and holder in candidates:
+            return Outcome.HOLDER, holder, ""
+        return Outcome.HOLDER_GONE, None, ""
+
+    def _count(self, pick: Pick) -> Pick:
+        self.picks[pick.outcome.value] += 1
+        return pick
+
+    # -- status ---------------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, object]:
+        return {
+            "pool": f"{self.namespace}/{self.deployment}",
+            "pods_serving": sum(1 for p in self.pods.values() if p.serves),
+            "sessions_known": len(self.sessions),
+            "picks": dict(self.picks),
+        }

@@ -1,0 +1,482 @@
+"""The router as the inference gateway sees it: Envoy ext_proc v3 over a real gRPC socket (the generated messages of
+``xds-protos``), real NATS, and a fake Kubernetes API server (the real REST shapes) for the pool's pods, allowed
+exactly what deploy/rbac/router.yaml grants."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2 as core_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.router.config import RouterSettings
+from services.router.extproc import SERVICE_NAME
+from services.router.picker import EndpointPicker, RequestFacts
+from services.router.service import RouterService
+from shared.contract.load import PodLoad
+from shared.contract.permissions import may_publish, may_subscribe, service_permissions
+from shared.contract.sessions import SessionLocation
+from shared.contract.subjects import Subjects
+from shared.host.runner import RunningService, start_service
+from shared.plumbing.bus import Bus
+from shared.plumbing.settings import HostPort, Settings
+from shared.ports.cluster import PodInfo
+from shared.wiring import Wiring
+from tests.fake_kube_api import FakeKubeApi
+from tests.fake_kube_api import pod as kube_pod
+from tests.helpers import eventually
+from tests.rbackit import allowed, shipped_rules
+
+NS, DEP = "llm", "llama"
+PODS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
+SESSION_HEADER = "x-session-id"
+ROUTER_RBAC = Path(__file__).resolve().parents[1] / "deploy" / "router" / "rbac.yaml"
+
+
+def pod_name(suffix: str) -> str:
+    return f"{DEP}-5d4f8c7b9-{suffix}"
+
+
+def endpoint(suffix: str) -> str:
+    return f"{PODS[suffix]}:8000"
+
+
+def serving_pod(suffix: str, deployment: str = DEP, ip: str | None = None) -> dict[str, Any]:
+    obj = kube_pod(NS, deployment, suffix, "node-1")
+    obj["status"]["podIP"] = ip or PODS[suffix]
+    obj["status"]["containerStatuses"] = [{"name": "server", "restartCount": 0}]
+    return obj
+
+
+@dataclass
+class Mesh:
+    api: FakeKubeApi
+    bus: Bus
+    service: RouterService
+    running: RunningService
+    stub: pb_grpc.ExternalProcessorStub
+    channel: grpc.aio.Channel
+
+    @property
+    def picker(self) -> EndpointPicker:
+        assert self.service.picker is not None
+        return self.service.picker
+
+    async def located(self, session: str, sequence: int, pod: str | None, deployment: str = DEP) -> None:
+        await self.bus.publish(
+            SessionLocation(
+                session_id=session,
+                sequence=sequence,
+                reason="placed" if pod else "forgotten",
+                held=pod is not None,
+                pod=pod_name(pod) if pod else "",
+                namespace=NS,
+                deployment=deployment,
+            )
+        )
+
+    async def load(self, suffix: str, used: int, total: int = 100) -> None:
+        await self.bus.publish(
+            PodLoad(
+                pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=used, blocks_total=total, window_s=5
+            )
+        )
+
+
+def headers_message(headers: dict[str, str], end_of_stream: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=core_pb.HeaderMap(
+                headers=[core_pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+            ),
+            end_of_stream=end_of_stream,
+        )
+    )
+
+
+def body_message(body: bytes) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+
+
+async def exchange(stub: pb_grpc.ExternalProcessorStub, messages: Iterable[pb.ProcessingRequest]) -> list[Any]:
+    async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+        for message in messages:
+            yield message
+
+    return [response async for response in stub.Process(requests())]
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What the gateway got: the destination header and metadata, a header removed, or an immediate status."""
+
+    endpoints: tuple[str, ...] = ()
+    metadata: str = ""
+    removed: tuple[str, ...] = ()
+    status: int = 200
+
+
+def routed(responses: list[pb.ProcessingResponse]) -> Routed:
+    for response in responses:
+        if response.HasField("immediate_response"):
+            return Routed(status=int(response.immediate_response.status.code))
+        phase = response.WhichOneof("response")
+        common = getattr(response, phase).response
+        if common.header_mutation.set_headers:
+            (header,) = common.header_mutation.set_headers
+            assert header.header.key == "x-gateway-destination-endpoint"
+            assert common.clear_route_cache
+            lb = response.dynamic_metadata.fields["envoy.lb"].struct_value
+            return Routed(
+                tuple(header.header.raw_value.decode().split(",")),
+                lb.fields["x-gateway-destination-endpoint"].string_value,
+                tuple(common.header_mutation.remove_headers),
+            )
+    raise AssertionError(f"no destination in {responses}")
+
+
+async def route(
+    stub: pb_grpc.ExternalProcessorStub,
+    session: str | None = None,
+    body: dict[str, Any] | bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> Routed:
+    sent = {":method": "POST", ":path": "/v1/chat/completions", **(headers or {})}
+    if session is not None:
+        sent[SESSION_HEADER] = session
+    messages = [headers_message(sent, end_of_stream=body is None)]
+    if body is not None:
+        messages.append(body_message(body if isinstance(body, bytes) else json.dumps(body).encode()))
+    return routed(await exchange(stub, messages))
+
+
+async def first_is(stub: pb_grpc.ExternalProcessorStub, session: str, suffix: str) -> bool:
+    return (await route(stub, session)).endpoints[0] == endpoint(suffix)
+
+
+@pytest.fixture
+async def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeKubeApi]:
+    async with FakeKubeApi() as fake:
+        for suffix in PODS:
+            fake.add("pods", serving_pod(suffix))
+        fake.add("pods", serving_pod("z", deployment="other", ip="10.0.9.9"))
+        rules = shipped_rules("router", ROUTER_RBAC)
+        fake.authorize = lambda access: allowed(access, rules)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
+                    "users": [{"name": "router", "user": {"token": "t"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "router"}}],
+                    "current-context": "fake",
+                }
+            )
+        )
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield fake
+
+
+async def start_router(api: FakeKubeApi, settings: Settings, bus: Bus, **options: Any) -> Mesh:
+    router_settings = RouterSettings(listen=HostPort("127.0.0.1", 0), pool=f"{NS}/{DEP}", **options)
+    service = RouterService(router_settings)
+    running = await start_service(service, replace(settings, backend="real"), Wiring)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
+    return Mesh(api, bus, service, running, pb_grpc.ExternalProcessorStub(channel), channel)
+
+
+@pytest.fixture
+async def mesh(api: FakeKubeApi, settings: Settings, bus: Bus) -> AsyncIterator[Mesh]:
+    await bus.ensure_streams()
+    started = await start_router(api, settings, bus)
+    yield started
+    await started.channel.close()
+    await started.running.stop(grace=1)
+
+
+async def test_a_session_read_back_at_start_goes_to_its_holder_then_follows_each_move(
+    api: FakeKubeApi, settings: Settings, bus: Bus
+) -> None:
+    """Stored before the router started: the newest location per session is read back, so the first request
+    already reaches the holder; a later move is heard, and an older location arriving late changes nothing."""
+    await bus.ensure_streams()
+    mesh = Mesh(api, bus, None, None, None, None)  # type: ignore[arg-type]
+    await mesh.located("s1", 1, "c")
+    await mesh.located("s1", 2, "a")  # the newest: s1 is on a
+    await mesh.located("s2", 1, "b")
+    mesh = await start_router(api, settings, bus)
+    try:
+        first = await route(mesh.stub, "s1")
+        assert first.endpoints[0] == endpoint("a") and len(first.endpoints) == 3
+        assert first.metadata == ",".join(first.endpoints)
+        assert set(first.endpoints) == {endpoint(s) for s in PODS}
+        assert (await route(mesh.stub, body={"model": "m", "user": "s2", "messages": []})).endpoints[0] == endpoint("b")
+        await mesh.located("s1", 3, "b")
+        await eventually(lambda: first_is(mesh.stub, "s1", "b"), timeout=5)
+        await mesh.located("s1", 2, "a")  # late and older: ignored
+        await mesh.located("s3", 1, "c")  # heard after it
+        await eventually(lambda: first_is(mesh.stub, "s3", "c"), timeout=5)
+        assert await first_is(mesh.stub, "s1", "b")
+        assert mesh.running.ctx.health()["locations_read_back"] == 2
+    finally:
+        await mesh.channel.close()
+        await mesh.running.stop(grace=1)
+
+
+async def test_a_replaced_or_restarted_pod_is_not_credited_with_its_predecessors_sessions(mesh: Mesh) -> None:
+    for suffix, used in (("a", 90), ("b", 10), ("c", 50)):
+        await mesh.load(suffix, used)
+    await mesh.located("s1", 1, "a")
+    await mesh.located("s2", 1, "c")
+    await eventually(lambda: first_is(mesh.stub, "s1", "a"), timeout=5)
+    await eventually(lambda: first_is(mesh.stub, "s2", "c"), timeout=5)
+
+    def restarted(obj: dict[str, Any]) -> None:
+        obj["status"]["containerStatuses"][0]["restartCount"] = 1
+
+    mesh.api.update("pods", NS, pod_name("a"), restarted)  # same pod, its server restarted: its GPU memory is gone
+    await eventually(lambda: first_is(mesh.stub, "s1", "b"), timeout=5)  # balanced: b is the least loaded
+    mesh.api.delete("pods", NS, pod_name("c"))  # replaced under the same name: another UID
+    await eventually(lambda: mesh.picker.pods.get(pod_name("c")) is None, timeout=5)
+    mesh.api.add("pods", serving_pod("c"))
+    await eventually(lambda: pod_name("c") in mesh.picker.pods, timeout=5)
+    assert (await route(mesh.stub, "s2")).endpoints[0] == endpoint("b")
+    await mesh.located("s1", 2, "a")  # the restarted server took s1 again
+    await eventually(lambda: first_is(mesh.stub, "s1", "a"), timeout=5)
+    assert mesh.picker.picks["holder-gone"] >= 2
+
+
+async def test_a_request_without_a_session_goes_to_the_least_loaded_pod_and_is_shed_when_all_are_full(
+    mesh: Mesh,
+) -> None:
+    for suffix, used in (("a", 90), ("b", 10), ("c", 50)):
+        await mesh.load(suffix, used)
+
+    async def ordered() -> bool:
+        return (await route(mesh.stub)).endpoints == (endpoint("b"), endpoint("c"), endpoint("a"))
+
+    await eventually(ordered, timeout=5)
+    await mesh.located("s1", 1, "a")
+    await eventually(lambda: first_is(mesh.stub, "s1", "a"), timeout=5)
+    for suffix in PODS:
+        await mesh.load(suffix, 100)
+
+    async def shed() -> bool:
+        return (await route(mesh.stub)).status == 429
+
+    await eventually(shed, timeout=5)
+    assert (await route(mesh.stub, "s1")).endpoints[0] == endpoint("a")  # its holder still takes it
+    assert (await route(mesh.stub, "never-seen")).status == 429
+
+
+async def test_forged_malformed_or_foreign_session_ids_are_refused_and_the_request_still_served(mesh: Mesh) -> None:
+    await mesh.located("theirs", 1, "a", deployment="other")
+    await mesh.located("s1", 1, "a")
+    await eventually(lambda: first_is(mesh.stub, "s1", "a"), timeout=5)
+    for forged in ("../../etc/passwd", "a b", "-starts-with-dash", "x" * 129, "é"):
+        answer = await route(mesh.stub, forged)
+        assert answer.status == 200 and len(answer.endpoints) == 3
+        assert answer.removed == (SESSION_HEADER,)  # no pod acts on it
+    foreign = await route(mesh.stub, "theirs")
+    assert foreign.removed == (SESSION_HEADER,) and foreign.status == 200
+    from_body = await route(mesh.stub, body={"user": "bad id!", "messages": []})
+    assert from_body.status == 200 and from_body.removed == ()
+    assert mesh.picker.picks["refused-session"] == 7
+    assert await first_is(mesh.stub, "s1", "a")  # nothing changed
+
+
+async def test_malformed_streams_are_refused_and_the_router_keeps_serving(mesh: Mesh) -> None:
+    cases = [
+        [body_message(b"{}")],  # a body before any headers
+        [headers_message({}, end_of_stream=True), headers_message({}, end_of_stream=True)],  # headers twice
+        [pb.ProcessingRequest()],  # nothing in it
+    ]
+    for messages in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await exchange(mesh.stub, messages)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for body in (b"not json", b"[1, 2]", b'{"user": 7}', b'{"user": "s1"' + b" " * 2_000_000 + b"}"):
+        assert (await route(mesh.stub, body=body)).status == 200  # no session in it: balanced
+    responses = await exchange(
+        mesh.stub,
+        [
+            headers_message({SESSION_HEADER: "s9"}, end_of_stream=False),
+            body_message(b"{}"),
+            pb.ProcessingRequest(response_headers=pb.HttpHeaders()),
+            pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True)),
+        ],
+    )
+    assert [r.WhichOneof("response") for r in responses] == [
+        "request_headers",
+        "request_body",
+        "response_headers",
+        "response_body",
+    ]
+    assert not responses[1].request_body.response.HasField("header_mutation")  # picked once, at the headers
+    assert mesh.service.servicer is not None and mesh.service.servicer.refused_streams == 3
+
+
+async def test_only_ready_pods_of_the_pool_within_the_gateways_subset_are_picked_else_503(mesh: Mesh) -> None:
+    within = await route(mesh.stub, headers={"x-gateway-destination-endpoint-subset": f"{endpoint('c')}, junk"})
+    assert within.endpoints == (endpoint("c"),)
+    hinted = await exchange(
+        mesh.stub,
+        [
+            pb.ProcessingRequest(
+                request_headers=headers_message({}, end_of_stream=True).request_headers,
+                metadata_context=core_pb.Metadata(
+                    filter_metadata={
+                        "envoy.lb.subset_hint": _struct(
+                            {"x-gateway-destination-endpoint-subset": [endpoint("b"), "10.0.9.9:8000"]}
+                        )
+                    }
+                ),
+            )
+        ],
+    )
+    assert routed(hinted).endpoints == (endpoint("b"),)  # the other deployment's pod is not the pool's
+    assert (await route(mesh.stub, headers={"x-gateway-destination-endpoint-subset": "10.9.9.9:8000"})).status == 503
+
+    def not_ready(obj: dict[str, Any]) -> None:
+        obj["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+
+    for suffix in PODS:
+        mesh.api.update("pods", NS, pod_name(suffix), not_ready)
+
+    async def unavailable() -> bool:
+        return (await route(mesh.stub, "s1")).status == 503
+
+    await eventually(unavailable, timeout=5)
+    assert mesh.picker.picks["no-endpoint"] >= 2
+
+
+async def test_grpc_health_says_serving(mesh: Mesh) -> None:
+    stub = health_pb2_grpc.HealthStub(mesh.channel)
+    for name in ("", SERVICE_NAME):
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _struct(values: dict[str, Any]) -> Any:
+    from google.protobuf import struct_pb2
+
+    found = struct_pb2.Struct()
+    found.update(values)
+    return found
+
+
+def test_the_routers_user_reads_locations_loads_and_rollouts_and_nothing_else(subjects: Subjects) -> None:
+    perms = service_permissions(subjects, "router")
+    events = subjects.events_stream.name
+    for kind in ("kv.session.location", "kv.pod.load", "kv.rollout.state"):
+        assert may_subscribe(perms, subjects.pattern(kind))
+    for kind in ("checkpoint.agent.sessions", "node.drain.requested", "requests.inference"):
+        assert not may_subscribe(perms, subjects.pattern(kind))
+    assert may_publish(perms, f"$JS.API.DIRECT.GET.{events}.{subjects.root}.kv.session.s1.location")
+    assert not may_publish(perms, f"$JS.API.DIRECT.GET.{events}.{subjects.root}.node.n1.drain.requested")
+    assert not may_publish(perms, f"$JS.API.DIRECT.GET.{events}")
+    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{events}")
+    assert not may_publish(perms, subjects.command("checkpoint", "where"))
+    assert not any(may_publish(perms, subjects.pattern(k)) for k in ("kv.session.location", "kv.pod.load"))
+
+
+# -- the picker's memory, without transport ---------------------------------------------------------------------
+
+
+def _picker() -> EndpointPicker:
+    picker = EndpointPicker(NS, DEP)
+    picker.set_pods(
+        PodInfo(name=pod_name(s), namespace=NS, node="n", deployment=DEP, phase="Running", uid=s, ip=PODS[s])
+        for s in PODS
+    )
+    return picker
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["s1", "s2"]), st.sampled_from([None, "a", "b", "c"])), max_size=12),
+    st.randoms(use_true_random=False),
+)
+def test_the_newest_location_wins_whatever_order_they_arrive_in(
+    changes: list[tuple[str, str | None]], shuffler: Any
+) -> None:
+    locations = [
+        SessionLocation(
+            session_id=sid,
+            sequence=i + 1,
+            reason="placed" if pod else "dropped",
+            held=pod is not None,
+            pod=pod_name(pod) if pod else "",
+            namespace=NS,
+            deployment=DEP,
+        )
+        for i, (sid, pod) in enumerate(changes)
+    ]
+    in_order, shuffled = _picker(), _picker()
+    for location in locations:
+        in_order.on_location(location)
+    arrived = list(locations) * 2  # delivered twice, in any order
+    shuffler.shuffle(arrived)
+    for location in arrived:
+        shuffled.on_location(location)
+    for sid in ("s1", "s2"):
+        want, got = in_order.pick(RequestFacts(session=sid), 0.0), shuffled.pick(RequestFacts(session=sid), 0.0)
+        assert (want.outcome, want.endpoints) == (got.outcome, got.endpoints)
+
+
+def test_memory_stays_bounded_by_max_sessions() -> None:
+    picker = _picker()
+    picker.max_sessions = 1000
+    for i in range(5000):
+        picker.on_location(
+            SessionLocation(session_id=f"s{i}", sequence=1, reason="placed", held=True, pod=pod_name("a"))
+        )
+    assert len(picker.sessions) == 1000 and "s4999" in picker.sessions and "s0" not in picker.sessions
+
+
+# -- deploy/router, validated offline -------------------------------------------------------------------------------
+
+
+def test_the_router_manifests_agree_with_each_other_with_the_example_pool_and_with_the_settings() -> None:
+    import yaml
+
+    from services.router.config import load
+
+    folder = Path(__file__).resolve().parents[1] / "deploy" / "router"
+    (kustomization,) = yaml.safe_load_all((folder / "kustomization.yaml").read_text())
+    docs = [d for name in kustomization["resources"] for d in yaml.safe_load_all((folder / name).read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    pool, service, deployment = by_kind["InferencePool"], by_kind["Service"], by_kind["Deployment"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    picker = pool["spec"]["endpointPickerRef"]
+    assert (picker["kind"], picker["name"], picker["failureMode"]) == (
+        "Service",
+        service["metadata"]["name"],
+        "FailClose",
+    )
+    (grpc_port,) = [p for p in service["spec"]["ports"] if p["targetPort"] == "grpc"]
+    assert picker["port"]["number"] == grpc_port["port"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    settings = load(env)
+    assert settings.listen.port == grpc_port["port"] == next(p["containerPort"] for p in container["ports"])
+    assert [{"number": settings.target_port}] == pool["spec"]["targetPorts"]
+    assert settings.namespace == kustomization["namespace"]
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == by_kind["ServiceAccount"]["metadata"]["name"]
+    examples = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "inference.yaml"
+    served = next(d for d in yaml.safe_load_all(examples.read_text()) if d and d["kind"] == "Deployment")
+    assert (served["metadata"]["namespace"], served["metadata"]["name"]) == (settings.namespace, settings.deployment)
+    assert pool["spec"]["selector"]["matchLabels"].items() <= served["spec"]["template"]["metadata"]["labels"].items()
+    assert {8000} == {p["containerPort"] for c in served["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
