@@ -34,6 +34,7 @@ from shared.sim.cluster import SimCluster
 from shared.sim.conversations import publish_requests
 from shared.sim.exporter import PodRef, SimExporter, SimExporterHost
 from shared.sim.faults import serve_faults
+from shared.sim.gateway import GatewayRouting, GatewaySettings
 from shared.sim.gauges import WorkloadCollector
 from shared.sim.gpus import SimGpus
 from shared.sim.informer import SharedSimCluster
@@ -90,8 +91,11 @@ class Simulation:
         new: int,
         max_turns: int = 12,
         token_dir: Path | None = None,
+        gateway: GatewaySettings | None = None,
     ) -> None:
         self.spec = spec
+        self.gateway = gateway or GatewaySettings()
+        """Whether requests go through the endpoint picker (``GPUWARDEN_SIM_ROUTER``), or the workload routes."""
         self.token_dir = token_dir
         self.store_url = store_url
         self.rate = rate
@@ -118,8 +122,15 @@ class Simulation:
             await asyncio.gather(*(port.attach() for port in ports[start : start + ATTACH_AT_ONCE]))
         await serve_faults(ctx.bus, client, ctx.subjects, self.spec)
         store = open_store(self.store_url, ctx.bus.nc)
+        gateway = GatewayRouting.from_settings(self.gateway)
         self.workload = SimWorkload(
-            ctx.bus, cluster, store, self.spec, gpus=gpus, link_pod=lambda pod: self._link(ctx, cluster, store, pod)
+            ctx.bus,
+            cluster,
+            store,
+            self.spec,
+            gpus=gpus,
+            link_pod=lambda pod: self._link(ctx, cluster, store, pod),
+            gateway=gateway,
         )
         await self.workload.start()
         ctx.status["simulation"] = self.workload.status
@@ -224,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = load_spec()
         store = settings_from_env(StoreSettings).url
         token_dir = settings_from_env(PodIdentitySettings).token_dir
+        gateway = settings_from_env(GatewaySettings)
     except ValueError as exc:
         print(f"gpuwarden sim run: {exc}", file=sys.stderr)
         return 2
@@ -238,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.new_tokens,
                 max(1, args.max_turns),
                 token_dir,
+                gateway,
             )
         )
     return 0

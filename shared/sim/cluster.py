@@ -448,6 +448,8 @@ def _pod_info(pod: SimPod) -> PodInfo:
         gpus=pod.gpus,
         labels=dict(pod.labels),
         uid=pod.uid,
+        ip=pod.ip,
+        ready=pod.phase == "Running",
     )
 
 

@@ -81,6 +81,15 @@ class SimPod(msgspec.Struct, kw_only=True):
         """The pod's UID: the same for the pod's whole life, never another pod's (a name is never used twice)."""
         return str(uuid.uuid5(uuid.NAMESPACE_URL, f"gpuwarden-sim:pod:{self.key}/{self.created_seq}"))
 
+    @property
+    def ip(self) -> str:
+        """The pod's IP once it is bound to a node ('' while Pending): ``10.a.b.c`` from its cluster-wide
+        sequence, so no two pods of the simulated cluster ever share one (up to 2**24 pods)."""
+        if not self.node:
+            return ""
+        seq = self.created_seq
+        return f"10.{(seq >> 16) & 0xFF}.{(seq >> 8) & 0xFF}.{seq & 0xFF}"
+
 
 class ClusterState(msgspec.Struct, kw_only=True):
     """The whole simulated cluster. An operation that refuses (raises) does so before it changes anything.

@@ -53,6 +53,7 @@ from shared.ports.cluster import PodInfo
 from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.cluster import SimCluster
 from shared.sim.engines import DeploymentEngine, PodEngine, SessionCheck, engine_for
+from shared.sim.gateway import GatewayRouting
 from shared.sim.pods import PodLink, PodModels, PodRuntime, pod_gpu
 from shared.sim.sessions import RETIRED_KEPT, SESSION_IDLE_S, Preempted, SessionLocks, WorkloadStats, is_close
 from shared.sim.spec import DeploymentSpec, SimSpec
@@ -83,8 +84,12 @@ class SimWorkload:
         session_idle_s: float = SESSION_IDLE_S,
         clock: Callable[[], float] = time.monotonic,
         link_pod: Callable[[PodInfo], Awaitable[PodLink]] | None = None,
+        gateway: GatewayRouting | None = None,
     ) -> None:
         self.bus = bus
+        self.gateway = gateway
+        """The simulated inference gateway asking the endpoint picker (``services/router``) where each request of
+        its pool goes; None: the workload routes every request by itself."""
         self.link_pod = link_pod
         """How a pod's KV agent connects (``shared.sim.__main__``: its own connection with its pod's token on a
         secured mesh, and a ``nats://`` store writing as the pod); None: the simulation's connection and store."""
@@ -161,6 +166,8 @@ class SimWorkload:
             if runtime.link is not None:
                 await runtime.link.close()
         self.runtimes.clear()
+        if self.gateway is not None:
+            await self.gateway.close()
 
     def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
         """Run ``work`` in the background; the task is forgotten once it is done."""
@@ -303,7 +310,7 @@ class SimWorkload:
                 log.info("request refused: its session was ended", extra={"session": sid, "why": self.retired[sid]})
                 return
             self.last_request[sid] = self.clock()
-            runtime = self._runtime_for(request)
+            runtime = await self._runtime_for(request)
             if runtime is None:
                 return
             model = self.deployments[(runtime.info.namespace, runtime.info.deployment)].model
@@ -437,13 +444,17 @@ class SimWorkload:
                 self.stats.expired += 1
         return len(idle)
 
-    def _runtime_for(self, request: InferenceRequest) -> PodRuntime | None:
-        """The session's pod: its home, else the least loaded pod that holds the model version the session is
-        pinned to (any pod for a new session). None when no pod holds that version any more: the session is
-        ended, never moved to another version."""
+    async def _runtime_for(self, request: InferenceRequest) -> PodRuntime | None:
+        """The session's pod, the one routing seam. Through the endpoint picker when the deployment is the
+        gateway's pool (``shared.sim.gateway``: asked per request as a gateway asks it, its endpoints tried in
+        order); else, or when no router replica answers (failing open), its own choice: its home, else the least
+        loaded pod. Either way only a pod that holds the model version the session is pinned to (any pod for a
+        new session); None when no pod holds that version any more: the session is ended, never moved to another
+        version."""
+        routed = self.gateway is not None and self.gateway.routes(request.namespace, request.deployment)
         home = self.home.get(request.session_id)
         runtime = self.runtimes.get(home) if home else None
-        if runtime is not None and not runtime.stopping:
+        if not routed and runtime is not None and not runtime.stopping:
             return runtime
         candidates = [
             r
@@ -458,7 +469,11 @@ class SimWorkload:
             if not candidates:
                 self.retire(request.session_id, f"no pod serves its model version {pinned!r} any more")
                 return None
-        chosen = min(candidates, key=lambda r: (len(r.agent.sessions()), r.info.name))
+        chosen = await self.gateway.choose(request.session_id, candidates) if self.gateway and routed else None
+        if chosen is None and runtime is not None and not runtime.stopping:
+            chosen = runtime  # no router answered: the session's home, as the workload knows it
+        if chosen is None:
+            chosen = min(candidates, key=lambda r: (len(r.agent.sessions()), r.info.name))
         self.home[request.session_id] = chosen.info.name
         return chosen
 
@@ -621,6 +636,7 @@ class SimWorkload:
                 "served_by_version": dict(stats.served_by_version),
             },
             "tracked": self.tracked(),
+            "gateway": self.gateway.status() if self.gateway is not None else None,
         }
 
     def tracked(self) -> dict[str, int]:

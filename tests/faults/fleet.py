@@ -22,6 +22,8 @@ from services.checkpoint.service import CheckpointService
 from services.driver.config import DriverSettings
 from services.driver.service import DriverService
 from services.driver.upgrade import STATE_LABEL
+from services.router.config import RouterSettings
+from services.router.service import RouterService
 from shared.console.client import MeshClient
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.requests import InferenceRequest
@@ -33,9 +35,10 @@ from shared.kv.manifest import CheckpointManifest
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.consumer import ConsumerSpec, consume
-from shared.plumbing.settings import Settings
+from shared.plumbing.settings import HostPort, Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.engines import verify_blocks
+from shared.sim.gateway import GatewayClient, GatewayRouting
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import DeploymentSpec, ModelShape, NodeSpec, SimSpec
 from shared.sim.workload import SimWorkload
@@ -51,6 +54,7 @@ SPEC = SimSpec(
 )
 DRIVER_SETTINGS = DriverSettings(reconcile_s=0.2, lease_ttl_s=5, agent_timeout_s=2)
 NEW_DRIVER = "560.35.03"
+ROUTER_SETTINGS = RouterSettings(listen=HostPort("127.0.0.1", 0), pool="llm/llama", pods_resync_s=0.5)
 
 Verdict = DrainCompleted | DrainFailed
 
@@ -89,9 +93,19 @@ class Fleet:
     bus: Bus
     mesh: MeshClient
     drivers: list[RunningService] = field(default_factory=list)
+    routers: list[tuple[RouterService, RunningService]] = field(default_factory=list)
+    """The endpoint pickers the workload's gateway asks, in the order it asks them (``fleet(routers=N)``)."""
+    running: list[RunningService] = field(default_factory=list)
+    """Every service the fleet started and stops at its end (one stopped by the scenario leaves this list)."""
     verdicts: dict[str, list[Verdict]] = field(default_factory=dict)
     """Every drain verdict stored in the events stream, by drain id (read by a durable consumer: none is missed
     while a connection fails over)."""
+
+    async def kill_router(self, index: int) -> None:
+        """The ``index``-th endpoint picker stops answering: its gRPC server and its connections close."""
+        _, running = self.routers[index]
+        self.running.remove(running)
+        await running.stop(grace=0)
 
     def gpus(self, node: str) -> SimGpus:
         return SimGpus(self.client, self.subjects, self.spec, node)
@@ -186,8 +200,10 @@ class HeldWhere(CheckpointService):
 
 @contextlib.asynccontextmanager
 async def fleet(
-    settings: Settings, tmp_path: Path, spec: SimSpec = SPEC, *, drivers: bool = True
+    settings: Settings, tmp_path: Path, spec: SimSpec = SPEC, *, drivers: bool = True, routers: int = 0
 ) -> AsyncIterator[Fleet]:
+    """The fleet; with ``routers``, that many endpoint pickers (``services/router``, over the simulated cluster)
+    and the workload's requests routed through them as a gateway routes (``shared.sim.gateway``)."""
     subjects = Subjects(settings.root)
     client = redis_client(settings.redis)
     bus = await Bus.connect(settings.nats, subjects, "test")
@@ -202,12 +218,22 @@ async def fleet(
     mesh: MeshClient | None = None
     try:
         started.append(await start_service(checkpoint, settings, Wiring))
+        pickers: list[tuple[RouterService, RunningService]] = []
+        for _ in range(routers):
+            router = RouterService(ROUTER_SETTINGS)
+            pickers.append((router, await start_service(router, settings, Wiring)))
+            started.append(pickers[-1][1])
+        gateway = None
+        if pickers:
+            ports = [HostPort("127.0.0.1", router.port) for router, _ in pickers]
+            gateway = GatewayRouting(GatewayClient(ports, timeout_s=1.0), "llm/llama")
         workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
-        workload = SimWorkload(workload_bus, cluster, store, spec, announce_s=1.0, tick_s=0.1)
+        workload = SimWorkload(workload_bus, cluster, store, spec, announce_s=1.0, tick_s=0.1, gateway=gateway)
         await workload.start()
         await eventually(lambda: len(workload.runtimes) == spec.deployments[0].replicas, timeout=30)
         mesh = await MeshClient.open(settings, {}, source="test-cli")
         f = Fleet(settings, subjects, spec, client, cluster, store, checkpoint, workload, bus, mesh)
+        f.routers, f.running = pickers, started
 
         async def on_verdict(event: Verdict) -> None:
             seen = f.verdicts.setdefault(event.drain_id, [])

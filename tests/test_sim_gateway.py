@@ -1,0 +1,115 @@
+"""The simulation routes through the router as a gateway does: each request of the pool asks the endpoint picker
+(``services/router``) over Envoy ext_proc on a real gRPC socket, then goes to the first endpoint it names that is a
+serving simulated pod. The router knows where sessions are only from what the checkpoint service publishes and
+the simulated cluster lists (pod IPs, readiness, UIDs)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from shared.console import operations
+from shared.plumbing.errors import SettingsError
+from shared.plumbing.settings import HostPort, Settings, settings_from_env
+from shared.sim.gateway import GatewayClient, GatewaySettings, read_answer
+from tests.faults.fleet import Fleet, fleet
+from tests.helpers import eventually
+
+
+async def keep_talking(f: Fleet, sessions: list[str], until: asyncio.Future[object]) -> None:
+    """A turn of every session each second until ``until`` is done."""
+    while not until.done():
+        for sid in sessions:
+            await f.bus.publish(f.turn(sid))
+        await asyncio.wait([until], timeout=1.0)
+
+
+async def router_knows(f: Fleet, sessions: list[str]) -> None:
+    """Every router has heard where each session is held."""
+    for router, _ in f.routers:
+        picker = router.picker
+        assert picker is not None
+        await eventually(
+            lambda p=picker: all((s := p.sessions.get(sid)) is not None and s.holder for sid in sessions),
+            timeout=30,
+        )
+
+
+async def test_every_request_asks_the_router_and_a_known_session_lands_on_its_holder(
+    settings: Settings, tmp_path: Path
+) -> None:
+    async with fleet(settings, tmp_path, drivers=False, routers=1) as f:
+        ips = [r.info.ip for r in f.workload.runtimes.values()]
+        assert len(set(ips)) == len(ips) and all(ip.startswith("10.") for ip in ips), ips
+        gateway = f.workload.gateway
+        assert gateway is not None
+        sessions = await f.begin(6)
+        assert gateway.client.stats.asked >= len(sessions)
+        await router_knows(f, sessions)
+        before = gateway.landings.holder
+        await f.talk(sessions)
+        landed = gateway.landings
+        assert landed.holder - before >= len(sessions)
+        assert landed.to_non_holder == 0 and landed.fell_back == 0
+        f.sessions_intact(sessions)
+
+
+async def test_a_drained_nodes_sessions_are_routed_to_other_pods_and_then_to_their_new_holders(
+    settings: Settings, tmp_path: Path
+) -> None:
+    async with fleet(settings, tmp_path, drivers=False, routers=1) as f:
+        sessions = await f.begin(6)
+        on = {n.name: await f.checkpoint.registry.sessions_on_node(n.name) for n in f.spec.nodes}
+        node = max(on, key=lambda n: len(on[n]))
+        draining = asyncio.ensure_future(
+            operations.drain(
+                f.mesh, node, wait=True, timeout=120, deadline_s=25, reason="maintenance", requested_by="test"
+            )
+        )
+        await keep_talking(f, sessions, draining)  # the moved sessions are restored where the router sends them
+        result = await draining
+        assert result.ok, result.reason
+        f.sessions_intact(sessions)
+        assert all(r.info.node != node for r in f.workload.runtimes.values() if not r.stopping)
+        await router_knows(f, sessions)
+        gateway = f.workload.gateway
+        assert gateway is not None
+        before = gateway.landings.holder
+        await f.talk(sessions)
+        assert gateway.landings.holder - before >= len(sessions)
+        assert gateway.landings.fell_back == 0
+        f.sessions_intact(sessions)
+        await f.check(min_checkpoints=len(on[node]))
+
+
+async def test_a_router_replica_that_does_not_answer_is_passed_over_and_none_means_no_answer() -> None:
+    """Nothing listens on these ports (the router is down): the client says so, without raising."""
+    client = GatewayClient([HostPort("127.0.0.1", 9), HostPort("127.0.0.1", 7)], timeout_s=0.5)
+    try:
+        assert await client.ask("chat-1") is None
+        assert client.stats.replica_failures == 2 and client.stats.unanswered == 1
+    finally:
+        await client.close()
+
+
+def test_the_answer_is_read_as_a_gateway_reads_it() -> None:
+    immediate = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(details="full"))
+    immediate.immediate_response.status.code = 429  # type: ignore[assignment]
+    assert read_answer(immediate).status == 429
+    metadata = struct_pb2.Struct()
+    metadata.get_or_create_struct("envoy.lb")["x-gateway-destination-endpoint"] = "10.0.0.2:8000, 10.0.0.3:8000"
+    only_metadata = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), dynamic_metadata=metadata)
+    assert read_answer(only_metadata).endpoints == ("10.0.0.2:8000", "10.0.0.3:8000")
+    assert read_answer(pb.ProcessingResponse(request_headers=pb.HeadersResponse())).status == 503
+
+
+def test_the_router_setting_takes_replicas_in_order_and_refuses_a_bad_one() -> None:
+    read = settings_from_env(GatewaySettings, {"GPUWARDEN_SIM_ROUTER": "127.0.0.1:9002, 127.0.0.1:9003"})
+    assert read.router == (HostPort("127.0.0.1", 9002), HostPort("127.0.0.1", 9003))
+    assert settings_from_env(GatewaySettings, {}).router == ()
+    with pytest.raises(SettingsError, match="GPUWARDEN_SIM_ROUTER"):
+        settings_from_env(GatewaySettings, {"GPUWARDEN_SIM_ROUTER": "nowhere"})
