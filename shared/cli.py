@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
-        "up", aliases=["run"], help="servers, the five services and the simulated cluster and workload (run: the same)"
+        "up", aliases=["run"], help="servers, the six services and the simulated cluster and workload (run: the same)"
     )
     p.add_argument("--detach", action="store_true", help="run in the background; `gpuwarden down` stops it")
     p.add_argument(
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("service", help="run one service in the foreground (python -m services.NAME)")
     p.add_argument(  # auth: the NATS auth callout of a secured mesh
-        "name", choices=(*SERVICES, "auth"), help="the service: driver, device, metrics, scaler, checkpoint or auth"
+        "name", choices=(*SERVICES, "auth"), help="the service: driver, device, metrics, scaler, checkpoint, router or auth"
     )
     p.set_defaults(func=process.cmd_service)
 

@@ -93,7 +93,7 @@ def test_up_drain_upgrade_status_down(home_env: dict[str, str]) -> None:
     assert "gpuwarden is running (SIMULATED GPUs and cluster)" in up.stdout
     state = json.loads((Path(env["GPUWARDEN_HOME"]) / "run.json").read_text())
     pids = [state["pid"], *state["pids"].values()]
-    assert len(state["pids"]) == 14 and all(alive(p) for p in pids)  # 11 services, the sim, NATS, Redis
+    assert len(state["pids"]) == 15 and all(alive(p) for p in pids)  # 12 services, the sim, NATS, Redis
 
     one_line_error(gpuwarden(env, "up", "--detach"), 1, "already running")
 
@@ -187,7 +187,8 @@ def test_up_drain_upgrade_status_down(home_env: dict[str, str]) -> None:
     ] * 3
     assert final["simulation"]["lost"] == 0 and final["simulation"]["lost_sessions"] == []
     assert final["simulation"]["restored"] >= len([m for m in moved.values() if m["outcome"] == "restored"])
-    assert set(final["services"].values()) == {"ok"}
+    assert set(final["services"].values()) == {"ok"} and "router" in final["services"]
+    assert final["simulation"]["gateway"]["landed"]["holder"] > 0  # its requests went through the router
     assert {"nodes", "deployments", "sessions", "drains"} <= set(final)
 
     events = gpuwarden(env, "events", "--kind", "driver.upgrade.state", "--limit", "100", "--json")
@@ -287,7 +288,7 @@ def test_a_hollow_fleet_up_drain_down(home_env: dict[str, str]) -> None:
     assert "driver@hollow" in up.stdout and "driver@node-1" not in up.stdout
     state = json.loads((Path(env["GPUWARDEN_HOME"]) / "run.json").read_text())
     assert state["hollow"] is True and state["nodes"] == 24
-    assert len(state["pids"]) == 8  # 3 hollow hosts, scaler, checkpoint, the sim, NATS, Redis
+    assert len(state["pids"]) == 9  # 3 hollow hosts, scaler, checkpoint, router, the sim, NATS, Redis
     hollow = {label: url for label, url in state["services"].items() if label.endswith("@hollow")}
     assert set(hollow) == {"driver@hollow", "device@hollow", "metrics@hollow"}
 

@@ -1,13 +1,13 @@
 """``gpuwarden up`` and ``down``: the embedded default, in the foreground or in the background, and its end.
 
-``up`` starts a NATS server with JetStream and a Redis server (unless their URLs are given), the five services as
+``up`` starts a NATS server with JetStream and a Redis server (unless their URLs are given), the six services as
 separate processes (``python -m services.<name>``; the node-scoped ones once per node) and the simulated cluster
 and workload, and keeps them running: a process that exits is started again. Each process's HTTP port is bound
 by ``up`` itself when it plans the process and handed down as a listening socket (``GPUWARDEN_HTTP_FD``): the
 port is held for the whole run, so a restarted process finds it still its own and never loops on a port another
 program took meanwhile. With hollow nodes (``--hollow``, or ``hollow: true`` in the spec) each node-scoped service
 is one process for every node (``GPUWARDEN_HOLLOW_NODES``, ``shared.host.hollow``), so a fleet of a thousand
-simulated nodes is five service processes, not 3,002; ``--nodes N`` makes such a fleet (``node-1``..``node-N``)
+simulated nodes is six service processes, not 3,003; ``--nodes N`` makes such a fleet (``node-1``..``node-N``)
 from the spec's deployments. ``$GPUWARDEN_HOME/run.json`` says
 where everything is: the URLs, every health URL, and the pid of every process the run started, which is what
 ``down`` stops and then checks. ``up --detach`` starts the same run in a session of its own, waits until every
@@ -34,7 +34,7 @@ from shared.console.state import CommandError, alive, home, read_state, state_fi
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import load_settings
 
-SERVICES = ("driver", "device", "metrics", "scaler", "checkpoint")
+SERVICES = ("driver", "device", "metrics", "scaler", "checkpoint", "router")
 NODE_SCOPED = ("driver", "device", "metrics")
 
 
@@ -207,6 +207,30 @@ def _start_servers(
         raise CommandError(str(exc)) from None
 
 
+def _router_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Where the router listens (``GPUWARDEN_ROUTER_ADDR``, else a free port of loopback) and its pool
+    (``GPUWARDEN_ROUTER_POOL``, else with the simulation its spec's first deployment), and, with the simulation,
+    the same for its gateway: the simulated requests of that pool go through the router."""
+    from shared.host.devservers import free_port
+
+    found = {"GPUWARDEN_ROUTER_ADDR": env.get("GPUWARDEN_ROUTER_ADDR") or f"127.0.0.1:{free_port()}"}
+    pool = env.get("GPUWARDEN_ROUTER_POOL", "")
+    if env.get("GPUWARDEN_BACKEND") == "sim":
+        from shared.sim.spec import load_spec
+
+        deployments = load_spec(env=env).deployments
+        if not pool and deployments:
+            pool = f"{deployments[0].namespace}/{deployments[0].name}"
+        host, _, port = found["GPUWARDEN_ROUTER_ADDR"].rpartition(":")
+        reach = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+        found["GPUWARDEN_SIM_ROUTER"] = f"{reach}:{port}"
+        if pool:
+            found["GPUWARDEN_SIM_ROUTER_POOL"] = pool
+    if pool:
+        found["GPUWARDEN_ROUTER_POOL"] = pool
+    return found
+
+
 def _run_mesh(
     args: argparse.Namespace,
     env: dict[str, str],
@@ -226,6 +250,7 @@ def _run_mesh(
     from shared.host.hollow import node_list
 
     checkpoints = f"file://{base / 'checkpoints'}"
+    router = _router_env(env)
     plan: list[tuple[str, str, dict[str, str]]] = []
     listeners: dict[str, socket.socket] = {}
     subjects = Subjects(env["GPUWARDEN_ROOT"])
@@ -264,6 +289,8 @@ def _run_mesh(
             child.setdefault("GPUWARDEN_CHECKPOINT_GC_S", "30")
             child.setdefault("GPUWARDEN_CHECKPOINT_GC_GRACE_S", "60")
             child.setdefault("GPUWARDEN_SCALER_ADDR", "127.0.0.1:0")  # KEDA is not here: any free port
+            if name == "router":
+                child.update((k, v) for k, v in router.items() if k.startswith("GPUWARDEN_ROUTER_"))
             if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters
                 child.setdefault("GPUWARDEN_METRICS_SOURCE", "dcgm")
                 child.setdefault("GPUWARDEN_METRICS_AGGREGATE", "bus" if node == nodes[0] else "off")
@@ -273,6 +300,9 @@ def _run_mesh(
     if env["GPUWARDEN_BACKEND"] == "sim":
         sim_env = dict(env, GPUWARDEN_NODE=nodes[0], **http("sim"), **as_user("admin"))
         sim_env.setdefault("GPUWARDEN_CHECKPOINT_STORE", checkpoints)
+        for key, value in router.items():  # its requests go through the router, as a gateway's do
+            if key.startswith("GPUWARDEN_SIM_"):
+                sim_env.setdefault(key, value)
         if secure is not None:  # the simulated cluster and workload as the admin; each pod's agent as its pod
             sim_env["GPUWARDEN_SIM_TOKEN_DIR"] = str(base / SECURE_DIR / "tokens")
         plan.append(("sim", "shared.sim", sim_env))
