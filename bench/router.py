@@ -228,7 +228,7 @@ def measure(sizes: Sizes) -> dict[str, Any]:
         "router_not_holder": wrong,
         "router_failed": router_failed,
         "noop_failed": noop_failed,
-        "router_memory_set_s": round(ready_s, 2),
+        "router_ready_s": round(ready_s, 2),
         "router_picks_holder": picks.get("holder", 0),
     }
     if noop and router:

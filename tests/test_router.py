@@ -406,6 +406,44 @@ def _picker() -> EndpointPicker:
 
 
 @given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["load", "pick", "relist"]),
+            st.sampled_from(list(PODS)),
+            st.integers(min_value=0, max_value=100),
+            st.floats(min_value=0, max_value=40),
+        ),
+        max_size=30,
+    )
+)
+def test_the_kept_order_of_pods_by_load_picks_as_a_full_sort_does(steps: list[tuple[str, str, int, float]]) -> None:
+    """The pool's pick reads the pods kept in order (each load report moves one); asked with every endpoint as the
+    gateway's subset, the picker sorts them all afresh: both answer the same, as loads come, go stale and pods
+    are listed again."""
+    picker, now = _picker(), 0.0
+    picker.load_stale_s = 15.0
+    picker.shed_at = 0.95
+    every = frozenset(endpoint(s) for s in PODS)
+    for action, suffix, used, later in steps:
+        now += later
+        if action == "load":
+            picker.on_load(
+                PodLoad(
+                    pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=used, blocks_total=100, window_s=5
+                ),
+                now,
+            )
+        elif action == "relist":
+            picker.set_pods(
+                PodInfo(name=pod_name(s), namespace=NS, node="n", deployment=DEP, phase="Running", uid=s, ip=PODS[s])
+                for s in PODS
+            )
+        kept = picker.pick(RequestFacts(), now)
+        sorted_afresh = picker.pick(RequestFacts(subset=every), now)
+        assert (kept.status, kept.endpoints) == (sorted_afresh.status, sorted_afresh.endpoints)
+
+
+@given(
     st.lists(st.tuples(st.sampled_from(["s1", "s2"]), st.sampled_from([None, "a", "b", "c"])), max_size=12),
     st.randoms(use_true_random=False),
 )

@@ -18,6 +18,7 @@ late event cannot bring it back), and goes out the same way.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -120,6 +121,13 @@ class EndpointPicker:
     sessions: dict[str, Placement] = field(default_factory=dict)
     picks: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in Outcome})
     ignored_locations: int = 0
+    _order: list[tuple[int, float, str]] | None = field(default=None, repr=False)
+    """The serving pods by load, kept sorted (``_rank_key``): a pick reads its head, a load report moves one
+    entry; None: to be built again (the pods changed, or a load it ranks went stale)."""
+    _keys: dict[str, tuple[int, float, str]] = field(default_factory=dict, repr=False)
+    _oldest_load: float | None = field(default=None, repr=False)
+    """No fresh load in ``_order`` was reported before this: once it is older than ``load_stale_s``, the order is
+    built again (the loads gone stale count as unknown)."""
 
     # -- knowledge ------------------------------------------------------------------------------------------------
     def _ours(self, namespace: str, deployment: str) -> bool:
@@ -148,6 +156,7 @@ class EndpointPicker:
             known.ready = pod.phase == "Running" and pod.ready
         for name in [n for n, p in self.pods.items() if n not in seen and p.identity is not None]:
             self.pods.pop(name).current = False
+        self._order = None
 
     def on_load(self, load: PodLoad, now: float) -> None:
         """A pod's load report (telemetry: the newest wins; a report for a pod not listed yet is kept for it)."""
@@ -157,6 +166,14 @@ class EndpointPicker:
         if pod is None:
             pod = self.pods[load.pod] = PodIncarnation(load.pod)
         pod.blocks_used, pod.blocks_total, pod.load_at = load.blocks_used, load.blocks_total, now
+        old = self._keys.get(pod.name)
+        if self._order is None or old is None:
+            return
+        del self._order[bisect.bisect_left(self._order, old)]
+        new = self._keys[pod.name] = self._rank_key(pod, now)
+        bisect.insort(self._order, new)
+        if new[0] == 0:
+            self._oldest_load = now if self._oldest_load is None else min(self._oldest_load, now)
 
     def on_location(self, location: SessionLocation) -> bool:
         """A session's location; kept when it ``supersedes`` what is known (returns whether it was). Idempotent:
@@ -182,11 +199,33 @@ class EndpointPicker:
         return True
 
     # -- picking --------------------------------------------------------------------------------------------------
+    def _rank_key(self, pod: PodIncarnation, now: float) -> tuple[int, float, str]:
+        """Least loaded first; pods with no fresh report after those with one; by name among equals."""
+        used = pod.utilisation(now, self.load_stale_s)
+        return (1, 0.0, pod.name) if used is None else (0, used, pod.name)
+
+    def _ranked(self, now: float) -> list[tuple[int, float, str]]:
+        """``_order``, built again when it is missing or a load it ranks went stale (rare: a pod that stopped
+        reporting); otherwise kept by ``on_load``, one entry per report."""
+        stale = self._oldest_load is not None and now - self._oldest_load > self.load_stale_s
+        if self._order is None or stale:
+            self._keys = {p.name: self._rank_key(p, now) for p in self.pods.values() if p.serves}
+            self._order = sorted(self._keys.values())
+            known = [p.load_at for p in self.pods.values() if p.serves and p.load_at is not None]
+            fresh = [at for at in known if now - at <= self.load_stale_s]
+            self._oldest_load = min(fresh) if fresh else None
+        return self._order
+
     def pick(self, facts: RequestFacts, now: float) -> Pick:
         """The endpoints for one request: the session's holder first when it can serve, then the least loaded pods
         (by KV-cache utilisation; pods with no fresh report after those with one); within ``facts.subset`` when
         the gateway gave one. 503 when no endpoint can serve; 429 when no holder can take it and every candidate
-        is at ``shed_at`` or above. Changes nothing but the counters."""
+        is at ``shed_at`` or above. Changes nothing but the counters (and the kept order of the pods by load).
+
+        Without a subset the pick reads the head of the pods kept in order (``_ranked``): its cost does not grow
+        with the pool (2,000 pods: bench/router.py)."""
+        if facts.subset is None:
+            return self._pick_in_pool(facts, now)
         candidates = [p for p in self.pods.values() if p.serves]
         if facts.subset is not None:
             candidates = [p for p in candidates if p.endpoint in facts.subset]
@@ -213,8 +252,28 @@ class EndpointPicker:
         endpoints = tuple(p.endpoint for p in ranked[: 1 + self.fallbacks])
         return self._count(Pick(outcome, endpoints, refused_session=refused))
 
+    def _pick_in_pool(self, facts: RequestFacts, now: float) -> Pick:
+        """``pick`` among every serving pod of the pool, from the kept order (the same answer as a full sort)."""
+        order = self._ranked(now)
+        if not order:
+            return self._count(Pick(Outcome.NO_ENDPOINT, status=503, reason="no ready endpoint in the pool"))
+        outcome, holder, refused = self._holder(facts, None)
+        if holder is None and order[-1][0] == 0 and order[0][1] >= self.shed_at:  # all known, the least full
+            return self._count(
+                Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
+            )
+        chosen = [holder] if holder is not None else []
+        for _, _, name in order:
+            if len(chosen) > self.fallbacks:
+                break
+            pod = self.pods[name]
+            if pod is not holder:
+                chosen.append(pod)
+        endpoints = tuple(p.endpoint for p in chosen[: 1 + self.fallbacks])
+        return self._count(Pick(outcome, endpoints, refused_session=refused))
+
     def _holder(
-        self, facts: RequestFacts, candidates: list[PodIncarnation]
+        self, facts: RequestFacts, candidates: list[PodIncarnation] | None
     ) -> tuple[Outcome, PodIncarnation | None, str]:
         if facts.session_problem:
             return Outcome.REFUSED_SESSION, None, facts.session_problem
@@ -228,7 +287,7 @@ class EndpointPicker:
         holder = placement.holder
         if holder is None:
             return Outcome.UNPLACED, None, ""
-        if holder.current and holder in candidates:
+        if holder.serves if candidates is None else (holder.current and holder in candidates):
             return Outcome.HOLDER, holder, ""
         return Outcome.HOLDER_GONE, None, ""
 

@@ -1,0 +1,23 @@
+"""bench.router runs end to end on tiny sizes and writes the figures it promises. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import router as bench_router
+
+
+def test_bench_router_asks_a_router_and_a_noop_server_and_writes_the_figures(tmp_path: Path) -> None:
+    sizes = bench_router.Sizes(pods=12, sessions=300, rate=100.0, seconds=0.3, warmup_s=0.1)
+    out = tmp_path / "router.json"
+    report = bench_router.run(sizes, out=out, quick=True, quiet=True)
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(report))
+    assert data["benchmark"] == "router" and data["mode"] == "quick"
+    for key in ("router_pick_p50_ms", "router_pick_p99_ms", "noop_pick_p99_ms", "router_vs_noop_p99"):
+        assert isinstance(data[key], int | float) and data[key] > 0, key
+    assert data["router_requests"] == data["noop_requests"] == 30
+    assert data["router_failed"] == data["noop_failed"] == 0
+    assert data["router_not_holder"] == 0 and data["router_picks_holder"] >= 30  # every answer named the holder
+    assert {t["key"] for t in data["targets"]} == {"router_pick_p99_ms", "router_vs_noop_p99", "router_not_holder"}
