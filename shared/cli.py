@@ -261,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("service", help="run one service in the foreground (python -m services.NAME)")
     p.add_argument(  # auth: the NATS auth callout of a secured mesh
-        "name", choices=(*SERVICES, "auth"), help="the service: driver, device, metrics, scaler, checkpoint, router or auth"
+        "name",
+        choices=(*SERVICES, "auth"),
+        help="the service: driver, device, metrics, scaler, checkpoint, router or auth",
     )
     p.set_defaults(func=process.cmd_service)
 

@@ -5,7 +5,9 @@ NATS like a real inference server would, and an engine (``shared.sim.engines``):
 that prefills and decodes (the default), or synthetic blocks sized like a big model's and filled from the session
 id. Requests come from each deployment's JetStream request queue; a request for a session no running pod holds
 is routed to the least loaded pod, which restores the session from its newest checkpoint first (lazy restore) and
-checks it against a reference run (``restore_verified``), or starts it fresh.
+checks it against a reference run (``restore_verified``), or starts it fresh. With a gateway
+(``shared.sim.gateway``, ``GPUWARDEN_SIM_ROUTER``) the requests of its pool go where the endpoint picker
+(``services/router``) says, asked per request as a gateway asks it (``_runtime_for``, the one routing seam).
 
 Each pod's engine has a KV block pool of the spec's capacity (``shared.sim.blockpool``): a session that needs
 blocks the pool lacks preempts the most recently arrived other session on the pod, which loses its blocks and is
