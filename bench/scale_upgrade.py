@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from shared.console.operations import set_driver
-from shared.console.snapshot import UPGRADE_STATE_LABEL
+from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.driver import DriverUpgradeStateChanged
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.kv.endpoint import LocateRefused, SessionHeld

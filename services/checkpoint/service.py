@@ -57,7 +57,7 @@ from shared.ports.cluster import ClusterPort
 from .adapters import open_ports
 from .announcements import Announcements
 from .config import CheckpointSettings, load
-from .drain import DrainVerdicts
+from .drain import DrainRunner
 from .gpu_failures import GPU_FAILURE_SAVE_S, GpuFailures
 from .metrics import CheckpointMetrics
 from .periodic import PeriodicSaves
@@ -127,8 +127,8 @@ class CheckpointService:
         self.scrub = Scrub(replica)
         self.announcements = Announcements(replica, self.retention)
         self.restores = Restores(replica)
-        self.drain_verdicts = DrainVerdicts(replica, saves)
-        self.drains = self.drain_verdicts.states
+        self.drain_runner = DrainRunner(replica, saves)
+        self.drains = self.drain_runner.states
         self.gpu_failures = GpuFailures(replica, saves)
         self.periodic = PeriodicSaves(replica, saves)
         self.queries = SessionQueries(ports.registry)
@@ -178,7 +178,7 @@ class CheckpointService:
         )
         await ctx.bus.serve(s.command("checkpoint", "fleet"), self.on_fleet_query, (FleetQuery,), queue="checkpoint")
         await ctx.bus.serve(
-            s.command("checkpoint", "drain"), self.drain_verdicts.on_drain_query, (DrainQuery,), queue="checkpoint"
+            s.command("checkpoint", "drain"), self.drain_runner.on_drain_query, (DrainQuery,), queue="checkpoint"
         )
         self.rollouts = RolloutCoordinator(ctx, ports.config, ports.registry, ports.cluster, self.owner)
         await ctx.bus.serve(
@@ -207,10 +207,10 @@ class CheckpointService:
 
     # -- what the bus, the HTTP endpoint and tests call: each part's own ----------------------------------------
     async def on_drain_requested(self, event: DrainRequested) -> None:
-        await self.drain_verdicts.on_drain_requested(event)
+        await self.drain_runner.on_drain_requested(event)
 
     async def on_drain_refused(self, subject: str, data: bytes, reason: str) -> None:
-        await self.drain_verdicts.on_drain_refused(subject, data, reason)
+        await self.drain_runner.on_drain_refused(subject, data, reason)
 
     async def on_gpu_health(self, event: DeviceHealthChanged) -> None:
         await self.gpu_failures.on_gpu_health(event)
