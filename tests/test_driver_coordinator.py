@@ -17,7 +17,6 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
-from shared.clients.drains import RecordReader
 
 from services.driver.agent import DriverAgent, bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
@@ -25,6 +24,7 @@ from services.driver.gauges import UpgradeCollector
 from services.driver.lease import RedisLeaderLease
 from services.driver.ports import StaleLeader
 from services.driver.upgrade import ORDER
+from shared.clients.drains import RecordReader
 from shared.contract.annotations import (
     UPGRADE_FAILURE_ANNOTATION,
     UPGRADE_FENCE_ANNOTATION,
@@ -35,7 +35,7 @@ from shared.contract.annotations import (
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstallFailed, DriverUpgradeStateChanged
-from shared.contract.node import DrainCompleted, DrainFailed, DrainQuery, DrainRequested, DrainRecord
+from shared.contract.node import DrainCompleted, DrainFailed, DrainQuery, DrainRecord, DrainRequested
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus, Subscription
 from shared.plumbing.settings import Settings

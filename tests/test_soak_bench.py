@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import ObservedDrain, Observations, SoakPlan, main, parse, slope_per_min, summarise
+from bench.soak import Observations, ObservedDrain, SoakPlan, main, parse, slope_per_min, summarise
 
 
 def test_growth_is_the_least_squares_slope_in_mb_per_minute() -> None:

@@ -126,8 +126,8 @@ async def test_a_request_out_of_range_from_another_system_gets_its_failed_verdic
             assert isinstance(verdict, DrainFailed) and verdict.node == "node-1", verdict
             assert "deadline_s" in verdict.reason, verdict.reason
             # what `drain --wait` waits with asks the drain's record: found even when published before it listened
-            drains = DrainClient(f.mesh.bus.publish, "test", RecordReader(f.mesh.bus))
-            async with drains.watch(f.mesh.bus, drain_id, "node-1") as watch:
+            client = DrainClient(f.mesh.bus.publish, "test", RecordReader(f.mesh.bus))
+            async with client.watch(f.mesh.bus, drain_id, "node-1") as watch:
                 found = await watch.wait(10)
             assert isinstance(found, DrainFailed) and found.drain_id == drain_id
         node = await f.cluster.node("node-1")

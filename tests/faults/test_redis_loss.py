@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
-from shared.clients.drains import RecordReader
 
 from services.checkpoint.registry import SessionRegistry
 from services.driver.agent import bus_node_drivers
@@ -26,6 +25,7 @@ from services.driver.coordinator import UpgradeCoordinator
 from services.driver.lease import RedisLeaderLease
 from services.driver.ports import StaleLeader
 from shared.adapters.kube import KubeCluster
+from shared.clients.drains import RecordReader
 from shared.contract.annotations import CORDON_DRAIN_ANNOTATION, UPGRADE_FENCE_ANNOTATION
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
