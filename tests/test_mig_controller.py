@@ -831,7 +831,7 @@ async def test_a_drain_that_fails_leaves_the_gpus_unchanged_and_names_the_sessio
     )
     before = await sim_gpus.devices()
     await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
-    async with VerdictWake(bus, "node-1", controller.wake), running(controller):
+    async with VerdictWake(bus, "node-1", controller.on_verdict_heard), running(controller):
         await eventually(lambda: recorder.events and recorder.events[-1].state == "failed", timeout=30)
     failed = recorder.events[-1]
     drain_id = recorder.drains[0].drain_id

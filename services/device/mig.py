@@ -160,6 +160,12 @@ class MigController:
     def wake(self) -> None:
         self._wake.set()
 
+    def on_verdict_heard(self, drain_id: str) -> None:
+        """A verdict of this node was published (``drain_id``), or the bus reconnected (''): the pass waiting for
+        the drain it names is woken to ask the drain's record; another drain's verdict wakes nothing."""
+        if not drain_id or (self._drain is not None and drain_id == self._drain.drain_id):
+            self.wake()
+
     def on_config(self, applied: VersionedConfig) -> None:
         if applied.name == CONFIG_DOCUMENT:
             self.wake()
@@ -487,7 +493,7 @@ async def start_mig_controller(
         record=RecordReader(ctx.bus),
     )
     if settings.mig_checkpoint:
-        wake = await VerdictWake(ctx.bus, ctx.node, controller.wake).open()
+        wake = await VerdictWake(ctx.bus, ctx.node, controller.on_verdict_heard).open()
         ctx.on_stop(wake.close)
 
     ctx.config.on_change(controller.on_config)

@@ -167,12 +167,12 @@ class RecordReader:
 
 
 class VerdictWake:
-    """Wakes its owner (``wake()``) when a verdict of ``node`` is published (``drain_id``: of that drain only) and
-    when the bus's connection reconnects (what was published meanwhile was not heard): a subscription that only
-    wakes, never hands over a verdict; the owner asks the record. Opened before the drain is asked, so no wake is
-    missed; the owner asks the record once more at its end anyway."""
+    """Wakes its owner when a verdict of ``node`` is published (``wake(drain_id)``; with ``drain_id`` given, for
+    that drain only) and when the bus's connection reconnects (``wake("")``: what was published meanwhile was not
+    heard): a subscription that only wakes, never hands over a verdict; the owner asks the record. Opened before
+    the drain is asked, so no wake is missed; the owner asks the record once more at its end anyway."""
 
-    def __init__(self, bus: Bus, node: str, wake: Callable[[], None], drain_id: str = "") -> None:
+    def __init__(self, bus: Bus, node: str, wake: Callable[[str], None], drain_id: str = "") -> None:
         self.bus = bus
         self.node = node
         self.drain_id = drain_id
@@ -183,7 +183,7 @@ class VerdictWake:
     async def open(self) -> VerdictWake:
         async def on_verdict(event: DrainVerdict) -> None:
             if event.node == self.node and (not self.drain_id or event.drain_id == self.drain_id):
-                self._wake()
+                self._wake(event.drain_id)
 
         verdicts: tuple[tuple[str, type[Event]], ...] = (
             ("node.drain.completed", DrainCompleted),
@@ -202,7 +202,7 @@ class VerdictWake:
     async def _on_relinks(self) -> None:
         while True:
             await self.bus.relinks.next().wait()
-            self._wake()
+            self._wake("")
 
     async def close(self) -> None:
         if self._relinks is not None:
@@ -374,7 +374,7 @@ class VerdictWatch:
         self.drain_id = drain_id
         self.node = node
         self._woken = asyncio.Event()
-        self._wake = VerdictWake(bus, node, self._woken.set, drain_id)
+        self._wake = VerdictWake(bus, node, lambda _drain_id: self._woken.set(), drain_id)
 
     async def __aenter__(self) -> VerdictWatch:
         await self._wake.open()
