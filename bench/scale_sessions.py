@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,8 @@ import numpy as np
 import psutil
 import redis.asyncio as aioredis
 
-from bench.scale_upgrade import CpuSeconds, FleetPods, upgrade
+from bench.fleetkit import CpuSeconds, HostedPod
+from bench.scale_upgrade import FleetPods, upgrade
 from shared.console.client import MeshClient
 from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
 from shared.contract.configdocs import CheckpointPolicy
@@ -111,16 +112,6 @@ class Replica:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-
-
-@dataclass
-class HostedPod:
-    name: str
-    node: str
-    agent: KvAgent
-    endpoint: AgentEndpoint
-    saves: list[tuple[float, float]] = field(default_factory=list)
-    """(start, end) of every periodic save command the pod answered (monotonic seconds)."""
 
 
 class SessionBench:

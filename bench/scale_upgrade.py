@@ -31,9 +31,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import Any
 
+from bench.fleetkit import CpuSeconds, FleetBench, HostedPod
 from shared.console.operations import set_driver
 from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.driver import DriverUpgradeStateChanged
@@ -42,9 +43,6 @@ from shared.kv.endpoint import LocateRefused, SessionHeld
 from shared.kv.store import CheckpointNotFound, ChunkCorrupt
 from shared.ports.cluster import ClusterError, PodInfo
 from shared.sim.cluster import SimCluster
-
-if TYPE_CHECKING:
-    from bench.scale_sessions import HostedPod, SessionBench
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +60,12 @@ CONCURRENCY = 64
 FOLLOW_EVERY_S = 0.25
 """The least time between two readings of the cluster: a burst of changes is read once."""
 
-CpuSeconds = Callable[[], Mapping[str, float]]
-
 
 class FleetPods:
     """The fleet's pods: a deployment of the simulated cluster that this benchmark plays. Level-triggered: the
     hosted pods follow the cluster's, woken by its changes."""
 
-    def __init__(self, bench: SessionBench, cluster: SimCluster, replicas: int) -> None:
+    def __init__(self, bench: FleetBench, cluster: SimCluster, replicas: int) -> None:
         self.bench = bench
         self.cluster = cluster
         self.replicas = replicas
@@ -271,7 +267,7 @@ class FleetPods:
 
 # -- the upgrade --------------------------------------------------------------------------------------------------
 async def upgrade(
-    bench: SessionBench,
+    bench: FleetBench,
     fleet: FleetPods,
     parallel: float,
     timeout_s: float,

@@ -32,10 +32,12 @@ from shared.ports.backends import PortUnavailable
 from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuPort
 from shared.ports.pods import GpuPods, PodOwners
-from shared.sim.cluster import SharedSimCluster, SimCluster
+from shared.sim.cluster import SimCluster
 from shared.sim.exporter import find_exporter
 from shared.sim.faults import serve_faults
-from shared.sim.gpus import SimGpus, SimGpuStore, SimHealthFeed
+from shared.sim.gpus import SimGpus
+from shared.sim.gpustore import SimGpuStore, SimHealthFeed
+from shared.sim.informer import SharedSimCluster
 from shared.sim.lookups import SimGpuPods, SimPodOwners
 from shared.sim.spec import SpecError, load_spec
 

@@ -309,7 +309,7 @@ async def test_installed_alone_the_prestop_hook_has_the_agent_save(
     installed: Path, bus: Bus, subjects: Subjects, settings: Settings, tmp_path: Path
 ) -> None:
     """``gpuwarden-kv-prestop`` from the virtualenv, as the pod's preStop hook runs it, asks the agent (here, in
-    this process) for its final save; the agent has it recorded (here, by a stand-in that records everything)."""
+    this process) for its final save, and has it recorded (here, by a stand-in that records everything)."""
     store = FileStore(str(tmp_path / "checkpoints"))
     layout = msgspec.structs.replace(LLAMA_3_8B, layers=2)
     agent = KvAgent(store, pod="llama-0", node="node-1", namespace="llm", deployment="llama", layout=layout)

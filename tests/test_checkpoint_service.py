@@ -265,7 +265,10 @@ async def test_periodic_and_prestop_saves_are_recorded(
     assert [e.session_id for e in saved].count("llama-7-s0") == 1
     assert [e.bytes_written for e in saved if e.session_id == "llama-7-s1"][-1] == LAYOUT.block_bytes
     assert all(e.drain_id == "" for e in saved)
-    # the preStop hook, as a pod runs it: a separate process asks the agent for a final save
+    # the preStop hook, as a pod runs it: a separate process asks the agent for a final save; s0 changed since its
+    # last checkpoint and is saved (by the hook, or by a periodic save just before it), s1 did not and is confirmed
+    # (kept), not saved or recorded twice
+    pod.agent.append_block("llama-7-s0", block_content("llama-7-s0", 4, LAYOUT.block_bytes))
     env = dict(os.environ, GPUWARDEN_NATS_URL=settings.nats.servers[0], GPUWARDEN_ROOT=subjects.root)
     result = await asyncio.get_running_loop().run_in_executor(
         None,
@@ -281,6 +284,9 @@ async def test_periodic_and_prestop_saves_are_recorded(
     assert '"kind":"checkpoint.save.report"' in result.stdout and '"failed":[]' in result.stdout
     import json
 
-    final_ids = {c["checkpoint_id"] for c in json.loads(result.stdout)["committed"]}
-    assert len(final_ids) == 2
+    final = json.loads(result.stdout)
+    final_ids = {c["checkpoint_id"] for c in final["committed"]}
+    last_s1 = [e.checkpoint_id for e in saved if e.session_id == "llama-7-s1"][-1]
+    assert ("llama-7-s1", last_s1) in {(c["session_id"], c["checkpoint_id"]) for c in final["kept"]}
+    assert sorted(c["session_id"] for c in final["committed"] + final["kept"]) == ["llama-7-s0", "llama-7-s1"]
     await eventually(lambda: final_ids <= {e.checkpoint_id for e in saved})  # the final save was recorded too

@@ -198,7 +198,8 @@ async def test_the_service_labels_its_node_and_follows_the_inventory(
         assert service.labeller.writes == 2
 
         await apply_fault(redis_client, subjects, XidFault(node="node-1", gpu=0, code=79))
-        await eventually(lambda: service.inventory is not None and not service.inventory.gpus[0].healthy)
+        state = service.gpu_state
+        await eventually(lambda: state.inventory is not None and not state.inventory.gpus[0].healthy)
         assert service.labeller.writes == 2, "a health change changes no label: nothing is written"
         assert running.ctx.status["node_labels"]() == {"up_to_date": True, "writes": 2, "failures": 0, "error": None}
     finally:

@@ -59,7 +59,7 @@ async def test_critical_xid_then_quiet_period_then_healthy_again(
     service = DeviceService(DeviceSettings(inventory_s=0.05, recovery_s=0.5, plugin="off"), gpus=gpus)
     running = await start_service(service, settings, Wiring)
     try:
-        await eventually(lambda: service.health == {} and running.ctx.status.get("gpus"))
+        await eventually(lambda: service.gpu_state.health == {} and running.ctx.status.get("gpus"))
         await apply_fault(redis_client, subjects, XidFault(node="node-1", gpu=0, code=79))
         down = await eventually(lambda: changes and changes[0])
         assert down.healthy is False and down.xid == 79
@@ -141,6 +141,6 @@ async def test_the_configured_list_decides(
         assert second.xid == 13 and second.critical is True, "13 is not listed here, so it counts"
         (change,) = await eventually(lambda: changes)
         assert change.xid == 13 and change.gpu_uuid == first.gpu_uuid and not change.healthy
-        assert service.health == {first.gpu_uuid: "unhealthy"}
+        assert service.gpu_state.health == {first.gpu_uuid: "unhealthy"}
     finally:
         await running.stop(grace=1)

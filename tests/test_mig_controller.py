@@ -609,7 +609,7 @@ async def test_the_device_service_applies_a_layout_pausing_the_plugin_meanwhile(
         assert set(instances) == {i.uuid for i in gpu0.mig_instances} and len(instances) == 7
         await eventually(lambda: [e.state for e in events] == ["pending", "success"])
         assert await node_state(cluster) == ("success", None)
-        assert service.inventory is not None and len(service.inventory.gpus[0].mig_instances) == 7
+        assert service.gpu_state.inventory is not None and len(service.gpu_state.inventory.gpus[0].mig_instances) == 7
         assert running.ctx.health()["mig"]["state"] == "success"
         assert running.ctx.health()["device_plugin"]["paused"] is False
         # GPUWARDEN_MIG_CHECKPOINT=off: the GPUs changed without a drain (it would have gone out before the first

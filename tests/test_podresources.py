@@ -330,7 +330,7 @@ async def test_pods_unknown_still_announces_the_gpu(
         assert event.reason.startswith("XID 79") and "the pods holding it are unknown: no kubelet PodResources" in (
             event.reason
         )
-        assert not service.health or service.health[event.gpu_uuid] == "unhealthy"
+        assert not service.gpu_state.health or service.gpu_state.health[event.gpu_uuid] == "unhealthy"
     finally:
         await running.stop(grace=1)
 

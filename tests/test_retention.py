@@ -74,7 +74,7 @@ async def test_service_applies_retention_and_collects_unreferenced_packs(setting
     service = CheckpointService(CheckpointSettings(gc_interval_s=0, gc_grace_s=0), store=store)
     running = await start_service(service, settings, Wiring)
     try:
-        deleted, packs = await service.collect_garbage(now=None)
+        deleted, packs = await service.retention.collect_garbage(now=None)
         assert deleted == 2  # keep_per_session defaults to 2
         remaining = await store.checkpoints("s1")
         assert len(remaining) == 2

@@ -159,7 +159,7 @@ async def test_a_walk_forgets_what_the_store_lost_marks_the_holder_and_leaves_th
         }
         assert await s.service.registry.rewrites(POD) == {"s1", "s2", "s4"}
         assert s.files() == files  # the scrub never deletes
-        located = await s.service.on_locate(LocateCheckpoint(session_id="s2", pod=POD, node="node-1"))
+        located = await s.service.restores.on_locate(LocateCheckpoint(session_id="s2", pod=POD, node="node-1"))
         assert located.candidates[0] == ids["s2"][0] and not located.from_store  # offered, not recorded again
         assert await s.recorded("s2") == [ids["s2"][1]]
         metrics = s.service.scrub.replica.metrics

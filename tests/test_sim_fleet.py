@@ -14,9 +14,11 @@ import redis.asyncio as aioredis
 from shared.contract.subjects import Subjects
 from shared.ports.cluster import ClusterChange, ClusterConflict, ClusterError, NodeInfo
 from shared.ports.gpu import GpuHealthEvent
-from shared.sim.cluster import SharedSimCluster, SimCluster
+from shared.sim.cluster import SimCluster
 from shared.sim.exporter import SimExporter, SimExporterHost, find_exporter
-from shared.sim.gpus import SimGpus, SimGpuStore, SimHealthFeed
+from shared.sim.gpus import SimGpus
+from shared.sim.gpustore import SimGpuStore, SimHealthFeed
+from shared.sim.informer import SharedSimCluster
 from shared.sim.spec import FleetSpec, GpuSpec, NodeSpec, SimSpec, SpecError, parse_spec
 from tests.helpers import eventually
 

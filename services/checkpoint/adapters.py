@@ -1,5 +1,6 @@
 """The checkpoint service's ports, opened over what ``ctx.backends`` hands it: the checkpoint store the settings
-name, the session registry (``registry.py``, the adapter over Redis) on a Redis client, and the cluster port.
+name, the session registry (``registry.py``) and the leases (``leases.py``), the adapters over one Redis client,
+and the cluster port.
 A store or cluster handed to the service by its caller is used as is and left open: only what is opened here is
 closed at stop."""
 
@@ -13,6 +14,7 @@ from shared.plumbing.configsync import ConfigStore
 from shared.ports.cluster import ClusterPort
 
 from .config import CheckpointSettings
+from .leases import ReplicaLeases
 from .ports import Store
 from .registry import SessionRegistry
 
@@ -21,6 +23,7 @@ from .registry import SessionRegistry
 class OpenedPorts:
     store: Store
     registry: SessionRegistry
+    leases: ReplicaLeases
     cluster: ClusterPort
     config: ConfigStore
     """The configuration documents in Redis, over the registry's client (model rollouts write them)."""
@@ -38,4 +41,5 @@ async def open_ports(
     if cluster is None:
         cluster = await ctx.backends.cluster()
         ctx.on_stop(cluster.close)
-    return OpenedPorts(store, registry, cluster, ConfigStore(registry.client, ctx.subjects))
+    leases = ReplicaLeases(registry.client, ctx.subjects)
+    return OpenedPorts(store, registry, leases, cluster, ConfigStore(registry.client, ctx.subjects))

@@ -86,7 +86,7 @@ class DrainRunner:
         ):
             return
         lease_s = replica.settings.drain_lease_s
-        if not await replica.registry.take_drain(event.drain_id, event.node, replica.owner, lease_s):
+        if not await replica.leases.take_drain(event.drain_id, event.node, replica.owner, lease_s):
             raise TemporaryError(f"drain {event.drain_id} is being run by another replica", delay=lease_s / 2)
         self.states[event.drain_id] = "running"
         started = time.monotonic()
@@ -102,7 +102,7 @@ class DrainRunner:
         replica.metrics.drain.observe(duration)
         state = verdict.outcome
         replica.metrics.verdicts.labels(state).inc()
-        if await replica.registry.finish_drain(event.drain_id, state, codec.encode(verdict), duration):
+        if await replica.leases.finish_drain(event.drain_id, state, codec.encode(verdict), duration):
             await replica.ctx.publish(verdict)
         else:  # another runner decided it first (this one lost its lease): that verdict stands
             await self._answer_again(event.drain_id)
@@ -122,11 +122,11 @@ class DrainRunner:
             return
         verdict = DrainFailed(node=node, drain_id=drain_id, reason=f"drain request refused: {reason}"[:REASON_CHARS])
         try:
-            recorded = await replica.registry.drain_node(drain_id)
+            recorded = await replica.leases.drain_node(drain_id)
             if recorded not in (None, node):
                 log.warning("refused drain request names another node's drain", extra={"drain_id": drain_id})
                 return
-            if not await replica.registry.finish_drain(drain_id, "failed", codec.encode(verdict), 0.0):
+            if not await replica.leases.finish_drain(drain_id, "failed", codec.encode(verdict), 0.0):
                 await self._answer_again(drain_id)
                 return
         except TemporaryError as exc:  # Redis away: the verdict is still sent, not recorded
@@ -138,17 +138,17 @@ class DrainRunner:
         """The drain's recorded verdict (the one stored copy), None while it has none; with the query's ``node``, a
         verdict Redis lost and the events stream kept is recorded again first. Redis away: no answer
         (``TemporaryError``), which the asker reads as "not known now", never as "no verdict"."""
-        recorded = await self.replica.registry.drain_verdict(query.drain_id)
-        unknown = recorded is None and query.node and await self.replica.registry.drain_node(query.drain_id) is None
+        recorded = await self.replica.leases.drain_verdict(query.drain_id)
+        unknown = recorded is None and query.node and await self.replica.leases.drain_node(query.drain_id) is None
         if unknown and await self._recover(query.drain_id, query.node):
-            recorded = await self.replica.registry.drain_verdict(query.drain_id)
+            recorded = await self.replica.leases.drain_verdict(query.drain_id)
         verdict = codec.decode(recorded) if recorded is not None else None
         if not isinstance(verdict, DrainCompleted | DrainFailed):
             verdict = None
         return DrainRecord(drain_id=query.drain_id, verdict=verdict)
 
     async def _answer_again(self, drain_id: str) -> bool:
-        recorded = await self.replica.registry.drain_verdict(drain_id)
+        recorded = await self.replica.leases.drain_verdict(drain_id)
         if recorded is None:
             return False
         verdict = codec.decode(recorded)
@@ -170,7 +170,7 @@ class DrainRunner:
         log.warning(
             "drain verdict lost by Redis, kept by the events stream: recorded again", extra={"drain_id": drain_id}
         )
-        await self.replica.registry.recover_drain(drain_id, node, stored.outcome, codec.encode(stored))
+        await self.replica.leases.recover_drain(drain_id, node, stored.outcome, codec.encode(stored))
         return True
 
     async def _keep_lease(self, drain_id: str) -> None:
@@ -179,7 +179,7 @@ class DrainRunner:
         while True:
             await asyncio.sleep(lease_s / 3)
             try:
-                if not await replica.registry.renew_drain(drain_id, replica.owner, lease_s):
+                if not await replica.leases.renew_drain(drain_id, replica.owner, lease_s):
                     log.warning("drain lease lost while running", extra={"drain_id": drain_id})
                     return
             except Exception as exc:
@@ -319,7 +319,7 @@ class DrainRunner:
         limit = self.replica.settings.verdict_sessions_max
         ref = ""
         if len(named) > limit:
-            ref = await self.replica.registry.keep_failures(
+            ref = await self.replica.leases.keep_failures(
                 event.drain_id, [msgspec.json.encode(f) for f in named], VERDICT_TTL_S
             )
         return DrainFailed(

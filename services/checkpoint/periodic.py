@@ -63,7 +63,7 @@ class PeriodicSaves:
             interval = replica.policy().periodic_interval_s  # the document may have changed meanwhile
             try:
                 if interval <= 0:  # still a member: shares are settled before periodic saves begin
-                    await replica.registry.replicas(replica.owner, REPLICA_LEASE_S)
+                    await replica.leases.replicas(replica.owner, REPLICA_LEASE_S)
                     continue
                 await self._tick(interval)
                 replica.metrics.periodic_tick.set_to_current_time()
@@ -75,7 +75,7 @@ class PeriodicSaves:
         rendezvous hashing, so a replica that dies hands its share to the others when its lease lapses, and
         only the pods whose owner changed move."""
         registry = self.replica.registry
-        replicas = await registry.replicas(self.replica.owner, lease_s)
+        replicas = await self.replica.leases.replicas(self.replica.owner, lease_s)
         known = await registry.pods()
         silent = await registry.silent_pods(known)
         live = sorted(set(known) - set(silent))
@@ -117,7 +117,7 @@ class PeriodicSaves:
             # was queued: with many pods due at once, a save that waited for its slot would otherwise be followed
             # by the next one less than an interval later
             async with self._slots:
-                held_ms = await replica.registry.take_turn_or_wait("periodic", pod, replica.owner, interval_s * 0.95)
+                held_ms = await replica.leases.take_turn_or_wait("periodic", pod, replica.owner, interval_s * 0.95)
                 if held_ms:  # another replica saved it this interval: due when its turn lapses, not an interval on
                     self._due[pod] = time.time() + held_ms / 1000
                     return False
@@ -138,7 +138,7 @@ class PeriodicSaves:
             replica.metrics.periodic_missed.inc()
             log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": outcome.reason})
             with contextlib.suppress(TemporaryError):  # the turn goes back: the pod is asked again soon
-                await replica.registry.release_turn("periodic", pod, replica.owner)
+                await replica.leases.release_turn("periodic", pod, replica.owner)
             self._retry_soon(pod, interval_s)
             return False
         replica.metrics.periodic.observe(time.monotonic() - started)

@@ -1,9 +1,10 @@
 """What the checkpoint service needs from the outside world, as Protocols: the checkpoint store, the session
-registry and the cluster. The service gets them from ``ctx.backends`` (``adapters.py``: the store and Redis the
-composition root opens, the registry over that Redis, the cluster port) or from its caller (tests hand a store);
-every decision module depends on these Protocols only. The record types the registry answers in (where a session
-is placed, what an announcement, a claim, a record or a repair decided) live here too, so the Redis adapter
-(``registry.py``) imports its port, never the reverse."""
+registry, the leases its replicas take and the cluster. The service gets them from ``ctx.backends``
+(``adapters.py``: the store and Redis the composition root opens, the registry and the leases over that Redis, the
+cluster port) or from its caller (tests hand a store); every decision module depends on these Protocols only. The
+record types the registry answers in (where a session is placed, what an announcement, a claim, a record or a
+repair decided) live here too, so the Redis adapters (``registry.py``, ``audit.py``) import their port, never the
+reverse."""
 
 from __future__ import annotations
 
@@ -143,8 +144,7 @@ class Cluster(Protocol):
 
 
 class Registry(Protocol):
-    """Where every session is held and which checkpoints are committed (``registry.SessionRegistry`` in Redis),
-    with the drains' records, the replicas' membership and their turns."""
+    """Where every session is held and which checkpoints are committed (``registry.SessionRegistry`` in Redis)."""
 
     # sessions and pods
     async def apply_announcement(self, event: AgentSessions) -> Applied: ...
@@ -169,6 +169,8 @@ class Registry(Protocol):
     async def where(self, session_id: str) -> SessionLocation: ...
 
     async def sessions_on_node(self, node: str) -> list[SessionPlace]: ...
+
+    async def sessions_of_pod(self, pod: str) -> dict[str, int]: ...
 
     async def pods(self) -> dict[str, str]: ...
 
@@ -225,6 +227,11 @@ class Registry(Protocol):
 
     async def clear_rewrites(self, pod: str, session_ids: Sequence[str]) -> None: ...
 
+
+class Leases(Protocol):
+    """Who runs what among the replicas (``leases.ReplicaLeases`` in Redis): each drain's lease and its one recorded
+    verdict, the turns that let one replica act per interval, and the replicas' membership."""
+
     # drains
     async def drain_verdict(self, drain_id: str) -> bytes | None: ...
 
@@ -240,11 +247,12 @@ class Registry(Protocol):
 
     async def recover_drain(self, drain_id: str, node: str, state: DrainOutcome, verdict: bytes) -> bool: ...
 
-    # replicas and their turns
-    async def replicas(self, owner: str, lease_s: float) -> list[str]: ...
-
+    # turns
     async def take_turn_or_wait(self, what: str, pod: str, owner: str, interval_s: float) -> int: ...
 
     async def release_turn(self, what: str, pod: str, owner: str) -> None: ...
 
     async def take_turn(self, what: str, pod: str, owner: str, interval_s: float) -> bool: ...
+
+    # the replicas' membership
+    async def replicas(self, owner: str, lease_s: float) -> list[str]: ...

@@ -1,7 +1,7 @@
 """The session registry's Redis scripts (Lua): each one atomic step of the registry, named for what it decides,
 with its arguments and its answer in the comment above it. ``registry.SessionRegistry`` loads and runs them; the
-key layout they share is in that module's docstring. Pieces shared by several scripts (``LOCATED``, ``MOVE``) are
-prepended to the scripts that use them."""
+key layout they share is listed in ``keyspace.py`` (the leases' own scripts are in ``leases.py``). Pieces shared by
+several scripts (``LOCATED``, ``MOVE``) are prepended to the scripts that use them."""
 
 from __future__ import annotations
 
@@ -337,15 +337,6 @@ return located(ARGV[1], ARGV[2], nil, '')
 """
 )
 
-# KEYS = [replicas], ARGV = owner, lease_ms: renew the owner's membership, drop the lapsed, list who is left.
-REPLICAS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
-
 # ARGV = prefix, sid, then (cid, score, generation, pod, summary) for each checkpoint: records checkpoints the
 # store holds and the registry lost (a Redis failover), without the fence of ``RECORD`` (the store is the last
 # word on what was committed), and raises the generation counter to the newest of them. Two fences are kept, for
@@ -430,25 +421,6 @@ for i = 1, #pods, 2 do
   if redis.call('EXISTS', prefix .. ':kv:alive:' .. pod) == 1 then table.insert(alive, pod) end
 end
 return cjson.encode({by_pod = by_pod, nodes = nodes, deployments = deployments, alive = alive})
-"""
-
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-FINISH = """
-if redis.call('HEXISTS', KEYS[1], 'verdict') == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'verdict', ARGV[2], 'duration_s', ARGV[3])
-redis.call('DEL', KEYS[2])
-return 1
 """
 
 

@@ -17,7 +17,7 @@ from shared.host.runner import ServiceContext
 
 from .config import CheckpointSettings
 from .metrics import CheckpointMetrics
-from .ports import Cluster, Registry, Store
+from .ports import Cluster, Leases, Registry, Store
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class Replica:
     settings: CheckpointSettings
     store: Store
     registry: Registry
+    leases: Leases
     cluster: Cluster
     metrics: CheckpointMetrics
     owner: str

@@ -132,7 +132,7 @@ class Retention:
             await asyncio.sleep(replica.settings.gc_interval_s)
             try:
                 interval_s = replica.settings.gc_interval_s
-                if not await replica.registry.take_turn("gc", "store", replica.owner, interval_s * 0.9):
+                if not await replica.leases.take_turn("gc", "store", replica.owner, interval_s * 0.9):
                     continue
                 await self.turn()
                 await forget_gone_pods(replica)

@@ -29,7 +29,7 @@ from shared.host.runner import ServiceContext
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
 from shared.ports.cluster import ClusterPort
 
-from .registry import SessionRegistry
+from .ports import Leases
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,11 @@ LEASE_EXTRA_S = 30.0
 
 class RolloutCoordinator:
     def __init__(
-        self, ctx: ServiceContext, store: ConfigStore, registry: SessionRegistry, cluster: ClusterPort, owner: str
+        self, ctx: ServiceContext, store: ConfigStore, leases: Leases, cluster: ClusterPort, owner: str
     ) -> None:
         self.ctx = ctx
         self.store = store
-        self.registry = registry
+        self.leases = leases
         self.cluster = cluster
         self.owner = owner
         self.running: dict[str, str] = {}
@@ -88,7 +88,7 @@ class RolloutCoordinator:
             if rollout is None or rollout.phase != "preparing" or self.running.get(key) == rollout.rollout_id:
                 continue
             lease = rollout.prepare_timeout_s + LEASE_EXTRA_S
-            if not await self.registry.take_turn("rollout", rollout.rollout_id, self.owner, lease):
+            if not await self.leases.take_turn("rollout", rollout.rollout_id, self.owner, lease):
                 continue
             self.running[key] = rollout.rollout_id
             self.ctx.spawn(functools.partial(self._run, key, rollout), f"rollout-{rollout.rollout_id}")

@@ -1,7 +1,10 @@
 """A pod's save, and whether what it reports is committed: the command that has its KV agent save (drains,
 periodic saves, failing GPUs), and each checkpoint of its report verified in the store, fenced by the session's
-generation and recorded (``record``), or refused with the reason. PreStop saves that agents report on their own
-(``on_record``) are recorded the same way."""
+generation and recorded (``record``), or refused with the reason. Reports handed in by others (``on_record``: the
+pod's preStop hook, the earlier parts of a long report) are recorded the same way: one road, whoever asked.
+
+A pod's last save writes only what changed since each session's last checkpoint and names the rest (``kept``):
+those are confirmed, not recorded again, so a drain followed by the pod's preStop records each session once."""
 
 from __future__ import annotations
 
@@ -36,11 +39,13 @@ class NoSaveReport:
 
 class Recorded(NamedTuple):
     """What recording one report decided: the sessions whose checkpoint is committed, the failures (the report's
-    own and those refused here), and the bytes committed."""
+    own and those refused here), the bytes committed, and the sessions whose kept checkpoint is confirmed."""
 
     committed: set[str]
     failed: list[SessionFailure]
     bytes_total: int
+    kept: set[str]
+    """Sessions whose ``kept`` checkpoint (nothing new since it) is confirmed recorded."""
 
 
 class Saves:
@@ -93,17 +98,24 @@ class Saves:
         whoever holds the session now, and changes nothing (no record, event or deletion).
 
         Drains and preStop hooks both save a pod's sessions, often one right after the other: each report is
-        recorded on its own, and the newer checkpoint (by generation, sequence) is the one restores take."""
+        recorded on its own, and the newer checkpoint (by generation, sequence) is the one restores take. A
+        preStop save's ``kept`` checkpoints (sessions with nothing new since their last checkpoint) are confirmed:
+        refused when the pod no longer holds the session under that generation (never deleted: it is what a drain
+        committed), otherwise verified and recorded like the rest, which changes nothing for one recorded before
+        (a drain's) and records one whose first report was lost."""
         store = self.replica.store
         metrics = self.replica.metrics
         ok: set[str] = set()
         failed = list(report.failed)
         total = 0
+        kept, refused = await self._held(report)
+        failed += refused
+        entries = [*report.committed, *kept]
         manifests: list[tuple[CommittedCheckpoint, CheckpointManifest]] = []
         read = await asyncio.gather(
-            *(store.manifest(c.session_id, c.checkpoint_id) for c in report.committed), return_exceptions=True
+            *(store.manifest(c.session_id, c.checkpoint_id) for c in entries), return_exceptions=True
         )
-        for c, manifest in zip(report.committed, read, strict=True):
+        for c, manifest in zip(entries, read, strict=True):
             if isinstance(manifest, StoreError):
                 reason = f"not in store: {manifest}"
                 failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason))
@@ -119,6 +131,7 @@ class Saves:
                 set(),
                 failed + [SessionFailure(session_id=c.session_id, pod=report.pod, reason=reason) for c, _ in manifests],
                 0,
+                set(),
             )
         problems: dict[str, str] = {}
         for c, manifest in manifests:
@@ -138,6 +151,8 @@ class Saves:
         )
         events: list[Event] = []
         fresh: set[str] = set()  # recorded for the first time by this report (not a duplicate or a replay)
+        confirmed: set[str] = set()
+        kept_ids = {c.checkpoint_id for c in kept}
         for c, manifest in manifests:
             problem = problems.get(c.checkpoint_id, "")
             outcome = recorded.get(c.checkpoint_id)
@@ -150,8 +165,11 @@ class Saves:
                 failed.append(SessionFailure(session_id=c.session_id, pod=report.pod, reason=problem))
                 continue
             assert outcome is not None
-            ok.add(c.session_id)
-            total += c.bytes_total
+            if c.checkpoint_id in kept_ids:
+                confirmed.add(c.session_id)
+            else:
+                ok.add(c.session_id)
+                total += c.bytes_total
             if not outcome.first_time:
                 continue  # recorded before: a report sent again or replayed is answered, and changes nothing
             fresh.add(c.session_id)
@@ -173,9 +191,27 @@ class Saves:
             )
             if outcome.location is not None:
                 events.append(outcome.location)
-        await self._note_rewrites(report, fresh, problems)
+        await self._note_rewrites(entries, report.pod, fresh, problems)
         await self._publish_recorded(events)
-        return Recorded(ok, failed, total)
+        return Recorded(ok, failed, total, confirmed)
+
+    async def _held(self, report: SaveSessionsReport) -> tuple[list[CommittedCheckpoint], list[SessionFailure]]:
+        """The report's ``kept`` checkpoints whose session the pod still holds under their generation (one read
+        of the pod's index, only when it names some), and a refusal for each other one: the pod lost the session
+        since (a drain moved it), so its checkpoint is no longer the pod's to confirm."""
+        if not report.kept:
+            return [], []
+        held = await self.replica.registry.sessions_of_pod(report.pod)
+        mine = [c for c in report.kept if held.get(c.session_id) == c.generation]
+        return mine, [
+            SessionFailure(
+                session_id=c.session_id,
+                pod=report.pod,
+                reason=f"refused: pod {report.pod} no longer holds generation {c.generation} of the session",
+            )
+            for c in report.kept
+            if held.get(c.session_id) != c.generation
+        ]
 
     async def _remove_refused(self, c: CommittedCheckpoint, outcome: Recording) -> None:
         """A refusal deletes only what the refused save itself wrote and nobody may take for committed (a
@@ -198,17 +234,19 @@ class Saves:
             return []
         return sorted(marked & set(generations) if generations else marked)
 
-    async def _note_rewrites(self, report: SaveSessionsReport, fresh: set[str], problems: dict[str, str]) -> None:
+    async def _note_rewrites(
+        self, entries: Sequence[CommittedCheckpoint], pod: str, fresh: set[str], problems: dict[str, str]
+    ) -> None:
         """A session whose save, recorded now for the first time, wrote every block (reused nothing) is healed: its
         mark goes (a replayed full save of before the mark clears nothing). A save refused because a pack it
         references is missing or short marks its session: the pod's next save of it is full."""
-        healed = [c.session_id for c in report.committed if c.session_id in fresh and c.bytes_written >= c.bytes_total]
-        lost = sorted({c.session_id for c in report.committed if problems.get(c.checkpoint_id, "").startswith("pack ")})
+        healed = [c.session_id for c in entries if c.session_id in fresh and c.bytes_written >= c.bytes_total]
+        lost = sorted({c.session_id for c in entries if problems.get(c.checkpoint_id, "").startswith("pack ")})
         try:
-            await self.replica.registry.clear_rewrites(report.pod, healed)
-            await self.replica.registry.mark_rewrite(report.pod, lost)
+            await self.replica.registry.clear_rewrites(pod, healed)
+            await self.replica.registry.mark_rewrite(pod, lost)
         except TemporaryError as exc:
-            log.warning("sessions to save in full not updated", extra={"pod": report.pod, "error": str(exc)})
+            log.warning("sessions to save in full not updated", extra={"pod": pod, "error": str(exc)})
             return
         self.replica.metrics.rewrites.labels("save").inc(len(lost))
 
@@ -228,7 +266,9 @@ class Saves:
         locations.labels("published").inc(sum(1 for e in events if isinstance(e, SessionLocation)))
 
     async def on_record(self, report: SaveSessionsReport) -> SaveSessionsReport:
-        """PreStop saves reported by agents: verified, fenced and recorded like a drain's."""
+        """Reports handed in (the pod's preStop hook; the earlier parts of a long report): verified, fenced and
+        recorded like a drain's. The answer names what is committed, what is confirmed (``kept``) and what
+        failed."""
         recorded = await self.record(report, "")
         return SaveSessionsReport(
             pod=report.pod,
@@ -236,4 +276,6 @@ class Saves:
             store=report.store,
             committed=[c for c in report.committed if c.session_id in recorded.committed],
             failed=recorded.failed,
+            unchanged=report.unchanged,
+            kept=[c for c in report.kept if c.session_id in recorded.kept],
         )

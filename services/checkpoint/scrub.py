@@ -82,7 +82,7 @@ class Scrub:
             interval_s = replica.settings.scrub_interval_s
             await asyncio.sleep(interval_s)
             try:
-                if await replica.registry.take_turn("scrub", "store", replica.owner, interval_s * 0.9):
+                if await replica.leases.take_turn("scrub", "store", replica.owner, interval_s * 0.9):
                     await self.turn()
             except (TemporaryError, StoreError) as exc:
                 log.warning("scrub skipped this turn", extra={"error": str(exc)})

@@ -15,7 +15,8 @@ each over the one ``Replica`` (``replica.py``), and hands them their consumers, 
 - ``scrub.py``: the registry reconciled with the store (recorded checkpoints whose files are gone are forgotten,
   their sessions' next saves made full);
 - ``queries.py``: where a session is, pages of sessions, the fleet's counts, ``GET /sessions/<id>``;
-- ``rollout.py``: model rollouts; ``metrics.py``: the metrics; ``ports.py``: the Protocols they depend on.
+- ``rollout.py``: model rollouts; ``metrics.py``: the metrics; ``ports.py``: the Protocols they depend on, which
+  the Redis adapters ``registry.py`` (sessions, checkpoints) and ``leases.py`` (drains, turns, replicas) satisfy.
 
 Sessions are owned: a pod takes one by claiming it (``locate`` with ``claim``), which hands out the session's
 next generation. Saves of an older generation are refused, so a pod that lost a session never rolls it back,
@@ -31,8 +32,6 @@ import uuid
 
 from shared.contract.checkpoint import (
     AgentSessions,
-    AnnouncementAck,
-    CheckpointLocation,
     LocateCheckpoint,
     SaveSessionsReport,
     SessionRestored,
@@ -43,15 +42,11 @@ from shared.contract.models import ServingQuery
 from shared.contract.node import DrainQuery, DrainRequested
 from shared.contract.sessions import (
     FleetQuery,
-    FleetSummary,
-    SessionLocation,
-    SessionsPage,
     SessionsQuery,
     WhereIsSession,
 )
 from shared.host.runner import ServiceContext
 from shared.plumbing.consumer import ConsumerSpec
-from shared.plumbing.http import Response
 from shared.ports.cluster import ClusterPort
 
 from .adapters import open_ports
@@ -59,6 +54,7 @@ from .announcements import Announcements
 from .config import CheckpointSettings, load
 from .drain import DrainRunner
 from .gpu_failures import GPU_FAILURE_SAVE_S, GpuFailures
+from .leases import ReplicaLeases
 from .metrics import CheckpointMetrics
 from .periodic import PeriodicSaves
 from .ports import Store
@@ -74,8 +70,9 @@ from .scrub import Scrub
 
 class CheckpointService:
     """A store or cluster handed here (tests) is used as is and left open; otherwise both come from
-    ``ctx.backends``, as does the Redis client of the registry, and are closed at stop. The handlers below are
-    the service's surface (the bus, the HTTP endpoint and tests call them); each is its part's own."""
+    ``ctx.backends``, as does the Redis client of the registry and the leases, and are closed at stop. No handler
+    is written here: the bus, the HTTP endpoint and tests call each part's own (``saves.on_record``,
+    ``queries.on_where``, ``retention.collect_garbage``, ...)."""
 
     name = "checkpoint"
     config_names: tuple[str, ...] = ("checkpoint", "models")
@@ -117,10 +114,11 @@ class CheckpointService:
         self.ctx = ctx
         ports = await open_ports(ctx, self._settings, self._store, self.cluster)
         self.registry: SessionRegistry = ports.registry
+        self.leases: ReplicaLeases = ports.leases
         self._store, self.cluster = ports.store, ports.cluster  # a restart of this object uses them again
         metrics = CheckpointMetrics(ctx.telemetry.registry)
         replica = self._replica = Replica(
-            ctx, self._settings, ports.store, ports.registry, ports.cluster, metrics, self.owner
+            ctx, self._settings, ports.store, ports.registry, ports.leases, ports.cluster, metrics, self.owner
         )
         saves = self.saves = Saves(replica)
         self.retention = Retention(replica)
@@ -145,9 +143,9 @@ class CheckpointService:
                 concurrency=4,
                 max_deliver=20,
                 backoff=(1.0, 2.0, 4.0),
-                on_refused=self.on_drain_refused,
+                on_refused=self.drain_runner.on_drain_refused,
             ),
-            self.on_drain_requested,
+            self.drain_runner.on_drain_requested,
         )
         await ctx.consume(
             ConsumerSpec(
@@ -159,28 +157,28 @@ class CheckpointService:
                 concurrency=4,
                 max_deliver=3,
             ),
-            self.on_gpu_health,
+            self.gpu_failures.on_gpu_health,
         )
         # announcements arrive on the pod's own subject; the bus refuses a body naming another pod
-        await ctx.bus.serve(
-            s.pattern("checkpoint.agent.sessions"), self.on_announcement, (AgentSessions,), queue="checkpoint"
-        )
+        announce = self.announcements.on_announcement
+        await ctx.bus.serve(s.pattern("checkpoint.agent.sessions"), announce, (AgentSessions,), queue="checkpoint")
         # What a pod's KV agent asks, on subjects naming the pod: the body must name the same pod.
         for verb, responder, accepts in (
-            ("locate", self.on_locate, (LocateCheckpoint,)),
-            ("restored", self.on_restored, (SessionRestored,)),
-            ("record", self.on_record, (SaveSessionsReport,)),
+            ("locate", self.restores.on_locate, (LocateCheckpoint,)),
+            ("restored", self.restores.on_restored, (SessionRestored,)),
+            ("record", saves.on_record, (SaveSessionsReport,)),
         ):
             await ctx.bus.serve(s.agent_commands(verb), responder, accepts, queue="checkpoint", scope_field="pod")
-        await ctx.bus.serve(s.command("checkpoint", "where"), self.on_where, (WhereIsSession,), queue="checkpoint")
+        queries = self.queries
+        await ctx.bus.serve(s.command("checkpoint", "where"), queries.on_where, (WhereIsSession,), queue="checkpoint")
         await ctx.bus.serve(
-            s.command("checkpoint", "sessions"), self.on_sessions_query, (SessionsQuery,), queue="checkpoint"
+            s.command("checkpoint", "sessions"), queries.on_sessions_query, (SessionsQuery,), queue="checkpoint"
         )
-        await ctx.bus.serve(s.command("checkpoint", "fleet"), self.on_fleet_query, (FleetQuery,), queue="checkpoint")
+        await ctx.bus.serve(s.command("checkpoint", "fleet"), queries.on_fleet_query, (FleetQuery,), queue="checkpoint")
         await ctx.bus.serve(
             s.command("checkpoint", "drain"), self.drain_runner.on_drain_query, (DrainQuery,), queue="checkpoint"
         )
-        self.rollouts = RolloutCoordinator(ctx, ports.config, ports.registry, ports.cluster, self.owner)
+        self.rollouts = RolloutCoordinator(ctx, ports.config, ports.leases, ports.cluster, self.owner)
         await ctx.bus.serve(
             s.agent_commands("serving"),
             self.rollouts.on_serving_query,
@@ -191,7 +189,7 @@ class CheckpointService:
         ctx.config.on_change(self.rollouts.wake)
         ctx.spawn(self.rollouts.loop, "checkpoint-rollouts")
         ctx.status["rollouts"] = self.rollouts.running
-        ctx.add_route("/sessions/", self.on_http_session)
+        ctx.add_route("/sessions/", queries.on_http_session)
         ctx.status["drains"] = self.drains
         ctx.status["store"] = ports.store.url
         if self._settings.gc_interval_s > 0:
@@ -204,46 +202,3 @@ class CheckpointService:
         """The ``checkpoint`` document in force (its defaults until one is written); once started."""
         assert self._replica is not None, "the checkpoint service has not started"
         return self._replica.policy()
-
-    # -- what the bus, the HTTP endpoint and tests call: each part's own ----------------------------------------
-    async def on_drain_requested(self, event: DrainRequested) -> None:
-        await self.drain_runner.on_drain_requested(event)
-
-    async def on_drain_refused(self, subject: str, data: bytes, reason: str) -> None:
-        await self.drain_runner.on_drain_refused(subject, data, reason)
-
-    async def on_gpu_health(self, event: DeviceHealthChanged) -> None:
-        await self.gpu_failures.on_gpu_health(event)
-
-    async def on_announcement(self, event: AgentSessions) -> AnnouncementAck:
-        return await self.announcements.on_announcement(event)
-
-    async def on_locate(self, event: LocateCheckpoint) -> CheckpointLocation:
-        return await self.restores.on_locate(event)
-
-    async def on_restored(self, event: SessionRestored) -> SessionRestored:
-        return await self.restores.on_restored(event)
-
-    async def on_record(self, report: SaveSessionsReport) -> SaveSessionsReport:
-        return await self.saves.on_record(report)
-
-    async def on_where(self, event: WhereIsSession) -> SessionLocation:
-        return await self.queries.on_where(event)
-
-    async def on_sessions_query(self, query: SessionsQuery) -> SessionsPage:
-        return await self.queries.on_sessions_query(query)
-
-    async def on_fleet_query(self, query: FleetQuery) -> FleetSummary:
-        return await self.queries.on_fleet_query(query)
-
-    async def on_http_session(self, method: str, path: str) -> Response:
-        return await self.queries.on_http_session(method, path)
-
-    async def retire_session(self, session_id: str) -> None:
-        await self.retention.retire_session(session_id)
-
-    async def collect_garbage(self, now: float | None = None) -> tuple[int, int]:
-        return await self.retention.collect_garbage(now)
-
-    async def periodic_saves(self, interval_s: float) -> int:
-        return await self.periodic.periodic_saves(interval_s)

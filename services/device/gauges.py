@@ -4,26 +4,26 @@ health value present, 0 when none is), XID errors seen, and the driver version t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, get_args
+from typing import get_args
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .health import GpuHealth
-
-if TYPE_CHECKING:
-    from .service import DeviceService
+from .state import NodeGpuState
 
 HEALTH_VALUES: tuple[str, ...] = get_args(GpuHealth)
 
 
 class DeviceCollector(Collector):
-    def __init__(self, service: DeviceService, node: str) -> None:
-        self.service = service
+    """Reads the ``NodeGpuState`` the device service keeps (the same object, so each scrape sees it as it is now)."""
+
+    def __init__(self, state: NodeGpuState, node: str) -> None:
+        self.state = state
         self.node = node
 
     def collect(self) -> Iterator[Metric]:
-        inventory = self.service.inventory
+        inventory = self.state.inventory
         gpus = GaugeMetricFamily(
             "gpuwarden_device_gpus",
             "GPUs (or MIG-enabled GPUs) of the node by health: healthy, unhealthy (critical XID), lost",
@@ -31,9 +31,9 @@ class DeviceCollector(Collector):
         )
         counts = dict.fromkeys(HEALTH_VALUES, 0)
         for gpu in inventory.gpus if inventory is not None else ():
-            health = self.service.health.get(gpu.uuid, "healthy")
+            health = self.state.health.get(gpu.uuid, "healthy")
             counts[health] = counts.get(health, 0) + 1
-        for uuid, state in self.service.health.items():  # a lost GPU is no longer in the inventory
+        for uuid, state in self.state.health.items():  # a lost GPU is no longer in the inventory
             if state == "lost" and (inventory is None or all(g.uuid != uuid for g in inventory.gpus)):
                 counts["lost"] += 1
         for value, n in counts.items():
@@ -44,7 +44,7 @@ class DeviceCollector(Collector):
             "XID errors seen on the node's GPUs, critical or not",
             labels=["node", "critical"],
         )
-        for critical, n in sorted(self.service.xids.items()):
+        for critical, n in sorted(self.state.xids.items()):
             xids.add_metric([self.node, critical], float(n))
         yield xids
         driver = GaugeMetricFamily(

@@ -33,13 +33,14 @@ from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
 
 from .config import DeviceSettings, load
 from .gauges import DeviceCollector
-from .health import GpuHealth, judge, may_recover
+from .health import judge, may_recover
 from .labels import NodeLabeller, node_labels
 from .mig import CONFIG_DOCUMENT, MigController, start_mig_controller
 from .plugin import KubeletDevicePlugin
 from .podresources import PodResourcesClient
 from .ports import GpuPods, PodLookupError
 from .resources import ResourceError
+from .state import NodeGpuState
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,11 @@ class DeviceService:
         self.labeller: NodeLabeller | None = None
         self.cordoned = False
         self.ctx: ServiceContext | None = None
-        self.health: dict[str, GpuHealth] = {}
+        self.gpu_state = NodeGpuState()
+        """The inventory, health and XID counts its metrics collector reads (``gauges``)."""
         self.last_critical: dict[str, float] = {}
         self.clock = time.monotonic
         self.reasons: dict[str, str] = {}
-        self.xids: dict[str, int] = {"true": 0, "false": 0}  # XID errors seen, by whether they were critical
-        self.inventory: DeviceInventory | None = None
         self._inventory_lock = asyncio.Lock()
         self.plugin: KubeletDevicePlugin | None = None
         self.mig: MigController | None = None
@@ -81,7 +81,7 @@ class DeviceService:
     async def start(self, ctx: ServiceContext) -> None:
         """Reads the GPUs before subscribing to anything: a node whose GPUs cannot be read does not start."""
         self.ctx = ctx
-        ctx.telemetry.registry.register(DeviceCollector(self, ctx.node))
+        ctx.telemetry.registry.register(DeviceCollector(self.gpu_state, ctx.node))
         if self.gpus is None:
             self.gpus = ctx.backends.gpus()
             ctx.on_stop(self.gpus.close)
@@ -131,11 +131,11 @@ class DeviceService:
         may be published twice then (at-least-once)."""
         assert self.ctx is not None
         node = self.ctx.node
-        verdict = judge(event, self.health.get(event.uuid, "healthy"), self.settings.application_xids)
+        verdict = judge(event, self.gpu_state.health.get(event.uuid, "healthy"), self.settings.application_xids)
         if verdict.critical:
             self.last_critical[event.uuid] = self.clock()
         if event.kind == "xid":
-            self.xids["true" if verdict.critical else "false"] += 1
+            self.gpu_state.xids["true" if verdict.critical else "false"] += 1
             await self.ctx.publish(
                 GpuXid(node=node, gpu_uuid=event.uuid, xid=event.xid, critical=verdict.critical, message=event.message)
             )
@@ -156,7 +156,7 @@ class DeviceService:
                 pods=pods,
             )
         )
-        self.health[event.uuid] = verdict.health
+        self.gpu_state.health[event.uuid] = verdict.health
         self.reasons[event.uuid] = verdict.reason
         self.ctx.status["unhealthy"] = dict(self.reasons)
         try:
@@ -168,7 +168,7 @@ class DeviceService:
         """The pods holding the GPU (from the last inventory: a lost GPU no longer answers, and NVML may name it
         only ``index:<n>``), and why they are unknown when they are."""
         assert self.pods is not None
-        gpus = self.inventory.gpus if self.inventory is not None else []
+        gpus = self.gpu_state.inventory.gpus if self.gpu_state.inventory is not None else []
         gpu = next((g for g in gpus if uuid in (g.uuid, f"index:{g.index}")), None)
         try:
             found = await asyncio.wait_for(
@@ -226,7 +226,7 @@ class DeviceService:
         now = self.clock()
         candidates = [
             uuid
-            for uuid, health in self.health.items()
+            for uuid, health in self.gpu_state.health.items()
             if may_recover(health, self.last_critical.get(uuid, now), now, self.settings.recovery_s)
         ]
         if not candidates:
@@ -241,7 +241,7 @@ class DeviceService:
             quiet = round(now - self.last_critical.get(uuid, now))
             reason = f"recovered: no critical XID for {quiet}s and a passing probe"
             await self.ctx.publish(DeviceHealthChanged(node=self.ctx.node, gpu_uuid=uuid, healthy=True, reason=reason))
-            self.health[uuid] = "healthy"
+            self.gpu_state.health[uuid] = "healthy"
             self.reasons.pop(uuid, None)
             self.ctx.status["unhealthy"] = dict(self.reasons)
             log.warning("GPU healthy again", extra={"gpu": uuid, "reason": reason})
@@ -255,7 +255,8 @@ class DeviceService:
     async def _read_inventory(self, gpus: GpuPort, node: str) -> DeviceInventory:
         devices = await gpus.devices()
         versions = await gpus.versions()
-        marked = [msgspec.structs.replace(d, healthy=self.health.get(d.uuid, "healthy") == "healthy") for d in devices]
+        health = self.gpu_state.health
+        marked = [msgspec.structs.replace(d, healthy=health.get(d.uuid, "healthy") == "healthy") for d in devices]
         return DeviceInventory(
             node=node,
             driver_version=versions.driver,
@@ -277,7 +278,7 @@ class DeviceService:
     async def _publish_if_changed(self, inventory: DeviceInventory) -> None:
         assert self.ctx is not None
         async with self._inventory_lock:
-            last = self.inventory
+            last = self.gpu_state.inventory
             if last is not None and (last.driver_version, last.cuda_version, last.gpus) == (
                 inventory.driver_version,
                 inventory.cuda_version,
@@ -288,6 +289,6 @@ class DeviceService:
             self.ctx.status["gpus"] = [g.uuid for g in inventory.gpus]
             self.ctx.status["driver_version"] = inventory.driver_version
             await self.ctx.publish(inventory)
-            self.inventory = inventory
+            self.gpu_state.inventory = inventory
             if self.labeller is not None:
                 self.labeller.want(node_labels(inventory, self.settings.plugin_config.mig_strategy))

@@ -14,11 +14,11 @@ import asyncio
 import contextlib
 import logging
 import re
-import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from shared.adapters.driverinstall import install_driver
+from shared.adapters.nvmlhealth import NvmlHealthWatch, is_gpu_lost, is_nvml_error, nvml_code
 from shared.contract.device import GpuDevice, MigInstance
 from shared.plumbing.replies import as_text
 from shared.ports.gpu import (
@@ -36,7 +36,6 @@ T = TypeVar("T")
 
 MIB = 1024 * 1024
 _MIG_PROFILE_RE = re.compile(r"MIG\s+(\S+)\s*$")
-_CLOSED = object()
 
 # What NVIDIA's profile names append for the GPU instance profiles that are not the plain one of their size.
 _PROFILE_SUFFIXES: dict[str, str] = {
@@ -84,8 +83,8 @@ class NvmlGpus:
     """The GPU port for this node's GPUs, on NVML.
 
     NVML is initialised on first use (``open()``); the number of GPUs seen then is what ``validate_driver``
-    compares against. ``health_events()`` is fed by a thread that waits on an NVML event set for critical XID
-    errors and polls the GPUs for "GPU is lost".
+    compares against. ``health_events()`` comes from ``NvmlHealthWatch`` (``shared.adapters.nvmlhealth``): a
+    thread that waits on an NVML event set for critical XID errors and polls the GPUs for "GPU is lost".
     """
 
     simulated = False
@@ -100,15 +99,10 @@ class NvmlGpus:
         self._nvml_arg = nvml
         self._nvml: Any = None
         self._install_command = install_command
-        self._event_wait_ms = event_wait_ms
         self._open = False
         self._closed = False
         self._initial_count = 0
-        self._lock = threading.Lock()
-        self._lost: set[str] = set()
-        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = []
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._health = NvmlHealthWatch(event_wait_ms)
 
     def __repr__(self) -> str:
         return f"NvmlGpus(open={self._open}, gpus_at_open={self._initial_count})"
@@ -129,14 +123,10 @@ class NvmlGpus:
         return self._nvml
 
     def _is_nvml_error(self, exc: BaseException) -> bool:
-        cls = getattr(self._nvml, "NVMLError", None)
-        return isinstance(cls, type) and isinstance(exc, cls)
-
-    def _code(self, exc: BaseException) -> Any:
-        return getattr(exc, "value", None)
+        return is_nvml_error(self._nvml, exc)
 
     def _is_lost(self, exc: BaseException) -> bool:
-        return self._is_nvml_error(exc) and self._code(exc) == getattr(self._nvml, "NVML_ERROR_GPU_IS_LOST", 15)
+        return is_gpu_lost(self._nvml, exc)
 
     def open_sync(self) -> None:
         """Initialise NVML (idempotent); ``GpuError`` when NVML is missing or refuses."""
@@ -166,7 +156,7 @@ class NvmlGpus:
             if not self._is_nvml_error(exc):
                 raise
             if self._is_lost(exc) and uuid:
-                self._report_lost(uuid, f"{what}: {exc}")
+                self._health.report_lost(uuid, f"{what}: {exc}")
             where = f" on GPU {uuid}" if uuid else ""
             raise GpuError(f"NVML {what}{where} failed: {exc}") from exc
 
@@ -183,19 +173,19 @@ class NvmlGpus:
             except Exception as exc:
                 if self._is_lost(exc):
                     log.warning("GPU is lost", extra={"index": index, "error": str(exc)})
-                    self._report_lost(f"index:{index}", f"nvmlDeviceGetHandleByIndex({index}): {exc}")
+                    self._health.report_lost(f"index:{index}", f"nvmlDeviceGetHandleByIndex({index}): {exc}")
                     continue
                 if self._is_nvml_error(exc):
                     raise GpuError(f"NVML could not open GPU {index}: {exc}") from exc
                 raise
-            if uuid in self._lost:
+            if self._health.reported_lost(uuid):
                 continue
             found.append((index, uuid, handle))
         return found
 
     def _handle(self, uuid: str) -> Any:
         self.open_sync()
-        if uuid in self._lost:
+        if self._health.reported_lost(uuid):
             raise GpuError(f"GPU {uuid} is lost")
         return self._call("nvmlDeviceGetHandleByUUID", self._nvml.nvmlDeviceGetHandleByUUID, uuid, uuid=uuid)
 
@@ -213,7 +203,7 @@ class NvmlGpus:
                 )
                 memory = self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, h, uuid=uuid)
             except GpuError:
-                if uuid in self._lost:
+                if self._health.reported_lost(uuid):
                     continue
                 raise
             bus_ids[bus] = uuid
@@ -349,7 +339,7 @@ class NvmlGpus:
             return fn(*args)
         except Exception as exc:
             unsupported = getattr(self._nvml, "NVML_ERROR_NOT_SUPPORTED", 3)
-            if self._is_nvml_error(exc) and self._code(exc) == unsupported:
+            if self._is_nvml_error(exc) and nvml_code(exc) == unsupported:
                 return None
         return self._call(what, fn, *args, uuid=uuid)
 
@@ -367,7 +357,7 @@ class NvmlGpus:
                     "nvmlDeviceGetTemperature", nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU, uuid=uuid
                 )
             except GpuError:
-                if uuid in self._lost:
+                if self._health.reported_lost(uuid):
                     continue
                 raise
             samples.append(
@@ -386,105 +376,11 @@ class NvmlGpus:
     async def utilisation(self) -> list[GpuUtilisation]:
         return await asyncio.to_thread(self._utilisation)
 
-    # -- health ---------------------------------------------------------------------------------------------------
-    def _publish(self, item: Any) -> None:
-        with self._lock:
-            subscribers = list(self._subscribers)
-        for loop, queue in subscribers:
-            with contextlib.suppress(RuntimeError):  # the subscriber's loop has closed
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def _report_lost(self, uuid: str, message: str) -> None:
-        with self._lock:
-            if uuid in self._lost:
-                return
-            self._lost.add(uuid)
-        log.error("GPU is lost", extra={"gpu": uuid, "error": message})
-        self._publish(GpuHealthEvent(uuid=uuid, kind="lost", message=message))
-
+    # -- health (``shared.adapters.nvmlhealth``) ------------------------------------------------------------------
     async def health_events(self) -> AsyncIterator[GpuHealthEvent]:
         await asyncio.to_thread(self.open_sync)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        entry = (asyncio.get_running_loop(), queue)
-        with self._lock:
-            self._subscribers.append(entry)
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._watch, name="nvml-health", daemon=True)
-                self._thread.start()
-        try:
-            while not self._closed:
-                item = await queue.get()
-                if item is _CLOSED:
-                    return
-                yield item
-        finally:
-            with self._lock, contextlib.suppress(ValueError):
-                self._subscribers.remove(entry)
-
-    def _watch(self) -> None:
-        """The health thread: wait for critical XIDs; between waits, check each GPU still answers."""
-        nvml = self._nvml
-        event_set: Any = None
-        handles: list[tuple[str, Any]] = []
-        try:
-            event_set = nvml.nvmlEventSetCreate()
-        except Exception as exc:
-            log.warning("NVML event set unavailable; only lost GPUs will be reported", extra={"error": str(exc)})
-        try:
-            handles = [(uuid, h) for _i, uuid, h in self._handles()]
-        except GpuError as exc:
-            log.warning("NVML health watch could not list GPUs", extra={"error": str(exc)})
-        if event_set is not None:
-            for uuid, h in handles:
-                try:
-                    nvml.nvmlDeviceRegisterEvents(h, nvml.nvmlEventTypeXidCriticalError, event_set)
-                except Exception as exc:
-                    log.info("GPU does not report XID events; skipped", extra={"gpu": uuid, "error": str(exc)})
-        timeout_code = getattr(nvml, "NVML_ERROR_TIMEOUT", 10)
-        try:
-            while not self._stop.is_set():
-                if event_set is None:
-                    self._stop.wait(self._event_wait_ms / 1000)
-                else:
-                    try:
-                        data = nvml.nvmlEventSetWait_v2(event_set, self._event_wait_ms)
-                    except Exception as exc:
-                        if self._is_nvml_error(exc) and self._code(exc) == timeout_code:
-                            data = None
-                        elif self._is_lost(exc):
-                            data = None  # which GPU: the poll below finds out
-                        else:
-                            log.warning("NVML event wait failed", extra={"error": str(exc)})
-                            self._stop.wait(self._event_wait_ms / 1000)
-                            data = None
-                    if data is not None:
-                        self._xid(data)
-                for uuid, h in handles:
-                    if uuid in self._lost:
-                        continue
-                    try:
-                        nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
-                    except Exception as exc:
-                        if self._is_lost(exc):
-                            self._report_lost(uuid, f"nvmlDeviceGetTemperature: {exc}")
-        finally:
-            if event_set is not None:
-                with contextlib.suppress(Exception):
-                    nvml.nvmlEventSetFree(event_set)
-
-    def _xid(self, data: Any) -> None:
-        try:
-            uuid = as_text(self._nvml.nvmlDeviceGetUUID(data.device))
-        except Exception as exc:
-            uuid = "unknown"
-            log.warning("XID event for a GPU whose UUID NVML did not give", extra={"error": str(exc)})
-        xid = int(data.eventData)
-        message = f"XID {xid}"
-        gi = getattr(data, "gpuInstanceId", None)
-        if gi is not None and gi != 0xFFFFFFFF:
-            message += f" (GPU instance {gi}, compute instance {getattr(data, 'computeInstanceId', '?')})"
-        log.warning("XID error", extra={"gpu": uuid, "xid": xid})
-        self._publish(GpuHealthEvent(uuid=uuid, kind="xid", xid=xid, message=message))
+        async for event in self._health.events(self._nvml, self._handles):
+            yield event
 
     # -- MIG ------------------------------------------------------------------------------------------------------
     def _gi_profiles(self, h: Any, uuid: str) -> list[tuple[int, MigProfile]]:
@@ -500,7 +396,7 @@ class NvmlGpus:
                 if not self._is_nvml_error(exc):
                     raise
                 if self._is_lost(exc):
-                    self._report_lost(uuid, f"nvmlDeviceGetGpuInstanceProfileInfo: {exc}")
+                    self._health.report_lost(uuid, f"nvmlDeviceGetGpuInstanceProfileInfo: {exc}")
                     raise GpuError(f"NVML nvmlDeviceGetGpuInstanceProfileInfo on GPU {uuid} failed: {exc}") from exc
                 continue  # not supported on this GPU (or no MIG at all)
             if int(info.instanceCount) <= 0:
@@ -668,8 +564,7 @@ class NvmlGpus:
                         raise
                     lost.append(f"GPU {index}: {exc}")
                     continue
-                with self._lock:
-                    self._lost.discard(uuid)  # it answers again (a driver reload brings a lost GPU back)
+                self._health.answers_again(uuid)
                 visible += 1
         finally:
             with contextlib.suppress(Exception):
@@ -696,11 +591,7 @@ class NvmlGpus:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._publish(_CLOSED)
-        thread = self._thread
-        if thread is not None:
-            await asyncio.to_thread(thread.join, 5.0)
+        await self._health.close()
         if self._open and self._nvml is not None:
             with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()

@@ -88,6 +88,8 @@ def cmd_drain_node(args: argparse.Namespace) -> int:
                 tasks["save"] = progress.add_task(f"save {total} session(s)", total=max(total, 1))
             elif not args.json:
                 err.print(f"{args.node} cordoned; saving {total} session(s)")
+        elif phase == "saving" and live and "done" in done:
+            progress.update(tasks["save"], completed=done["done"])
         elif phase == "saved":
             if live:
                 progress.update(tasks["save"], completed=progress.tasks[0].total)

@@ -8,9 +8,10 @@ with backoff) and waits until the node is empty. This module adds what is the co
 the result it prints, and with ``--wait`` it follows
 each session to the pod that takes it until that pod has restored it and verified every digest (its
 ``checkpoint.restored`` event, published by the KV agent only after the check, for a generation newer than the one
-drained; heard by subscription: ``SessionMoves``). A session whose conversation ends in between (its client closes
-it: an inference request with neither prompt nor new tokens) has nothing left to restore and is counted as ended,
-not as lost.
+drained; heard by subscription: ``SessionMoves``). A session whose conversation ends in between, for any reason (its
+client closes it: an inference request with neither prompt nor new tokens; or its pod ends it: expired, or at its
+context limit, which the registry publishes as a ``kv.session.location`` ``ended``) has nothing left to restore and
+is counted as ended, not as lost.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from shared.clients.drains import (
     drain_request,
 )
 from shared.console.client import CommandError, MeshClient
+from shared.console.saveprogress import SaveProgressListener
 from shared.console.snapshot import read_sessions
 from shared.console.state import named
 from shared.contract.annotations import (
@@ -48,21 +50,23 @@ from shared.contract.device import DeviceInventory
 from shared.contract.driver import UpgradeState
 from shared.contract.node import DrainFailed, DrainOutcome, NodeUncordoned
 from shared.contract.requests import InferenceRequest
+from shared.contract.sessions import SessionLocation
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
 from shared.ports.cluster import ClusterConflict
 
 DrainPhase = Literal[DrainStep, "moving"]
-"""Where ``drain`` is: the drain client's steps (``DrainStep``: the node cordoned and the save asked for, each with
-``sessions``, how many to save; saved, with ``sessions`` and ``bytes``; one pod evicted, ``pod``; pods still to
-leave, ``pods_left``), then sessions restored or ended elsewhere so far (``done`` of ``total``)."""
+"""Where ``drain`` is: the drain client's steps (``DrainStep``: the node cordoned, with ``sessions``, how many to
+save; the save asked for, with ``sessions``, then, as the pods' agents report it, ``done`` and ``bytes`` so far:
+``SaveProgressListener``; saved, with ``sessions`` and ``bytes``; one pod evicted, ``pod``; pods still to leave,
+``pods_left``), then sessions restored or ended elsewhere so far (``done`` of ``total``)."""
 
 Report = Callable[[DrainPhase, dict[str, Any]], None]
 """Progress: the phase and what it has done so far (the keys ``DrainPhase`` names); the command draws it (a bar,
 or plain lines)."""
 
 MoveOutcome = Literal["", "restored", "ended"]
-"""What became of a drained session: restored elsewhere (and verified), ended (its client closed it in transit),
-or nothing yet ('')."""
+"""What became of a drained session: restored elsewhere (and verified), ended (closed by its client, expired, or at
+its context limit, in transit), or nothing yet ('')."""
 
 
 @dataclass
@@ -167,14 +171,19 @@ async def drain(
     await known_node(mesh, node)
     started = time.monotonic()
     result = DrainResult(node=node, drain_id=drain_id)
-    before = await read_sessions(mesh, node=node)
+    before = await read_sessions(mesh, node=node, verified=False)
     result.sessions = [MovedSession(s.id, s.pod, s.generation) for s in before]
 
     def progress(step: DrainStep, done: dict[str, Any]) -> None:
         report(step, {"sessions": len(before)} if step in ("cordoned", "saving") else done)
 
+    def saving(done: int, nbytes: int) -> None:
+        report("saving", {"sessions": len(before), "done": min(done, len(before)), "bytes": nbytes})
+
     async with contextlib.AsyncExitStack() as listening:
         moves = await listening.enter_async_context(SessionMoves(mesh, node, result.sessions)) if wait else None
+        pods = {s.pod for s in before}
+        await listening.enter_async_context(SaveProgressListener(mesh.bus, drain_id, pods, saving))
         try:
             drained = await drain_node(
                 drains,
@@ -223,13 +232,14 @@ async def drain(
 
 class SessionMoves:
     """Where the sessions drained from ``node`` went: entered before the node is cordoned, it hears every
-    ``checkpoint.restored`` event (published by a KV agent only once every digest checked out, and stored) and
-    every session its client closes (an inference request with neither prompt nor new tokens). A session is
-    ``restored`` once a pod off the node restored it under a generation newer than the drained one, ``ended`` once
-    its client closed it without that. What happened before the subscription began (between the read of the
-    sessions and the cordon), or while this connection was failing over to another server and heard nothing, is
-    looked up in the events stream: once per session still waiting when ``follow`` begins, after each reconnect,
-    and at the end, never on a timer."""
+    ``checkpoint.restored`` event (published by a KV agent only once every digest checked out, and stored), every
+    session its client closes (an inference request with neither prompt nor new tokens) and every session that
+    ends otherwise (its pod ended it: expired, or at its context limit; the registry's ``kv.session.location``
+    ``ended``). A session is ``restored`` once a pod off the node restored it under a generation newer than the
+    drained one, ``ended`` once it ended without that. What happened before the subscription began (between the
+    read of the sessions and the cordon), or while this connection was failing over to another server and heard
+    nothing, is looked up in the events stream: once per session still waiting when ``follow`` begins, after each
+    reconnect, and at the end, never on a timer."""
 
     LOOKUPS_AT_ONCE = 64
     """Stored events read at once in a lookup: bounded, so a node of thousands of sessions does not flood NATS."""
@@ -239,7 +249,7 @@ class SessionMoves:
         self.node = node
         self.sessions = {m.id: m for m in sessions}
         self.restored: dict[str, SessionRestored] = {}
-        self.closed: set[str] = set()
+        self.ended: set[str] = set()
         self._changed = asyncio.Event()
         self._subs: list[Any] = []
 
@@ -252,6 +262,9 @@ class SessionMoves:
             )
             self._subs.append(
                 await bus.subscribe(s.pattern("requests.inference"), self._on_request, (InferenceRequest,))
+            )
+            self._subs.append(
+                await bus.subscribe(s.pattern("kv.session.location"), self._on_location, (SessionLocation,))
             )
         except BaseException:
             await self._close()
@@ -280,22 +293,35 @@ class SessionMoves:
         self._note_restored(event)
 
     async def _on_request(self, event: InferenceRequest) -> None:
-        if event.prompt_tokens == 0 and event.max_new_tokens == 0 and event.session_id in self.sessions:
-            self.closed.add(event.session_id)
+        if event.prompt_tokens == 0 and event.max_new_tokens == 0:
+            self._note_ended(event.session_id)
+
+    async def _on_location(self, event: SessionLocation) -> None:
+        if event.reason == "ended":
+            self._note_ended(event.session_id)
+
+    def _note_ended(self, session_id: str) -> None:
+        if session_id in self.sessions and session_id not in self.ended:
+            self.ended.add(session_id)
             self._changed.set()
 
     async def _look_up(self) -> None:
-        """The newest stored ``checkpoint.restored`` of each session still waiting (bounded: see the class)."""
-        s = self.mesh.subjects
+        """The newest stored ``checkpoint.restored`` of each session still waiting, and for one never restored its
+        newest location, which says whether it ended (bounded: see the class)."""
         waiting = [m.id for m in self.sessions.values() if not m.outcome and m.id not in self.restored]
         for at in range(0, len(waiting), self.LOOKUPS_AT_ONCE):
-            batch = waiting[at : at + self.LOOKUPS_AT_ONCE]
-            found = await asyncio.gather(
-                *(self.mesh.last_event(s.pattern("checkpoint.restored", session_id=sid)) for sid in batch)
-            )
-            for event in found:
-                if isinstance(event, SessionRestored):
-                    self._note_restored(event)
+            await asyncio.gather(*(self._look_up_one(sid) for sid in waiting[at : at + self.LOOKUPS_AT_ONCE]))
+
+    async def _look_up_one(self, sid: str) -> None:
+        s = self.mesh.subjects
+        event = await self.mesh.last_event(s.pattern("checkpoint.restored", session_id=sid))
+        if isinstance(event, SessionRestored):
+            self._note_restored(event)
+        if sid in self.restored or sid in self.ended:
+            return
+        location = await self.mesh.last_event(s.pattern("kv.session.location", session_id=sid))
+        if isinstance(location, SessionLocation) and location.reason == "ended":
+            self._note_ended(sid)
 
     def _judge(self) -> int:
         """Decide what can be decided; the number of sessions with an outcome."""
@@ -308,7 +334,7 @@ class SessionMoves:
                 moved.new_pod, moved.new_node = event.pod, event.node
                 moved.checkpoint_id = event.checkpoint_id
                 moved.fell_back_from = list(event.fell_back_from)
-            elif moved.id in self.closed:
+            elif moved.id in self.ended:
                 moved.outcome = "ended"
         return sum(1 for m in self.sessions.values() if m.outcome)
 

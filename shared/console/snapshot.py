@@ -414,10 +414,12 @@ async def fleet_summary(mesh: MeshClient) -> FleetSummary:
 
 
 async def read_sessions(
-    mesh: MeshClient, *, node: str = "", pod: str = "", limit: int | None = None
+    mesh: MeshClient, *, node: str = "", pod: str = "", limit: int | None = None, verified: bool = True
 ) -> list[SessionView]:
     """The sessions the registry places on pods (of ``node`` or ``pod`` when given), page by page from the
-    checkpoint service, at most ``limit`` (all when None), each with its newest checkpoint and how it got there."""
+    checkpoint service, at most ``limit`` (all when None), each with its newest checkpoint and, with
+    ``verified``, how it got there (one read of the events stream per session: a caller that does not show it
+    asks for none)."""
     subject = mesh.subjects.command("checkpoint", "sessions")
     records: list[SessionRecord] = []
     cursor = ""
@@ -448,6 +450,8 @@ async def read_sessions(
         )
         for r in (records if limit is None else records[:limit])
     ]
+    if not verified:
+        return sorted(out, key=lambda v: (v.node, v.pod, v.id))
     s = mesh.subjects
     restored = await asyncio.gather(*(mesh.last_event(s.pattern("checkpoint.restored", session_id=v.id)) for v in out))
     for view, event in zip(out, restored, strict=True):

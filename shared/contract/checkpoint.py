@@ -123,6 +123,11 @@ class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.comman
     """Sessions whose save must write every block again, reusing nothing from their last checkpoint: the store
     lost or damaged a pack it references (the checkpoint service's scrub found it, or a record was refused for
     it). Saved even under ``changed_only``."""
+    confirm_unchanged: bool = False
+    """(With ``changed_only``) Name each session passed over in the report's ``kept``, with the last checkpoint that
+    holds it, for the recorder to confirm: the pod's last save (its preStop hook) writes nothing a drain or a
+    periodic save just committed, yet leaves nothing unrecorded whose first report was lost. Agents that predate
+    it ignore it and save in full (what they always did)."""
 
 
 class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.report"):
@@ -140,6 +145,11 @@ class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.
     parts_recorded: int = 0
     """Earlier parts of this report the agent had recorded already (``record``), each one bounded in size, so
     that no message passes the bus's payload limit: the reply is the last part."""
+    kept: list[CommittedCheckpoint] = msgspec.field(default_factory=list)
+    """(``confirm_unchanged``) Sessions passed over, each with the last checkpoint that holds it as it is: nothing
+    was written for them. Recording confirms each (a checkpoint recorded before changes nothing; one whose first
+    report was lost is recorded now) and answers it here, or refuses it in ``failed`` when the pod no longer holds
+    the session under that generation."""
 
 
 class SaveProgress(Event, frozen=True, kw_only=True, tag="checkpoint.save.progress"):

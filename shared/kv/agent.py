@@ -101,6 +101,9 @@ class SaveReport:
     not_held: list[str] = field(default_factory=list)
     unchanged: int = 0
     """Sessions a ``changed_only`` save passed over: their last checkpoint holds them as they are."""
+    kept: list[CheckpointManifest] = field(default_factory=list)
+    """The last checkpoint of each session a ``changed_only`` save passed over (``unchanged`` of them): what holds
+    it, for a caller that has it confirmed as recorded rather than written again (the pod's last save)."""
 
     @property
     def bytes_total(self) -> int:
@@ -333,7 +336,11 @@ class KvAgent:
         written.
 
         ``changed_only``: a session whose last checkpoint (written or verified here, under the generation it is
-        held under) holds it as it is now writes nothing (periodic saves): counted in ``unchanged``.
+        held under) holds it as it is now writes nothing (periodic saves, the pod's last save): counted in
+        ``unchanged``, its last checkpoint named in ``kept``.
+
+        ``progress`` hears the report after each committed round and at the end, once per state, with the number of
+        sessions the save ends committed or failed (the report's ``committed`` plus ``failed`` reach it last).
 
         ``rewrite``: sessions (of those saved) that write every block again, referencing nothing of an earlier
         checkpoint, and are saved even when ``changed_only`` finds them unchanged: the checkpoint service found a
@@ -360,9 +367,12 @@ class KvAgent:
                         )
                     )
                 elif changed_only and sid not in rewritten and _unchanged(session):
+                    assert session.last is not None  # _unchanged says so
                     report.unchanged += 1
+                    report.kept.append(session.last)
                 else:
                     todo.append(session)
+            total = len(todo) + len(report.failed)  # every session of the save ends committed or failed
             round_: list[Session] = []
             round_bytes = 0
             for session in todo:
@@ -372,11 +382,11 @@ class KvAgent:
                     await self._save_round(round_, deadline, reason, report, rewritten)
                     round_, round_bytes = [], 0
                     if progress is not None:
-                        await progress(report, len(todo))
+                        await progress(report, total)
             if round_:
                 await self._save_round(round_, deadline, reason, report, rewritten)
-            if progress is not None:
-                await progress(report, len(todo))
+            if progress is not None and (round_ or not todo):  # the end, unless the last round was just heard
+                await progress(report, total)
             return report
 
     def _staging_for(self, nbytes: int) -> Staging:

@@ -1,6 +1,9 @@
-"""The KV agent on the mesh: answers the checkpoint service's save commands (drains, periodic checkpoints, failing
-GPUs), announces its sessions with the generation it holds of each, and takes sessions (restored or fresh) by
-asking the checkpoint service, which hands out generations.
+"""The KV agent on the mesh: answers save commands (the checkpoint service's for drains, periodic checkpoints and
+failing GPUs; the pod's preStop hook's for its last save), announces its sessions with the generation it holds of
+each, and takes sessions (restored or fresh) by asking the checkpoint service, which hands out generations.
+
+A save's report has one road, whoever asked: it is the reply, and the asker has the checkpoint service record it
+(the service records what it asked for; the hook hands it on with ``record_report``).
 
 The endpoint speaks only core NATS request/reply (the agent lives in an inference pod with a narrow NATS user);
 lifecycle events about checkpoints are published by the checkpoint service, which records what agents report.
@@ -33,7 +36,7 @@ from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, Se
 from shared.contract.node import SessionFailure
 from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent, RestoredSession, SaveReport
-from shared.kv.manifest import KvLayout
+from shared.kv.manifest import CheckpointManifest, KvLayout
 from shared.kv.store import CheckpointNotFound, ChunkCorrupt
 from shared.plumbing.bus import Bus, Subscription
 from shared.plumbing.errors import PermanentError
@@ -79,46 +82,86 @@ async def connect_bus(source: str, env: Mapping[str, str] | None = None) -> Bus:
     return await Bus.connect(settings.nats, Subjects(settings.root), source)
 
 
-def report_event(agent: KvAgent, report: SaveReport) -> SaveSessionsReport:
+def _committed(m: CheckpointManifest) -> CommittedCheckpoint:
+    return CommittedCheckpoint(
+        session_id=m.session_id,
+        checkpoint_id=m.checkpoint_id,
+        bytes_total=m.bytes_total,
+        bytes_written=m.bytes_written,
+        chunks=len(m.blocks),
+        token_count=m.token_count,
+        generation=m.generation,
+        sequence=m.sequence,
+    )
+
+
+def report_event(agent: KvAgent, report: SaveReport, confirm_unchanged: bool = False) -> SaveSessionsReport:
+    """The agent's report as it goes on the bus; ``confirm_unchanged``: with the sessions passed over in ``kept``."""
     return SaveSessionsReport(
         pod=agent.pod,
         node=agent.node,
         store=agent.store.url,
-        committed=[
-            CommittedCheckpoint(
-                session_id=m.session_id,
-                checkpoint_id=m.checkpoint_id,
-                bytes_total=m.bytes_total,
-                bytes_written=m.bytes_written,
-                chunks=len(m.blocks),
-                token_count=m.token_count,
-                generation=m.generation,
-                sequence=m.sequence,
-            )
-            for m in report.committed
-        ],
+        committed=[_committed(m) for m in report.committed],
         failed=[SessionFailure(session_id=f.session_id, pod=agent.pod, reason=f.reason) for f in report.failed],
         not_held=report.not_held,
         unchanged=report.unchanged,
+        kept=[_committed(m) for m in report.kept] if confirm_unchanged else [],
     )
 
 
 def report_parts(report: SaveSessionsReport) -> list[SaveSessionsReport]:
-    """The report in parts of at most ``REPORT_PART`` checkpoints and failures each, the rest of its fields on
-    the last: each part is one message well below the bus's payload limit."""
-    entries = len(report.committed) + len(report.failed) + len(report.not_held)
-    if entries <= REPORT_PART:
+    """The report in parts of at most ``REPORT_PART`` entries each (checkpoints committed or kept, failures,
+    sessions not held), the rest of its fields on the last: each part is one message well below the bus's
+    payload limit."""
+    lists = (report.committed, report.failed, report.not_held, report.kept)
+    if sum(len(entries) for entries in lists) <= REPORT_PART:
         return [report]
     parts = []
-    committed, failed, not_held = list(report.committed), list(report.failed), list(report.not_held)
-    while committed or failed or not_held:
-        take_c = committed[:REPORT_PART]
-        take_f = failed[: REPORT_PART - len(take_c)]
-        take_n = not_held[: REPORT_PART - len(take_c) - len(take_f)]
-        del committed[: len(take_c)], failed[: len(take_f)], not_held[: len(take_n)]
-        parts.append(msgspec.structs.replace(report, committed=take_c, failed=take_f, not_held=take_n, unchanged=0))
+    committed, failed, not_held, kept = (list(entries) for entries in lists)
+    while committed or failed or not_held or kept:
+        room = REPORT_PART
+        taken = []
+        for entries in (committed, failed, not_held, kept):
+            taken.append(entries[:room])
+            del entries[:room]
+            room -= len(taken[-1])
+        take_c, take_f, take_n, take_k = taken
+        parts.append(
+            msgspec.structs.replace(report, committed=take_c, failed=take_f, not_held=take_n, kept=take_k, unchanged=0)
+        )
     parts[-1] = msgspec.structs.replace(parts[-1], unchanged=report.unchanged, parts_recorded=len(parts) - 1)
     return parts
+
+
+async def record_report(bus: Bus, pod: str, report: SaveSessionsReport) -> SaveSessionsReport | None:
+    """Have the checkpoint service verify and record ``pod``'s report (``record``), in parts when it is long:
+    what it recorded, as one report, or None when it did not answer. What a save's asker does with the reply
+    when it is not the checkpoint service (the pod's preStop hook), and what the agent does with the parts of a
+    long report before the reply."""
+    recorded: list[SaveSessionsReport] = []
+    for part in report_parts(report):
+        answer: Any = None
+        with contextlib.suppress(Exception):
+            answer = await bus.request(bus.subjects.agent_command("record", pod), part, 5.0)
+        if not isinstance(answer, SaveSessionsReport):
+            return None
+        recorded.append(answer)
+    if len(recorded) == 1:
+        return recorded[0]
+    return msgspec.structs.replace(
+        recorded[-1],
+        committed=[c for r in recorded for c in r.committed],
+        failed=[f for r in recorded for f in r.failed],
+        not_held=[n for r in recorded for n in r.not_held],
+        kept=[k for r in recorded for k in r.kept],
+    )
+
+
+def final_save_command(pod: str, deadline_s: float) -> SaveSessions:
+    """The pod's last save, as its preStop hook asks for it: every session it holds, only what changed since each
+    one's last checkpoint written, the rest named to be confirmed (``confirm_unchanged``). The asker records the
+    report."""
+    return SaveSessions(pod=pod, deadline_s=deadline_s, reason="prestop", changed_only=True, confirm_unchanged=True)
 
 
 class ModelHost(Protocol):
@@ -231,14 +274,27 @@ class AgentEndpoint:
         self._changed.set()
 
     async def on_save(self, command: SaveSessions) -> SaveSessionsReport:
-        """Idempotent: a repeated save of unchanged sessions commits checkpoints that write no new bytes. The
-        service that asked records what it answers; sessions held under another generation than the command
-        names are refused; sessions it names in ``rewrite`` write every block again. A ``prestop`` save (the
-        pod's own hook) is recorded by the agent itself."""
+        """Idempotent: a repeated save of unchanged sessions commits checkpoints that write no new bytes (none at
+        all with ``changed_only``). Sessions held under another generation than the command names are refused;
+        sessions it names in ``rewrite`` write every block again.
+
+        One road for every report, whoever asks: the reply is the report, and the asker records it (the
+        checkpoint service, or the pod's preStop hook, which hands it to the service: ``record_report``). Only
+        the earlier parts of a long report are recorded here, before the reply."""
         if self._stopped:
             raise PermanentError(f"pod {self.agent.pod}'s KV agent is stopped")
-        if command.reason == "prestop":  # the pod's own hook (`gpuwarden agent final-save`), not the service
-            return await self.final_save(command.deadline_s)
+        *earlier, last = report_parts(await self._save(command))
+        for part in earlier:  # recorded by the service now; the reply is the last part
+            if await record_report(self.bus, self.agent.pod, part) is None:
+                raise PermanentError(
+                    f"pod {self.agent.pod}: a part of its save report ({len(part.committed)} checkpoints) was not "
+                    "recorded: the checkpoint service did not answer"
+                )
+        return last
+
+    async def _save(self, command: SaveSessions) -> SaveSessionsReport:
+        """The save ``command`` asks for, its progress published after each round (``checkpoint.save.progress``:
+        what a drain's caller shows), and its whole report."""
         started = time.monotonic()
 
         async def progress(so_far: SaveReport, total: int) -> None:
@@ -271,19 +327,13 @@ class AgentEndpoint:
                 "drain_id": command.drain_id,
                 "reason": command.reason,
                 "committed": len(report.committed),
+                "unchanged": report.unchanged,
                 "failed": len(report.failed),
                 "bytes": report.bytes_total,
                 "seconds": round(time.monotonic() - started, 3),
             },
         )
-        *earlier, last = report_parts(report_event(self.agent, report))
-        for part in earlier:  # recorded by the service now; the reply is the last part
-            if await self._record(part) is None:
-                raise PermanentError(
-                    f"pod {self.agent.pod}: a part of its save report ({len(part.committed)} checkpoints) was not "
-                    "recorded: the checkpoint service did not answer"
-                )
-        return last
+        return report_event(self.agent, report, command.changed_only and command.confirm_unchanged)
 
     # -- model rollouts -----------------------------------------------------------------------------------------
     async def on_prepare(self, command: PrepareModel) -> ModelPrepared:
@@ -360,26 +410,6 @@ class AgentEndpoint:
             self.models.switched(state, previous)
             self._changed.set()
             return True
-
-    async def _record(self, event: SaveSessionsReport) -> SaveSessionsReport | None:
-        """Have the checkpoint service verify and record a report, in parts when it is long; what it recorded,
-        or None when it did not answer."""
-        recorded: list[SaveSessionsReport] = []
-        for part in report_parts(event):
-            answer: Any = None
-            with contextlib.suppress(Exception):
-                answer = await self.bus.request(self.bus.subjects.agent_command("record", self.agent.pod), part, 5.0)
-            if not isinstance(answer, SaveSessionsReport):
-                return None
-            recorded.append(answer)
-        if len(recorded) == 1:
-            return recorded[0]
-        return msgspec.structs.replace(
-            recorded[-1],
-            committed=[c for r in recorded for c in r.committed],
-            failed=[f for r in recorded for f in r.failed],
-            not_held=[n for r in recorded for n in r.not_held],
-        )
 
     async def announce(self, leaving: bool = False, timeout: float = 2.0) -> None:
         """Tell the registry what changed since the last announcement it applied (a delta; every session only at
@@ -492,11 +522,12 @@ class AgentEndpoint:
             await asyncio.sleep(0.05)  # coalesce bursts of session changes
 
     async def final_save(self, deadline_s: float) -> SaveSessionsReport:
-        """The preStop hook's save: everything the pod holds, recorded by the checkpoint service (which refuses
-        sessions this pod no longer owns). Returns what the service recorded, or the agent's own report when
-        the service did not answer."""
-        report = report_event(self.agent, await self.agent.save(deadline_s=deadline_s, reason="prestop"))
-        recorded = await self._record(report)
+        """The preStop hook's save run inside the pod's process (``final_save_command``), recorded by the checkpoint
+        service (which refuses sessions this pod no longer owns): what the service recorded, or the agent's own
+        report when the service did not answer. A session committed by a drain and unchanged since is not saved
+        again: its checkpoint is confirmed (``kept``)."""
+        report = await self._save(final_save_command(self.agent.pod, deadline_s))
+        recorded = await record_report(self.bus, self.agent.pod, report)
         return recorded if recorded is not None else report
 
     async def _locate(self, session_id: str, timeout: float) -> CheckpointLocation:

@@ -2,9 +2,11 @@
 ``python -m shared.kv.prestop``) does what ``gpuwarden agent final-save`` does (that command calls ``final_save``
 here), without gpuwarden's CLI.
 
-It asks the pod's KV agent, over NATS, to save every session it holds (a ``prestop`` save, which the agent has the
-checkpoint service record), waits for the report, prints it as JSON, and exits 0 when no session failed. The pod
-is ``--pod`` or ``$GPUWARDEN_POD_NAME``; the connection is gpuwarden's own settings (``connect_bus``).
+It asks the pod's KV agent, over NATS, for the pod's last save (``final_save_command``: what changed since each
+session's last checkpoint is written, the rest named to be confirmed, so that sessions a drain just committed are
+not saved twice), hands the report to the checkpoint service to record (``record_report``: the asker records, as
+the service does with the saves it asks for), prints what was recorded as JSON, and exits 0 when no session failed.
+The pod is ``--pod`` or ``$GPUWARDEN_POD_NAME``; the connection is gpuwarden's own settings (``connect_bus``).
 """
 
 from __future__ import annotations
@@ -21,25 +23,30 @@ import msgspec
 from shared.contract.base import Event
 from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
 from shared.contract.registry import codec
-from shared.kv.endpoint import connect_bus
+from shared.kv.endpoint import connect_bus, final_save_command, record_report
 from shared.plumbing.errors import SettingsError
 
 
 def prestop_command(pod: str, deadline_s: float) -> SaveSessions:
     """The command, validated as the agent will decode it; ``ValueError`` naming what is wrong."""
-    command = SaveSessions(pod=pod, deadline_s=deadline_s, reason="prestop")
     try:
+        command = final_save_command(pod, deadline_s)
         return msgspec.json.decode(codec.encode(command), type=SaveSessions)
     except msgspec.ValidationError as exc:
         raise ValueError(str(exc)) from None
 
 
 async def final_save(command: SaveSessions, env: Mapping[str, str] | None = None) -> Event:
-    """Send the pod's agent ``command`` and return its answer: a ``SaveSessionsReport``, or what the bus got
-    instead (a dead letter naming why). ``TimeoutError`` when no agent answers within the deadline."""
+    """Send the pod's agent ``command`` and have the checkpoint service record its report: what the service
+    recorded, the agent's own report when the service did not answer, or what the bus got instead of a report (a
+    dead letter naming why). ``TimeoutError`` when no agent answers within the deadline."""
     bus = await connect_bus(f"prestop/{command.pod}", env)
     try:
-        return await bus.request(bus.subjects.for_event(command), command, timeout=command.deadline_s + 2)
+        reply = await bus.request(bus.subjects.for_event(command), command, timeout=command.deadline_s + 2)
+        if not isinstance(reply, SaveSessionsReport):
+            return reply
+        recorded = await record_report(bus, command.pod, reply)
+        return recorded if recorded is not None else reply
     finally:
         await bus.close(1)
 

@@ -1,4 +1,5 @@
-"""The one bus wrapper over nats-py: the connection, its streams, typed publish, core subscriptions, request/reply.
+"""The one bus wrapper over nats-py: the connection (opened by ``shared.plumbing.connection``), its streams, typed
+publish, core subscriptions, request/reply.
 
 Lifecycle events go through JetStream: published with ``Nats-Msg-Id`` set to the event id (the stream stores a
 retried publish once), consumed by durable pull consumers with explicit acks (``shared.plumbing.consumer``, the
@@ -16,7 +17,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol, TypeVar, Union
 
 import msgspec
@@ -29,12 +29,12 @@ from nats.js import api as js_api
 
 from shared.contract.base import Event, subject_token
 from shared.contract.deadletter import DEAD_LETTER_PAYLOAD_LIMIT, DeadLetter
-from shared.contract.permissions import inbox_prefix
 from shared.contract.registry import codec
 from shared.contract.subjects import StreamSpec, Subjects
+from shared.plumbing.connection import Relinks, open_connection
 from shared.plumbing.errors import PermanentError, ServerUnreachable, TemporaryError
 from shared.plumbing.retries import JETSTREAM_API, JETSTREAM_PUBLISH
-from shared.plumbing.settings import NatsSettings, Secret, public_url
+from shared.plumbing.settings import NatsSettings
 from shared.plumbing.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -54,21 +54,6 @@ def nats_unreachable(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _token_reader(path: Path, first: Secret | None) -> Callable[[], str]:
-    """The token as the file holds it at each (re)connect (a projected service-account token is rewritten by the
-    kubelet before it expires); the last good read when the file cannot be read at that moment."""
-    last = [first.reveal() if first is not None else ""]
-
-    def read() -> str:
-        try:
-            last[0] = path.read_text().strip() or last[0]
-        except OSError as exc:
-            log.warning("NATS token file unreadable; using the last token read", extra={"error": exc.strerror})
-        return last[0]
-
-    return read
 
 
 Handler = Callable[[Any], Awaitable[None]]
@@ -142,23 +127,6 @@ class Subscription:
             await self.sub.unsubscribe()
 
 
-class Relinks:
-    """The reconnections of one NATS connection (to the same server or, in a cluster, to another one), for what
-    waits on a reply that may have been lost with the server it went to: ``next()`` is set on the next one."""
-
-    def __init__(self) -> None:
-        self._next = asyncio.Event()
-        self.count = 0
-
-    def happened(self) -> None:
-        self.count += 1
-        done, self._next = self._next, asyncio.Event()
-        done.set()
-
-    def next(self) -> asyncio.Event:
-        return self._next
-
-
 class Bus:
     """A connection to NATS under one subject root. Create with ``await Bus.connect(...)``.
 
@@ -218,77 +186,10 @@ class Bus:
         on_error: Callable[[Exception], None] | None = None,
     ) -> Bus:
         telemetry = telemetry or Telemetry(source)
-        up = telemetry.connection_up.labels("nats")
-        refused: dict[str, float] = {}
-        relinks = Relinks()
-        auth_failed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-        async def error_cb(exc: Exception) -> None:
-            text = str(exc)
-            log.warning("nats error", extra={"error": text})
-            lowered = text.lower()
-            if "permissions violation for publish to" in lowered:
-                refused[text.split('"')[1] if '"' in text else ""] = time.monotonic()
-            if "authorization violation" in lowered and not auth_failed.done():
-                auth_failed.set_result(text)
-            if on_error:
-                on_error(exc)
-
-        async def disconnected_cb() -> None:
-            up.set(0)
-            if not nc.is_closed:  # close() sets CLOSED before it calls back: a deliberate close is no outage
-                log.warning("nats disconnected; reconnecting")
-
-        async def reconnected_cb() -> None:
-            up.set(1)
-            relinks.happened()
-            url = nc.connected_url.geturl() if nc.connected_url else ""
-            log.info("nats reconnected", extra={"server": public_url(url)})
-
-        options: dict[str, Any] = {
-            "servers": list(settings.servers),
-            "name": source,
-            "connect_timeout": connect_timeout,
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.25,
-            "allow_reconnect": True,
-            "error_cb": error_cb,
-            "disconnected_cb": disconnected_cb,
-            "reconnected_cb": reconnected_cb,
-        }
-        if settings.user:
-            options["user"] = settings.user
-            options["password"] = settings.password.reveal() if settings.password else ""
-        if settings.token_file is not None:
-            options["token"] = _token_reader(settings.token_file, settings.token)
-        elif settings.token:
-            options["token"] = settings.token.reveal()
-        inbox = settings.inbox_prefix or (inbox_prefix(settings.user) if settings.user else "")
-        if inbox:
-            options["inbox_prefix"] = inbox
-        if settings.nkey_seed_file:
-            options["nkeys_seed"] = str(settings.nkey_seed_file)
-        if settings.creds_file:
-            options["user_credentials"] = str(settings.creds_file)
-        if settings.tls.enabled:
-            options["tls"] = settings.tls.context()
-        nc = NatsClient()
-        connecting = asyncio.ensure_future(nc.connect(**options))
-        await asyncio.wait((connecting, auth_failed), timeout=connect_timeout * 2, return_when=asyncio.FIRST_COMPLETED)
-        if not connecting.done() or connecting.exception() is not None:
-            connecting.cancel()
-            with contextlib.suppress(BaseException):
-                await connecting
-            with contextlib.suppress(Exception):
-                await nc.close()
-            if auth_failed.done():
-                raise ConnectionRefusedError(f"NATS refused the credentials: {auth_failed.result()}")
-            detail = str(connecting.exception()) if not connecting.cancelled() and connecting.done() else ""
-            raise ServerUnreachable("NATS", ", ".join(public_url(s) for s in settings.servers), detail)
-        up.set(1)
-        bus = cls(nc, subjects, source, telemetry, replicas=settings.replicas)
-        bus._refused = refused
-        bus.relinks = relinks
+        link = await open_connection(settings, source, telemetry, connect_timeout, on_error)
+        bus = cls(link.nc, subjects, source, telemetry, replicas=settings.replicas)
+        bus._refused = link.refused
+        bus.relinks = link.relinks
         return bus
 
     def view(self, source: str, telemetry: Telemetry | None = None) -> Bus:

@@ -30,12 +30,13 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client, warm_pool
 from shared.plumbing.settings import Parse, Secret, documented, setting, settings_from_env
 from shared.ports.cluster import ClusterError, PodInfo
-from shared.sim.cluster import SharedSimCluster, SimCluster
+from shared.sim.cluster import SimCluster
 from shared.sim.conversations import publish_requests
 from shared.sim.exporter import PodRef, SimExporter, SimExporterHost
 from shared.sim.faults import serve_faults
 from shared.sim.gauges import WorkloadCollector
 from shared.sim.gpus import SimGpus
+from shared.sim.informer import SharedSimCluster
 from shared.sim.pods import PodLink
 from shared.sim.spec import SimSpec, load_spec
 from shared.sim.workload import SimWorkload

@@ -17,13 +17,10 @@ reconciles with the clock, so that a pod whose workload never answers is killed 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import secrets
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar, cast
 
 import msgspec
@@ -39,9 +36,6 @@ from shared.plumbing.replies import as_text
 from shared.plumbing.retries import SIM_REDIS
 from shared.plumbing.settings import RedisSettings
 from shared.ports.cluster import (
-    NODE_NAME_EXTRA,
-    POD_NAME_EXTRA,
-    POD_UID_EXTRA,
     ClusterChange,
     ClusterError,
     DeploymentInfo,
@@ -50,12 +44,9 @@ from shared.ports.cluster import (
     PodInfo,
     TokenReview,
 )
-from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec, object_key
-from shared.sim.gpus import raise_if_cancelled
+from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec
 from shared.sim.spec import SimSpec, load_spec
-from shared.sim.tokens import TokenClaims, TokenInvalid, service_account_uid
-from shared.sim.tokens import sign as sign_token
-from shared.sim.tokens import verify as verify_token
+from shared.sim.tokenapi import SimTokenApi
 
 log = logging.getLogger(__name__)
 
@@ -66,27 +57,18 @@ Step = Callable[[ClusterState | None, float], tuple[T, ClusterState | None, list
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(ClusterState)
 _STREAM_MAXLEN = 10_000
-_WATCH_BLOCK_MS = 1_000
-_WATCH_BATCH = 512
-_LAST_SEQ = 2**64 - 1
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+WATCH_BLOCK_MS = 1_000
+WATCH_BATCH = 512
+LAST_SEQ = 2**64 - 1
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def _redis_down(exc: Exception) -> bool:
-    return isinstance(exc, _REDIS_DOWN)
+    return isinstance(exc, REDIS_DOWN)
 
 
 def _watch_unreachable(exc: Exception, wait_s: float) -> None:
     log.warning("simulated cluster watch: Redis unreachable (%s); retrying in %.2f s", exc, wait_s)
-
-
-def _informer_again(exc: Exception) -> bool:
-    return isinstance(exc, (ClusterError, *_REDIS_DOWN))
-
-
-def _informer_failed(exc: Exception, wait_s: float) -> None:
-    if isinstance(exc, _REDIS_DOWN):
-        log.warning("simulated cluster informer: Redis unreachable (%s); retrying in %.2f s", exc, wait_s)
 
 
 class SimCluster:
@@ -106,10 +88,11 @@ class SimCluster:
         self._subjects = subjects
         self._state_key = subjects.redis_key("sim", "cluster")
         self._changes_key = subjects.redis_key("sim", "cluster", "changes")
-        self._token_key_key = subjects.redis_key("sim", "cluster", "token-key")
         self._clock = clock
         self._owns_client = owns_client
         self._seen = 0
+        self.tokens = SimTokenApi(client, subjects, clock, self._read)
+        """The cluster's service-account token API (TokenRequest and TokenReview)."""
         self.created = False
         """True when this instance's ``create`` made the cluster, False when it found one."""
 
@@ -144,7 +127,7 @@ class SimCluster:
         """Whether Redis holds the cluster (one cheap command, nothing decoded)."""
         try:
             return bool(await self._client.exists(self._state_key))
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
 
     async def ensure(self, spec: SimSpec) -> bool:
@@ -260,7 +243,7 @@ class SimCluster:
         """Reconcile at the clock's time: kill Terminating pods whose grace period has run out. Idempotent."""
         await self._mutate(lambda state, now: (None, []))
 
-    # -- service-account tokens -----------------------------------------------------------------------------------
+    # -- service-account tokens (``shared.sim.tokenapi``) ----------------------------------------------------------
     async def issue_token(
         self,
         namespace: str,
@@ -269,67 +252,12 @@ class SimCluster:
         ttl_s: float = 3600.0,
         service_account: str = "default",
     ) -> str:
-        """A service-account token as a kubelet projects it into a pod (``pod`` given: bound to it, naming its UID
-        and node) or as the TokenRequest API gives one to a service account alone. (Simulation only: the stand-in
-        for the kubelet's projected volume.) ``ClusterError`` for a pod that is not in the cluster."""
-        bound = ""
-        uid = ""
-        node = ""
-        if pod:
-            found = (await self._read()).pods.get(object_key(namespace, pod))
-            if found is None:
-                raise ClusterError(f"pod {object_key(namespace, pod)} is not in the simulated cluster")
-            bound, uid, node = found.name, found.uid, found.node
-        now = int(self._clock())
-        claims = TokenClaims(
-            namespace=namespace,
-            service_account=service_account,
-            audiences=(audience,),
-            expires_at=now + int(ttl_s),
-            issued_at=now,
-            pod=bound,
-            pod_uid=uid,
-            node=node,
-        )
-        return sign_token(claims, await self._token_key())
+        """A service-account token, bound to ``pod`` when given (``SimTokenApi.issue``). (Simulation only.)"""
+        return await self.tokens.issue(namespace, pod, audience, ttl_s, service_account)
 
     async def review_token(self, token: str, audiences: tuple[str, ...]) -> TokenReview:
-        """The TokenReview API: the token's signature (the cluster's own key), expiry and audience, and for a
-        bound token that its pod is still there, the same pod (UID), and running (Running, or Terminating while
-        its preStop hook saves); whose it is, as Kubernetes says it."""
-        try:
-            claims = verify_token(token, await self._token_key(), self._clock(), audiences)
-        except TokenInvalid as exc:
-            return TokenReview(authenticated=False, error=f"invalid bearer token, {exc}")
-        extra: dict[str, tuple[str, ...]] = {}
-        if claims.pod:
-            found = (await self._read()).pods.get(object_key(claims.namespace, claims.pod))
-            if found is None or found.uid != claims.pod_uid:
-                return TokenReview(authenticated=False, error="invalid bearer token, the pod it is bound to is gone")
-            if found.phase not in ("Running", "Terminating"):
-                return TokenReview(authenticated=False, error=f"invalid bearer token, its pod is {found.phase}")
-            extra = {POD_NAME_EXTRA: (claims.pod,), POD_UID_EXTRA: (claims.pod_uid,)}
-            if claims.node:
-                extra[NODE_NAME_EXTRA] = (claims.node,)
-        return TokenReview(
-            authenticated=True,
-            username=claims.username,
-            uid=service_account_uid(claims.namespace, claims.service_account),
-            groups=("system:serviceaccounts", f"system:serviceaccounts:{claims.namespace}", "system:authenticated"),
-            extra=extra,
-            audiences=tuple(a for a in claims.audiences if not audiences or a in audiences),
-        )
-
-    async def _token_key(self) -> bytes:
-        """The key the simulated cluster signs its tokens with, made once per cluster (kept in Redis with it)."""
-        try:
-            await self._client.set(self._token_key_key, secrets.token_bytes(32), nx=True)
-            key = await self._client.get(self._token_key_key)
-        except _REDIS_DOWN as exc:
-            raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
-        if not isinstance(key, bytes) or len(key) != 32:
-            raise ClusterError(f"the simulated cluster's token key at {self._token_key_key} is unreadable")
-        return key
+        """The TokenReview API (``SimTokenApi.review``)."""
+        return await self.tokens.review(token, audiences)
 
     # -- watching -----------------------------------------------------------------------------------------------
     def watch(self) -> AsyncIterator[ClusterChange]:
@@ -341,27 +269,25 @@ class SimCluster:
         return self._follow(self._seen)
 
     async def _follow(self, after: int) -> AsyncIterator[ClusterChange]:
-        last = (after, _LAST_SEQ)
+        last = (after, LAST_SEQ)
         while True:
             reply = await SIM_REDIS.call(
                 functools.partial(self._changes_after, last), when=_redis_down, note=_watch_unreachable
             )
-            for entry_id, fields in _entries(reply):
+            for entry_id, fields in stream_entries(reply):
                 revision, seq = (int(part) for part in entry_id.split("-"))
                 if (revision, seq) not in ((last[0], last[1] + 1), (last[0] + 1, 0)):
                     raise ClusterError(
-                        f"simulated cluster watch: changes after {_stream_id(*last)} are gone (trimmed, or the "
+                        f"simulated cluster watch: changes after {stream_id(*last)} are gone (trimmed, or the "
                         f"cluster was made afresh; next is {entry_id}); list again and watch anew"
                     )
                 last = (revision, seq)
                 self._seen = max(self._seen, revision)
-                yield _change_from(entry_id, fields)
+                yield change_from(entry_id, fields)
 
     async def _changes_after(self, last: tuple[int, int]) -> Any:
         """One blocking read of the changes after ``last``; an idle one checks that they still reach it."""
-        reply = await self._client.xread(
-            {self._changes_key: _stream_id(*last)}, count=_WATCH_BATCH, block=_WATCH_BLOCK_MS
-        )
+        reply = await self._client.xread({self._changes_key: stream_id(*last)}, count=WATCH_BATCH, block=WATCH_BLOCK_MS)
         if not reply and last[0] > 0:
             await self._still_there(last[0])
         return reply
@@ -383,7 +309,7 @@ class SimCluster:
     async def _read(self) -> ClusterState:
         try:
             raw = await self._client.get(self._state_key)
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
         if raw is None:
             raise self._absent()
@@ -428,7 +354,7 @@ class SimCluster:
                             pipe.xadd(
                                 self._changes_key,
                                 _fields(change),
-                                id=_stream_id(state.revision, seq),
+                                id=stream_id(state.revision, seq),
                                 maxlen=_STREAM_MAXLEN,
                                 approximate=True,
                             )
@@ -438,7 +364,7 @@ class SimCluster:
                         return result
                     except WatchError:
                         continue
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
 
     def _committed(self, state: ClusterState) -> None:
@@ -463,306 +389,6 @@ class SimCluster:
             await self._client.aclose()
 
 
-Operation = Callable[[ClusterState, float], tuple[Any, list[ClusterChange]]]
-WatchKinds = frozenset[str] | None
-
-
-class SharedSimCluster(SimCluster):
-    """The simulated cluster for everything one process hosts (the hollow host's nodes), as Kubernetes' shared
-    informers serve many controllers of one process.
-
-    - One follower reads the change stream and keeps the newest state decoded; reads are answered from that copy
-      while the follower has heard from Redis within ``FRESH_S``, and a write of this process is seen by its next
-      read at once. Otherwise a read goes to Redis as ``SimCluster``'s does (``ClusterError`` while Redis does not
-      answer), one at a time: readers that come while one read is on its way share its answer, so a thousand
-      agents reading at once decode the cluster once, not a thousand times.
-    - Each ``view`` (an agent's ``ClusterPort``) watches only what it asked for: a view of one node's changes
-      is woken by that node's changes alone, not by every change of the fleet.
-    - Writes that arrive together, from any number of views, are applied in one transaction on the state read
-      inside it, in the order they came, each one still refused on its own (a stale ``expect`` is a
-      ``ClusterConflict`` for that write only: a node one write of the batch changed carries the batch's new
-      revision for the writes after it). Redis stays the one truth.
-    """
-
-    FRESH_S = 10.0
-    """Reads use the copy while the follower heard from Redis this recently (its blocking read returns every
-    second when nothing changes; a busy process may answer it late)."""
-    HISTORY = 10_000
-    """Changes kept for watches that start behind the newest one."""
-
-    def __init__(
-        self, client: aioredis.Redis, subjects: Subjects, clock: Clock = time.time, *, owns_client: bool = False
-    ) -> None:
-        super().__init__(client, subjects, clock, owns_client=owns_client)
-        self._state: ClusterState | None = None
-        self._heard = 0.0
-        self._history: deque[tuple[tuple[int, int], ClusterChange]] = deque(maxlen=self.HISTORY)
-        self._history_from = 0
-        self._last: tuple[int, int] | None = None
-        """The newest change the informer has handed on; None: read the cluster (again) first."""
-        self._by_node: dict[str, set[asyncio.Queue[ClusterChange | ClusterError]]] = {}
-        self._filtered: dict[asyncio.Queue[ClusterChange | ClusterError], tuple[WatchKinds, str | None]] = {}
-        self._pending: list[tuple[Operation, asyncio.Future[Any]]] = []
-        self._committer: asyncio.Task[None] | None = None
-        self._follower: asyncio.Task[None] | None = None
-        self._reading: asyncio.Future[ClusterState] | None = None
-        self.batches = 0
-        """Transactions written by the group commit (each holding one or more writes)."""
-
-    def start(self) -> None:
-        """Start following the change stream (idempotent)."""
-        if self._follower is None or self._follower.done():
-            self._follower = asyncio.create_task(self._follow_changes(), name="sim-cluster-informer")
-
-    def watch(self) -> AsyncIterator[ClusterChange]:
-        return self.follow(self._seen, None, None)
-
-    async def tick(self) -> None:
-        """As ``SimCluster.tick``; nothing to do (and nothing read from Redis) while the copy is fresh and holds
-        no Terminating pod: the clock changes nothing else (every write reconciles as it is made)."""
-        state = self._state
-        fresh = state is not None and time.monotonic() - self._heard < self.FRESH_S
-        if fresh and state is not None and not any(p.phase == "Terminating" for p in state.pods.values()):
-            return
-        await super().tick()
-
-    def view(self, kinds: Iterable[str] | None = None, node: str | None = None) -> SimClusterView:
-        """A ``ClusterPort`` over this cluster whose watch yields only changes of ``kinds`` (and, for node
-        changes, of ``node``); closing it closes nothing shared."""
-        return SimClusterView(self, frozenset(kinds) if kinds is not None else None, node)
-
-    @property
-    def live(self) -> bool:
-        return self._state is not None and time.monotonic() - self._heard < self.FRESH_S
-
-    # -- reads ----------------------------------------------------------------------------------------------------
-    async def _read(self) -> ClusterState:
-        state = self._state
-        if state is not None and time.monotonic() - self._heard < self.FRESH_S:
-            return state
-        if self._reading is None or self._reading.done():
-            self._reading = asyncio.ensure_future(self._read_through())
-        return await asyncio.shield(self._reading)
-
-    async def _read_through(self) -> ClusterState:
-        state = await super()._read()
-        self._adopt(state)
-        return state
-
-    def _committed(self, state: ClusterState) -> None:
-        self._adopt(state)
-
-    def _adopt(self, state: ClusterState) -> None:
-        if self._state is None or state.revision >= self._state.revision:
-            self._state = state
-
-    async def _follow_changes(self) -> None:
-        """Runs for the informer's lifetime, one read of the change stream after another (``_next_changes``):
-        Redis away, or changes gone from the stream (the cluster is read again), tried again as
-        ``retries.SIM_REDIS`` says."""
-        while True:
-            await SIM_REDIS.call(self._next_changes, when=_informer_again, note=_informer_failed)
-
-    async def _next_changes(self) -> None:
-        """Read the cluster when there is no revision to follow from, then one blocking read of the changes after
-        it, handed to the watches. Redis away: ``_REDIS_DOWN``; changes gone: ``ClusterError``, each watch told
-        (list again and watch anew) and the cluster read again next time."""
-        try:
-            last = self._last
-            if last is None:
-                state = await super()._read()
-                self._adopt(state)
-                last = self._last = (state.revision, _LAST_SEQ)
-                self._history.clear()
-                self._history_from = state.revision
-                self._heard = time.monotonic()
-            reply = await self._client.xread(
-                {self._changes_key: _stream_id(*last)}, count=_WATCH_BATCH, block=_WATCH_BLOCK_MS
-            )
-            raise_if_cancelled()
-            self._heard = time.monotonic()
-            entries = list(_entries(reply))
-            if not entries:
-                if last[0] > 0:
-                    await self._still_there(last[0])
-                return
-            changes: list[tuple[tuple[int, int], ClusterChange]] = []
-            for entry_id, fields in entries:
-                key = _revision_key(entry_id)
-                expected = [(last[0] + 1, 0)] + ([(last[0], last[1] + 1)] if last[1] != _LAST_SEQ else [])
-                if key not in expected:
-                    raise ClusterError(
-                        f"changes after {_stream_id(*last)} are gone (trimmed, or the cluster was made afresh; "
-                        f"next is {entry_id})"
-                    )
-                last = self._last = key
-                changes.append((last, _change_from(entry_id, fields)))
-            if self._state is None or last[0] > self._state.revision:
-                self._adopt(await super()._read())
-            for key, change in changes:
-                self._history.append((key, change))
-                self._notify(change)
-        except ClusterError as exc:
-            log.info("simulated cluster informer: %s; reading the cluster again", exc)
-            self._fail_watchers(exc)
-            self._state, self._heard, self._last = None, 0.0, None
-            raise
-        except _REDIS_DOWN:
-            self._heard = 0.0
-            raise
-
-    # -- watches --------------------------------------------------------------------------------------------------
-    def _notify(self, change: ClusterChange) -> None:
-        if change.kind == "node":
-            for queue in self._by_node.get(change.name, ()):
-                queue.put_nowait(change)
-        for queue, (kinds, node) in self._filtered.items():
-            if _selects(change, kinds, node):
-                queue.put_nowait(change)
-
-    def _fail_watchers(self, exc: ClusterError) -> None:
-        for queues in self._by_node.values():
-            for queue in queues:
-                queue.put_nowait(exc)
-        for queue in self._filtered:
-            queue.put_nowait(exc)
-
-    async def follow(self, after: int, kinds: WatchKinds, node: str | None) -> AsyncIterator[ClusterChange]:
-        """The changes after revision ``after`` that ``kinds`` and ``node`` select (``after`` 0: from now on).
-        Raises ``ClusterError`` when changes after ``after`` are no longer held: list again and watch anew."""
-        queue: asyncio.Queue[ClusterChange | ClusterError] = asyncio.Queue()
-        indexed = node is not None and kinds == frozenset({"node"})
-        if indexed:
-            assert node is not None
-            self._by_node.setdefault(node, set()).add(queue)
-        else:
-            self._filtered[queue] = (kinds, node)
-        try:
-            newest = (after, _LAST_SEQ)
-            if after > 0:
-                if after < self._history_from:
-                    raise ClusterError(
-                        f"simulated cluster watch: changes after revision {after} are no longer held; list again"
-                    )
-                for key, change in list(self._history):
-                    if key > newest and _selects(change, kinds, node):
-                        newest = key
-                        yield change
-            while True:
-                item = await queue.get()
-                if isinstance(item, ClusterError):
-                    raise item
-                key = _revision_key(item.revision)
-                if key > newest or after == 0:
-                    newest = max(newest, key)
-                    yield item
-        finally:
-            if indexed:
-                assert node is not None
-                watchers = self._by_node.get(node)
-                if watchers is not None:
-                    watchers.discard(queue)
-                    if not watchers:
-                        del self._by_node[node]
-            else:
-                self._filtered.pop(queue, None)
-
-    # -- writes ---------------------------------------------------------------------------------------------------
-    async def _mutate(self, operation: Callable[[ClusterState, float], tuple[T, list[ClusterChange]]]) -> T:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((operation, future))
-        if self._committer is None or self._committer.done():
-            self._committer = asyncio.create_task(self._commit_pending(), name="sim-cluster-group-commit")
-        result: T = await future
-        return result
-
-    async def _commit_pending(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending, []
-            try:
-                outcomes = await self._transact(functools.partial(self._batch_step, batch))
-            except BaseException as exc:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                continue
-            self.batches += 1
-            for (_, future), (ok, value) in zip(batch, outcomes, strict=True):
-                if future.done():
-                    continue
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
-
-    def _batch_step(
-        self, batch: list[tuple[Operation, asyncio.Future[Any]]], current: ClusterState | None, now: float
-    ) -> tuple[list[tuple[bool, Any]], ClusterState | None, list[ClusterChange]]:
-        if current is None:
-            raise self._absent()
-        revision = current.revision + 1
-        outcomes: list[tuple[bool, Any]] = []
-        changes: list[ClusterChange] = []
-        for operation, _ in batch:
-            try:
-                result, made = operation(current, now)
-            except Exception as exc:  # refused before it changed anything (ClusterState's operations do)
-                outcomes.append((False, exc))
-                continue
-            made = made + current.reconcile(now)
-            for change in made:  # later writes of the batch see the revision this one gives the node
-                if change.kind == "node" and change.name in current.nodes:
-                    current.nodes[change.name].revision = revision
-            changes += made
-            outcomes.append((True, result))
-        return outcomes, current, changes
-
-    async def close(self) -> None:
-        for task in (self._follower, self._committer):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        await super().close()
-
-
-class SimClusterView(SimCluster):
-    """One agent's ``ClusterPort`` over a ``SharedSimCluster``: reads and writes go to the shared cluster, its
-    watch yields what it selects; ``close`` closes nothing shared. SIMULATED."""
-
-    def __init__(self, shared: SharedSimCluster, kinds: WatchKinds, node: str | None) -> None:
-        super().__init__(shared._client, shared._subjects, shared._clock)
-        self.shared = shared
-        self.kinds = kinds
-        self.node_filter = node
-
-    async def _read(self) -> ClusterState:
-        state = await self.shared._read()
-        self._seen = max(self._seen, state.revision)
-        return state
-
-    async def _mutate(self, operation: Callable[[ClusterState, float], tuple[T, list[ClusterChange]]]) -> T:
-        result = await self.shared._mutate(operation)
-        self._seen = max(self._seen, self.shared.revision)
-        return result
-
-    def watch(self) -> AsyncIterator[ClusterChange]:
-        return self.shared.follow(self._seen, self.kinds, self.node_filter)
-
-    async def close(self) -> None:
-        return None
-
-
-def _selects(change: ClusterChange, kinds: WatchKinds, node: str | None) -> bool:
-    return (kinds is None or change.kind in kinds) and (node is None or change.kind != "node" or change.name == node)
-
-
-def _revision_key(revision: str) -> tuple[int, int]:
-    head, _, seq = revision.partition("-")
-    return int(head), int(seq or 0)
-
-
 def _create_step(
     spec: SimSpec, current: ClusterState | None, now: float
 ) -> tuple[bool, ClusterState | None, list[ClusterChange]]:
@@ -777,11 +403,11 @@ def _fields(change: ClusterChange) -> dict[FieldT, EncodableT]:
     return {"kind": change.kind, "type": change.type, "name": change.name, "namespace": change.namespace}
 
 
-def _stream_id(revision: int, seq: int) -> str:
+def stream_id(revision: int, seq: int) -> str:
     return f"{revision}-{seq}"
 
 
-def _entries(reply: Any) -> Iterator[tuple[str, Mapping[bytes | str, bytes | str]]]:
+def stream_entries(reply: Any) -> Iterator[tuple[str, Mapping[bytes | str, bytes | str]]]:
     """The entries of an XREAD reply on one stream, in RESP2 (a list of pairs) or RESP3 (a dict) shape."""
     streams = reply.values() if isinstance(reply, dict) else (entries for _key, entries in reply or ())
     for entries in streams:
@@ -789,7 +415,7 @@ def _entries(reply: Any) -> Iterator[tuple[str, Mapping[bytes | str, bytes | str
             yield as_text(entry_id), fields
 
 
-def _change_from(revision: str, fields: Mapping[bytes | str, bytes | str]) -> ClusterChange:
+def change_from(revision: str, fields: Mapping[bytes | str, bytes | str]) -> ClusterChange:
     values = {as_text(k): as_text(v) for k, v in fields.items()}
     return ClusterChange(
         kind=cast(Literal["node", "pod", "deployment"], values["kind"]),

@@ -27,7 +27,8 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.http import Response, SmallHttpServer
 from shared.plumbing.replies import as_text
 from shared.ports.gpu import GpuUtilisation
-from shared.sim.gpus import SimGpus, SimLoad, mig_profile_slices, sample
+from shared.sim.gpus import SimGpus
+from shared.sim.gpustate import SimLoad, mig_profile_slices, sample
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Fault injection for the simulated GPUs: what a real node does to the services, on request.
 
-A fault changes the simulated node's state in Redis (see ``shared.sim.gpus``), so the services notice it the way
+A fault changes the simulated node's state in Redis (see ``shared.sim.gpustore``), so the services notice it the way
 they would notice the real thing: an XID or a lost GPU arrives on the GPU port's health stream, a driver install
 fails or hangs inside ``install_driver``, a MIG change fails or hangs inside ``set_mig_mode`` and the MIG instance
 calls, slow copies show in ``copy_slowdown`` and in the copy utilisation.
@@ -42,7 +42,8 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.settings import Settings
 from shared.ports.gpu import GpuError, GpuHealthEvent
-from shared.sim.gpus import SimGpu, SimGpuStore, SimNodeState, initial_state
+from shared.sim.gpustate import SimGpu, SimNodeState, initial_state
+from shared.sim.gpustore import SimGpuStore
 from shared.sim.spec import SimSpec, SpecError
 
 log = logging.getLogger(__name__)

@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 import msgspec
 import redis.asyncio as aioredis
 
+from services.checkpoint.audit import RegistryAudit
+from services.checkpoint.leases import ReplicaLeases
 from services.checkpoint.registry import SessionRegistry
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.registry import codec
@@ -156,13 +158,15 @@ async def check_invariants(
     unrecorded: Iterable[str] = (),
     temp_grace_s: float | None = None,
 ) -> Findings:
-    """Reads the registry through its own audit and read methods (``SessionRegistry``): the key layout is the
-    registry's alone. The store is listed by the store's own methods, as a restore lists it."""
+    """Reads the registry through its own read methods (``SessionRegistry``, ``ReplicaLeases``) and its audit
+    (``RegistryAudit``): the key layout is the registry package's alone. The store is listed by the store's own
+    methods, as a restore lists it."""
     found = Findings()
     damaged = set(corrupted)
     keys = {c.key_id: c for c in ciphers}
     lagging = set(unrecorded)
     registry = SessionRegistry(client, subjects)
+    audit = RegistryAudit(client, subjects)
     suspects: list[tuple[str, str]] = []
 
     async def still_recorded(sid: str, cid: str) -> bool:
@@ -188,9 +192,9 @@ async def check_invariants(
         newest = max((checkpoint_order(c) for c in rows), default=None)
         ahead = [c for c in stored if c not in rows and (newest is None or checkpoint_order(c) > newest)]
         if ahead and sid not in lagging:
-            record = await registry.session_record(sid)
+            record = await audit.session_record(sid)
             holder = (record.pod, record.generation) if record is not None else None
-            seal = await registry.seal(sid)
+            seal = await audit.seal(sid)
             sealed = seal[1] if seal is not None and seal[0] == counter else None
             for cid in ahead:
                 read = await read_checkpoint(store, sid, cid, keys)
@@ -228,7 +232,7 @@ async def check_invariants(
             found.problems.append(f"checkpoint {cid} of {sid} has generation {manifest.generation} > {counter}")
 
     sessions = set(await store.sessions())
-    async for sid in registry.audit_checkpointed_sessions():
+    async for sid in audit.checkpointed_sessions():
         sessions.add(sid)
     # sessions checked CONCURRENCY at a time (a scale run's store holds 100,000+ of them)
     pending: set[asyncio.Task[None]] = set()
@@ -255,8 +259,8 @@ async def check_invariants(
         found.problems.append(
             f"found {found.recorded} recorded checkpoint(s) that restore, the scenario made at least {min_checkpoints}"
         )
-    await check_locations(registry, found)
-    await check_verdicts(registry, found, list(drains), list(verdicts))
+    await check_locations(registry, audit, found)
+    await check_verdicts(ReplicaLeases(client, subjects), audit, found, list(drains), list(verdicts))
     if temp_grace_s is not None and isinstance(store, FileStore):
         cutoff = time.time() - temp_grace_s
         for folder, _, files in os.walk(store.root):
@@ -267,7 +271,7 @@ async def check_invariants(
     return found
 
 
-async def check_locations(registry: SessionRegistry, found: Findings) -> None:
+async def check_locations(registry: SessionRegistry, audit: RegistryAudit, found: Findings) -> None:
     pods: dict[str, dict[str, int]] = {}
 
     async def index_of(pod: str) -> dict[str, int]:  # each pod's index, read once
@@ -275,9 +279,9 @@ async def check_locations(registry: SessionRegistry, found: Findings) -> None:
             pods[pod] = await registry.sessions_of_pod(pod)
         return pods[pod]
 
-    async for node in registry.audit_nodes():
-        for sid, pod in (await registry.node_index(node)).items():
-            held = await registry.session_record(sid)
+    async for node in audit.nodes():
+        for sid, pod in (await audit.node_index(node)).items():
+            held = await audit.session_record(sid)
             if held is None or (held.node, held.pod) != (node, pod):
                 said = "nothing" if held is None else f"node {held.node} pod {held.pod}"
                 found.problems.append(f"node {node} lists session {sid} on {pod}, whose record says {said}")
@@ -292,15 +296,17 @@ def _said(verdict: Verdict) -> bytes:
     return codec.encode(msgspec.structs.replace(verdict, event_id="", source=""))
 
 
-async def check_verdicts(registry: SessionRegistry, found: Findings, drains: list[str], seen: list[Verdict]) -> None:
+async def check_verdicts(
+    leases: ReplicaLeases, audit: RegistryAudit, found: Findings, drains: list[str], seen: list[Verdict]
+) -> None:
     by_id: dict[str, set[bytes]] = {}
     for verdict in seen:
         by_id.setdefault(verdict.drain_id, set()).add(_said(verdict))
     for drain_id in sorted(set(drains) | set(by_id)):
-        raw = await registry.drain_verdict(drain_id)
+        raw = await leases.drain_verdict(drain_id)
         if raw is None:
             if drain_id in drains:
-                state = await registry.drain_state(drain_id) or "never taken"
+                state = await audit.drain_state(drain_id) or "never taken"
                 found.problems.append(f"drain {drain_id} has no verdict ({state})")
             recorded = None
         else:

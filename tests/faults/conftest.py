@@ -120,7 +120,7 @@ class Mesh:
         turns = [k async for k in self.client.scan_iter(match=self.subjects.redis_key("kv", "turn", "*"))]
         if turns:
             await self.client.delete(*turns)
-        return await self.service.periodic_saves(3600)
+        return await self.service.periodic.periodic_saves(3600)
 
     async def heard(self, kind: str, event_type: type[E]) -> list[E]:
         """The events of ``kind`` published from now on (every node, session or pod), as they arrive."""
@@ -264,3 +264,8 @@ def runners() -> Iterator[list[Runner]]:
 
 
 __all__ = ["Mesh", "Pod", "Runner", "expected", "np", "open_mesh"]
+
+
+# The secured mesh's fixtures (tests/faults/secured.py), for every test here; imported last, as that kit builds on
+# ``Pod`` above.
+from tests.faults.secured import secrets_of_the_mesh, secured, secured_mesh  # noqa: E402, F401

@@ -17,6 +17,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from services.checkpoint.config import CheckpointSettings
+from services.checkpoint.registry import SessionRegistry
 from services.checkpoint.service import CheckpointService
 from services.driver.config import DriverSettings
 from services.driver.service import DriverService
@@ -24,9 +25,9 @@ from shared.console.client import MeshClient
 from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.requests import InferenceRequest
-from shared.contract.sessions import SessionLocation, WhereIsSession
+from shared.contract.sessions import SessionLocation
 from shared.contract.subjects import Subjects
-from shared.host.runner import RunningService, start_service
+from shared.host.runner import RunningService, ServiceContext, start_service
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import CheckpointManifest
 from shared.plumbing.bus import Bus
@@ -154,20 +155,33 @@ class Fleet:
         return found
 
 
+class HeldRegistry(SessionRegistry):
+    """The registry whose first answer to ``where`` waits until ``release`` is set, once ``asked`` is."""
+
+    def __init__(self, registry: SessionRegistry, asked: asyncio.Event, release: asyncio.Event) -> None:
+        super().__init__(registry.client, registry.subjects)
+        self.asked = asked
+        self.release = release
+
+    async def where(self, session_id: str) -> SessionLocation:
+        if not self.asked.is_set():
+            self.asked.set()
+            await self.release.wait()
+        return await super().where(session_id)
+
+
 class HeldWhere(CheckpointService):
     """The checkpoint service, whose first answer to ``where`` waits until the test lets it go: the request is
-    then surely in flight (asked, not answered) when the test strikes."""
+    then surely in flight (asked, not answered) when the test strikes. Its queries read a ``HeldRegistry``."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.asked = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def on_where(self, event: WhereIsSession) -> SessionLocation:
-        if not self.asked.is_set():
-            self.asked.set()
-            await self.release.wait()
-        return await super().on_where(event)
+    async def start(self, ctx: ServiceContext) -> None:
+        await super().start(ctx)
+        self.queries.registry = HeldRegistry(self.registry, self.asked, self.release)
 
 
 @contextlib.asynccontextmanager

@@ -69,6 +69,6 @@ async def test_temporary_files_older_than_the_grace_period_are_collected(mesh: M
     for path in old:
         os.utime(path, (an_hour_ago, an_hour_ago))
     mesh.service.settings = type(mesh.service.settings)(gc_interval_s=0, gc_grace_s=600)
-    await mesh.service.collect_garbage()
+    await mesh.service.retention.collect_garbage()
     assert not any(p.exists() for p in old) and young.exists()
     await mesh.check(min_checkpoints=1, temp_grace_s=600)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.checkpoint.audit import RegistryAudit
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.kv.crypto import ChunkCipher
 from tests.faults.checker import check_invariants
@@ -48,7 +49,7 @@ async def test_a_store_the_registry_lost_track_of_fails_though_the_audit_lists_n
     await mesh.check(min_checkpoints=2)
     for sid, cid in zip(["s1", "s2"], ids, strict=True):
         await mesh.service.registry.forget_checkpoint(sid, cid)
-    assert [s async for s in mesh.service.registry.audit_checkpointed_sessions()] == []
+    assert [s async for s in RegistryAudit(mesh.client, mesh.subjects).checkpointed_sessions()] == []
     found = await problems(mesh, 0)
     assert len(found) == 2 and all("the registry lost it" in p for p in found), found
     assert await problems(mesh, 0, unrecorded=["s1", "s2"]) == []  # a scenario that says Redis lost them

@@ -170,7 +170,7 @@ async def test_a_drain_whose_verdict_redis_lost_is_answered_from_the_events_stre
     assert isinstance(first, DrainCompleted) and isinstance(second, DrainCompleted)
     assert second.sessions_committed == first.sessions_committed == 1 and second.event_id != first.event_id
     assert len(await mesh.service.registry.checkpoints("s1")) == 1  # not run again
-    assert await mesh.service.registry.drain_verdict("lost") is not None  # recorded again
+    assert await mesh.service.leases.drain_verdict("lost") is not None  # recorded again
     await mesh.check(min_checkpoints=1, drains=["lost"])
 
 

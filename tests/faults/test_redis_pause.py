@@ -95,13 +95,13 @@ async def test_a_redis_pause_mid_retention_leaves_no_recorded_checkpoint_without
         await eventually(lambda: mesh.service.policy().keep_per_session == 1)
 
         with pytest.raises(TemporaryError, match="Redis unreachable"):
-            await mesh.service.collect_garbage()  # one checkpoint went, then Redis stopped answering
+            await mesh.service.retention.collect_garbage()  # one checkpoint went, then Redis stopped answering
         assert store.deleted == 1
         await eventually(lambda: answers(own_redis.url), timeout=15)
         await mesh.check(min_checkpoints=7)  # every recorded checkpoint has its file
         assert sum([len(await mesh.store.checkpoints(sid)) for sid in pod.agent.sessions()]) == 7
 
-        assert (await mesh.service.collect_garbage())[0] == 3  # the next turn finishes the job
+        assert (await mesh.service.retention.collect_garbage())[0] == 3  # the next turn finishes the job
         for sid in pod.agent.sessions():
             assert len(await mesh.store.checkpoints(sid)) == len(await mesh.service.registry.checkpoints(sid)) == 1
         await mesh.check(min_checkpoints=4)
@@ -122,10 +122,10 @@ async def test_a_redis_pause_mid_retention_of_an_ended_session_leaves_no_recorde
             pod.grow("s1", 1)
             assert await mesh.periodic_turn() == 1
         with pytest.raises(TemporaryError):
-            await mesh.service.retire_session("s1")
+            await mesh.service.retention.retire_session("s1")
         await eventually(lambda: answers(own_redis.url), timeout=15)
         await mesh.check(min_checkpoints=2)
-        await mesh.service.retire_session("s1")
+        await mesh.service.retention.retire_session("s1")
         assert await mesh.store.checkpoints("s1") == [] and await mesh.service.registry.checkpoints("s1") == []
         await mesh.check(min_checkpoints=0)
 

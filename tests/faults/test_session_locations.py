@@ -198,7 +198,7 @@ async def test_a_checkpoint_recorded_twice_is_one_event(mesh: Mesh) -> None:
     pod = await mesh.add_pod("llama-1", "node-1", ["s1"])
     report = await pod.endpoint.final_save(deadline_s=10)
     assert [c.session_id for c in report.committed] == ["s1"]
-    again = await mesh.service.on_record(msgspec.structs.replace(report, event_id="again"))
+    again = await mesh.service.saves.on_record(msgspec.structs.replace(report, event_id="again"))
     assert [c.session_id for c in again.committed] == ["s1"]
     pod.endpoint.end_session("s1")  # a later change: once its event is in, any from the second record would be
     await mesh.announce(pod)

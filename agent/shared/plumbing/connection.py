@@ -1,0 +1,1 @@
+../../../shared/plumbing/connection.py
