@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.fleetkit import CpuSeconds, FleetBench, HostedPod
 from shared.console.operations import set_driver
-from shared.console.snapshot import UPGRADE_STATE_LABEL
+from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.driver import DriverUpgradeStateChanged
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.kv.endpoint import LocateRefused, SessionHeld

@@ -66,7 +66,7 @@ class SoakPlan:
 
 
 @dataclass
-class DrainRecord:
+class ObservedDrain:
     drain_id: str
     node: str
     by: str
@@ -88,7 +88,7 @@ class Observations:
     samples: list[dict[str, Any]] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
-    drains: dict[str, DrainRecord] = field(default_factory=dict)
+    drains: dict[str, ObservedDrain] = field(default_factory=dict)
     upgrade_states: dict[str, str] = field(default_factory=dict)
     upgrade_done_at: dict[str, float] = field(default_factory=dict)
     upgrade_started: float | None = None
@@ -187,7 +187,7 @@ async def watch_events(bus: Bus, obs: Observations) -> None:
 
     async def on_requested(event: DrainRequested) -> None:
         if event.drain_id not in obs.drains:
-            obs.drains[event.drain_id] = DrainRecord(event.drain_id, event.node, event.requested_by, obs.now())
+            obs.drains[event.drain_id] = ObservedDrain(event.drain_id, event.node, event.requested_by, obs.now())
 
     async def on_verdict(event: DrainCompleted | DrainFailed) -> None:
         record = obs.drains.get(event.drain_id)
@@ -214,7 +214,7 @@ async def watch_events(bus: Bus, obs: Observations) -> None:
 
 async def drain(bus: Bus, obs: Observations, node: str, index: int) -> None:
     drain_id = f"soak-{index}-{uuid.uuid4().hex[:6]}"
-    obs.drains[drain_id] = DrainRecord(drain_id, node, "bench.soak", obs.now())
+    obs.drains[drain_id] = ObservedDrain(drain_id, node, "bench.soak", obs.now())
     event = DrainRequested(
         node=node, drain_id=drain_id, reason="soak", requested_by="bench.soak", deadline_s=DRAIN_DEADLINE_S
     )

@@ -23,19 +23,19 @@ from services.driver.coordinator import UpgradeCoordinator
 from services.driver.gauges import UpgradeCollector
 from services.driver.lease import RedisLeaderLease
 from services.driver.ports import StaleLeader
-from services.driver.upgrade import (
-    FAILURE_ANNOTATION,
-    FENCE_ANNOTATION,
-    ORDER,
-    SINCE_ANNOTATION,
-    STATE_LABEL,
-    WAS_CORDONED_ANNOTATION,
+from services.driver.upgrade import ORDER
+from shared.clients.drains import RecordReader
+from shared.contract.annotations import (
+    UPGRADE_FAILURE_ANNOTATION,
+    UPGRADE_FENCE_ANNOTATION,
+    UPGRADE_SINCE_ANNOTATION,
+    UPGRADE_STATE_LABEL,
+    UPGRADE_WAS_CORDONED_ANNOTATION,
 )
-from services.driver.verdicts import BusDrainVerdicts
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstallFailed, DriverUpgradeStateChanged
-from shared.contract.node import DrainCompleted, DrainFailed, DrainQuery, DrainRequested, DrainState
+from shared.contract.node import DrainCompleted, DrainFailed, DrainQuery, DrainRecord, DrainRequested
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus, Subscription
 from shared.plumbing.settings import Settings
@@ -95,7 +95,7 @@ class Harness:
         self.spec = spec
         self.policy = policy
         self.events: list[Event] = []
-        self.verdicts = BusDrainVerdicts(bus)
+        self.verdicts = RecordReader(bus)
         self.recorded: dict[str, DrainCompleted | DrainFailed] = {}
         """What the stand-in checkpoint service answers, by drain id."""
         self.answer = "completed"
@@ -120,8 +120,8 @@ class Harness:
     async def setup_responder(self) -> None:
         """The checkpoint service's part: the verdicts it recorded, answered by drain id."""
 
-        async def on_query(query: DrainQuery) -> DrainState:
-            return DrainState(drain_id=query.drain_id, verdict=self.recorded.get(query.drain_id))
+        async def on_query(query: DrainQuery) -> DrainRecord:
+            return DrainRecord(drain_id=query.drain_id, verdict=self.recorded.get(query.drain_id))
 
         self.responder = await self.bus.serve(self.subjects.command("checkpoint", "drain"), on_query, (DrainQuery,))
 
@@ -210,7 +210,7 @@ class Harness:
         raise AssertionError("the rollout did not get there")
 
     async def states(self) -> dict[str, str]:
-        return {n.name: n.labels.get(STATE_LABEL, "") for n in await self.cluster.nodes()}
+        return {n.name: n.labels.get(UPGRADE_STATE_LABEL, "") for n in await self.cluster.nodes()}
 
     def history(self, node: str) -> list[str]:
         return [e.state for e in self.events if isinstance(e, DriverUpgradeStateChanged) and e.node == node]
@@ -271,7 +271,7 @@ async def test_a_coordinator_killed_at_any_state_resumes_without_double_eviction
     assert h.history("node-2") == []
     assert set(h.cluster.calls) == pods_before and max(h.cluster.calls.values()) == 1, h.cluster.calls
     node = await h.cluster.node("node-1")
-    assert node is not None and node.schedulable and WAS_CORDONED_ANNOTATION not in node.annotations
+    assert node is not None and node.schedulable and UPGRADE_WAS_CORDONED_ANNOTATION not in node.annotations
     assert (await h.gpus("node-1").versions()).driver == NEW
     assert sum(isinstance(e, DrainRequested) for e in h.events) == 1
 
@@ -303,9 +303,9 @@ async def test_a_write_decided_on_a_stale_read_is_refused(make_harness: MakeHarn
     new = h.new_coordinator()
     assert await new.reconcile_once()
     moved = await h.cluster.node("node-1")
-    assert moved is not None and moved.annotations[FENCE_ANNOTATION] == str(new.token)
+    assert moved is not None and moved.annotations[UPGRADE_FENCE_ANNOTATION] == str(new.token)
     with pytest.raises(ClusterConflict):
-        await old._write(view, labels={STATE_LABEL: "upgrade-failed"})
+        await old._write(view, labels={UPGRADE_STATE_LABEL: "upgrade-failed"})
     assert await h.cluster.node("node-1") == moved
 
 
@@ -318,27 +318,30 @@ async def test_the_simulated_cluster_writes_a_node_only_at_the_revision_read(
     assert read is not None and other is not None and read.revision
     answered = await cluster.update_node(
         "node-1",
-        labels={STATE_LABEL: "cordon-required"},
-        annotations={FENCE_ANNOTATION: "2"},
+        labels={UPGRADE_STATE_LABEL: "cordon-required"},
+        annotations={UPGRADE_FENCE_ANNOTATION: "2"},
         schedulable=False,
         expect=read.revision,
     )
     written = await cluster.node("node-1")
     assert written == answered and int(written.revision) > int(read.revision)
-    assert written.labels[STATE_LABEL] == "cordon-required" and written.annotations[FENCE_ANNOTATION] == "2"
+    assert (
+        written.labels[UPGRADE_STATE_LABEL] == "cordon-required"
+        and written.annotations[UPGRADE_FENCE_ANNOTATION] == "2"
+    )
     assert not written.schedulable
     assert await cluster.node("node-2") == other  # a node's revision moves with its own writes only
     with pytest.raises(ClusterConflict, match="node-1"):
-        await cluster.update_node("node-1", labels={STATE_LABEL: "upgrade-done"}, expect=read.revision)
+        await cluster.update_node("node-1", labels={UPGRADE_STATE_LABEL: "upgrade-done"}, expect=read.revision)
     with pytest.raises(ClusterConflict):  # even a write that would change nothing
-        await cluster.update_node("node-1", annotations={FENCE_ANNOTATION: "2"}, expect=read.revision)
+        await cluster.update_node("node-1", annotations={UPGRADE_FENCE_ANNOTATION: "2"}, expect=read.revision)
     assert await cluster.node("node-1") == written
     await cluster.uncordon("node-1")  # any writer moves the revision
     with pytest.raises(ClusterConflict):
-        await cluster.update_node("node-1", labels={STATE_LABEL: "upgrade-done"}, expect=written.revision)
-    await cluster.update_node("node-1", labels={STATE_LABEL: None})  # without expect: unconditional
+        await cluster.update_node("node-1", labels={UPGRADE_STATE_LABEL: "upgrade-done"}, expect=written.revision)
+    await cluster.update_node("node-1", labels={UPGRADE_STATE_LABEL: None})  # without expect: unconditional
     final = await cluster.node("node-1")
-    assert final is not None and STATE_LABEL not in final.labels and final.schedulable
+    assert final is not None and UPGRADE_STATE_LABEL not in final.labels and final.schedulable
 
 
 # -- failures that stop the rollout -------------------------------------------------------------------------------
@@ -357,15 +360,15 @@ async def test_a_failed_install_stops_the_rollout_with_its_reason(
     assert states == {"node-1": "upgrade-failed", "node-2": "upgrade-required", "node-3": "upgrade-required"}
     node = await h.cluster.node("node-1")
     assert node is not None and not node.schedulable
-    assert "DKMS build failed" in node.annotations[FAILURE_ANNOTATION]
+    assert "DKMS build failed" in node.annotations[UPGRADE_FAILURE_ANNOTATION]
     failed = h.failures("node-1")
     assert len(failed) == 1 and "DKMS build failed" in failed[0]
-    assert h.coordinator.status()["nodes"]["node-1"]["reason"] == node.annotations[FAILURE_ANNOTATION]
+    assert h.coordinator.status()["nodes"]["node-1"]["reason"] == node.annotations[UPGRADE_FAILURE_ANNOTATION]
     exported = CollectorRegistry()  # what the leader's /metrics says of it: the state and since when
     exported.register(UpgradeCollector(h.coordinator))
     since = {"node": "node-1", "state": "upgrade-failed"}
     assert exported.get_sample_value("gpuwarden_driver_upgrade_state_since_timestamp_seconds", since) == float(
-        node.annotations[SINCE_ANNOTATION]
+        node.annotations[UPGRADE_SINCE_ANNOTATION]
     )
     assert exported.get_sample_value("gpuwarden_driver_upgrade_nodes", {"state": "upgrade-failed"}) == 1.0
     assert exported.get_sample_value("gpuwarden_driver_upgrade_leader") == 1.0
@@ -387,8 +390,8 @@ async def test_a_drain_that_cannot_finish_stops_the_rollout(make_harness: MakeHa
     await h.run_until(lambda: _state_is(h, "node-1", "upgrade-failed"))
     node = await h.cluster.node("node-1")
     assert node is not None and not node.schedulable
-    assert "not checkpointed" in node.annotations[FAILURE_ANNOTATION]
-    assert "on_drain_failure=stop" in node.annotations[FAILURE_ANNOTATION]
+    assert "not checkpointed" in node.annotations[UPGRADE_FAILURE_ANNOTATION]
+    assert "on_drain_failure=stop" in node.annotations[UPGRADE_FAILURE_ANNOTATION]
     assert sum(h.cluster.calls.values()) == 0, "nothing is evicted when the sessions were not saved"
     assert (await h.gpus("node-1").versions()).driver == OLD
 
@@ -521,7 +524,7 @@ async def test_a_hanging_install_fails_the_node_at_the_timeout(
     assert (await h.states())["node-1"] == "upgrade-failed"
     node = await h.cluster.node("node-1")
     assert node is not None and not node.schedulable
-    reason = node.annotations[FAILURE_ANNOTATION]
+    reason = node.annotations[UPGRADE_FAILURE_ANNOTATION]
     assert f"install of {NEW} is still running after install_timeout_s=300" in reason, reason
     assert h.failures("node-1") == [reason]
     assert [e.reason for e in h.events if isinstance(e, DriverInstallFailed)] == [reason]
@@ -550,8 +553,8 @@ async def test_a_hanging_validation_fails_the_node_at_the_timeout(make_harness: 
     now[0] += 60.0
     await h.step()
     node = await h.cluster.node("node-1")
-    assert node is not None and node.labels[STATE_LABEL] == "upgrade-failed" and not node.schedulable
-    reason = node.annotations[FAILURE_ANNOTATION]
+    assert node is not None and node.labels[UPGRADE_STATE_LABEL] == "upgrade-failed" and not node.schedulable
+    reason = node.annotations[UPGRADE_FAILURE_ANNOTATION]
     assert "validation failed for 60s" in reason and f"validating {NEW} has not finished" in reason, reason
 
 
@@ -579,8 +582,8 @@ async def test_a_silent_driver_agent_is_a_temporary_failure_until_the_timeout(
     now[0] += 300.0
     await h.step()
     node = await h.cluster.node("node-1")
-    assert node is not None and node.labels[STATE_LABEL] == "upgrade-failed"
-    reason = node.annotations[FAILURE_ANNOTATION]
+    assert node is not None and node.labels[UPGRADE_STATE_LABEL] == "upgrade-failed"
+    reason = node.annotations[UPGRADE_FAILURE_ANNOTATION]
     assert "got no answer after install_timeout_s=300" in reason and "does not answer" in reason, reason
 
 

@@ -16,7 +16,8 @@ from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from services.driver.config import DriverSettings
 from services.driver.service import DriverService
-from services.driver.upgrade import ORDER, STATE_LABEL
+from services.driver.upgrade import ORDER
+from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverUpgradeStateChanged
 from shared.contract.requests import InferenceRequest
@@ -115,7 +116,7 @@ async def test_three_nodes_upgrade_one_at_a_time_and_lose_no_session(
 
         async def all_done() -> bool:
             nodes = await cluster.nodes()
-            return all(n.labels.get(STATE_LABEL) == "upgrade-done" and n.schedulable for n in nodes)
+            return all(n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done" and n.schedulable for n in nodes)
 
         await eventually(all_done, timeout=45, interval=0.1)
         for node in SPEC.nodes:

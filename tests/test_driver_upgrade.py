@@ -14,17 +14,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.driver.upgrade import (
-    CLEAR_ANNOTATION,
-    DRAIN_ANNOTATION,
-    EXTERNAL_DRAIN_ANNOTATION,
-    FAILURE_ANNOTATION,
     IN_PROGRESS,
     ORDER,
     RELEASABLE,
-    SINCE_ANNOTATION,
-    STATE_LABEL,
     VERDICT_UNKNOWN,
-    WAS_CORDONED_ANNOTATION,
     Action,
     ClusterView,
     InstallProgress,
@@ -36,6 +29,15 @@ from services.driver.upgrade import (
     may_start,
     next_step,
     upgrade_order,
+)
+from shared.contract.annotations import (
+    CORDON_DRAIN_ANNOTATION,
+    UPGRADE_CLEAR_ANNOTATION,
+    UPGRADE_DRAIN_ANNOTATION,
+    UPGRADE_FAILURE_ANNOTATION,
+    UPGRADE_SINCE_ANNOTATION,
+    UPGRADE_STATE_LABEL,
+    UPGRADE_WAS_CORDONED_ANNOTATION,
 )
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.subjects import Subjects
@@ -85,7 +87,7 @@ class SimNode:
             schedulable=self.schedulable,
             installed_version=self.installed,
             pods=tuple(pods),
-            drain_verdict=self.verdict if self.annotations.get(DRAIN_ANNOTATION) else "",
+            drain_verdict=self.verdict if self.annotations.get(UPGRADE_DRAIN_ANNOTATION) else "",
             gpus=2,
         )
 
@@ -117,7 +119,7 @@ class UpgradeMachine(RuleBasedStateMachine):
             case "uncordon":
                 node.schedulable = True
             case "request_drain" | "external_drain":
-                key = DRAIN_ANNOTATION if action.kind == "request_drain" else "gpuwarden.io/cordon-drain-id"
+                key = UPGRADE_DRAIN_ANNOTATION if action.kind == "request_drain" else "gpuwarden.io/cordon-drain-id"
                 node.annotations[key] = f"d-{node.name}-{self.now}"
                 node.verdict = ""
                 return
@@ -146,16 +148,16 @@ class UpgradeMachine(RuleBasedStateMachine):
             case "wait":
                 return
         node.annotations.update(annotations)
-        if action.state and action.state != node.labels.get(STATE_LABEL, ""):
+        if action.state and action.state != node.labels.get(UPGRADE_STATE_LABEL, ""):
             node.history.append(action.state)
-            node.labels[STATE_LABEL] = action.state
+            node.labels[UPGRADE_STATE_LABEL] = action.state
         for key in removals:
             node.annotations.pop(key, None)
 
     @rule(name=st.sampled_from(NODES))
     def reconcile(self, name: str) -> None:
         node = self.nodes[name]
-        before = node.labels.get(STATE_LABEL, "")
+        before = node.labels.get(UPGRADE_STATE_LABEL, "")
         cluster = self.cluster()
         action = next_step(node.view(), self.policy, cluster, self.now)
         if action.state == "cordon-required" and node.schedulable:  # one node fewer to run pods on
@@ -163,7 +165,7 @@ class UpgradeMachine(RuleBasedStateMachine):
             if cluster.unavailable + 1 > budget:
                 self.over_budget_starts += 1
         self.apply(node, action)
-        after = node.labels.get(STATE_LABEL, "")
+        after = node.labels.get(UPGRADE_STATE_LABEL, "")
         if before in RELEASABLE and not self.policy.auto_upgrade:  # the slot is given back, the cordon lifted
             assert after == "upgrade-required", (before, after)
             assert node.schedulable or node.cordoned_before or before == "cordon-required"
@@ -178,7 +180,7 @@ class UpgradeMachine(RuleBasedStateMachine):
     def verdict(self, name: str, ok: bool) -> None:
         """The checkpoint service decides a drain once: its verdict is final, later copies repeat it."""
         node = self.nodes[name]
-        if node.annotations.get(DRAIN_ANNOTATION) and not node.verdict:
+        if node.annotations.get(UPGRADE_DRAIN_ANNOTATION) and not node.verdict:
             node.verdict = "completed" if ok else "failed: 1 session(s) not checkpointed"
 
     @rule(name=st.sampled_from(NODES))
@@ -196,7 +198,7 @@ class UpgradeMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(NODES))
     def admin_cordons(self, name: str) -> None:
         node = self.nodes[name]
-        if node.labels.get(STATE_LABEL, "") not in IN_PROGRESS:
+        if node.labels.get(UPGRADE_STATE_LABEL, "") not in IN_PROGRESS:
             node.schedulable = False
 
     @rule(name=st.sampled_from(NODES), fails=st.booleans(), hangs=st.booleans())
@@ -204,12 +206,12 @@ class UpgradeMachine(RuleBasedStateMachine):
         self.nodes[name].install_fails = fails
         self.nodes[name].install_hangs = hangs
 
-    @precondition(lambda self: any(n.labels.get(STATE_LABEL) == "upgrade-failed" for n in self.nodes.values()))
+    @precondition(lambda self: any(n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-failed" for n in self.nodes.values()))
     @rule(name=st.sampled_from(NODES))
     def person_clears(self, name: str) -> None:
         node = self.nodes[name]
-        if node.labels.get(STATE_LABEL) == "upgrade-failed":
-            node.annotations[CLEAR_ANNOTATION] = "true"
+        if node.labels.get(UPGRADE_STATE_LABEL) == "upgrade-failed":
+            node.annotations[UPGRADE_CLEAR_ANNOTATION] = "true"
             node.install_fails = node.install_hangs = False
 
     @invariant()
@@ -228,24 +230,24 @@ class UpgradeMachine(RuleBasedStateMachine):
     @invariant()
     def failures_are_loud_and_cordoned(self) -> None:
         for node in self.nodes.values():
-            if node.labels.get(STATE_LABEL) == "upgrade-failed":
-                assert node.annotations.get(FAILURE_ANNOTATION)
+            if node.labels.get(UPGRADE_STATE_LABEL) == "upgrade-failed":
+                assert node.annotations.get(UPGRADE_FAILURE_ANNOTATION)
                 assert not node.schedulable
-            if node.labels.get(STATE_LABEL) in IN_PROGRESS - {"cordon-required"}:
+            if node.labels.get(UPGRADE_STATE_LABEL) in IN_PROGRESS - {"cordon-required"}:
                 assert not node.schedulable
 
     @invariant()
     def a_node_cordoned_before_stays_cordoned(self) -> None:
         for node in self.nodes.values():
-            if node.labels.get(STATE_LABEL) == "upgrade-done" and node.cordoned_before:
+            if node.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done" and node.cordoned_before:
                 assert not node.schedulable
 
     @invariant()
     def no_new_start_while_failures_exceed_the_budget(self) -> None:
-        failed = sum(1 for n in self.nodes.values() if n.labels.get(STATE_LABEL) == "upgrade-failed")
+        failed = sum(1 for n in self.nodes.values() if n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-failed")
         if failed > self.policy.max_failed_nodes:
             for node in self.nodes.values():
-                if node.labels.get(STATE_LABEL) == "upgrade-required":
+                if node.labels.get(UPGRADE_STATE_LABEL) == "upgrade-required":
                     view = node.view()
                     # no upgrade starts; saving the sessions of a node someone else cordoned is not a start
                     assert next_step(view, self.policy, self.cluster(), self.now).kind in ("wait", "external_drain")
@@ -266,7 +268,7 @@ def test_an_untouched_cluster_upgrades_in_order() -> None:
     for node in machine.nodes.values():
         assert node.history == list(ORDER)
         assert node.schedulable and node.installed == NEW
-        assert WAS_CORDONED_ANNOTATION not in node.annotations
+        assert UPGRADE_WAS_CORDONED_ANNOTATION not in node.annotations
 
 
 def test_every_node_cordoned_by_someone_else_still_upgrades_one_at_a_time() -> None:
@@ -284,15 +286,15 @@ def test_every_node_cordoned_by_someone_else_still_upgrades_one_at_a_time() -> N
         machine.time_passes(1.0)
         assert machine.cluster().in_progress <= 1
     for node in machine.nodes.values():
-        assert node.labels[STATE_LABEL] == "upgrade-done" and node.installed == NEW, node
+        assert node.labels[UPGRADE_STATE_LABEL] == "upgrade-done" and node.installed == NEW, node
         assert not node.schedulable  # someone else's cordon outlives the upgrade
     assert machine.over_budget_starts == 0
 
 
 def test_nodes_unavailable_already_go_first_and_the_rest_wait_within_the_budget() -> None:
     policy = DriverPolicy(desired_version=NEW, auto_upgrade=True, max_parallel_upgrades=2, max_unavailable="1")
-    waiting = {"labels": {STATE_LABEL: "upgrade-required"}, "installed_version": OLD}
-    drained = {EXTERNAL_DRAIN_ANNOTATION: "drain-n2-1"}  # its sessions saved by the drain that cordoned it
+    waiting = {"labels": {UPGRADE_STATE_LABEL: "upgrade-required"}, "installed_version": OLD}
+    drained = {CORDON_DRAIN_ANNOTATION: "drain-n2-1"}  # its sessions saved by the drain that cordoned it
     cordoned = NodeView(name="n2", schedulable=False, annotations=drained, **waiting)  # type: ignore[arg-type]
     free = NodeView(name="n1", **waiting)  # type: ignore[arg-type]
     cluster = ClusterView.of([free, cordoned])
@@ -306,30 +308,37 @@ def test_nodes_unavailable_already_go_first_and_the_rest_wait_within_the_budget(
 @pytest.mark.parametrize("state", sorted(RELEASABLE))
 def test_turning_auto_upgrade_off_releases_a_slot_before_any_eviction(state: str) -> None:
     policy = DriverPolicy(desired_version=NEW, auto_upgrade=False)
-    held = {STATE_LABEL: state}
+    held = {UPGRADE_STATE_LABEL: state}
     by_upgrade = NodeView(
         name="n1",
         labels=held,
         schedulable=state == "cordon-required",
-        annotations={WAS_CORDONED_ANNOTATION: "false", DRAIN_ANNOTATION: "d-1"},
+        annotations={UPGRADE_WAS_CORDONED_ANNOTATION: "false", UPGRADE_DRAIN_ANNOTATION: "d-1"},
         installed_version=OLD,
     )
     action = next_step(by_upgrade, policy, ClusterView.of([by_upgrade]), 5.0)
     assert action.state == "upgrade-required" and "released" in action.why
     assert action.kind == ("set_state" if state == "cordon-required" else "uncordon")
-    assert action.annotations[DRAIN_ANNOTATION] is None and action.annotations[WAS_CORDONED_ANNOTATION] is None
+    assert (
+        action.annotations[UPGRADE_DRAIN_ANNOTATION] is None
+        and action.annotations[UPGRADE_WAS_CORDONED_ANNOTATION] is None
+    )
     by_person = NodeView(
-        name="n1", labels=held, schedulable=False, annotations={WAS_CORDONED_ANNOTATION: "true"}, installed_version=OLD
+        name="n1",
+        labels=held,
+        schedulable=False,
+        annotations={UPGRADE_WAS_CORDONED_ANNOTATION: "true"},
+        installed_version=OLD,
     )
     kept = next_step(by_person, policy, ClusterView.of([by_person]), 5.0)
     assert kept.kind == "set_state" and kept.state == "upgrade-required"  # a person's cordon stays
-    evicting = NodeView(name="n1", labels={STATE_LABEL: "pod-deletion-required"}, schedulable=False)
+    evicting = NodeView(name="n1", labels={UPGRADE_STATE_LABEL: "pod-deletion-required"}, schedulable=False)
     assert next_step(evicting, policy, ClusterView.of([evicting]), 5.0).state != "upgrade-required"  # finishes
 
 
 def test_a_node_emptied_by_someone_else_needs_no_drain_and_a_failed_drain_there_stops_nothing() -> None:
     policy = DriverPolicy(desired_version=NEW, auto_upgrade=True)
-    saving = {STATE_LABEL: "checkpoint-required"}
+    saving = {UPGRADE_STATE_LABEL: "checkpoint-required"}
 
     def node(*phases: str, **fields: object) -> NodeView:
         pods = tuple(PodView(f"p{i}", "llm", phase) for i, phase in enumerate(phases))
@@ -341,7 +350,7 @@ def test_a_node_emptied_by_someone_else_needs_no_drain_and_a_failed_drain_there_
     assert step(node("Running", "Terminating")).kind == "request_drain"
     for drained in (node(), node("Terminating")):  # its pods gone, or leaving (their preStop saves them)
         assert step(drained).state == "pod-deletion-required"
-    asked = {"annotations": {DRAIN_ANNOTATION: "d-1"}, "drain_verdict": "failed: 3 session(s) not checkpointed"}
+    asked = {"annotations": {UPGRADE_DRAIN_ANNOTATION: "d-1"}, "drain_verdict": "failed: 3 session(s) not checkpointed"}
     assert step(node(**asked)).state == "pod-deletion-required"  # nothing left to evict, nothing to lose
     assert step(node("Running", **asked)).state == "upgrade-failed"  # pods it would evict: stop
 
@@ -350,8 +359,8 @@ def test_a_verdict_that_cannot_be_read_holds_the_node_past_the_drain_timeout_and
     """The checkpoint service, which records verdicts, does not answer: the node waits (a drain that may have
     completed is never failed for it), and goes on once the verdict reads again."""
     policy = DriverPolicy(desired_version=NEW, auto_upgrade=True, drain_timeout_s=60)
-    late = {STATE_LABEL: "checkpoint-required"}
-    annotations = {DRAIN_ANNOTATION: "d-1", SINCE_ANNOTATION: "1000"}
+    late = {UPGRADE_STATE_LABEL: "checkpoint-required"}
+    annotations = {UPGRADE_DRAIN_ANNOTATION: "d-1", UPGRADE_SINCE_ANNOTATION: "1000"}
 
     def step(verdict: str) -> Action:
         pods = (PodView("p0", "llm", "Running"),)

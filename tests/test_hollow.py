@@ -25,9 +25,10 @@ from services.checkpoint.service import CheckpointService
 from services.device.__main__ import hollow_instance as device_instance
 from services.driver.__main__ import hollow_instance as driver_instance
 from services.driver.service import DriverService
-from services.driver.upgrade import ORDER, STATE_LABEL
+from services.driver.upgrade import ORDER
 from services.metrics.__main__ import hollow_instance as metrics_instance
 from services.metrics.service import MetricsService
+from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.device import DeviceInventory
 from shared.contract.driver import DriverUpgradeStateChanged
@@ -350,7 +351,7 @@ async def test_a_hollow_fleet_upgrades_one_node_through_its_drain(
 
         async def upgraded() -> bool:
             node = await cluster.node(target)
-            return node is not None and node.labels.get(STATE_LABEL) == "upgrade-done" and node.schedulable
+            return node is not None and node.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done" and node.schedulable
 
         await eventually(upgraded, timeout=60, interval=0.1)
         await eventually(lambda: [c.state for c in changes if c.node == target] == list(ORDER), timeout=10)

@@ -24,24 +24,16 @@ from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from services.device.config import DeviceSettings, load, parse_plugin_config
 from services.device.gen import deviceplugin_pb2 as pb
-from services.device.mig import (
-    CONFIG_LABEL,
-    DRAIN_ANNOTATION,
-    REASON_ANNOTATION,
-    STATE_LABEL,
-    LayoutRefused,
-    MigController,
-    MigStep,
-    drain_verdicts,
-    layout,
-    plan,
-)
+from services.device.mig import CONFIG_LABEL, REASON_ANNOTATION, STATE_LABEL, MigController
+from services.device.mig_plan import LayoutRefused, MigStep, layout, plan
 from services.device.service import DeviceService
+from shared.clients.drains import RecordReader, VerdictWake
+from shared.contract.annotations import MIG_DRAIN_ANNOTATION
 from shared.contract.base import Event
 from shared.contract.checkpoint import CheckpointSaved
 from shared.contract.configdocs import MigConfig, MigDeviceGroup
 from shared.contract.device import GpuDevice, MigConfigChanged, MigInstance
-from shared.contract.node import DrainCompleted, DrainRequested
+from shared.contract.node import DrainCompleted, DrainFailed, DrainQuery, DrainRecord, DrainRequested
 from shared.contract.subjects import Subjects
 from shared.host.runner import start_service
 from shared.kv.agent import KvAgent
@@ -49,7 +41,6 @@ from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, VersionedConfig
-from shared.plumbing.consumer import consume
 from shared.plumbing.errors import InvalidConfig, SettingsError
 from shared.plumbing.settings import Settings
 from shared.ports.gpu import GpuError, MigProfile
@@ -406,6 +397,7 @@ def controller_for(
     recorder: Recorder,
     clock: Callable[[], float],
     step_timeout_s: float = 5.0,
+    record: RecordReader | None = None,
     **drain: float,
 ) -> MigController:
     versioned = VersionedConfig(name="mig", version=1, doc=doc, updated_at=0.0, updated_by="test")
@@ -426,6 +418,7 @@ def controller_for(
         resume=recorder.hook("resume"),
         refresh=recorder.hook("refresh"),
         clock=clock,
+        record=record,
         **drain,
     )
 
@@ -623,7 +616,7 @@ async def test_the_device_service_applies_a_layout_pausing_the_plugin_meanwhile(
         # step, on the same connection as the state events heard since).
         assert drains == []
         info = await cluster.node("node-1")
-        assert info is not None and DRAIN_ANNOTATION not in info.annotations
+        assert info is not None and MIG_DRAIN_ANNOTATION not in info.annotations
 
 
 async def test_the_device_service_refuses_a_bad_layout_and_fails_a_hung_one_without_wedging(
@@ -761,7 +754,7 @@ async def running(controller: MigController) -> AsyncIterator[None]:
 async def drain_annotation(cluster: SimCluster) -> str | None:
     info = await cluster.node("node-1")
     assert info is not None
-    return info.annotations.get(DRAIN_ANNOTATION)
+    return info.annotations.get(MIG_DRAIN_ANNOTATION)
 
 
 async def test_a_layout_change_commits_every_session_before_the_first_mig_change(
@@ -827,12 +820,18 @@ async def test_a_drain_that_fails_leaves_the_gpus_unchanged_and_names_the_sessio
     await checkpointing.add_pod("llama-silent", 2, serve=False)
     recorder = Recorder(bus)
     controller = controller_for(
-        sim_gpus, cluster, LAYOUTS, recorder, Clock(), drain_timeout_s=60.0, drain_deadline_s=2.0
+        sim_gpus,
+        cluster,
+        LAYOUTS,
+        recorder,
+        Clock(),
+        record=RecordReader(bus),
+        drain_timeout_s=60.0,
+        drain_deadline_s=2.0,
     )
-    await consume(bus, drain_verdicts(subjects, "node-1"), controller.on_drain_verdict)
     before = await sim_gpus.devices()
     await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
-    async with running(controller):
+    async with VerdictWake(bus, "node-1", controller.on_verdict_heard), running(controller):
         await eventually(lambda: recorder.events and recorder.events[-1].state == "failed", timeout=30)
     failed = recorder.events[-1]
     drain_id = recorder.drains[0].drain_id
@@ -853,12 +852,30 @@ async def test_a_drain_that_fails_leaves_the_gpus_unchanged_and_names_the_sessio
     assert await node_state(cluster) == ("failed", failed.reason)
 
 
+class Record:
+    """The checkpoint service's part: the verdicts it recorded, answered by drain id to ``node.drain.query``."""
+
+    def __init__(self) -> None:
+        self.verdicts: dict[str, DrainCompleted | DrainFailed] = {}
+
+    async def serve(self, bus: Bus) -> RecordReader:
+        async def on_query(query: DrainQuery) -> DrainRecord:
+            return DrainRecord(drain_id=query.drain_id, verdict=self.verdicts.get(query.drain_id))
+
+        await bus.serve(bus.subjects.command("checkpoint", "drain"), on_query, (DrainQuery,))
+        return RecordReader(bus)
+
+
 async def test_no_verdict_in_time_fails_the_layout_unchanged_and_a_restart_asks_the_same_drain(
-    sim_gpus: SimGpus, cluster: SimCluster
+    bus: Bus, sim_gpus: SimGpus, cluster: SimCluster
 ) -> None:
     recorder = Recorder()
     clock = Clock()
-    controller = controller_for(sim_gpus, cluster, LAYOUTS, recorder, clock, drain_timeout_s=5.0, drain_deadline_s=4.0)
+    record = Record()
+    reader = await record.serve(bus)
+    controller = controller_for(
+        sim_gpus, cluster, LAYOUTS, recorder, clock, record=reader, drain_timeout_s=5.0, drain_deadline_s=4.0
+    )
     before = await sim_gpus.devices()
     await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
     await controller.reconcile()
@@ -874,15 +891,17 @@ async def test_no_verdict_in_time_fails_the_layout_unchanged_and_a_restart_asks_
     # A restarted controller asks the same drain again (the checkpoint service runs a drain id once).
     restarted_recorder = Recorder()
     restarted = controller_for(
-        sim_gpus, cluster, LAYOUTS, restarted_recorder, clock, drain_timeout_s=5.0, drain_deadline_s=4.0
+        sim_gpus, cluster, LAYOUTS, restarted_recorder, clock, record=reader, drain_timeout_s=5.0, drain_deadline_s=4.0
     )
     await restarted.reconcile()
     assert [d.drain_id for d in restarted_recorder.drains] == [asked.drain_id]
     assert restarted_recorder.events == []  # the node already shows it pending for this drain
 
     # Verdicts for other drains, or other nodes, are not this one's.
-    await restarted.on_drain_verdict(DrainCompleted(node="node-1", drain_id="mig-node-1-first-1g-v1-other"))
-    await restarted.on_drain_verdict(DrainCompleted(node="node-2", drain_id=asked.drain_id))
+    record.verdicts["mig-node-1-first-1g-v1-other"] = DrainCompleted(
+        node="node-1", drain_id="mig-node-1-first-1g-v1-other"
+    )
+    record.verdicts[asked.drain_id] = DrainCompleted(node="node-2", drain_id=asked.drain_id)
     await restarted.reconcile()
     assert (await node_state(cluster))[0] == "pending" and await sim_gpus.devices() == before
 
@@ -897,7 +916,7 @@ async def test_no_verdict_in_time_fails_the_layout_unchanged_and_a_restart_asks_
     assert await drain_annotation(cluster) is None and "drain" not in restarted.describe()
 
     # A verdict that comes too late is not used, then or later.
-    await restarted.on_drain_verdict(DrainCompleted(node="node-1", drain_id=asked.drain_id))
+    record.verdicts[asked.drain_id] = DrainCompleted(node="node-1", drain_id=asked.drain_id)
     await restarted.reconcile()
     assert await node_state(cluster) == ("failed", reason) and await sim_gpus.devices() == before
 
@@ -906,9 +925,9 @@ async def test_no_verdict_in_time_fails_the_layout_unchanged_and_a_restart_asks_
     await restarted.reconcile()
     retry = restarted_recorder.drains[-1]
     assert retry.drain_id != asked.drain_id and await drain_annotation(cluster) == retry.drain_id
-    await restarted.on_drain_verdict(DrainCompleted(node="node-1", drain_id=retry.drain_id, sessions_committed=3))
+    record.verdicts[retry.drain_id] = DrainCompleted(node="node-1", drain_id=retry.drain_id, sessions_committed=3)
+    await restarted.reconcile()  # the record read, the drain used up, the layout applied
     assert await drain_annotation(cluster) is None
-    await restarted.reconcile()
     assert await node_state(cluster) == ("success", None)
     assert len((await sim_gpus.devices())[0].mig_instances) == 7
     assert [e.state for e in restarted_recorder.events] == ["failed", "pending", "pending", "success"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import DrainRecord, Observations, SoakPlan, main, parse, slope_per_min, summarise
+from bench.soak import Observations, ObservedDrain, SoakPlan, main, parse, slope_per_min, summarise
 
 
 def test_growth_is_the_least_squares_slope_in_mb_per_minute() -> None:
@@ -34,9 +34,9 @@ def test_the_report_names_growth_losses_and_verdicts(tmp_path: Path) -> None:
     obs = Observations()
     obs.samples = [{"t": float(t), "rss_mb": {"sim": 300.0 + t, "cli": 50.0}} for t in range(0, 101, 10)]
     obs.drains = {
-        "a": DrainRecord("a", "node-1", "bench.soak", 10.0, "completed", 10.5),
-        "b": DrainRecord("b", "node-2", "driver", 20.0, "failed", 21.0, 1, "1 session(s) not checkpointed"),
-        "c": DrainRecord("c", "node-3", "bench.soak", 30.0),
+        "a": ObservedDrain("a", "node-1", "bench.soak", 10.0, "completed", 10.5),
+        "b": ObservedDrain("b", "node-2", "driver", 20.0, "failed", 21.0, 1, "1 session(s) not checkpointed"),
+        "c": ObservedDrain("c", "node-3", "bench.soak", 30.0),
     }
     obs.upgrade_started, obs.upgrade_done_at = 20.0, {"node-1": 40.0, "node-2": 70.0}
     final = {"lost": 0, "preemptions": 7, "ended": 3, "tracked": {"home": 4}}

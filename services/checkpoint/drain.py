@@ -17,19 +17,19 @@ import time
 import uuid
 from collections import defaultdict
 from datetime import datetime
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from shared.clients.drains import last_verdict
 from shared.contract.base import DrainId, is_token
 from shared.contract.checkpoint import CheckpointFailed, SaveSessionsReport
 from shared.contract.node import (
     DrainCompleted,
     DrainFailed,
     DrainQuery,
+    DrainRecord,
     DrainRequested,
-    DrainState,
+    DrainVerdict,
     SessionFailure,
     deadline_problem,
 )
@@ -39,6 +39,9 @@ from shared.plumbing.errors import PermanentError, TemporaryError
 from .pods import forget_gone_pods
 from .replica import Replica
 from .saves import NoSaveReport, Saves
+
+if TYPE_CHECKING:
+    from shared.plumbing.bus import Bus
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,10 @@ DrainRun = Literal["running", "interrupted", "completed", "failed"]
 it), or decided (its verdict's ``DrainOutcome``)."""
 
 
-class DrainVerdicts:
+class DrainRunner:
+    """Runs the drains this replica takes (one runner per drain id across the replicas) and keeps each drain's
+    record: the one verdict every caller asks for (``on_drain_query``)."""
+
     def __init__(self, replica: Replica, saves: Saves) -> None:
         self.replica = replica
         self.saves = saves
@@ -128,7 +134,7 @@ class DrainVerdicts:
         self.states[drain_id] = "failed"
         await replica.ctx.publish(verdict)
 
-    async def on_drain_query(self, query: DrainQuery) -> DrainState:
+    async def on_drain_query(self, query: DrainQuery) -> DrainRecord:
         """The drain's recorded verdict (the one stored copy), None while it has none; with the query's ``node``, a
         verdict Redis lost and the events stream kept is recorded again first. Redis away: no answer
         (``TemporaryError``), which the asker reads as "not known now", never as "no verdict"."""
@@ -139,7 +145,7 @@ class DrainVerdicts:
         verdict = codec.decode(recorded) if recorded is not None else None
         if not isinstance(verdict, DrainCompleted | DrainFailed):
             verdict = None
-        return DrainState(drain_id=query.drain_id, verdict=verdict)
+        return DrainRecord(drain_id=query.drain_id, verdict=verdict)
 
     async def _answer_again(self, drain_id: str) -> bool:
         recorded = await self.replica.leases.drain_verdict(drain_id)
@@ -156,7 +162,7 @@ class DrainVerdicts:
         be gone by now, and a second verdict could contradict the first). ``before``: for a request, the
         verdict must be older than it (a request sent again after the verdict; a redelivery of the first request,
         older than its verdict, runs again). Two stream reads."""
-        stored = await last_verdict(self.replica.ctx.bus, node)
+        stored = await _newest_stored_verdict(self.replica.ctx.bus, node)
         if stored is None or stored.drain_id != drain_id or stored.node != node:
             return False
         if before is not None and stored.occurred_at >= before:
@@ -186,7 +192,7 @@ class DrainVerdicts:
             log.warning("cluster unreadable; drain goes on", extra={"node": node, "error": str(exc)})
             return False
 
-    async def _drain(self, event: DrainRequested, started: float) -> DrainCompleted | DrainFailed:
+    async def _drain(self, event: DrainRequested, started: float) -> DrainVerdict:
         replica = self.replica
         if await self._node_missing(event.node):
             return DrainFailed(
@@ -325,6 +331,23 @@ class DrainVerdicts:
             failed_total=len(failed),
             failed_ref=ref,
         )
+
+
+async def _newest_stored_verdict(bus: Bus, node: str) -> DrainVerdict | None:
+    """The newest verdict the events stream holds for ``node`` (completed or failed, whichever came last), None
+    when there is none or the stream cannot be read now: what answers for a record Redis lost. Two reads,
+    whatever the fleet holds."""
+    stream = bus.subjects.events_stream.name
+    newest: tuple[int, DrainVerdict] | None = None
+    for kind in ("node.drain.completed", "node.drain.failed"):
+        try:
+            raw = await bus.js.get_last_msg(stream, bus.subjects.pattern(kind, node=node))
+            event = codec.decode(raw.data or b"")
+        except Exception:  # none stored, undecodable, or the stream not answering
+            continue
+        if isinstance(event, DrainCompleted | DrainFailed) and (newest is None or (raw.seq or 0) > newest[0]):
+            newest = (raw.seq or 0, event)
+    return newest[1] if newest else None
 
 
 class _DrainHeader(msgspec.Struct):

@@ -52,7 +52,7 @@ from shared.ports.cluster import ClusterPort
 from .adapters import open_ports
 from .announcements import Announcements
 from .config import CheckpointSettings, load
-from .drain import DrainVerdicts
+from .drain import DrainRunner
 from .gpu_failures import GPU_FAILURE_SAVE_S, GpuFailures
 from .leases import ReplicaLeases
 from .metrics import CheckpointMetrics
@@ -125,8 +125,8 @@ class CheckpointService:
         self.scrub = Scrub(replica)
         self.announcements = Announcements(replica, self.retention)
         self.restores = Restores(replica)
-        self.drain_verdicts = DrainVerdicts(replica, saves)
-        self.drains = self.drain_verdicts.states
+        self.drain_runner = DrainRunner(replica, saves)
+        self.drains = self.drain_runner.states
         self.gpu_failures = GpuFailures(replica, saves)
         self.periodic = PeriodicSaves(replica, saves)
         self.queries = SessionQueries(ports.registry)
@@ -143,9 +143,9 @@ class CheckpointService:
                 concurrency=4,
                 max_deliver=20,
                 backoff=(1.0, 2.0, 4.0),
-                on_refused=self.drain_verdicts.on_drain_refused,
+                on_refused=self.drain_runner.on_drain_refused,
             ),
-            self.drain_verdicts.on_drain_requested,
+            self.drain_runner.on_drain_requested,
         )
         await ctx.consume(
             ConsumerSpec(
@@ -176,7 +176,7 @@ class CheckpointService:
         )
         await ctx.bus.serve(s.command("checkpoint", "fleet"), queries.on_fleet_query, (FleetQuery,), queue="checkpoint")
         await ctx.bus.serve(
-            s.command("checkpoint", "drain"), self.drain_verdicts.on_drain_query, (DrainQuery,), queue="checkpoint"
+            s.command("checkpoint", "drain"), self.drain_runner.on_drain_query, (DrainQuery,), queue="checkpoint"
         )
         self.rollouts = RolloutCoordinator(ctx, ports.config, ports.leases, ports.cluster, self.owner)
         await ctx.bus.serve(

@@ -1,39 +1,34 @@
 """The MIG controller: makes the node's MIG layout what its ``nvidia.com/mig.config`` label asks for.
 
-Desired layouts live in the ``mig`` configuration document (NVIDIA mig-parted's ``mig-configs`` shape); a node picks
-one by the value of its label. ``plan`` is the pure core: from the GPUs as they are, the profiles each offers and
-the chosen layout, it gives the changes to make, or refuses with a reason (``LayoutRefused``) when the layout does
-not fit the node: a GPU index out of range, a GPU without MIG, a profile the GPU does not offer, more instances
-or compute slices than the GPU holds. A refused layout changes nothing. A GPU whose instances differ from the
-layout in any way has all of them destroyed and the layout created afresh, largest first (as mig-parted does:
-keeping some instances can leave the free slices too scattered for the rest); a GPU that already matches is left
-alone, and GPUs no entry names are never touched.
+A node picks a layout of the ``mig`` configuration document by the value of its label; the planner
+(``services.device.mig_plan``, pure) gives the changes that layout needs, or refuses it with a reason. This module
+is the controller around it: it reads the GPUs and the document, drains the node, applies the steps, and reports.
 
-``MigController`` is level-triggered: on every wake (the document changed, the node changed, the period passed)
-it compares desired with actual and acts only when they differ. While it changes the GPUs the kubelet device
-plugin advertises no devices at all, so nothing is scheduled onto instances being torn down (NVIDIA's MIG manager
-stops its device plugin for the same reason); afterwards the inventory is read again and the plugin advertises the
-new layout. Every change runs under its own timeout (``GPUWARDEN_MIG_STEP_TIMEOUT_S``): a hung step ends in
-``failed``, never in a node stuck at ``pending``. A failed layout is tried again when the document or the label
-changes, or after ``GPUWARDEN_MIG_RETRY_S``.
+``MigController`` is level-triggered: on every wake (the document changed, the node changed, a verdict of its
+node was published, the bus reconnected, the period passed) it compares desired with actual and acts only when
+they differ. While it changes the GPUs the kubelet device plugin advertises no devices at all, so nothing is
+scheduled onto instances being torn down (NVIDIA's MIG manager stops its device plugin for the same reason);
+afterwards the inventory is read again and the plugin advertises the new layout. Every change runs under its own
+timeout (``GPUWARDEN_MIG_STEP_TIMEOUT_S``): a hung step ends in ``failed``, never in a node stuck at ``pending``.
+A failed layout is tried again when the document or the label changes, or after ``GPUWARDEN_MIG_RETRY_S``.
 
 The outcome is reported the way NVIDIA's MIG manager reports it, in the node label ``nvidia.com/mig.config.state``
 (``pending`` -> ``success`` | ``failed``), with the reason of a failure in the annotation
 ``gpuwarden.io/mig-config-reason``, and as a ``MigConfigChanged`` event for every state reported.
 
-Profiles are checked before anything changes when the GPU port lists them. NVML may list a GPU's profiles only
-once MIG mode is on; for such a GPU NVML's own refusal fails the step instead, with its reason.
+NVML may list a GPU's profiles only once MIG mode is on; for such a GPU NVML's own refusal fails the step instead,
+with its reason.
 
 Destroying instances (or toggling MIG mode) stops the work on them, and the KV caches of the inference sessions in
-those pods with it. So before any change the controller drains its node as the driver service does before an
-upgrade: it publishes ``node.drain.requested`` and changes nothing until the checkpoint service answers
-``node.drain.completed`` for that drain. ``node.drain.failed``, or no verdict within ``GPUWARDEN_MIG_DRAIN_TIMEOUT_S``,
-ends the layout in ``failed`` with the reason and the GPUs as they were; the state is ``pending`` meanwhile. One
-drain is asked at a time, named on the node (annotation ``gpuwarden.io/mig-drain-id``) before it is published, so a
-restarted controller asks the same drain again (the checkpoint service runs a drain id once) instead of a second
-one; the annotation is removed as soon as the drain has a verdict, so a verdict is never used twice, and one seen
-before a restart is replaced by a fresh drain rather than trusted late. ``GPUWARDEN_MIG_CHECKPOINT=off`` changes the
-GPUs without a drain.
+those pods with it. So before any change the controller drains its node through the drain client
+(``shared.clients.drains``), as the driver service does before an upgrade: it asks for a drain and changes nothing
+until the drain's record (the checkpoint service's, asked at each pass while it waits) says ``completed``. A failed
+verdict, or none within ``GPUWARDEN_MIG_DRAIN_TIMEOUT_S``, ends the layout in ``failed`` with the reason and the
+GPUs as they were; the state is ``pending`` meanwhile. The node's verdict events and the bus's reconnects only wake
+the controller (``VerdictWake``). One drain is asked at a time, named on the node (``MIG_DRAIN_ANNOTATION``)
+before it is published, so a restarted controller asks the same drain again (the checkpoint service runs a drain
+id once) instead of a second one; the annotation is removed as soon as the drain's verdict is used, so a verdict
+is never used twice. ``GPUWARDEN_MIG_CHECKPOINT=off`` changes the GPUs without a drain.
 """
 
 from __future__ import annotations
@@ -42,174 +37,43 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
-from shared.clients.drains import Drain, DrainClient
+from shared.clients.drains import Drain, DrainClient, RecordReader, VerdictReader, VerdictUnknown, VerdictWake
+from shared.contract.annotations import MIG_DRAIN_ANNOTATION
 from shared.contract.base import Event
-from shared.contract.configdocs import MigConfig, MigDeviceGroup
-from shared.contract.device import GpuDevice, MigConfigChanged, MigConfigState
+from shared.contract.configdocs import MigConfig
+from shared.contract.device import MigConfigChanged, MigConfigState
 from shared.contract.node import DrainCompleted, DrainFailed
-from shared.contract.subjects import Subjects
 from shared.host.runner import ServiceContext
 from shared.plumbing.configsync import VersionedConfig
-from shared.plumbing.consumer import ConsumerSpec, node_consumer
 from shared.plumbing.retries import CLUSTER_REWATCH
 from shared.ports.cluster import ClusterError, ClusterPort, NodeInfo
-from shared.ports.gpu import GpuError, GpuPort, MigProfile
+from shared.ports.gpu import GpuError, GpuPort
 
 from .config import DeviceSettings
+from .mig_plan import CONFIG_DOCUMENT, LayoutRefused, MigStep, layout, plan
 from .plugin import KubeletDevicePlugin
 
 log = logging.getLogger(__name__)
 
-CONFIG_DOCUMENT = "mig"
 CONFIG_LABEL = "nvidia.com/mig.config"
 STATE_LABEL = "nvidia.com/mig.config.state"
 REASON_ANNOTATION = "gpuwarden.io/mig-config-reason"
-DRAIN_ANNOTATION = "gpuwarden.io/mig-drain-id"
 DRAIN_PREFIX = "mig-"
 REQUESTED_BY = "device/mig"
 DRAIN_DEADLINE_S = 25.0
 """The most the savers are given (``DrainRequested.deadline_s``): under the pods' default grace period of 30s."""
 FAILED_SESSIONS_SHOWN = 5
-MIG_COMPUTE_SLICES = 7
 FAILED_PASS_WAIT_S = 1.0
-"""The least a reconcile pass that failed (cluster or GPUs not answering) waits before the next, unless woken."""
+"""The least a reconcile pass that failed (cluster, GPUs or the drain's record not answering) waits before the
+next, unless woken."""
 STOP_REPORT_S = 2.0
-
-
-class LayoutRefused(ValueError):
-    """The layout cannot be applied to this node; the message says why. Nothing has been changed."""
 
 
 class StepFailed(RuntimeError):
     """A change to the GPUs failed or did not finish in time; the message names the step."""
-
-
-@dataclass(frozen=True, slots=True)
-class MigStep:
-    """One change to one GPU, as the GPU port makes it."""
-
-    action: Literal["enable", "disable", "destroy", "create"]
-    gpu_uuid: str
-    gpu_index: int
-    profile: str = ""
-    instance_uuid: str = ""
-
-    def __str__(self) -> str:
-        if self.action == "destroy":
-            return f"GPU {self.gpu_index}: destroy {self.profile or 'MIG instance'} {self.instance_uuid}"
-        if self.action == "create":
-            return f"GPU {self.gpu_index}: create {self.profile}"
-        return f"GPU {self.gpu_index}: {self.action} MIG mode"
-
-
-# -- the pure core ------------------------------------------------------------------------------------------------
-def layout(doc: MigConfig, name: str) -> list[MigDeviceGroup]:
-    """The entries of the layout ``name``; ``LayoutRefused`` naming the known layouts when there is none."""
-    found = doc.mig_configs.get(name)
-    if found is None:
-        known = ", ".join(sorted(doc.mig_configs)) or "none"
-        raise LayoutRefused(f"no layout {name!r} in the {CONFIG_DOCUMENT!r} configuration document (layouts: {known})")
-    return found
-
-
-def _profile_slices(profile: str) -> int:
-    return int(profile.split("g.", 1)[0])
-
-
-def _select(
-    name: str, groups: Sequence[MigDeviceGroup], gpus: Sequence[GpuDevice]
-) -> dict[int, tuple[int, MigDeviceGroup]]:
-    """GPU index -> the entry that covers it, and its position. A GPU named by two entries, or an index the node
-    lacks, refuses."""
-    indexes = sorted(g.index for g in gpus)
-    chosen: dict[int, tuple[int, MigDeviceGroup]] = {}
-    for k, group in enumerate(groups):
-        covered = indexes if group.devices == "all" else list(group.devices)
-        for index in covered:
-            if index not in indexes:
-                have = ", ".join(map(str, indexes)) or "none"
-                raise LayoutRefused(f"{name}[{k}].devices: GPU index {index} is not on this node (GPUs: {have})")
-            if index in chosen:
-                raise LayoutRefused(
-                    f"{name}[{k}].devices: GPU {index} is already covered by {name}[{chosen[index][0]}]"
-                )
-            chosen[index] = (k, group)
-    return chosen
-
-
-def _check_fit(where: str, gpu: GpuDevice, wanted: Counter[str], offered: Sequence[MigProfile]) -> None:
-    """Refuses a layout that cannot exist on ``gpu``: not MIG-capable, a profile it lacks, too many of one
-    profile, or more compute slices than it has. Without ``offered`` only the slice count is checked."""
-    label = f"GPU {gpu.index} ({gpu.model})"
-    if not gpu.mig_capable:
-        raise LayoutRefused(f"{where}: {label} is not MIG-capable")
-    if not offered:
-        needed = sum(_profile_slices(p) * n for p, n in wanted.items())
-        if needed > MIG_COMPUTE_SLICES:
-            raise LayoutRefused(f"{where}: {label}: the layout needs {needed} compute slices, a GPU has at most 7")
-        return
-    by_name = {p.name: p for p in offered}
-    for profile, count in sorted(wanted.items()):
-        found = by_name.get(profile)
-        if found is None:
-            raise LayoutRefused(
-                f"{where}.mig-devices: {label} has no MIG profile {profile!r} (it offers: {', '.join(by_name)})"
-            )
-        if count > found.max_count:
-            raise LayoutRefused(
-                f"{where}.mig-devices: {label}: {count} x {profile} asked for, at most {found.max_count} fit"
-            )
-    capacity = max(p.slices * p.max_count for p in offered)
-    needed = sum(by_name[p].slices * n for p, n in wanted.items())
-    if needed > capacity:
-        raise LayoutRefused(
-            f"{where}.mig-devices: {label}: the layout needs {needed} compute slices, the GPU has {capacity}"
-        )
-
-
-def _gpu_steps(gpu: GpuDevice, group: MigDeviceGroup, slices: Mapping[str, int]) -> list[MigStep]:
-    def step(action: Literal["enable", "disable", "destroy", "create"], **more: str) -> MigStep:
-        return MigStep(action=action, gpu_uuid=gpu.uuid, gpu_index=gpu.index, **more)
-
-    destroy_all = [step("destroy", profile=i.profile, instance_uuid=i.uuid) for i in gpu.mig_instances]
-    if not group.mig_enabled:
-        return [*destroy_all, step("disable")] if gpu.mig_capable and gpu.mig_enabled else []
-    wanted = Counter({p: n for p, n in group.mig_devices.items() if n > 0})
-    if gpu.mig_enabled and Counter(i.profile for i in gpu.mig_instances) == wanted:
-        return []
-    largest_first = sorted(wanted, key=lambda p: (-slices.get(p, _profile_slices(p)), p))
-    create = [step("create", profile=p) for p in largest_first for _ in range(wanted[p])]
-    return [*destroy_all, *create] if gpu.mig_enabled else [step("enable"), *create]
-
-
-def plan(
-    name: str,
-    groups: Sequence[MigDeviceGroup],
-    gpus: Sequence[GpuDevice],
-    profiles: Mapping[str, Sequence[MigProfile]],
-) -> list[MigStep]:
-    """The changes that give ``gpus`` the layout ``name`` (``groups``), in order; empty when they already have it.
-
-    ``profiles`` maps a GPU's UUID to the profiles it offers (absent or empty: unknown). Every GPU is checked
-    before any step is given: ``LayoutRefused`` says what does not fit, and then nothing is to be done. Pure."""
-    by_index = {g.index: g for g in gpus}
-    selected = sorted(_select(name, groups, gpus).items())
-    for index, (k, group) in selected:
-        gpu = by_index[index]
-        if group.mig_enabled:
-            wanted = Counter({p: n for p, n in group.mig_devices.items() if n > 0})
-            _check_fit(f"{name}[{k}]", gpu, wanted, profiles.get(gpu.uuid, ()))
-    steps: list[MigStep] = []
-    for index, (_k, group) in selected:
-        gpu = by_index[index]
-        slices = {p.name: p.slices for p in profiles.get(gpu.uuid, ())}
-        steps.extend(_gpu_steps(gpu, group, slices))
-    return steps
 
 
 def drain_id_for(node: str, name: str, version: int) -> str:
@@ -225,18 +89,6 @@ def drain_failure(verdict: DrainFailed) -> str:
     listed = "; ".join(shown[:FAILED_SESSIONS_SHOWN]) + (f"; and {more} more" if more > 0 else "")
     return f"drain {verdict.drain_id} failed, GPUs left unchanged: {verdict.reason}" + (
         f"; not saved: {listed}" if listed else ""
-    )
-
-
-def drain_verdicts(subjects: Subjects, node: str) -> ConsumerSpec:
-    """The controller's consumer of its node's drain verdicts (durable, per node)."""
-    return node_consumer(
-        subjects,
-        "device",
-        "mig-drains",
-        node,
-        ("node.drain.completed", "node.drain.failed"),
-        (DrainCompleted, DrainFailed),
     )
 
 
@@ -260,7 +112,7 @@ class MigController:
     advertisement around the changes; ``refresh`` reads the inventory again after them.
 
     With ``drain_timeout_s`` every change waits for a drain of the node first (``publish`` sends the request,
-    ``on_drain_verdict`` takes the verdicts of ``drain_verdicts``); ``None`` changes the GPUs without one.
+    ``record`` reads its verdict: the drain client's ``RecordReader``); ``None`` changes the GPUs without one.
     ``drain_deadline_s`` is the time the savers are given, shorter than ``drain_timeout_s``."""
 
     def __init__(
@@ -279,6 +131,7 @@ class MigController:
         refresh: Hook | None = None,
         drain_timeout_s: float | None = None,
         drain_deadline_s: float = DRAIN_DEADLINE_S,
+        record: VerdictReader | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node = node
@@ -295,7 +148,7 @@ class MigController:
         self._refresh = refresh
         self.drain_timeout_s = drain_timeout_s
         self.drain_deadline_s = drain_deadline_s
-        self.drains = DrainClient(lambda event: self.publish(event), REQUESTED_BY, lambda: self.clock())
+        self.drains = DrainClient(lambda event: self.publish(event), REQUESTED_BY, record, lambda: self.clock())
         self._drain: Drain | None = None
         """The drain this controller asked for its node and has not acted on yet (one at a time)."""
         self.clock = clock
@@ -306,6 +159,12 @@ class MigController:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def on_verdict_heard(self, drain_id: str) -> None:
+        """A verdict of this node was published (``drain_id``), or the bus reconnected (''): the pass waiting for
+        the drain it names is woken to ask the drain's record; another drain's verdict wakes nothing."""
+        if not drain_id or (self._drain is not None and drain_id == self._drain.drain_id):
+            self.wake()
 
     def on_config(self, applied: VersionedConfig) -> None:
         if applied.name == CONFIG_DOCUMENT:
@@ -341,7 +200,7 @@ class MigController:
                     await self.reconcile()
                     self.status.pop("error", None)
                     wait = self._until_drain_timeout()
-                except (ClusterError, GpuError) as exc:
+                except (ClusterError, GpuError, VerdictUnknown) as exc:
                     self.status["error"] = f"{type(exc).__name__}: {exc}"
                     log.warning("MIG reconcile failed; trying again", extra={"error": self.status["error"]})
                     wait = max(FAILED_PASS_WAIT_S, self._until_drain_timeout())
@@ -364,20 +223,6 @@ class MigController:
         info = await (await self._cluster()).node(self.node)
         if info is not None and info.labels.get(CONFIG_LABEL):
             await self._report(info, info.labels[CONFIG_LABEL], "failed", reason, force=True)
-
-    async def on_drain_verdict(self, event: DrainCompleted | DrainFailed) -> None:
-        """The checkpoint service's verdict on a drain of this node. Idempotent: the node's drain annotation is
-        removed first, and only while it still names this drain (a compare-and-set, so a newer drain's name is
-        never lost), then the pass waiting for it is woken; a verdict seen again, or for a drain no longer waited
-        for, changes nothing more."""
-        if event.node != self.node or not event.drain_id.startswith(DRAIN_PREFIX):
-            return
-        cluster = await self._cluster()
-        info = await cluster.node(self.node)
-        if info is not None and info.annotations.get(DRAIN_ANNOTATION) == event.drain_id:
-            await cluster.update_node(self.node, annotations={DRAIN_ANNOTATION: None}, expect=info.revision)
-        if self.drains.settle(event) is not None:
-            self.wake()
 
     async def watch_cluster(self) -> None:
         """Wakes ``run`` whenever this node changes (its labels among others). Runs for the service's lifetime: a
@@ -449,16 +294,25 @@ class MigController:
         """True once the checkpoint service has committed every session on the node for this change; then the
         drain is used up. Until then the layout is ``pending`` and the GPUs untouched; a failed drain, or none
         answered within ``drain_timeout_s``, ends it in ``failed`` (tried again as any failed layout is, with a
-        new drain). Level-triggered: each pass moves the one drain on, asking it (again) until it is sent."""
+        new drain). Level-triggered: each pass moves the one drain on, asking it (again) until it is sent, then
+        asking its record for the verdict (``VerdictUnknown``, raised once the layout is reported, when the record
+        cannot be read: the pass is tried again soon)."""
         planned = [str(s) for s in steps]
         drain = self._drain
         if drain is None:
-            adopted = info.annotations.get(DRAIN_ANNOTATION, "")
+            adopted = info.annotations.get(MIG_DRAIN_ANNOTATION, "")
             drain_id = adopted or drain_id_for(self.node, name, key[1])
             if not adopted:
-                await (await self._cluster()).set_node_annotations(self.node, {DRAIN_ANNOTATION: drain_id})
+                await self.drains.name_on_node(await self._cluster(), self.node, MIG_DRAIN_ANNOTATION, drain_id)
             drain = self._drain = self.drains.follow(drain_id, self.node)
-        match drain.verdict:
+        verdict: DrainCompleted | DrainFailed | None = None
+        unknown: VerdictUnknown | None = None
+        if drain.published:
+            try:
+                verdict = await self.drains.verdict(drain.drain_id, self.node)
+            except VerdictUnknown as exc:
+                unknown = exc
+        match verdict:
             case DrainCompleted(sessions_committed=committed):
                 await self._forget_drain(info)
                 log.info(
@@ -482,6 +336,8 @@ class MigController:
         await self._report(info, name, "pending", waiting, planned)
         if not drain.published:
             await self._ask(drain, name, key[1])
+        elif unknown is not None:
+            raise unknown
         return False
 
     async def _ask(self, drain: Drain, name: str, version: int) -> None:
@@ -505,8 +361,8 @@ class MigController:
         if self._drain is not None:
             self.drains.forget(self._drain.drain_id)
         self._drain = None
-        if DRAIN_ANNOTATION in info.annotations:
-            await (await self._cluster()).set_node_annotations(self.node, {DRAIN_ANNOTATION: None})
+        if MIG_DRAIN_ANNOTATION in info.annotations:
+            await self.drains.clear_name(await self._cluster(), self.node, MIG_DRAIN_ANNOTATION)
 
     async def _apply(self, info: NodeInfo, name: str, key: tuple[str, int], steps: list[MigStep]) -> None:
         planned = [str(s) for s in steps]
@@ -618,8 +474,8 @@ async def start_mig_controller(
 ) -> MigController:
     """The device service's MIG controller, started: it reads the ``mig`` document through the service's config
     watcher, watches its node through the service's cluster port (``connect``; the service owns and closes it),
-    pauses ``plugin`` while it works, and (unless ``GPUWARDEN_MIG_CHECKPOINT=off``) consumes its node's drain
-    verdicts."""
+    pauses ``plugin`` while it works, and (unless ``GPUWARDEN_MIG_CHECKPOINT=off``) drains the node first, woken
+    by its node's verdict events and the bus's reconnects, and reading each verdict from the drain's record."""
     controller = MigController(
         ctx.node,
         gpus,
@@ -634,9 +490,11 @@ async def start_mig_controller(
         refresh=refresh,
         drain_timeout_s=settings.mig_drain_timeout_s if settings.mig_checkpoint else None,
         drain_deadline_s=min(DRAIN_DEADLINE_S, settings.mig_drain_timeout_s * 0.8),
+        record=RecordReader(ctx.bus),
     )
     if settings.mig_checkpoint:
-        await ctx.consume(drain_verdicts(ctx.subjects, ctx.node), controller.on_drain_verdict)
+        wake = await VerdictWake(ctx.bus, ctx.node, controller.on_verdict_heard).open()
+        ctx.on_stop(wake.close)
 
     ctx.config.on_change(controller.on_config)
     ctx.status["mig"] = controller.describe

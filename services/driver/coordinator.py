@@ -32,8 +32,17 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, cast, get_args
 
-from shared.clients.drains import DrainClient, VerdictUnknown
+from shared.clients.drains import DrainClient, VerdictReader, VerdictUnknown
 from shared.clients.evictions import PdbBackoff, evict_pods
+from shared.contract.annotations import (
+    CORDON_DRAIN_ANNOTATION,
+    UPGRADE_DRAIN_ANNOTATION,
+    UPGRADE_FAILURE_ANNOTATION,
+    UPGRADE_FENCE_ANNOTATION,
+    UPGRADE_SINCE_ANNOTATION,
+    UPGRADE_STATE_LABEL,
+    UPGRADE_TARGET_ANNOTATION,
+)
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged, UpgradeState
@@ -42,7 +51,6 @@ from shared.ports.gpu import GpuError
 
 from .ports import (
     AgentUnreachable,
-    DrainVerdicts,
     InstallStatus,
     LeaderLease,
     LeaseUnavailable,
@@ -50,14 +58,7 @@ from .ports import (
     StaleLeader,
 )
 from .upgrade import (
-    DRAIN_ANNOTATION,
-    EXTERNAL_DRAIN_ANNOTATION,
     EXTERNAL_DRAIN_REASON,
-    FAILURE_ANNOTATION,
-    FENCE_ANNOTATION,
-    SINCE_ANNOTATION,
-    STATE_LABEL,
-    TARGET_ANNOTATION,
     VERDICT_UNKNOWN,
     Action,
     ClusterView,
@@ -69,6 +70,7 @@ from .upgrade import (
     install_attempt,
     next_step,
     upgrade_order,
+    verdict_text,
 )
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ _DRAIN_DEADLINE_S = 25.0
 
 def stamped_token(nodes: Iterable[NodeInfo]) -> int:
     """The highest fencing token stamped on ``nodes`` (0 when none is)."""
-    stamped = (node.annotations.get(FENCE_ANNOTATION, "") for node in nodes)
+    stamped = (node.annotations.get(UPGRADE_FENCE_ANNOTATION, "") for node in nodes)
     return max((int(token) for token in stamped if token.isdigit()), default=0)
 
 
@@ -98,7 +100,7 @@ class UpgradeCoordinator:
         cluster: ClusterPort,
         drivers: NodeDrivers,
         lease: LeaderLease,
-        verdicts: DrainVerdicts,
+        record: VerdictReader,
         publish: Publish,
         policy: Callable[[], DriverPolicy],
         *,
@@ -108,7 +110,6 @@ class UpgradeCoordinator:
         self.cluster = cluster
         self.drivers = drivers
         self.lease = lease
-        self.verdicts = verdicts
         self.publish = publish
         self.policy = policy
         self.clock = clock
@@ -118,7 +119,7 @@ class UpgradeCoordinator:
         self._silent: dict[str, str] = {}
         self._verdicts_silent = False  # the checkpoint service did not answer for a verdict this pass
         self._backoff: dict[str, tuple[float, float]] = {}
-        self.drains = DrainClient(lambda event: self.publish(event), "driver", lambda: self.clock())
+        self.drains = DrainClient(lambda event: self.publish(event), "driver", record, lambda: self.clock())
 
     # -- the loop -------------------------------------------------------------------------------------------------
     async def run(self, interval_s: float, wake: asyncio.Event | None = None) -> None:
@@ -206,7 +207,9 @@ class UpgradeCoordinator:
     async def _view(self, info: NodeInfo) -> NodeView:
         installed = await self._installed(info.name)
         pods = await self.cluster.pods(node=info.name)
-        drain_id = info.annotations.get(DRAIN_ANNOTATION, "") or info.annotations.get(EXTERNAL_DRAIN_ANNOTATION, "")
+        drain_id = info.annotations.get(UPGRADE_DRAIN_ANNOTATION, "") or info.annotations.get(
+            CORDON_DRAIN_ANNOTATION, ""
+        )
         verdict = await self._verdict(drain_id, info.name) if drain_id else ""
         return NodeView(
             name=info.name,
@@ -228,7 +231,7 @@ class UpgradeCoordinator:
         if self._verdicts_silent:
             return VERDICT_UNKNOWN
         try:
-            return await self.verdicts.get(drain_id, node)
+            return verdict_text(await self.drains.verdict(drain_id, node))
         except VerdictUnknown as exc:
             log.warning("drain verdicts unreadable this pass", extra={"drain_id": drain_id, "error": str(exc)})
             self._verdicts_silent = True
@@ -251,8 +254,10 @@ class UpgradeCoordinator:
     def _state_of(self, view: NodeView) -> dict[str, str]:
         state = {
             "state": view.state,
-            "reason": view.annotations.get(FAILURE_ANNOTATION, ""),
-            "since": view.annotations.get(SINCE_ANNOTATION, ""),  # when the node entered its state (epoch seconds)
+            "reason": view.annotations.get(UPGRADE_FAILURE_ANNOTATION, ""),
+            "since": view.annotations.get(
+                UPGRADE_SINCE_ANNOTATION, ""
+            ),  # when the node entered its state (epoch seconds)
         }
         if view.name in self._silent:
             state["agent"] = self._silent[view.name]
@@ -266,7 +271,7 @@ class UpgradeCoordinator:
         if current != self.token:
             held = "another coordinator holds the lease" if current is None else f"the lease lapsed (now {current})"
             raise StaleLeader(f"fencing token {self.token} is stale: {held}")
-        stamped = node.annotations.get(FENCE_ANNOTATION, "0")
+        stamped = node.annotations.get(UPGRADE_FENCE_ANNOTATION, "0")
         if stamped.isdigit() and int(stamped) > self.token:
             await self._give_up(f"{node.name} was written with fencing token {stamped}, newer than {self.token}")
 
@@ -290,9 +295,18 @@ class UpgradeCoordinator:
         return await self.cluster.update_node(
             view.name,
             labels=labels,
-            annotations={**(annotations or {}), FENCE_ANNOTATION: str(self.token)},
+            annotations={**(annotations or {}), **self._stamp()},
             schedulable=schedulable,
             expect=view.revision,
+        )
+
+    def _stamp(self) -> dict[str, str]:
+        return {UPGRADE_FENCE_ANNOTATION: str(self.token)}
+
+    async def _name_drain(self, view: NodeView, annotation: str, drain_id: str) -> None:
+        """The drain's name on the node (the drain client's), in a write fenced as every other."""
+        await self.drains.name_on_node(
+            self.cluster, view.name, annotation, drain_id, expect=view.revision, stamp=self._stamp()
         )
 
     async def _claim(self, view: NodeView) -> NodeView:
@@ -315,14 +329,16 @@ class UpgradeCoordinator:
                 await self._transition(view, action)
             case "request_drain":
                 drain_id = self.drains.new_id(f"upgrade-{node}-{self.token}", str(int(self.clock() * 1000)))
-                await self._write(view, annotations={DRAIN_ANNOTATION: drain_id})
+                await self._name_drain(view, UPGRADE_DRAIN_ANNOTATION, drain_id)
                 await self._request_drain(node, drain_id, policy, "driver-upgrade")
             case "external_drain":
                 drain_id = self.drains.new_id(f"cordon-{node}-{self.token}", str(int(self.clock() * 1000)))
-                await self._write(view, annotations={EXTERNAL_DRAIN_ANNOTATION: drain_id})
+                await self._name_drain(view, CORDON_DRAIN_ANNOTATION, drain_id)
                 await self._request_drain(node, drain_id, policy, EXTERNAL_DRAIN_REASON)
             case "forget_external_drain":
-                await self._write(view, annotations={EXTERNAL_DRAIN_ANNOTATION: None})
+                await self.drains.clear_name(
+                    self.cluster, node, CORDON_DRAIN_ANNOTATION, expect=view.revision, stamp=self._stamp()
+                )
             case "evict":
                 await self._evict(await self._claim(view), action, policy)
             case "install":
@@ -333,11 +349,11 @@ class UpgradeCoordinator:
     async def _transition(self, view: NodeView, action: Action, schedulable: bool | None = None) -> None:
         """The annotations, the state label and the cordon in one compare-and-set write: a coordinator killed before
         it finds the node as it was, one killed after finds it moved on; the event follows the write."""
-        labels = {STATE_LABEL: action.state} if action.state and action.state != view.state else None
+        labels = {UPGRADE_STATE_LABEL: action.state} if action.state and action.state != view.state else None
         await self._write(view, labels=labels, annotations=action.annotations, schedulable=schedulable)
         if not action.state or action.state == view.state:
             return
-        target = view.annotations.get(TARGET_ANNOTATION, "") or desired_version(self.policy(), view.labels)
+        target = view.annotations.get(UPGRADE_TARGET_ANNOTATION, "") or desired_version(self.policy(), view.labels)
         if action.state == "upgrade-failed":
             log.error(
                 "driver upgrade FAILED; the node stays cordoned until the failure is cleared",
@@ -367,7 +383,7 @@ class UpgradeCoordinator:
     async def _republish_drain(self, view: NodeView) -> None:
         """A drain named on the node but neither decided nor published by this process (its publisher died between
         naming it and publishing it) is requested again; the checkpoint service runs a drain id once."""
-        drain_id = view.annotations.get(DRAIN_ANNOTATION, "")
+        drain_id = view.annotations.get(UPGRADE_DRAIN_ANNOTATION, "")
         if view.state == "checkpoint-required" and drain_id and not view.drain_verdict:
             if not self.drains.asked(drain_id):
                 await self._guard(view)

@@ -1,6 +1,6 @@
-"""What the driver service needs besides the cluster port: a leader lease with fencing, the verdicts of drains,
-and each node's driver as the coordinator reaches it. The lease's Redis adapter is in ``services.driver.lease``,
-the verdicts over the bus in ``services.driver.verdicts``; the node driver over the bus (and the agent that
+"""What the driver service needs besides the cluster port and the drain client's ``VerdictReader``
+(``shared.clients.drains``): a leader lease with fencing, and each node's driver as the coordinator reaches it.
+The lease's Redis adapter is in ``services.driver.lease``; the node driver over the bus (and the agent that
 answers it on each node) in ``services.driver.agent``."""
 
 from __future__ import annotations
@@ -48,17 +48,6 @@ class LeaderLease(Protocol):
         ...
 
     async def release(self) -> None: ...
-
-
-class DrainVerdicts(Protocol):
-    """Verdicts of drains by drain id, as recorded once by the checkpoint service; every coordinator replica reads
-    the same record."""
-
-    async def get(self, drain_id: str, node: str = "") -> str:
-        """``completed``, ``failed: <reason>``, or '' while the drain has none (``node``: the drain's, so that a
-        verdict Redis lost is found in the events stream). Raises
-        ``shared.clients.drains.VerdictUnknown`` when the record cannot be read now."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

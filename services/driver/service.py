@@ -10,6 +10,7 @@ import logging
 import os
 import uuid
 
+from shared.clients.drains import RecordReader
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.host.runner import ServiceContext
@@ -24,7 +25,7 @@ from .coordinator import UpgradeCoordinator
 from .gauges import UpgradeCollector
 from .lease import RedisLeaderLease, open_redis
 from .ports import NodeDrivers
-from .verdicts import BusDrainVerdicts, verdict_text
+from .upgrade import verdict_text
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class DriverService:
                 cluster,
                 self.drivers or bus_node_drivers(ctx.bus, self.settings.agent_timeout_s),
                 RedisLeaderLease(client, s, holder, ttl_s=self.settings.lease_ttl_s),
-                BusDrainVerdicts(ctx.bus),
+                RecordReader(ctx.bus),
                 ctx.publish,
                 self.policy,
             )
@@ -104,8 +105,8 @@ class DriverService:
         return current.doc if current and isinstance(current.doc, DriverPolicy) else DriverPolicy()
 
     async def on_verdict(self, event: DrainCompleted | DrainFailed) -> None:
-        """Idempotent: a verdict wakes the coordinator, which reads it where the checkpoint service recorded it
-        (any replica may hear it; every one reads the same record). This replica's health lists the newest."""
+        """Idempotent: a verdict only wakes the coordinator, which asks the drain's record for it (any replica
+        may hear it; every one reads the same record). This replica's health lists the verdicts it heard."""
         verdict = verdict_text(event)
         self.verdicts[event.drain_id] = verdict
         while len(self.verdicts) > VERDICTS_SHOWN:

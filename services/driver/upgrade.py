@@ -37,37 +37,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shared.contract.annotations import (
+    CORDON_DRAIN_ANNOTATION,
+    UPGRADE_CLEAR_ANNOTATION,
+    UPGRADE_DRAIN_ANNOTATION,
+    UPGRADE_FAILURE_ANNOTATION,
+    UPGRADE_SINCE_ANNOTATION,
+    UPGRADE_SKIP_DRAIN_POD_LABEL,
+    UPGRADE_SKIP_NODE_LABEL,
+    UPGRADE_STATE_LABEL,
+    UPGRADE_TARGET_ANNOTATION,
+    UPGRADE_WAS_CORDONED_ANNOTATION,
+)
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import UpgradeState
-
-STATE_LABEL = "nvidia.com/gpu-driver-upgrade-state"
-SKIP_NODE_LABEL = "nvidia.com/gpu-driver-upgrade.skip"
-SKIP_DRAIN_POD_LABEL = "nvidia.com/gpu-driver-upgrade-drain.skip"
-
-_PREFIX = "gpuwarden.io/driver-upgrade-"
-FAILURE_ANNOTATION = _PREFIX + "failure"
-"""Why the node is ``upgrade-failed``; kept until the failure is cleared."""
-CLEAR_ANNOTATION = _PREFIX + "clear"
-"""Set to ``true`` by a person to clear ``upgrade-failed``: the node starts over from ``upgrade-required``."""
-WAS_CORDONED_ANNOTATION = _PREFIX + "was-cordoned"
-"""``true`` when the node was already cordoned before the upgrade cordoned it: it stays cordoned after."""
-SINCE_ANNOTATION = _PREFIX + "since"
-"""When the node entered its current state (seconds since the epoch): the timeouts count from it."""
-TARGET_ANNOTATION = _PREFIX + "target"
-"""The version this upgrade installs, fixed when the node starts, so a policy edit mid-upgrade is not half-applied."""
-DRAIN_ANNOTATION = _PREFIX + "drain-id"
-"""The drain requested for this upgrade; its verdict moves the node on."""
-EXTERNAL_DRAIN_ANNOTATION = "gpuwarden.io/cordon-drain-id"
-"""The drain requested for a node someone else cordoned; removed when the node is schedulable again."""
-FENCE_ANNOTATION = "gpuwarden.io/driver-coordinator-fence"
-"""The fencing token of the coordinator that last wrote the node; a writer with a smaller token is stale."""
+from shared.contract.node import DrainCompleted, DrainFailed, DrainVerdict
 
 UPGRADE_ANNOTATIONS = (
-    FAILURE_ANNOTATION,
-    WAS_CORDONED_ANNOTATION,
-    SINCE_ANNOTATION,
-    TARGET_ANNOTATION,
-    DRAIN_ANNOTATION,
+    UPGRADE_FAILURE_ANNOTATION,
+    UPGRADE_WAS_CORDONED_ANNOTATION,
+    UPGRADE_SINCE_ANNOTATION,
+    UPGRADE_TARGET_ANNOTATION,
+    UPGRADE_DRAIN_ANNOTATION,
 )
 
 ORDER: tuple[UpgradeState, ...] = (
@@ -96,6 +87,17 @@ VERDICT_UNKNOWN = "unknown"
 it, did not answer): the node waits, and ``drain_timeout_s`` does not fail it meanwhile; nothing is evicted
 before a verdict is known."""
 
+
+def verdict_text(verdict: DrainVerdict | None) -> str:
+    """``completed``, ``failed: <reason>``, or '' while there is none: what ``NodeView.drain_verdict`` holds."""
+    match verdict:
+        case DrainCompleted():
+            return "completed"
+        case DrainFailed():
+            return f"failed: {verdict.reason}"
+    return ""
+
+
 InstallProgress = Literal["installed", "failed", "running", "unreachable"]
 """Where a node's install stands, as its driver agent answered: done, failed (with a reason), still running, or
 no answer at all."""
@@ -112,7 +114,7 @@ class PodView:
 @dataclass(frozen=True, slots=True)
 class NodeView:
     """One node as the coordinator sees it this pass. ``installed_version`` is empty when the node's driver agent
-    did not answer; ``drain_verdict`` is the verdict of the drain named in ``DRAIN_ANNOTATION`` (or the external
+    did not answer; ``drain_verdict`` is the verdict of the drain named in ``UPGRADE_DRAIN_ANNOTATION`` (or the external
     drain): ``""`` (none yet), ``"completed"``, ``"failed: <reason>"`` or ``VERDICT_UNKNOWN`` (not readable now).
     ``evict_after`` is when an eviction refused by a PodDisruptionBudget may be tried again. ``revision`` is the
     node's resourceVersion as read: every write based on this view is a compare-and-set against it."""
@@ -131,15 +133,15 @@ class NodeView:
 
     @property
     def state(self) -> str:
-        return self.labels.get(STATE_LABEL, "")
+        return self.labels.get(UPGRADE_STATE_LABEL, "")
 
     @property
     def skipped(self) -> bool:
-        return self.labels.get(SKIP_NODE_LABEL, "") == "true"
+        return self.labels.get(UPGRADE_SKIP_NODE_LABEL, "") == "true"
 
     def since(self) -> float:
         try:
-            return float(self.annotations.get(SINCE_ANNOTATION, "0"))
+            return float(self.annotations.get(UPGRADE_SINCE_ANNOTATION, "0"))
         except ValueError:
             return 0.0
 
@@ -239,7 +241,7 @@ def _pods_to_evict(node: NodeView, policy: DriverPolicy) -> list[PodView]:
     """Pods the upgrade must move: not marked to skip, matching the drain selector (empty: all)."""
     chosen = []
     for pod in node.pods:
-        if pod.labels.get(SKIP_DRAIN_POD_LABEL, "") == "true":
+        if pod.labels.get(UPGRADE_SKIP_DRAIN_POD_LABEL, "") == "true":
             continue
         if not _matches(pod.labels, policy.drain_pod_selector):
             continue
@@ -252,21 +254,27 @@ def _matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
 
 
 def _enter(now: float, **extra: str | None) -> dict[str, str | None]:
-    return {SINCE_ANNOTATION: f"{now:.3f}", **extra}
+    return {UPGRADE_SINCE_ANNOTATION: f"{now:.3f}", **extra}
 
 
 def _fail(node: NodeView, why: str, now: float) -> Action:
-    return Action("fail", node.name, "upgrade-failed", why, {FAILURE_ANNOTATION: why, SINCE_ANNOTATION: f"{now:.3f}"})
+    return Action(
+        "fail",
+        node.name,
+        "upgrade-failed",
+        why,
+        {UPGRADE_FAILURE_ANNOTATION: why, UPGRADE_SINCE_ANNOTATION: f"{now:.3f}"},
+    )
 
 
 def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: float) -> Action:
     """What to do next on ``node``. Pure: the same inputs give the same action."""
     state = node.state
-    target = node.annotations.get(TARGET_ANNOTATION, "") or desired_version(policy, node.labels)
+    target = node.annotations.get(UPGRADE_TARGET_ANNOTATION, "") or desired_version(policy, node.labels)
     elapsed = now - node.since()
 
     if state not in IN_PROGRESS and state != "upgrade-failed":
-        external = node.annotations.get(EXTERNAL_DRAIN_ANNOTATION, "")
+        external = node.annotations.get(CORDON_DRAIN_ANNOTATION, "")
         if not node.schedulable and not external:
             return Action("external_drain", node.name, why="cordoned by someone else: saving its sessions")
         if node.schedulable and external:
@@ -277,17 +285,22 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
 
     match state:
         case "upgrade-failed":
-            if node.annotations.get(CLEAR_ANNOTATION, "") == "true":
+            if node.annotations.get(UPGRADE_CLEAR_ANNOTATION, "") == "true":
                 return Action(
                     "set_state",
                     node.name,
                     "upgrade-required",
                     "failure cleared by a person",
-                    {CLEAR_ANNOTATION: None, FAILURE_ANNOTATION: None, DRAIN_ANNOTATION: None, **_enter(now)},
+                    {
+                        UPGRADE_CLEAR_ANNOTATION: None,
+                        UPGRADE_FAILURE_ANNOTATION: None,
+                        UPGRADE_DRAIN_ANNOTATION: None,
+                        **_enter(now),
+                    },
                 )
             if target and node.installed_version == target:
                 return Action("validate", node.name, version=target, why="failed node has the desired version")
-            return Action("wait", node.name, why=node.annotations.get(FAILURE_ANNOTATION, "upgrade-failed"))
+            return Action("wait", node.name, why=node.annotations.get(UPGRADE_FAILURE_ANNOTATION, "upgrade-failed"))
         case "" | "upgrade-done":
             want = desired_version(policy, node.labels)
             if node.skipped or not want or not node.installed_version or node.installed_version == want:
@@ -311,16 +324,16 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
                 node.name,
                 "cordon-required",
                 f"slot taken for {want}",
-                _enter(now, **{TARGET_ANNOTATION: want}),
+                _enter(now, **{UPGRADE_TARGET_ANNOTATION: want}),
             )
         case "cordon-required":
-            was = node.annotations.get(WAS_CORDONED_ANNOTATION) or ("false" if node.schedulable else "true")
+            was = node.annotations.get(UPGRADE_WAS_CORDONED_ANNOTATION) or ("false" if node.schedulable else "true")
             return Action(
                 "cordon",
                 node.name,
                 "wait-for-jobs-required",
                 "cordoned",
-                _enter(now, **{WAS_CORDONED_ANNOTATION: was}),
+                _enter(now, **{UPGRADE_WAS_CORDONED_ANNOTATION: was}),
             )
         case "wait-for-jobs-required":
             waiting = [
@@ -336,7 +349,7 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
                 why = f"{len(waiting)} job pod(s) still running after wait_for_jobs_timeout_s={timeout:g}; going on"
             return Action("set_state", node.name, "checkpoint-required", why, _enter(now))
         case "checkpoint-required":
-            drain_id = node.annotations.get(DRAIN_ANNOTATION, "")
+            drain_id = node.annotations.get(UPGRADE_DRAIN_ANNOTATION, "")
             to_move = _pods_to_evict(node, policy)
             if not drain_id:
                 if all(p.phase == "Terminating" for p in to_move):  # none left, or on their way out (saving)
@@ -385,7 +398,7 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
             return Action("validate", node.name, "uncordon-required", f"validating {target}", version=target)
         case "uncordon-required":
             done = {key: None for key in UPGRADE_ANNOTATIONS}
-            if node.annotations.get(WAS_CORDONED_ANNOTATION) == "true":
+            if node.annotations.get(UPGRADE_WAS_CORDONED_ANNOTATION) == "true":
                 return Action("set_state", node.name, "upgrade-done", "stays cordoned: it was before the upgrade", done)
             return Action("uncordon", node.name, "upgrade-done", "uncordoned", done)
     return Action("wait", node.name, why=f"unknown state {state!r}: left alone")
@@ -395,9 +408,16 @@ def _release(node: NodeView, now: float) -> Action:
     """``auto_upgrade`` was turned off before any pod of the node was evicted: the slot is given back and the node
     waits in ``upgrade-required``, cordoned only if it was before the upgrade (the drain asked for it is
     forgotten; its verdict, should it come, moves nothing)."""
-    forget = {TARGET_ANNOTATION: None, DRAIN_ANNOTATION: None, WAS_CORDONED_ANNOTATION: None, **_enter(now)}
+    forget = {
+        UPGRADE_TARGET_ANNOTATION: None,
+        UPGRADE_DRAIN_ANNOTATION: None,
+        UPGRADE_WAS_CORDONED_ANNOTATION: None,
+        **_enter(now),
+    }
     why = "auto_upgrade turned off before any eviction: slot released"
-    cordoned_by_upgrade = node.state != "cordon-required" and node.annotations.get(WAS_CORDONED_ANNOTATION) != "true"
+    cordoned_by_upgrade = (
+        node.state != "cordon-required" and node.annotations.get(UPGRADE_WAS_CORDONED_ANNOTATION) != "true"
+    )
     if cordoned_by_upgrade and not node.schedulable:
         return Action("uncordon", node.name, "upgrade-required", why + "; uncordoned", forget)
     return Action("set_state", node.name, "upgrade-required", why, forget)
@@ -408,15 +428,15 @@ def after_validation(node: NodeView, policy: DriverPolicy, ok: bool, reason: str
     (logged as such); a failing validation waits up to ``validation_timeout_s`` then fails the node."""
     if node.state == "upgrade-failed":
         if ok:
-            was = node.annotations.get(FAILURE_ANNOTATION, "")
+            was = node.annotations.get(UPGRADE_FAILURE_ANNOTATION, "")
             return Action(
                 "set_state",
                 node.name,
                 "uncordon-required",
                 f"recovered: validation passed after failure ({was})",
-                {FAILURE_ANNOTATION: None, **_enter(now)},
+                {UPGRADE_FAILURE_ANNOTATION: None, **_enter(now)},
             )
-        return Action("wait", node.name, why=node.annotations.get(FAILURE_ANNOTATION, reason))
+        return Action("wait", node.name, why=node.annotations.get(UPGRADE_FAILURE_ANNOTATION, reason))
     if ok:
         return Action("set_state", node.name, "uncordon-required", "validation passed", _enter(now))
     if now - node.since() >= policy.validation_timeout_s:
@@ -428,14 +448,14 @@ def install_attempt(node: NodeView) -> str:
     """The install's identity on the node's agent: the node and when it entered ``pod-restart-required``. The same
     for every pass and every coordinator until the node leaves the state, so a restarted coordinator joins the
     install it started; a later upgrade of the node is a new attempt."""
-    return f"{node.name}@{node.annotations.get(SINCE_ANNOTATION, '')}"
+    return f"{node.name}@{node.annotations.get(UPGRADE_SINCE_ANNOTATION, '')}"
 
 
 def after_install(node: NodeView, policy: DriverPolicy, progress: InstallProgress, reason: str, now: float) -> Action:
     """What the agent's answer to an install means: on to validation, a failed node, or another pass. An install
     still running, or an agent that does not answer, fails the node once ``install_timeout_s`` has passed since
     the node entered ``pod-restart-required``."""
-    target = node.annotations.get(TARGET_ANNOTATION, "") or desired_version(policy, node.labels)
+    target = node.annotations.get(UPGRADE_TARGET_ANNOTATION, "") or desired_version(policy, node.labels)
     match progress:
         case "installed":
             return Action("set_state", node.name, "validation-required", f"installed {target}", _enter(now))

@@ -29,7 +29,7 @@ def _check_deadline(deadline_s: float) -> None:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     """Save every session on the node (a drain request, as the checkpoint service takes it): no cordon, no
     eviction. ``--wait`` prints the verdict. Named, asked and waited for by the one drain client."""
-    from shared.clients.drains import DrainClient, InvalidDrain, drain_request
+    from shared.clients.drains import DrainClient, InvalidDrain, RecordReader, drain_request
 
     _check_deadline(args.deadline)
     drain_id = args.drain_id or DrainClient.new_id(f"drain-{args.node}")
@@ -44,7 +44,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
         mesh = await open_mesh()
         bus = mesh.bus
-        drains = DrainClient(bus.publish, args.requested_by)
+        drains = DrainClient(bus.publish, args.requested_by, RecordReader(bus))
         try:
             if mesh.cluster is not None:  # a node the cluster lacks is refused here, before anything is published
                 await known_node(mesh, args.node)

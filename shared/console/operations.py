@@ -1,10 +1,11 @@
 """What ``gpuwarden drain``, ``uncordon`` and ``upgrade-driver`` do, as any client of the mesh could.
 
-``drain`` does what ``kubectl drain`` users expect, plus the step gpuwarden exists for: it cordons the node (naming
-its drain on the node, so the driver service asks for no second one), asks the checkpoint service to commit every
-session there and waits for the verdict (through the one drain client, ``shared.clients.drains``), evicts the
-node's pods through the Eviction API (the one eviction routine, ``shared.clients.evictions``: a
-PodDisruptionBudget refusal is retried with backoff), waits until the node is empty, and with ``--wait`` follows
+``drain`` does what ``kubectl drain`` users expect, plus the step gpuwarden exists for. The drain itself is the drain
+client's (``shared.clients.drains.drain_node``): it cordons the node (naming its drain on the node, so the driver
+service asks for no second one), asks the checkpoint service to commit every session there, learns the verdict
+from the drain's record, evicts the node's pods through the Eviction API (a PodDisruptionBudget refusal is retried
+with backoff) and waits until the node is empty. This module adds what is the command's: the progress it shows,
+the result it prints, and with ``--wait`` it follows
 each session to the pod that takes it until that pod has restored it and verified every digest (its
 ``checkpoint.restored`` event, published by the KV agent only after the check, for a generation newer than the one
 drained; heard by subscription: ``SessionMoves``). A session whose conversation ends in between, for any reason (its
@@ -24,33 +25,40 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
-from shared.clients.drains import DrainClient, InvalidDrain, drain_request
-from shared.clients.evictions import COMMAND_BACKOFF, COMMAND_POLL_S, evict_pods
+from shared.clients.drains import (
+    UNCORDON_FREE_STATES,
+    DrainClient,
+    DrainStep,
+    InvalidDrain,
+    NodeKeptChanging,
+    RecordReader,
+    drain_node,
+    drain_request,
+)
 from shared.console.client import CommandError, MeshClient
 from shared.console.saveprogress import SaveProgressListener
-from shared.console.snapshot import (
-    CORDON_DRAIN_ANNOTATION,
+from shared.console.snapshot import read_sessions
+from shared.console.state import named
+from shared.contract.annotations import (
     UPGRADE_FAILURE_ANNOTATION,
     UPGRADE_STATE_LABEL,
     UPGRADE_WAS_CORDONED_ANNOTATION,
-    read_sessions,
 )
-from shared.console.state import named
 from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.device import DeviceInventory
 from shared.contract.driver import UpgradeState
-from shared.contract.node import DrainFailed, DrainOutcome, NodeCordoned, NodeUncordoned
+from shared.contract.node import DrainFailed, DrainOutcome, NodeUncordoned
 from shared.contract.requests import InferenceRequest
 from shared.contract.sessions import SessionLocation
 from shared.plumbing.configsync import ConfigStore, redis_unreachable
 from shared.ports.cluster import ClusterConflict
 
-DrainPhase = Literal["cordoned", "saving", "saved", "evicted", "evicting", "moving"]
-"""Where ``drain`` is: the node cordoned (``sessions``: how many to save), the save asked for (``sessions``; then,
-as the pods' agents report it, ``done`` and ``bytes`` so far: ``SaveProgressListener``), saved
-(``sessions``, ``bytes``), one pod evicted (``pod``), pods still to leave (``pods_left``), sessions restored or ended
-elsewhere so far (``done`` of ``total``)."""
+DrainPhase = Literal[DrainStep, "moving"]
+"""Where ``drain`` is: the drain client's steps (``DrainStep``: the node cordoned, with ``sessions``, how many to
+save; the save asked for, with ``sessions``, then, as the pods' agents report it, ``done`` and ``bytes`` so far:
+``SaveProgressListener``; saved, with ``sessions`` and ``bytes``; one pod evicted, ``pod``; pods still to leave,
+``pods_left``), then sessions restored or ended elsewhere so far (``done`` of ``total``)."""
 
 Report = Callable[[DrainPhase, dict[str, Any]], None]
 """Progress: the phase and what it has done so far (the keys ``DrainPhase`` names); the command draws it (a bar,
@@ -100,33 +108,16 @@ async def known_node(mesh: MeshClient, node: str) -> None:
         raise CommandError(f"no node {node!r} in the cluster (nodes: {named(n.name for n in await cluster.nodes())})")
 
 
-UNCORDON_FREE_STATES = ("", "upgrade-required", "upgrade-done")
-"""Driver upgrade states in which the upgrade holds no cordon of its own (``upgrade-required`` waits for a slot
-and has cordoned nothing): a person may uncordon the node without ``--force``."""
-
 _CAS_TRIES = 5
 
 
 async def cordon(mesh: MeshClient, node: str, drain_id: str = "", by: str = "cli") -> None:
-    """Cordon ``node`` (naming the drain on it). A node a driver upgrade holds is marked as cordoned by a person
-    too, so the upgrade leaves it cordoned when it is done, as it does a node cordoned before it began."""
+    """Cordon ``node`` (naming the drain on it), as the drain client does (``DrainClient.cordon``)."""
     await known_node(mesh, node)
-    cluster = mesh.need_cluster()
-    for _ in range(_CAS_TRIES):
-        info = await cluster.node(node)
-        if info is None:
-            break
-        annotations = {CORDON_DRAIN_ANNOTATION: drain_id} if drain_id else {}
-        if info.labels.get(UPGRADE_STATE_LABEL, "") not in UNCORDON_FREE_STATES:
-            annotations[UPGRADE_WAS_CORDONED_ANNOTATION] = "true"
-        try:
-            await cluster.update_node(node, annotations=annotations or None, schedulable=False, expect=info.revision)
-            break
-        except ClusterConflict:
-            continue  # the driver wrote the node meanwhile: read it again
-    else:
-        raise CommandError(f"{node} kept changing under this command; try again")
-    await mesh.bus.publish(NodeCordoned(node=node, by=by, reason=f"drain {drain_id}" if drain_id else ""))
+    try:
+        await DrainClient(mesh.bus.publish, by, None).cordon(mesh.need_cluster(), node, drain_id, by)
+    except NodeKeptChanging as exc:
+        raise CommandError(str(exc)) from None
 
 
 async def uncordon(mesh: MeshClient, node: str, by: str = "cli", *, force: bool = False) -> bool:
@@ -169,9 +160,9 @@ async def drain(
     drain_id: str = "",
     report: Report = lambda phase, done: None,
 ) -> DrainResult:
-    """Cordon, save (the drain client: ``shared.clients.drains``), evict (``shared.clients.evictions``) and,
-    with ``wait``, follow the sessions to the pods that restore them (see the module)."""
-    drains = DrainClient(mesh.bus.publish, requested_by)
+    """The drain client's drain of the node (``shared.clients.drains.drain_node``: cordon, save, evict) and, with
+    ``wait``, the follow of its sessions to the pods that restore them (see the module)."""
+    drains = DrainClient(mesh.bus.publish, requested_by, RecordReader(mesh.bus))
     drain_id = drain_id or drains.new_id(f"drain-{node}")
     try:
         drain_request(node, drain_id, reason, requested_by, deadline_s)
@@ -183,44 +174,50 @@ async def drain(
     before = await read_sessions(mesh, node=node, verified=False)
     result.sessions = [MovedSession(s.id, s.pod, s.generation) for s in before]
 
+    def progress(step: DrainStep, done: dict[str, Any]) -> None:
+        report(step, {"sessions": len(before)} if step in ("cordoned", "saving") else done)
+
     def saving(done: int, nbytes: int) -> None:
         report("saving", {"sessions": len(before), "done": min(done, len(before)), "bytes": nbytes})
 
     async with contextlib.AsyncExitStack() as listening:
         moves = await listening.enter_async_context(SessionMoves(mesh, node, result.sessions)) if wait else None
-        verdict = await listening.enter_async_context(drains.watch(mesh.bus, drain_id, node))
         pods = {s.pod for s in before}
         await listening.enter_async_context(SaveProgressListener(mesh.bus, drain_id, pods, saving))
-        await cordon(mesh, node, drain_id)
-        report("cordoned", {"sessions": len(before)})
-        await drains.ask(drain_id, node, reason, deadline_s)
-        report("saving", {"sessions": len(before)})
         try:
-            event = await verdict.wait(min(timeout, deadline_s + 30))
-        except TimeoutError:
-            result.reason = f"no drain verdict from the checkpoint service within {min(timeout, deadline_s + 30):g}s"
+            drained = await drain_node(
+                drains,
+                mesh.need_cluster(),
+                mesh.bus,
+                node,
+                drain_id,
+                reason=reason,
+                deadline_s=deadline_s,
+                timeout=timeout,
+                progress=progress,
+            )
+        except NodeKeptChanging as exc:
+            raise CommandError(str(exc)) from None
+        event = drained.verdict
+        if event is None:
+            result.reason = drained.reason
             return result
-        result.save_s = time.monotonic() - started
+        result.save_s = drained.save_s
+        result.verdict = event.outcome
+        result.sessions_committed = event.sessions_committed
         if isinstance(event, DrainFailed):
-            result.verdict = event.outcome
-            result.sessions_committed = event.sessions_committed
             named = ", ".join(f"{f.session_id} ({f.reason})" for f in event.failed_sessions[:3])
             more = event.failed_total or len(event.failed_sessions)
             result.reason = f"not every session was saved: {event.reason}; {more} failed: {named}"
             return result  # evict nothing: the node stays cordoned with its sessions where they are
-        result.verdict = event.outcome
-        result.sessions_committed = event.sessions_committed
         result.bytes_saved = event.bytes_saved
-        report("saved", {"sessions": event.sessions_committed, "bytes": event.bytes_saved})
-        end = started + timeout
-        evicted = await _evict_all(mesh, node, end, report)
-        result.evict_s = time.monotonic() - started - result.save_s
-        if evicted is None:
-            result.reason = f"pods still on {node} after {timeout:g}s (a PodDisruptionBudget, or a slow preStop)"
+        result.evict_s = drained.evict_s
+        if drained.evicted is None:
+            result.reason = drained.reason
             return result
-        result.pods_evicted = evicted
+        result.pods_evicted = drained.evicted
         if moves is not None:
-            moved = await moves.follow(end, report)
+            moved = await moves.follow(started + timeout, report)
             result.move_s = time.monotonic() - started - result.save_s - result.evict_s
             if not moved:
                 waiting = [m.id for m in result.sessions if not m.outcome]
@@ -231,31 +228,6 @@ async def drain(
                 return result
         result.ok = True
         return result
-
-
-async def _evict_all(mesh: MeshClient, node: str, end: float, report: Report) -> list[str] | None:
-    """Evict every pod on ``node`` (PodDisruptionBudget refusals tried again with ``COMMAND_BACKOFF``) and wait
-    until none is left there. The pods evicted, or None when some are still there at ``end``. A poll of the node,
-    not a ``shared.plumbing.retries`` policy: a refusal is no failure, and the wait depends on the round's outcome
-    (``COMMAND_POLL_S`` while the pods leave)."""
-    cluster = mesh.need_cluster()
-    evicted: list[str] = []
-
-    def on_evicted(namespace: str, name: str) -> None:
-        evicted.append(name)
-        report("evicted", {"pod": name})
-
-    delay: float | None = None
-    while time.monotonic() < end:
-        pods = await cluster.pods(node=node)
-        if not pods:
-            return evicted
-        leaving = [(pod.namespace, pod.name) for pod in pods if pod.phase != "Terminating"]
-        done = await evict_pods(cluster, node, leaving, on_evicted)
-        report("evicting", {"pods_left": len(pods)})
-        delay = COMMAND_BACKOFF.after(delay) if done.blocked else None
-        await asyncio.sleep(COMMAND_POLL_S if delay is None else delay)
-    return None
 
 
 class SessionMoves:

@@ -29,6 +29,7 @@ from shared.clients.drains import StoredDrain, newest_drain
 from shared.clients.rollouts import read_models
 from shared.console.client import CommandError, MeshClient
 from shared.console.state import named
+from shared.contract.annotations import UPGRADE_FAILURE_ANNOTATION, UPGRADE_STATE_LABEL
 from shared.contract.base import Event
 from shared.contract.checkpoint import SessionRestored
 from shared.contract.configdocs import ModelVersions
@@ -41,14 +42,6 @@ from shared.contract.sessions import FleetQuery, FleetSummary, SessionRecord, Se
 from shared.plumbing.configsync import ConfigStore
 from shared.ports.cluster import NodeInfo, PodInfo
 
-UPGRADE_STATE_LABEL = "nvidia.com/gpu-driver-upgrade-state"
-UPGRADE_FAILURE_ANNOTATION = "gpuwarden.io/driver-upgrade-failure"
-CORDON_DRAIN_ANNOTATION = "gpuwarden.io/cordon-drain-id"
-"""The drain asked for a node cordoned by someone other than the upgrade coordinator. The driver service reads it
-(``services/driver/upgrade.py``): a node cordoned with this annotation already set gets no second drain."""
-UPGRADE_WAS_CORDONED_ANNOTATION = "gpuwarden.io/driver-upgrade-was-cordoned"
-"""``true``: a person wants the node cordoned whatever the driver upgrade does; the upgrade leaves it cordoned
-when done (``services/driver/upgrade.py``, ``WAS_CORDONED_ANNOTATION``)."""
 DRAIN_READS_AT_ONCE = 64
 """Nodes whose newest drain is read from the events stream at once (a fleet of 1,000 nodes is read 64 at a time)."""
 _DRIVER_LABELS = ("nvidia.com/cuda.driver.major", "nvidia.com/cuda.driver.minor", "nvidia.com/cuda.driver.rev")

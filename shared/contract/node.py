@@ -83,10 +83,16 @@ class DrainFailed(Event, frozen=True, kw_only=True, tag="node.drain.failed"):
     failed_ref: str = ""
 
 
+DrainVerdict = DrainCompleted | DrainFailed
+"""A drain's verdict: the checkpoint service decides one per drain id, records it (the drain's record, asked for
+with ``node.drain.query``) and publishes it (``node.drain.completed`` / ``node.drain.failed``, which only wake
+whoever waits: they ask the record)."""
+
+
 class DrainQuery(Event, frozen=True, kw_only=True, tag="node.drain.query"):
     """What became of drain ``drain_id``, asked of the checkpoint service, which records every drain's one
-    verdict (its registry's ``kv:drain:<id>``): the driver's coordinator asks while it waits on a drain it
-    named, instead of keeping a copy of its own. ``node``, when the asker knows it: the drain's node, whose
+    verdict (its registry's ``kv:drain:<id>``): whoever waits on a drain asks it (the drain client's
+    ``RecordReader``) instead of keeping a copy of its own. ``node``, when the asker knows it: the drain's node, whose
     newest verdict in the events stream answers for a record Redis lost in a failover."""
 
     family: ClassVar[str] = "node"
@@ -95,14 +101,15 @@ class DrainQuery(Event, frozen=True, kw_only=True, tag="node.drain.query"):
     node: OptNodeName = ""
 
 
-class DrainState(Event, frozen=True, kw_only=True, tag="node.drain.state"):
-    """The answer to ``node.drain.query``: the drain's recorded verdict, or None while it has none (running, not
-    yet asked, or unknown to the checkpoint service)."""
+class DrainRecord(Event, frozen=True, kw_only=True, tag="node.drain.state"):
+    """The answer to ``node.drain.query``: the drain's record as the checkpoint service keeps it, its verdict or
+    None while it has none (running, not yet asked, or unknown to the checkpoint service). The kind keeps its
+    first name, ``node.drain.state``, for the wire's sake."""
 
     family: ClassVar[str] = "node"
 
     drain_id: DrainId
-    verdict: DrainCompleted | DrainFailed | None = None
+    verdict: DrainVerdict | None = None
 
 
 class NodeCordoned(Event, frozen=True, kw_only=True, tag="node.cordoned"):

@@ -63,6 +63,7 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "device.xid",
         "device.mig.config",
         "node.drain.requested",  # the MIG controller saves every session on its node before changing the GPUs
+        "node.drain.query",  # and asks the checkpoint service for that drain's recorded verdict
     ),
     "metrics": ("metrics.gpu.sample", "metrics.deployment.utilisation"),
     "scaler": ("scaler.decision",),
@@ -88,7 +89,7 @@ SERVICES: tuple[str, ...] = tuple(PUBLISHES)
 # wildcard.
 HEARS: dict[str, tuple[str, ...]] = {
     "driver": ("driver.install.command", "driver.validate.command", "driver.versions.command"),  # its node agent
-    "device": (),
+    "device": ("node.drain.completed", "node.drain.failed"),  # wake the MIG controller, which asks the record
     "metrics": ("metrics.gpu.sample",),  # the bus aggregator hears every node's samples
     "scaler": ("metrics.deployment.utilisation", "requests.inference", "kv.pod.load"),  # + pods' KV cache, TTFT
     "checkpoint": (
@@ -96,7 +97,7 @@ HEARS: dict[str, tuple[str, ...]] = {
         "kv.session.where",  # a gateway's (or the CLI's) question
         "kv.sessions.query",  # pages of sessions (the CLI's status)
         "kv.fleet.query",  # session counts (the CLI's status)
-        "node.drain.query",  # a drain's recorded verdict (the driver's coordinator)
+        "node.drain.query",  # a drain's recorded verdict (the drain client's: the CLI, driver, MIG controller)
     ),
     "router": ("kv.session.location", "kv.pod.load", "kv.rollout.state"),  # where sessions are, pods' KV load
 }
@@ -127,7 +128,6 @@ DURABLES: tuple[Durable, ...] = (
     Durable("checkpoint", "gpu-failures"),
     Durable("driver", "drain-verdicts"),
     Durable("device", "cordon", per_node=True),
-    Durable("device", "mig-drains", per_node=True),
     Durable("metrics", "inventory", per_node=True),
     Durable("scaler", "drains"),
     Durable("scaler", "rollouts"),

@@ -40,8 +40,8 @@ from shared.contract.node import (
     DrainCompleted,
     DrainFailed,
     DrainQuery,
+    DrainRecord,
     DrainRequested,
-    DrainState,
     NodeCordoned,
     NodeUncordoned,
 )
@@ -61,7 +61,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     DrainCompleted,
     DrainFailed,
     DrainQuery,
-    DrainState,
+    DrainRecord,
     NodeCordoned,
     NodeUncordoned,
     DriverUpgradeStateChanged,

@@ -35,6 +35,8 @@ import nats.errors
 import nats.js.errors
 import stamina
 
+from shared.plumbing.errors import TemporaryError
+
 _T = TypeVar("_T")
 
 Failures = tuple[type[Exception], ...]
@@ -157,6 +159,10 @@ JETSTREAM_PUBLISH = RetryPolicy(
 
 LOOP_RESTART = RetryPolicy(on=(Exception,), first_s=0.5, max_s=30.0)
 """A service's background loop that crashed, started again for the service's lifetime (``ServiceContext.spawn``)."""
+
+DRAIN_RECORD = RetryPolicy(on=(TemporaryError,), first_s=0.5, max_s=5.0)
+"""A question to a drain's record that the checkpoint service did not answer (not running, its Redis away), asked
+again while a command waits for the verdict (``shared.clients.drains``, ``VerdictWatch``)."""
 
 NODE_LABELS = RetryPolicy(on=(Exception,), first_s=1.0, max_s=60.0)
 """The device service's write of its node's labels, while the cluster cannot be reached or refuses."""

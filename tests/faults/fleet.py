@@ -21,10 +21,10 @@ from services.checkpoint.registry import SessionRegistry
 from services.checkpoint.service import CheckpointService
 from services.driver.config import DriverSettings
 from services.driver.service import DriverService
-from services.driver.upgrade import STATE_LABEL
 from services.router.config import RouterSettings
 from services.router.service import RouterService
 from shared.console.client import MeshClient
+from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.node import DrainCompleted, DrainFailed
 from shared.contract.requests import InferenceRequest
 from shared.contract.sessions import SessionLocation
@@ -154,7 +154,7 @@ class Fleet:
     async def upgraded(self, version: str) -> bool:
         """Every node done with the upgrade and its GPUs on ``version``."""
         nodes = await self.cluster.nodes()
-        if not all(n.labels.get(STATE_LABEL) == "upgrade-done" for n in nodes):
+        if not all(n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done" for n in nodes):
             return False
         return all([(await self.gpus(n.name).versions()).driver == version for n in nodes])
 

@@ -15,7 +15,7 @@ import msgspec
 import nats.js.errors
 import pytest
 
-from shared.clients.drains import wait_verdict
+from shared.clients.drains import DrainClient, RecordReader
 from shared.clients.rollouts import begin_rollout, deployment_key, read_models
 from shared.console import operations
 from shared.console.client import CommandError, MeshClient
@@ -125,9 +125,10 @@ async def test_a_request_out_of_range_from_another_system_gets_its_failed_verdic
             (verdict,) = f.verdicts[drain_id]
             assert isinstance(verdict, DrainFailed) and verdict.node == "node-1", verdict
             assert "deadline_s" in verdict.reason, verdict.reason
-            # what `drain --wait` waits with finds the verdict even when it was published before it listened
-            never: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-            found = await wait_verdict(f.mesh.bus, "node-1", drain_id, never, timeout=10)
+            # what `drain --wait` waits with asks the drain's record: found even when published before it listened
+            client = DrainClient(f.mesh.bus.publish, "test", RecordReader(f.mesh.bus))
+            async with client.watch(f.mesh.bus, drain_id, "node-1") as watch:
+                found = await watch.wait(10)
             assert isinstance(found, DrainFailed) and found.drain_id == drain_id
         node = await f.cluster.node("node-1")
         assert node is not None and node.schedulable  # nobody cordoned it on the request's behalf
@@ -220,7 +221,7 @@ async def test_uncordon_while_the_upgrade_holds_the_node_needs_force(
     """``uncordon`` is refused while the upgrade holds a node's cordon, allowed where it holds none (waiting in
     ``upgrade-required``, or done), and ``--force`` overrides; a cordon by a person during an upgrade is marked so
     that the upgrade leaves it."""
-    from shared.console.snapshot import UPGRADE_STATE_LABEL, UPGRADE_WAS_CORDONED_ANNOTATION
+    from shared.contract.annotations import UPGRADE_STATE_LABEL, UPGRADE_WAS_CORDONED_ANNOTATION
 
     await bus.ensure_streams()
     cluster = await SimCluster.create(settings.redis, subjects, SPEC)

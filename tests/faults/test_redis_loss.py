@@ -24,9 +24,9 @@ from services.driver.agent import bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
 from services.driver.lease import RedisLeaderLease
 from services.driver.ports import StaleLeader
-from services.driver.upgrade import EXTERNAL_DRAIN_ANNOTATION, FENCE_ANNOTATION
-from services.driver.verdicts import BusDrainVerdicts
 from shared.adapters.kube import KubeCluster
+from shared.clients.drains import RecordReader
+from shared.contract.annotations import CORDON_DRAIN_ANNOTATION, UPGRADE_FENCE_ANNOTATION
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.node import DrainRequested
@@ -384,7 +384,7 @@ class Coordination:
             self.cluster,
             bus_node_drivers(bus, 1.0),
             RedisLeaderLease(self.client, self.subjects, "coordinator-1", ttl_s=30.0),
-            BusDrainVerdicts(bus),
+            RecordReader(bus),
             self.publish,
             DriverPolicy,
         )
@@ -420,8 +420,8 @@ async def test_a_coordinator_takes_a_token_above_those_on_the_nodes_after_redis_
     await c.client.set(c.fence_key, 40)  # tokens 1..40 were handed out long ago
     await c.cluster.cordon("gpu-a")  # someone else cordons: the coordinator asks for a drain, stamping its token
     assert await c.coordinator.reconcile_once() and c.coordinator.token == 41
-    assert (await c.annotations("gpu-a"))[FENCE_ANNOTATION] == "41"
-    assert EXTERNAL_DRAIN_ANNOTATION in await c.annotations("gpu-a")
+    assert (await c.annotations("gpu-a"))[UPGRADE_FENCE_ANNOTATION] == "41"
+    assert CORDON_DRAIN_ANNOTATION in await c.annotations("gpu-a")
 
     own_redis.kill()
     own_redis.start()  # no persistence: the lease and its counter are gone, the nodes keep token 41
@@ -432,8 +432,8 @@ async def test_a_coordinator_takes_a_token_above_those_on_the_nodes_after_redis_
     token = c.coordinator.token
     assert token > 41
     a, b = await c.annotations("gpu-a"), await c.annotations("gpu-b")
-    assert EXTERNAL_DRAIN_ANNOTATION not in a and a[FENCE_ANNOTATION] == str(token)  # its writes land
-    assert EXTERNAL_DRAIN_ANNOTATION in b and b[FENCE_ANNOTATION] == str(token)
+    assert CORDON_DRAIN_ANNOTATION not in a and a[UPGRADE_FENCE_ANNOTATION] == str(token)  # its writes land
+    assert CORDON_DRAIN_ANNOTATION in b and b[UPGRADE_FENCE_ANNOTATION] == str(token)
     assert [r.node for r in c.requested] == ["gpu-a", "gpu-b"]
     assert int(await c.client.get(c.fence_key) or 0) == token  # the counter goes on from there
 
@@ -453,11 +453,11 @@ async def test_a_lease_whose_counter_went_back_is_given_up_and_taken_above_the_n
     stale = 0
     for _ in range(4):
         try:
-            if await c.coordinator.reconcile_once() and EXTERNAL_DRAIN_ANNOTATION in await c.annotations("gpu-b"):
+            if await c.coordinator.reconcile_once() and CORDON_DRAIN_ANNOTATION in await c.annotations("gpu-b"):
                 break
         except StaleLeader:
             stale += 1
     else:
         raise AssertionError("the coordinator never wrote gpu-b again")
     assert stale >= 1 and c.coordinator.token > 41
-    assert (await c.annotations("gpu-b"))[FENCE_ANNOTATION] == str(c.coordinator.token)
+    assert (await c.annotations("gpu-b"))[UPGRADE_FENCE_ANNOTATION] == str(c.coordinator.token)

@@ -21,7 +21,7 @@ from services.device.config import DeviceSettings
 from services.device.service import DeviceService
 from services.driver.config import DriverSettings
 from services.driver.service import DriverService
-from services.driver.upgrade import STATE_LABEL
+from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.requests import InferenceRequest
@@ -209,7 +209,7 @@ async def test_upgrade_driver_wait_follows_the_upgrade_through_a_redis_pause(
         )
 
         async def upgrading() -> bool:
-            states = [n.labels.get(STATE_LABEL, "") for n in await cluster.nodes()]
+            states = [n.labels.get(UPGRADE_STATE_LABEL, "") for n in await cluster.nodes()]
             return any(s not in ("", "upgrade-required", "upgrade-done") for s in states)
 
         await eventually(upgrading, timeout=60, interval=0.05)
