@@ -8,8 +8,9 @@ gets the API server's answer: an ``ERROR`` event with a ``Status`` of code 410 (
 Served (enough for ``shared.adapters.kube``): nodes (get, list, watch, patch), pods (list, watch, and the eviction
 subresource, which honours PodDisruptionBudgets as the API server does), deployments (list, watch, and the scale
 subresource), poddisruptionbudgets (list), tokenreviews (create: the tokens a test has ``issue_token``-ed are
-genuine, for their audiences), and resource.k8s.io/v1 resourceslices and resourceclaims (get, create, update). Every request is recorded as an ``Access`` (verb, API group, resource, namespace),
-which is what RBAC authorizes, so a test can hold the requests against the ClusterRoles in ``deploy/rbac``.
+genuine, for their audiences), and resource.k8s.io/v1 resourceslices and resourceclaims (get, create, update).
+Every request is recorded as an ``Access`` (verb, API group, resource, namespace), which is what RBAC authorizes,
+so a test can hold the requests against the ClusterRoles in ``deploy/rbac``.
 
 Tests steer it with ``block_next_evictions`` (429s), ``drop_watches`` (connections cut mid-stream),
 ``hold_watches`` / ``release_watches`` (a lagging watch cache) and ``compact`` (history gone: 410).

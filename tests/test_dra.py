@@ -135,8 +135,16 @@ async def test_a_gpu_in_mig_mode_is_offered_only_as_its_mig_devices(
 
 @pytest.mark.parametrize(
     ("text", "version"),
-    [("550.54.15", "550.54.15"), ("535.104.05", "535.104.5"), ("12.4", "12.4.0"), ("9", "9.0.0"), ("", None)]
-    + [("550.54.15-beta", None), ("v12", None), ("1.2.3.4", None)],
+    [
+        ("550.54.15", "550.54.15"),
+        ("535.104.05", "535.104.5"),
+        ("12.4", "12.4.0"),
+        ("9", "9.0.0"),
+        ("", None),
+        ("550.54.15-beta", None),
+        ("v12", None),
+        ("1.2.3.4", None),
+    ],
 )
 def test_versions_are_semantic_versions_the_api_server_accepts(text: str, version: str | None) -> None:
     assert semver(text) == (Semver(version) if version else None)
@@ -313,7 +321,10 @@ async def dra_driver(
 
 
 def answers(response: Any) -> dict[str, Any]:
-    return {uid: (r.error, [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in r.devices]) for uid, r in response.claims.items()}
+    return {
+        uid: (r.error, [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in r.devices])
+        for uid, r in response.claims.items()
+    }
 
 
 @pytest.mark.parametrize("version", ["v1", "v1beta1"])
@@ -328,7 +339,10 @@ async def test_prepare_writes_the_claims_cdi_spec_once_and_unprepare_removes_it(
     inventory = await inventory_of(gpus)
     mig_name = next(d.name for d in node_slice(inventory).devices if d.attributes["uuid"] == mig.uuid)
     uid = "0b5c9a6e-1f7d-4c1a-9d51-5b2f3c4d5e6f"
-    results = (AllocatedDevice("gpu", DRIVER_NAME, "gpu-a", "gpu-1"), AllocatedDevice("mig", DRIVER_NAME, "gpu-a", mig_name))
+    results = (
+        AllocatedDevice("gpu", DRIVER_NAME, "gpu-a", "gpu-1"),
+        AllocatedDevice("mig", DRIVER_NAME, "gpu-a", mig_name),
+    )
     other = AllocatedDevice("nic", "net.example.com", "gpu-a", "eth1")
     await cluster.resources.put_claim(ResourceClaimInfo("llm", "c1", uid, True, (*results, other)))
     async with dra_driver(folder, cluster, inventory) as (driver, kubelet):
@@ -488,7 +502,9 @@ async def test_the_device_classes_and_the_example_claims_select_what_the_slices_
 ) -> None:
     (kustomization,) = documents(ROOT / "deploy" / "dra" / "kustomization.yaml")
     classes = {
-        d["metadata"]["name"]: d for name in kustomization["resources"] for d in documents(ROOT / "deploy" / "dra" / name)
+        d["metadata"]["name"]: d
+        for name in kustomization["resources"]
+        for d in documents(ROOT / "deploy" / "dra" / name)
     }
     assert set(classes) == {"gpu.gpuwarden.io", "mig.gpuwarden.io"}
     for d in classes.values():
@@ -505,8 +521,8 @@ async def test_the_device_classes_and_the_example_claims_select_what_the_slices_
     await gpus.create_mig_instance(h100a.uuid, "1g.10gb")
     devices = node_slice(await inventory_of(gpus)).devices
 
-    def chosen(class_name: str, extra: list[str] = []) -> list[str]:
-        expressions = [s["cel"]["expression"] for s in classes[class_name]["spec"]["selectors"]] + extra
+    def chosen(class_name: str, extra: tuple[str, ...] = ()) -> list[str]:
+        expressions = [*(s["cel"]["expression"] for s in classes[class_name]["spec"]["selectors"]), *extra]
         return [d.name for d in devices if all(selects(e, DRIVER_NAME, d) for e in expressions)]
 
     assert chosen("gpu.gpuwarden.io") == ["gpu-1", "gpu-2"]
@@ -514,7 +530,7 @@ async def test_the_device_classes_and_the_example_claims_select_what_the_slices_
     for template in templates.values():
         (request,) = template["spec"]["spec"]["devices"]["requests"]
         exactly = request["exactly"]
-        extra = [s["cel"]["expression"] for s in exactly["selectors"]]
+        extra = tuple(s["cel"]["expression"] for s in exactly["selectors"])
         picked = chosen(exactly["deviceClassName"], extra)
         if template["metadata"]["name"] == "big-gpu":
             assert picked == ["gpu-1"], "40 GiB and compute capability 9.0: the whole H100, not the L4"

@@ -1,6 +1,6 @@
-"""``resource.k8s.io/v1`` objects for the cluster port's DRA calls: a ``ResourceSlice`` as the JSON the API server
-takes (checked against the ``kubernetes`` client's generated ``V1ResourceSlice`` model before it is sent, so a
-field the schema requires is never missing), the slice read back for comparison, and a ``ResourceClaim``'s
+"""``resource.k8s.io/v1`` objects for the cluster port's DRA calls: a ``ResourceSlice`` as the ``kubernetes`` client's
+generated ``V1ResourceSlice`` model (which refuses an object the schema would: a required field missing, a value of
+the wrong type), the slice read back for comparison, and a ``ResourceClaim``'s
 allocation as the port says it.
 """
 
@@ -47,9 +47,9 @@ def _attribute_value(obj: Mapping[str, Any]) -> DeviceAttribute:
     return str(obj.get("string", ""))
 
 
-def slice_object(resource_slice: ResourceSlice, generation: int, resource_version: str = "") -> Obj:
-    """The object to create (or, with the ``resource_version`` read, to replace) for the slice; ``ClusterError``
-    when the client's model refuses it."""
+def slice_object(resource_slice: ResourceSlice, generation: int, resource_version: str = "") -> V1ResourceSlice:
+    """The object to create (or, with the ``resource_version`` read, to replace) for the slice, as the client's
+    model; ``ClusterError`` when the model refuses it."""
     devices: list[Obj] = []
     for device in resource_slice.devices:
         entry: Obj = {"name": device.name}
@@ -77,10 +77,13 @@ def slice_object(resource_slice: ResourceSlice, generation: int, resource_versio
         },
     }
     try:
-        V1ResourceSlice.from_dict(body)
+        model = V1ResourceSlice.from_dict(body)
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        raise ClusterError(f"ResourceSlice {resource_slice.name}: refused by the resource.k8s.io/v1 schema: {exc}")
-    return body
+        raise ClusterError(
+            f"ResourceSlice {resource_slice.name}: refused by the resource.k8s.io/v1 schema: {exc}"
+        ) from None
+    assert model is not None
+    return model
 
 
 def slice_from_object(obj: Mapping[str, Any]) -> ResourceSlice:
@@ -125,7 +128,10 @@ def claim_info(obj: Mapping[str, Any]) -> ResourceClaimInfo:
         allocated=allocation is not None,
         devices=tuple(
             AllocatedDevice(
-                request=r.get("request", ""), driver=r.get("driver", ""), pool=r.get("pool", ""), device=r.get("device", "")
+                request=r.get("request", ""),
+                driver=r.get("driver", ""),
+                pool=r.get("pool", ""),
+                device=r.get("device", ""),
             )
             for r in results
         ),

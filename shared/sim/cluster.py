@@ -47,8 +47,8 @@ from shared.ports.cluster import (
     TokenReview,
 )
 from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec
-from shared.sim.spec import SimSpec, load_spec
 from shared.sim.resourceapi import SimResourceApi
+from shared.sim.spec import SimSpec, load_spec
 from shared.sim.tokenapi import SimTokenApi
 
 log = logging.getLogger(__name__)

@@ -53,8 +53,7 @@ def claim_spec(
         "cdiVersion": CDI_VERSION,
         "kind": CLAIM_KIND,
         "devices": [
-            {"name": f"{claim_uid}-{name}", "containerEdits": edits[(mig or gpu).uuid]}
-            for name, gpu, mig in devices
+            {"name": f"{claim_uid}-{name}", "containerEdits": edits[(mig or gpu).uuid]} for name, gpu, mig in devices
         ],
         "containerEdits": node["containerEdits"],
     }

@@ -109,7 +109,9 @@ class DraDriver:
     def _failed(self, exc: Exception, wait_s: float) -> None:
         self.failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
-        log.warning("cannot publish the ResourceSlice; trying again", extra={"error": self.last_error, "retry_s": wait_s})
+        log.warning(
+            "cannot publish the ResourceSlice; trying again", extra={"error": self.last_error, "retry_s": wait_s}
+        )
 
     # -- claims (ClaimPreparer) -----------------------------------------------------------------------------------
     async def prepare(self, namespace: str, uid: str, name: str) -> Sequence[PreparedDevice]:

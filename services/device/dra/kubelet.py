@@ -140,7 +140,9 @@ class _RegistrationServicer(reg_grpc.RegistrationServicer):
             self.plugin.registrations += 1
             log.info("DRA plugin registered with the kubelet", extra={"driver": self.plugin.driver})
         else:
-            log.error("the kubelet refused the DRA plugin", extra={"driver": self.plugin.driver, "error": request.error})
+            log.error(
+                "the kubelet refused the DRA plugin", extra={"driver": self.plugin.driver, "error": request.error}
+            )
         return reg_pb.RegistrationStatusResponse()
 
 

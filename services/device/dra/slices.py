@@ -33,9 +33,11 @@ PRODUCTS: Mapping[str, tuple[str, str]] = {
 }
 """A word of the product name -> (NVML's architecture name, CUDA compute capability)."""
 
+_GA100_SMS: Mapping[int, int] = {1: 14, 2: 28, 3: 42, 4: 56, 7: 98}
+_GH100_SMS: Mapping[int, int] = {1: 16, 2: 32, 3: 60, 4: 64, 7: 132}
 MIG_MULTIPROCESSORS: Mapping[str, Mapping[int, int]] = {
-    **dict.fromkeys(("A100", "A800"), {1: 14, 2: 28, 3: 42, 4: 56, 7: 98}),
-    **dict.fromkeys(("H100", "H200", "H800", "H20", "GH200"), {1: 16, 2: 32, 3: 60, 4: 64, 7: 132}),
+    **{word: _GA100_SMS for word in ("A100", "A800")},
+    **{word: _GH100_SMS for word in ("H100", "H200", "H800", "H20", "GH200")},
 }
 """A word of the product name -> streaming multiprocessors of a MIG device by its compute slices (``<n>g``)."""
 
