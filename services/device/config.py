@@ -233,7 +233,7 @@ class DeviceSettings:
     cdi_dir: Path = setting(
         "GPUWARDEN_CDI_DIR",
         Path("/var/run/cdi"),
-        "device: where the CDI spec of the node's GPUs is written while the plugin runs",
+        "device: where the CDI spec of the node's GPUs (device plugin) and those of prepared DRA claims are written",
         parse=any_path(),
     )
     application_xids: frozenset[int] = setting(
