@@ -26,15 +26,16 @@ from services.device.cdi import spec_problems
 from services.device.config import DeviceSettings, load
 from services.device.dra.claims import CLAIM_KIND, spec_path
 from services.device.dra.driver import DraDriver
-from services.device.dra.slices import DRIVER_NAME, node_slice, semver
+from services.device.dra.slices import DRIVER_NAME, LOST_TAINT, XID_TAINT, node_slice, semver
 from services.device.service import DeviceService
 from shared.adapters.kube import KubeCluster
 from shared.contract.device import DeviceInventory, GpuDevice
 from shared.contract.subjects import Subjects
 from shared.host.runner import start_service
 from shared.plumbing.settings import Settings
-from shared.ports.cluster import AllocatedDevice, ResourceClaimInfo, ResourceSlice, Semver, SliceDevice
+from shared.ports.cluster import AllocatedDevice, DeviceTaint, ResourceClaimInfo, ResourceSlice, Semver, SliceDevice
 from shared.sim.cluster import SimCluster
+from shared.sim.faults import LoseGpuFault, XidFault, apply_fault
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import SimSpec, parse_spec
 from shared.wiring import Wiring
@@ -286,6 +287,73 @@ def dra_settings(folder: Path, **more: Any) -> DeviceSettings:
         cdi_dir=folder / "cdi",
         **more,
     )
+
+
+async def test_xids_and_a_lost_gpu_become_taints_on_exactly_that_gpus_devices(
+    redis_client: aioredis.Redis, subjects: Subjects, settings: Settings, spec: SimSpec, folder: Path
+) -> None:
+    gpus = SimGpus(redis_client, subjects, spec, "gpu-a")
+    h100a, h100b, l4 = await gpus.devices()
+    await gpus.set_mig_mode(h100b.uuid, True)
+    await gpus.create_mig_instance(h100b.uuid, "3g.40gb")
+    await gpus.create_mig_instance(h100b.uuid, "1g.10gb")
+    cluster = await SimCluster.create(redis_client, subjects, spec)
+    service = DeviceService(dra_settings(folder, inventory_s=0.05), gpus=gpus, cluster=cluster)
+    runner = await start_service(service, dataclasses.replace(settings, node="gpu-a"), Wiring)
+    name = f"gpu-a-{DRIVER_NAME}"
+
+    async def taints() -> dict[str, list[tuple[str, str, str]]] | None:
+        stored = (await cluster.resources.slices()).get(name)
+        if stored is None:
+            return None
+        return {d.name: [(x.key, x.value, x.effect) for x in d.taints] for d in stored.slice.devices}
+
+    async def once(expected: dict[str, list[tuple[str, str, str]]]) -> bool:
+        return await taints() == expected
+
+    try:
+        migs = [d.name for d in node_slice(await inventory_of(gpus)).devices if d.attributes["type"] == "mig"]
+        clean = {"gpu-0": [], **{m: [] for m in migs}, "gpu-2": []}
+        await eventually(lambda: once(clean))
+        await apply_fault(redis_client, subjects, XidFault(node="gpu-a", gpu=2, code=13))  # the program's fault
+        await apply_fault(redis_client, subjects, XidFault(node="gpu-a", gpu=1, code=94))
+        ecc = [(XID_TAINT, "94", "NoSchedule")]
+        await eventually(lambda: once(clean | {m: ecc for m in migs}))
+        await apply_fault(redis_client, subjects, XidFault(node="gpu-a", gpu=0, code=79))
+        fatal = [(XID_TAINT, "79", "NoExecute")]
+        await eventually(lambda: once(clean | {m: ecc for m in migs} | {"gpu-0": fatal}))
+        await apply_fault(redis_client, subjects, LoseGpuFault(node="gpu-a", gpu=l4.uuid))
+        lost = [(LOST_TAINT, "", "NoExecute")]
+        await eventually(lambda: once(clean | {m: ecc for m in migs} | {"gpu-0": fatal, "gpu-2": lost}))
+        assert l4.uuid not in {d.uuid for d in await gpus.devices()}, "gone from NVML, kept in the slice, tainted"
+        assert h100a.uuid in {d.uuid for d in await gpus.devices()}
+    finally:
+        await runner.stop()
+
+
+async def test_a_recovered_gpu_loses_its_taint_and_the_slice_is_written_again(folder: Path) -> None:
+    published: list[ResourceSlice] = []
+
+    class Recording:
+        async def publish_resource_slice(self, resource_slice: ResourceSlice) -> bool:
+            published.append(resource_slice)
+            return True
+
+    async def connect() -> Any:
+        return Recording()
+
+    driver = DraDriver(dra_settings(folder), "n1", connect)
+    inventory = DeviceInventory(node="n1", gpus=[h100(0), h100(1)])
+    driver.want(inventory, {"GPU-1": "unhealthy"}, {"GPU-1": 48})
+    assert await driver.publish()
+    driver.want(inventory, {"GPU-1": "unhealthy"}, {"GPU-1": 48})
+    assert not await driver.publish(), "the same taints: nothing written"
+    driver.want(inventory, {"GPU-1": "healthy"}, {})
+    assert await driver.publish()
+    assert [[(d.name, d.taints) for d in s.devices] for s in published] == [
+        [("gpu-0", ()), ("gpu-1", (DeviceTaint(XID_TAINT, "48", "NoExecute"),))],
+        [("gpu-0", ()), ("gpu-1", ())],
+    ]
 
 
 def test_the_setting_picks_plugin_dra_or_both(folder: Path) -> None:

@@ -77,6 +77,8 @@ class DeviceService:
         self.last_critical: dict[str, float] = {}
         self.clock = time.monotonic
         self.reasons: dict[str, str] = {}
+        self.critical_xids: dict[str, int] = {}
+        """The XID that took each unhealthy GPU out, by UUID: its DRA device taint's value."""
         self._inventory_lock = asyncio.Lock()
         self.plugin: KubeletDevicePlugin | None = None
         self.mig: MigController | None = None
@@ -167,6 +169,8 @@ class DeviceService:
         )
         self.gpu_state.health[event.uuid] = verdict.health
         self.reasons[event.uuid] = verdict.reason
+        if event.kind == "xid":
+            self.critical_xids[event.uuid] = event.xid
         self.ctx.status["unhealthy"] = dict(self.reasons)
         try:
             await self.refresh_inventory()
@@ -252,6 +256,7 @@ class DeviceService:
             await self.ctx.publish(DeviceHealthChanged(node=self.ctx.node, gpu_uuid=uuid, healthy=True, reason=reason))
             self.gpu_state.health[uuid] = "healthy"
             self.reasons.pop(uuid, None)
+            self.critical_xids.pop(uuid, None)
             self.ctx.status["unhealthy"] = dict(self.reasons)
             log.warning("GPU healthy again", extra={"gpu": uuid, "reason": reason})
 
@@ -296,7 +301,7 @@ class DeviceService:
                 return
             await self._advertise(inventory)
             if self.dra is not None:
-                self.dra.want(inventory)
+                self.dra.want(inventory, self.gpu_state.health, self.critical_xids)
             self.ctx.status["gpus"] = [g.uuid for g in inventory.gpus]
             self.ctx.status["driver_version"] = inventory.driver_version
             await self.ctx.publish(inventory)

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from shared.contract.device import DeviceInventory
+import msgspec
+
+from shared.contract.device import DeviceInventory, GpuDevice
 from shared.plumbing.retries import NODE_LABELS, RetryPolicy
 from shared.ports.cluster import ClusterError, ClusterPort, ResourceSlice
 
 from ..cdi import CdiError, DriverRoot
 from ..config import DeviceSettings
+from ..health import GpuHealth
 from .claims import ClaimSpecError, cdi_device_id, remove_claim_spec, write_claim_spec
 from .kubelet import ClaimError, DraKubeletPlugin, PreparedDevice
-from .slices import DRIVER_NAME, devices_by_name, node_slice
+from .slices import DRIVER_NAME, devices_by_name, health_taints, node_slice
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ class DraDriver:
         self._connect = connect
         self._retry = retry
         self.inventory: DeviceInventory | None = None
+        self._seen: dict[str, GpuDevice] = {}
+        """Every GPU seen, as last seen, by UUID: what a lost GPU's devices were."""
         self.desired: ResourceSlice | None = None
         self.published: ResourceSlice | None = None
         self.writes = 0
@@ -59,9 +64,22 @@ class DraDriver:
         )
 
     # -- the slice ------------------------------------------------------------------------------------------------
-    def want(self, inventory: DeviceInventory) -> None:
+    def want(
+        self,
+        inventory: DeviceInventory,
+        health: Mapping[str, GpuHealth] | None = None,
+        xids: Mapping[str, int] | None = None,
+    ) -> None:
+        """The slice of ``inventory``, its devices tainted by ``health`` (``slices.health_taints``). A lost GPU no
+        longer in the inventory stays in the slice as last seen, tainted ``gpu-lost``, so the scheduler is told
+        rather than left to notice a device gone."""
         self.inventory = inventory
-        wanted = node_slice(inventory, driver=self.driver)
+        self._seen.update({g.uuid: g for g in inventory.gpus})
+        health = health or {}
+        present = {g.uuid for g in inventory.gpus}
+        lost = [self._seen[u] for u, h in health.items() if h == "lost" and u not in present and u in self._seen]
+        shown = msgspec.structs.replace(inventory, gpus=[*inventory.gpus, *lost]) if lost else inventory
+        wanted = node_slice(shown, health_taints(health, xids or {}), driver=self.driver)
         if wanted != self.desired:
             self.desired = wanted
             self._wake.set()

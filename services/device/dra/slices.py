@@ -16,7 +16,9 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shared.contract.device import DeviceInventory, GpuDevice, MigInstance
-from shared.ports.cluster import DeviceAttribute, DeviceTaint, ResourceSlice, Semver, SliceDevice
+from shared.ports.cluster import DeviceAttribute, DeviceTaint, ResourceSlice, Semver, SliceDevice, TaintEffect
+
+from ..health import GpuHealth
 
 DRIVER_NAME = "gpu.gpuwarden.io"
 """Ours, not NVIDIA's ``gpu.nvidia.com``: a driver name is one kubelet plugin's on a node, and NVIDIA's driver may run
@@ -40,6 +42,13 @@ MIG_MULTIPROCESSORS: Mapping[str, Mapping[int, int]] = {
     **{word: _GH100_SMS for word in ("H100", "H200", "H800", "H20", "GH200")},
 }
 """A word of the product name -> streaming multiprocessors of a MIG device by its compute slices (``<n>g``)."""
+
+XID_TAINT = "gpuwarden.io/xid"
+LOST_TAINT = "gpuwarden.io/gpu-lost"
+FATAL_XIDS: frozenset[int] = frozenset({48, 79, 95})
+"""XIDs after which the GPU's work is lost anyway and the GPU needs a reset (a double-bit ECC error, fallen off the
+bus, an uncontained ECC error): their taint is ``NoExecute``, so pods holding the device are evicted (gracefully:
+their preStop hooks save their sessions); any other critical XID's is ``NoSchedule``."""
 
 _WORD = re.compile(r"[A-Za-z0-9]+")
 _NUMBERS = re.compile(r"^[0-9]+(\.[0-9]+){0,2}$")
@@ -131,6 +140,21 @@ def mig_device(
     return SliceDevice(
         name=mig_device_name(gpu, k, mig), attributes=attributes, capacity=capacity, taints=tuple(taints)
     )
+
+
+def health_taints(health: Mapping[str, GpuHealth], xids: Mapping[str, int]) -> dict[str, tuple[DeviceTaint, ...]]:
+    """By GPU UUID, the taints its health puts on its devices: ``gpuwarden.io/gpu-lost`` (``NoExecute``) on a lost
+    GPU, ``gpuwarden.io/xid=<code>`` on an unhealthy one (``xids``: the critical XID that took it out; no value
+    when unknown); a healthy GPU has none, so a recovered GPU loses its taint."""
+    taints: dict[str, tuple[DeviceTaint, ...]] = {}
+    for uuid, state in health.items():
+        if state == "lost":
+            taints[uuid] = (DeviceTaint(LOST_TAINT, "", "NoExecute"),)
+        elif state == "unhealthy":
+            xid = xids.get(uuid)
+            effect: TaintEffect = "NoExecute" if xid in FATAL_XIDS else "NoSchedule"
+            taints[uuid] = (DeviceTaint(XID_TAINT, str(xid) if xid else "", effect),)
+    return taints
 
 
 def node_slice(
