@@ -604,3 +604,30 @@ async def test_the_device_classes_and_the_example_claims_select_what_the_slices_
             assert picked == ["gpu-1"], "40 GiB and compute capability 9.0: the whole H100, not the L4"
         else:
             assert [next(d for d in devices if d.name == p).attributes["profile"] for p in picked] == ["1g.10gb"]
+
+
+def _merged(base: list[dict[str, Any]], patch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A strategic merge of a list keyed by ``name`` (what kustomize does to env, volumes and volumeMounts)."""
+    out = {item["name"]: item for item in base}
+    out.update({item["name"]: item for item in patch})
+    return list(out.values())
+
+
+def test_the_daemonset_patch_runs_the_dra_driver_with_the_kubelets_folders_mounted() -> None:
+    (daemonset,) = [d for d in documents(ROOT / "deploy" / "workloads" / "device.yaml") if d["kind"] == "DaemonSet"]
+    (patch,) = documents(ROOT / "deploy" / "dra" / "device-patch.yaml")
+    assert (patch["kind"], patch["metadata"]["name"]) == ("DaemonSet", daemonset["metadata"]["name"])
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    (extra,) = patch["spec"]["template"]["spec"]["containers"]
+    assert extra["name"] == container["name"]
+    env = {e["name"]: e["value"] for e in _merged(container["env"], extra["env"]) if "value" in e}
+    settings = load(env | {"GPUWARDEN_DEVICE_PLUGIN": "auto"})
+    assert settings.dra_enabled
+    mounts = {m["mountPath"]: m["name"] for m in _merged(container["volumeMounts"], extra["volumeMounts"])}
+    volumes = {
+        v["name"]: v["hostPath"]["path"]
+        for v in _merged(daemonset["spec"]["template"]["spec"]["volumes"], patch["spec"]["template"]["spec"]["volumes"])
+        if "hostPath" in v
+    }
+    for folder in (settings.dra_plugin_dir, settings.dra_registry_dir, settings.cdi_dir):
+        assert volumes[mounts[str(folder)]] == str(folder), f"{folder} is the host's, mounted at the same path"
