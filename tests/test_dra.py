@@ -518,6 +518,20 @@ async def test_the_plugin_survives_a_kubelet_restart_and_a_wiped_registry(
         await eventually(lambda: driver.kubelet.registrations == 3)
 
 
+async def test_a_registry_folder_it_cannot_use_is_reported_and_tried_again(
+    redis_client: aioredis.Redis, subjects: Subjects, spec: SimSpec, folder: Path
+) -> None:
+    cluster = await SimCluster.create(redis_client, subjects, spec)
+    inventory = await inventory_of(SimGpus(redis_client, subjects, spec, "gpu-a"))
+    (folder / "plugins_registry").write_text("a file where the folder should be")
+    async with dra_driver(folder, cluster, inventory) as (driver, kubelet):
+        error = await eventually(lambda: driver.describe()["kubelet"]["error"])
+        assert "plugins_registry" in error
+        (folder / "plugins_registry").unlink()
+        await kubelet.register()
+        await eventually(lambda: driver.describe()["kubelet"]["error"] is None)
+
+
 # -- deploy/, validated offline -------------------------------------------------------------------------------------
 _TERM = re.compile(
     r'^device\.driver == "(?P<driver>[^"]+)"$'

@@ -164,7 +164,11 @@ class _Socket:
         self.path.unlink(missing_ok=True)
         server = grpc.aio.server()
         self._add(server)
-        if server.add_insecure_port(f"unix://{self.path}") == 0:
+        try:
+            bound = server.add_insecure_port(f"unix://{self.path}")
+        except RuntimeError as exc:  # grpc's answer to a socket it cannot bind
+            raise OSError(f"cannot serve on {self.path}: {exc}") from None
+        if bound == 0:
             raise OSError(f"cannot serve on {self.path}")
         await server.start()
         self.server, self.identity = server, _identity(self.path)
