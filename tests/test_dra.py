@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 import yaml
@@ -24,12 +25,14 @@ from kubernetes.client import V1DeviceClass, V1ResourceClaimTemplate, V1Resource
 
 from services.device.cdi import spec_problems
 from services.device.config import DeviceSettings, load
-from services.device.dra.claims import CLAIM_KIND, spec_path
+from services.device.dra.claims import CLAIM_KIND, cdi_device_id, spec_path
 from services.device.dra.driver import DraDriver
 from services.device.dra.slices import DRIVER_NAME, LOST_TAINT, XID_TAINT, node_slice, semver
+from services.device.gen import podresources_pb2
+from services.device.podresources import pods_holding
 from services.device.service import DeviceService
 from shared.adapters.kube import KubeCluster
-from shared.contract.device import DeviceInventory, GpuDevice
+from shared.contract.device import DeviceInventory, GpuDevice, MigInstance
 from shared.contract.subjects import Subjects
 from shared.host.runner import start_service
 from shared.plumbing.settings import Settings
@@ -530,6 +533,52 @@ async def test_a_registry_folder_it_cannot_use_is_reported_and_tried_again(
         (folder / "plugins_registry").unlink()
         await kubelet.register()
         await eventually(lambda: driver.describe()["kubelet"]["error"] is None)
+
+
+def test_a_failing_gpu_names_the_pods_holding_it_by_claim() -> None:
+    mig_gpu = msgspec.structs.replace(
+        h100(0),
+        mig_enabled=True,
+        mig_instances=[MigInstance(uuid="MIG-a", profile="3g.40gb", gpu_instance_id=1, compute_instance_id=0)],
+    )
+    whole, eleventh = h100(1), h100(11)
+    uid = "0b5c9a6e-1f7d-4c1a-9d51-5b2f3c4d5e6f"
+
+    def by_claim(name: str, *devices: str) -> podresources_pb2.PodResources:
+        cdi = [podresources_pb2.CDIDevice(name=cdi_device_id(uid, d)) for d in devices]
+        claim = podresources_pb2.DynamicResource(
+            claim_name=f"{name}-gpu",
+            claim_namespace="llm",
+            claim_resources=[podresources_pb2.ClaimResource(cdi_devices=cdi)],
+        )
+        container = podresources_pb2.ContainerResources(name="server", dynamic_resources=[claim])
+        return podresources_pb2.PodResources(name=name, namespace="llm", containers=[container])
+
+    other_driver = podresources_pb2.PodResources(
+        name="nic",
+        namespace="llm",
+        containers=[
+            podresources_pb2.ContainerResources(
+                dynamic_resources=[
+                    podresources_pb2.DynamicResource(
+                        claim_resources=[
+                            podresources_pb2.ClaimResource(
+                                cdi_devices=[podresources_pb2.CDIDevice(name=f"net.example.com/nic={uid}-gpu-1")]
+                            )
+                        ]
+                    )
+                ]
+            )
+        ],
+    )
+    pods = [by_claim("a", "gpu-1"), by_claim("b", "gpu-0-mig-1-0"), by_claim("c", "gpu-11"), other_driver]
+    assert pods_holding(pods, whole) == ["llm/a"]
+    assert pods_holding(pods, mig_gpu) == ["llm/b"]
+    assert pods_holding(pods, eleventh) == ["llm/c"]
+    wire = podresources_pb2.ListPodResourcesResponse.FromString(
+        podresources_pb2.ListPodResourcesResponse(pod_resources=pods).SerializeToString()
+    )
+    assert pods_holding(wire.pod_resources, whole) == ["llm/a"]
 
 
 # -- deploy/, validated offline -------------------------------------------------------------------------------------

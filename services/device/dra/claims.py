@@ -18,6 +18,7 @@ from typing import Any
 from shared.contract.device import GpuDevice, MigInstance
 
 from ..cdi import CDI_VERSION, CdiError, DriverRoot, cdi_spec, find_driver_files, write_spec_file
+from .slices import gpu_device_name, mig_device_name
 
 CLAIM_KIND = "k8s.gpu.gpuwarden.io/claim"
 _UID = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,62}[a-zA-Z0-9])?$")
@@ -36,6 +37,16 @@ def spec_path(directory: Path, claim_uid: str) -> Path:
 
 def cdi_device_id(claim_uid: str, device: str) -> str:
     return f"{CLAIM_KIND}={claim_uid}-{device}"
+
+
+def names_gpu(cdi_id: str, gpu: GpuDevice) -> bool:
+    """Whether a CDI id this driver answered for a claim (``<kind>=<claim uid>-<device>``) is ``gpu`` or one of its
+    MIG devices: what the kubelet's PodResources API reports of a pod's claims."""
+    kind, _, name = cdi_id.partition("=")
+    if kind != CLAIM_KIND:
+        return False
+    devices = [gpu_device_name(gpu), *(mig_device_name(gpu, k, m) for k, m in enumerate(gpu.mig_instances))]
+    return any(name.endswith(f"-{device}") for device in devices)
 
 
 def claim_spec(
