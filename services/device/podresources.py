@@ -4,8 +4,9 @@ On a real node the kubelet knows, because its device manager handed the GPUs out
 on ``/var/lib/kubelet/pod-resources/kubelet.sock``) lists every pod's containers with the device IDs each got. A
 container holds a GPU when one of its IDs is the GPU's UUID, a time-slice of it (``<uuid>::<k>``) or one of its
 MIG instances' UUIDs, whoever advertised the resource; or when one of its ResourceClaims' CDI ids (its dynamic
-resources) is one the DRA driver answered for the GPU or one of its MIG devices. In simulation the simulated cluster records which GPU
-indices each pod was bound to (``shared.sim.lookups.SimGpuPods``); ``shared.wiring`` picks one.
+resources) is one the DRA driver answered for the GPU or one of its MIG devices. In simulation the simulated
+cluster records which GPU indices each pod was bound to (``shared.sim.lookups.SimGpuPods``); ``shared.wiring``
+picks one.
 """
 
 from __future__ import annotations
