@@ -7,9 +7,10 @@ gets the API server's answer: an ``ERROR`` event with a ``Status`` of code 410 (
 
 Served (enough for ``shared.adapters.kube``): nodes (get, list, watch, patch), pods (list, watch, and the eviction
 subresource, which honours PodDisruptionBudgets as the API server does), deployments (list, watch, and the scale
-subresource), poddisruptionbudgets (list) and tokenreviews (create: the tokens a test has ``issue_token``-ed are
-genuine, for their audiences). Every request is recorded as an ``Access`` (verb, API group, resource, namespace),
-which is what RBAC authorizes, so a test can hold the requests against the ClusterRoles in ``deploy/rbac``.
+subresource), poddisruptionbudgets (list), tokenreviews (create: the tokens a test has ``issue_token``-ed are
+genuine, for their audiences), and resource.k8s.io/v1 resourceslices and resourceclaims (get, create, update).
+Every request is recorded as an ``Access`` (verb, API group, resource, namespace), which is what RBAC authorizes,
+so a test can hold the requests against the ClusterRoles in ``deploy/rbac``.
 
 Tests steer it with ``block_next_evictions`` (429s), ``drop_watches`` (connections cut mid-stream),
 ``hold_watches`` / ``release_watches`` (a lagging watch cache) and ``compact`` (history gone: 410).
@@ -57,6 +58,8 @@ _KINDS: dict[tuple[str, str], _Kind] = {
     ("", "pods"): _Kind("Pod", "v1", True),
     ("apps", "deployments"): _Kind("Deployment", "apps/v1", True),
     ("policy", "poddisruptionbudgets"): _Kind("PodDisruptionBudget", "policy/v1", True),
+    ("resource.k8s.io", "resourceslices"): _Kind("ResourceSlice", "resource.k8s.io/v1", False),
+    ("resource.k8s.io", "resourceclaims"): _Kind("ResourceClaim", "resource.k8s.io/v1", True),
 }
 _PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 
@@ -325,6 +328,8 @@ class FakeKubeApi:
             return web.json_response(self._get(res, namespace, name))
         if name and not sub and verb == "patch":
             return await self._patch(request, res, namespace, name)
+        if name and not sub and verb == "update":
+            return await self._replace(request, res, namespace, name)
         raise _ApiError(405, "MethodNotAllowed", f"{request.method} is not supported on {path}")
 
     async def _review(self, request: web.Request) -> web.StreamResponse:
@@ -471,6 +476,20 @@ class FakeKubeApi:
         if updated == current:
             return web.json_response(current)
         return web.json_response(self._commit(res, "MODIFIED", updated))
+
+    async def _replace(self, request: web.Request, res: tuple[str, str], namespace: str, name: str) -> web.Response:
+        """PUT: the whole object, its ``metadata.resourceVersion`` the one stored (409 otherwise)."""
+        body = await request.json()
+        current = self._get(res, namespace, name)
+        meta = body.setdefault("metadata", {})
+        if meta.get("name") != name:
+            raise _ApiError(400, "BadRequest", f"the name of the object ({meta.get('name')}) does not match {name}")
+        if meta.get("resourceVersion") != current["metadata"]["resourceVersion"]:
+            raise self._conflict(res, name)
+        meta["namespace"] = namespace
+        meta["uid"] = current["metadata"]["uid"]
+        meta["creationTimestamp"] = current["metadata"]["creationTimestamp"]
+        return web.json_response(self._commit(res, "MODIFIED", body))
 
     def _conflict(self, res: tuple[str, str], name: str) -> _ApiError:
         self.conflicts += 1

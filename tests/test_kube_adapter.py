@@ -17,6 +17,8 @@ from shared.ports.cluster import (
     DeploymentInfo,
     EvictionOutcome,
     NodeInfo,
+    ResourceSlice,
+    SliceDevice,
 )
 from tests.fake_kube_api import PDB_VIOLATION, Access, FakeKubeApi, deployment, node, pdb, pod
 from tests.rbackit import allowed, shipped_rules
@@ -386,6 +388,11 @@ async def device_work(kube: KubeCluster, api: FakeKubeApi) -> None:
     await kube.set_node_labels("gpu-a", {"nvidia.com/gpu.count": "8"})
     await changes(watch, 1)
     await watch.aclose()
+    # As a DRA driver: its node's ResourceSlice (created, then replaced), and a claim it is asked to prepare.
+    for count in (2, 1):
+        devices = tuple(SliceDevice(f"gpu-{i}", {"type": "gpu"}, {"memory": "81559Mi"}) for i in range(count))
+        await kube.publish_resource_slice(ResourceSlice("gpu.gpuwarden.io", "gpu-a", "gpu-a", devices))
+    await kube.resource_claim(NS, "claim")
 
 
 async def pods_work(kube: KubeCluster, api: FakeKubeApi) -> None:

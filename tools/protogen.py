@@ -1,9 +1,10 @@
 """``python -m tools.protogen [--check]``: generate (or check) the committed Python stubs of the gRPC contracts in
 ``proto/``: KEDA's external scaler (``services/scaler/gen/``), and the kubelet's device plugin API (v1beta1, which
-the device service serves) and PodResources API (v1, which it asks which pods hold which GPUs), both in
-``services/device/gen/``. Generated code is never edited by hand: ``generate`` runs protoc (grpcio-tools) and makes
-one deterministic change, rewriting grpc's top-level ``import X_pb2`` into a package-relative import so the stubs
-live inside the service's ``gen`` package; ``drift`` regenerates into a temporary folder and names what differs.
+the device service serves), PodResources API (v1, which it asks which pods hold which GPUs), DRA plugin service
+(v1 and v1beta1, which its DRA driver serves) and plugin registration service, all in ``services/device/gen/``.
+Generated code is never edited by hand: ``generate`` runs protoc (grpcio-tools) and makes one deterministic change,
+rewriting grpc's top-level ``import X_pb2`` into a package-relative import so the stubs live inside the service's
+``gen`` package; ``drift`` regenerates into a temporary folder and names what differs.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ class ProtoStubs:
 EXTERNAL_SCALER = ProtoStubs("externalscaler", ROOT / "services" / "scaler" / "gen", COMMAND)
 DEVICE_PLUGIN = ProtoStubs("deviceplugin", ROOT / "services" / "device" / "gen", COMMAND)
 POD_RESOURCES = ProtoStubs("podresources", ROOT / "services" / "device" / "gen", COMMAND)
-STUBS = (EXTERNAL_SCALER, DEVICE_PLUGIN, POD_RESOURCES)
+DRA_V1 = ProtoStubs("dra_v1", ROOT / "services" / "device" / "gen", COMMAND)
+DRA_V1BETA1 = ProtoStubs("dra_v1beta1", ROOT / "services" / "device" / "gen", COMMAND)
+PLUGIN_REGISTRATION = ProtoStubs("pluginregistration", ROOT / "services" / "device" / "gen", COMMAND)
+STUBS = (EXTERNAL_SCALER, DEVICE_PLUGIN, POD_RESOURCES, DRA_V1, DRA_V1BETA1, PLUGIN_REGISTRATION)
 
 
 def drift() -> list[str]:

@@ -359,6 +359,20 @@ def _replace(path: Path, body: bytes) -> None:
         raise
 
 
+def write_spec_file(path: Path, spec: dict[str, Any]) -> bool:
+    """Check ``spec`` against the CDI format and write it to ``path`` atomically unless the file already holds it;
+    True when it wrote. ``CdiError`` (nothing written) for an invalid spec; ``OSError`` when it cannot write."""
+    problems = spec_problems(spec)
+    if problems:
+        raise CdiError(f"{path}: the CDI spec would be invalid: {'; '.join(problems)}")
+    body = json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_file() and path.read_bytes() == body:
+        return False
+    _replace(path, body)
+    return True
+
+
 def write_cdi_spec(
     directory: Path, gpus: Sequence[GpuDevice], root: DriverRoot | None = None, driver_version: str = ""
 ) -> Path | None:
@@ -378,14 +392,7 @@ def write_cdi_spec(
                 raise CdiError(
                     f"cannot look for the driver's files under {root.here} (GPUWARDEN_DRIVER_ROOT): {exc}"
                 ) from None
-        spec = cdi_spec(gpus, driver)
-        problems = spec_problems(spec)
-        if problems:
-            raise CdiError(f"{path}: the CDI spec would be invalid: {'; '.join(problems)}")
-        body = json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n"
-        directory.mkdir(parents=True, exist_ok=True)
-        if not (path.is_file() and path.read_bytes() == body):
-            _replace(path, body)
+        write_spec_file(path, cdi_spec(gpus, driver))
     except CdiError:
         raise
     except OSError as exc:

@@ -120,6 +120,8 @@ def parse_plugin_config(raw: str | bytes, source: str = "device plugin config") 
 
 PluginMode = Literal["auto", "on", "off"]
 PLUGIN_MODES: tuple[PluginMode, ...] = ("auto", "on", "off")
+DeviceApi = Literal["plugin", "dra", "both"]
+DEVICE_APIS: tuple[DeviceApi, ...] = ("plugin", "dra", "both")
 DEFAULT_APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
 """XIDs that are the running program's fault, not the GPU's (NVIDIA's device plugin ignores the same six)."""
 
@@ -161,7 +163,8 @@ class DeviceSettings:
     anyone, GPUs that vanished); health events re-publish it at once.
 
     ``plugin``: ``auto`` serves the kubelet device plugin when ``plugin_dir`` exists, ``on`` requires it, ``off``
-    never serves it. ``kubelet_poll_s``: how often ``kubelet.sock`` is checked for a restarted kubelet.
+    never serves it; ``api: dra`` serves only the DRA driver, whatever ``plugin`` says. ``kubelet_poll_s``: how
+    often ``kubelet.sock`` (and the DRA driver's own sockets) are checked for a restarted kubelet.
     ``cdi_dir``: where the CDI spec of the node's GPUs is written while the plugin runs.
 
     ``driver_root``: the folder the driver is installed under, as the host sees it (``/``; a GPU Operator driver
@@ -201,16 +204,36 @@ class DeviceSettings:
         " `sharing.time_slicing.resources[{name, replicas}]`",
         parse=PLUGIN_CONFIG_FILE,
     )
+    api: DeviceApi = setting(
+        "GPUWARDEN_DEVICE_API",
+        "plugin",
+        "device: how pods get GPUs: `plugin` the kubelet device plugin (as `GPUWARDEN_DEVICE_PLUGIN` says), `dra` "
+        "the DRA driver `gpu.gpuwarden.io` (ResourceSlices and the kubelet DRA plugin), `both` side by side",
+        parse=choice(DEVICE_APIS),
+    )
+    """Which of the device plugin and the DRA driver run (docs/devices.md)."""
+    dra_plugin_dir: Path = setting(
+        "GPUWARDEN_DRA_PLUGIN_DIR",
+        Path("/var/lib/kubelet/plugins/gpu.gpuwarden.io"),
+        "device: the folder of the DRA driver's `dra.sock`, which the kubelet dials",
+        parse=any_path(),
+    )
+    dra_registry_dir: Path = setting(
+        "GPUWARDEN_DRA_REGISTRY_DIR",
+        Path("/var/lib/kubelet/plugins_registry"),
+        "device: the kubelet's plugin registration folder, where the DRA driver offers its registration socket",
+        parse=any_path(),
+    )
     kubelet_poll_s: float = setting(
         "GPUWARDEN_KUBELET_POLL_S",
         1.0,
-        "device: seconds between checks of `kubelet.sock` for a restarted kubelet",
+        "device: seconds between checks of `kubelet.sock` for a restarted kubelet (and of the DRA driver's sockets)",
         parse=seconds(),
     )
     cdi_dir: Path = setting(
         "GPUWARDEN_CDI_DIR",
         Path("/var/run/cdi"),
-        "device: where the CDI spec of the node's GPUs is written while the plugin runs",
+        "device: where the CDI spec of the node's GPUs (device plugin) and those of prepared DRA claims are written",
         parse=any_path(),
     )
     application_xids: frozenset[int] = setting(
@@ -280,7 +303,13 @@ class DeviceSettings:
 
     @property
     def plugin_enabled(self) -> bool:
+        if self.api == "dra":
+            return False
         return self.plugin == "on" or (self.plugin == "auto" and self.plugin_dir.is_dir())
+
+    @property
+    def dra_enabled(self) -> bool:
+        return self.api in ("dra", "both")
 
     @property
     def driver_root_here(self) -> Path:
@@ -293,7 +322,7 @@ DOCUMENTED = documented(DeviceSettings)
 
 def load(env: Mapping[str, str] | None = None) -> DeviceSettings:
     settings = settings_from_env(DeviceSettings, env)
-    if settings.plugin == "on" and not settings.plugin_dir.is_dir():
+    if settings.plugin == "on" and settings.api != "dra" and not settings.plugin_dir.is_dir():
         raise SettingsError(
             f"GPUWARDEN_DEVICE_PLUGIN=on but GPUWARDEN_DEVICE_PLUGIN_DIR={str(settings.plugin_dir)!r} is not a "
             "folder (mount the kubelet's device-plugins folder there)"

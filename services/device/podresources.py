@@ -3,8 +3,10 @@
 On a real node the kubelet knows, because its device manager handed the GPUs out: its PodResources API (v1, gRPC
 on ``/var/lib/kubelet/pod-resources/kubelet.sock``) lists every pod's containers with the device IDs each got. A
 container holds a GPU when one of its IDs is the GPU's UUID, a time-slice of it (``<uuid>::<k>``) or one of its
-MIG instances' UUIDs, whoever advertised the resource. In simulation the simulated cluster records which GPU
-indices each pod was bound to (``shared.sim.lookups.SimGpuPods``); ``shared.wiring`` picks one.
+MIG instances' UUIDs, whoever advertised the resource; or when one of its ResourceClaims' CDI ids (its dynamic
+resources) is one the DRA driver answered for the GPU or one of its MIG devices. In simulation the simulated
+cluster records which GPU indices each pod was bound to (``shared.sim.lookups.SimGpuPods``); ``shared.wiring``
+picks one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import grpc
 
 from shared.contract.device import GpuDevice
 
+from .dra.claims import names_gpu
 from .gen import podresources_pb2 as pb
 from .gen import podresources_pb2_grpc as pb_grpc
 from .ports import PodLookupError
@@ -34,14 +37,20 @@ def holds(device_id: str, gpu: GpuDevice) -> bool:
 
 
 def pods_holding(pods: Iterable[pb.PodResources], gpu: GpuDevice) -> list[str]:
-    """``namespace/name`` of the pods with a container holding ``gpu``, sorted, each once."""
+    """``namespace/name`` of the pods with a container holding ``gpu``, sorted, each once: from the device plugin
+    (its device IDs) or by a DRA claim (the CDI ids the DRA driver answered for it)."""
     return sorted(
         {
             f"{pod.namespace}/{pod.name}"
             for pod in pods
             for container in pod.containers
-            for devices in container.devices
-            if any(holds(d, gpu) for d in devices.device_ids)
+            if any(holds(d, gpu) for devices in container.devices for d in devices.device_ids)
+            or any(
+                names_gpu(cdi.name, gpu)
+                for claim in container.dynamic_resources
+                for resource in claim.claim_resources
+                for cdi in resource.cdi_devices
+            )
         }
     )
 

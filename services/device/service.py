@@ -13,7 +13,9 @@ The MIG controller (``mig``) gives the GPUs the MIG layout the node's ``nvidia.c
 the ``mig`` configuration document, pausing the device plugin while it works.
 
 When the kubelet's device-plugins folder exists (or ``GPUWARDEN_DEVICE_PLUGIN=on``), the kubelet device plugin
-advertises every inventory it is given, health included, before the inventory is published.
+advertises every inventory it is given, health included, before the inventory is published. With
+``GPUWARDEN_DEVICE_API=dra`` or ``both`` the DRA driver (``dra``) publishes it as the node's ResourceSlice and
+prepares the claims the kubelet hands it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import GpuError, GpuHealthEvent, GpuPort
 
 from .config import DeviceSettings, load
+from .dra.driver import DraDriver
 from .gauges import DeviceCollector
 from .health import judge, may_recover
 from .labels import NodeLabeller, node_labels
@@ -74,9 +77,12 @@ class DeviceService:
         self.last_critical: dict[str, float] = {}
         self.clock = time.monotonic
         self.reasons: dict[str, str] = {}
+        self.critical_xids: dict[str, int] = {}
+        """The XID that took each unhealthy GPU out, by UUID: its DRA device taint's value."""
         self._inventory_lock = asyncio.Lock()
         self.plugin: KubeletDevicePlugin | None = None
         self.mig: MigController | None = None
+        self.dra: DraDriver | None = None
 
     async def start(self, ctx: ServiceContext) -> None:
         """Reads the GPUs before subscribing to anything: a node whose GPUs cannot be read does not start."""
@@ -103,6 +109,9 @@ class DeviceService:
         if self.settings.plugin_enabled:
             self.plugin = KubeletDevicePlugin(self.settings)
             ctx.status["device_plugin"] = self.plugin.describe
+        if self.settings.dra_enabled:
+            self.dra = DraDriver(self.settings, ctx.node, self._cluster_port)
+            ctx.status["dra"] = self.dra.describe
         faults = await ctx.backends.serve_faults(gpus)
         ctx.status.update(node_cordoned=False, simulated=gpus.simulated, sim_faults=faults, unhealthy={})
         if gpus.simulated:
@@ -113,6 +122,8 @@ class DeviceService:
         ctx.spawn(self.keep_labels, "device-labels")
         if self.plugin is not None:
             ctx.spawn(self.plugin.run, "device-plugin")
+        if self.dra is not None:
+            ctx.spawn(self.dra.run, "device-dra")
         self.mig = await start_mig_controller(
             ctx, self.settings, gpus, self._cluster_port, self.plugin, self.refresh_inventory
         )
@@ -158,6 +169,8 @@ class DeviceService:
         )
         self.gpu_state.health[event.uuid] = verdict.health
         self.reasons[event.uuid] = verdict.reason
+        if event.kind == "xid":
+            self.critical_xids[event.uuid] = event.xid
         self.ctx.status["unhealthy"] = dict(self.reasons)
         try:
             await self.refresh_inventory()
@@ -243,6 +256,7 @@ class DeviceService:
             await self.ctx.publish(DeviceHealthChanged(node=self.ctx.node, gpu_uuid=uuid, healthy=True, reason=reason))
             self.gpu_state.health[uuid] = "healthy"
             self.reasons.pop(uuid, None)
+            self.critical_xids.pop(uuid, None)
             self.ctx.status["unhealthy"] = dict(self.reasons)
             log.warning("GPU healthy again", extra={"gpu": uuid, "reason": reason})
 
@@ -286,6 +300,8 @@ class DeviceService:
             ):
                 return
             await self._advertise(inventory)
+            if self.dra is not None:
+                self.dra.want(inventory, self.gpu_state.health, self.critical_xids)
             self.ctx.status["gpus"] = [g.uuid for g in inventory.gpus]
             self.ctx.status["driver_version"] = inventory.driver_version
             await self.ctx.publish(inventory)

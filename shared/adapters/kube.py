@@ -16,6 +16,8 @@ Requests and the RBAC they need (see ``deploy/rbac``):
 ``scale``                                   deployments/scale patch (apps)
 ``watch``                                   list + watch of each kind watched (nodes and pods by default)
 ``review_token``                            tokenreviews create (authentication.k8s.io; cluster-wide)
+``publish_resource_slice``                  resourceslices get, create, update (resource.k8s.io)
+``resource_claim``                          resourceclaims get (resource.k8s.io)
 ==========================================  ============================================================
 """
 
@@ -32,6 +34,7 @@ from kubernetes.aio import client as k8s
 from kubernetes.aio import config as k8s_config
 
 from shared.adapters.kubeapi import ClusterWatch, Collection, Kind, KubeApiError, Obj, read_json
+from shared.adapters.kuberesources import claim_info, generation_of, slice_from_object, slice_object
 from shared.ports.cluster import (
     ClusterConflict,
     ClusterError,
@@ -40,6 +43,8 @@ from shared.ports.cluster import (
     NodeInfo,
     PodInfo,
     PodPhase,
+    ResourceClaimInfo,
+    ResourceSlice,
     TokenReview,
 )
 
@@ -68,6 +73,7 @@ class KubeCluster:
         self._apps = k8s.AppsV1Api(api)
         self._policy = k8s.PolicyV1Api(api)
         self._authentication = k8s.AuthenticationV1Api(api)
+        self._resource = k8s.ResourceV1Api(api)
         self._watch_kinds = tuple(watch_kinds)
         self._watch_node = watch_node
         self._watches: set[ClusterWatch] = set()
@@ -164,6 +170,43 @@ class KubeCluster:
 
     async def _patch_node(self, node: str, patch: Obj) -> Obj:
         return await read_json(self._core.patch_node_without_preload_content(node, patch, _content_type=MERGE_PATCH))
+
+    # -- DRA ----------------------------------------------------------------------------------------------------
+    async def publish_resource_slice(self, resource_slice: ResourceSlice) -> bool:
+        """Read the slice; create it (generation 1), or replace it with the generation one higher when its devices
+        differ, the resourceVersion read as precondition (409: ``ClusterConflict``, the caller tries again)."""
+        name = resource_slice.name
+        try:
+            current: Obj | None = await read_json(self._resource.read_resource_slice_without_preload_content(name))
+        except KubeApiError as exc:
+            if exc.code != 404:
+                raise
+            current = None
+        if current is None:
+            body = slice_object(resource_slice, 1)
+            await read_json(self._resource.create_resource_slice_without_preload_content(body))
+            return True
+        if slice_from_object(current) == resource_slice:
+            return False
+        version = current["metadata"]["resourceVersion"]
+        body = slice_object(resource_slice, generation_of(current) + 1, version)
+        try:
+            await read_json(self._resource.replace_resource_slice_without_preload_content(name, body))
+        except KubeApiError as exc:
+            if exc.code == 409:
+                raise ClusterConflict(f"ResourceSlice {name!r} changed since it was read ({version})") from exc
+            raise
+        return True
+
+    async def resource_claim(self, namespace: str, name: str) -> ResourceClaimInfo | None:
+        try:
+            return claim_info(
+                await read_json(self._resource.read_namespaced_resource_claim_without_preload_content(name, namespace))
+            )
+        except KubeApiError as exc:
+            if exc.code == 404:
+                return None
+            raise
 
     # -- pods ---------------------------------------------------------------------------------------------------
     async def pods(self, node: str | None = None, namespace: str | None = None) -> list[PodInfo]:

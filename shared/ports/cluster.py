@@ -131,6 +131,75 @@ class TokenReview:
         return self._extra(NODE_NAME_EXTRA)
 
 
+@dataclass(frozen=True, slots=True)
+class Semver:
+    """A ``version`` attribute of a device (a semantic version, compared as one by CEL), not a string."""
+
+    value: str
+
+
+DeviceAttribute = str | int | bool | Semver
+TaintEffect = Literal["NoSchedule", "NoExecute", "None"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTaint:
+    """A taint on one device of a ResourceSlice (KEP-5055): claims that do not tolerate it are not allocated the
+    device (``NoSchedule``), and pods holding it are evicted (``NoExecute``)."""
+
+    key: str
+    value: str = ""
+    effect: TaintEffect = "NoSchedule"
+
+
+@dataclass(frozen=True, slots=True)
+class SliceDevice:
+    """One device of a ResourceSlice: ``capacity`` values are Kubernetes quantities (``81559Mi``, ``16``)."""
+
+    name: str
+    attributes: Mapping[str, DeviceAttribute] = field(default_factory=dict)
+    capacity: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[DeviceTaint, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceSlice:
+    """The devices ``driver`` offers on ``node``, all of them, as one pool of one slice (``resource.k8s.io/v1``).
+    The pool's generation is the port's to keep: it goes up with every write that changes the devices."""
+
+    driver: str
+    node: str
+    pool: str
+    devices: tuple[SliceDevice, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The object's name: one slice per node and driver."""
+        return f"{self.node}-{self.driver}"
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatedDevice:
+    """One device the scheduler allocated to a claim (``status.allocation.devices.results[]``)."""
+
+    request: str
+    driver: str
+    pool: str
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceClaimInfo:
+    """A ResourceClaim as a DRA driver reads it to prepare it: ``allocated`` False while the scheduler has not
+    allocated it (``devices`` is then empty)."""
+
+    namespace: str
+    name: str
+    uid: str
+    allocated: bool = False
+    devices: tuple[AllocatedDevice, ...] = ()
+
+
 @runtime_checkable
 class ClusterPort(Protocol):
     simulated: bool
@@ -180,6 +249,15 @@ class ClusterPort(Protocol):
         """Ask the cluster whether ``token`` (a service-account token, bound to a pod or not) is genuine, unexpired
         and meant for one of ``audiences``, and whose it is (the TokenReview API). A refused token is a review
         with ``authenticated`` False and the reason; ``ClusterError`` only when the cluster cannot be asked."""
+        ...
+
+    async def publish_resource_slice(self, resource_slice: ResourceSlice) -> bool:
+        """Create the slice, or replace it when its devices differ (the pool's generation one higher); True when
+        it wrote. Idempotent: publishing the same devices again writes nothing."""
+        ...
+
+    async def resource_claim(self, namespace: str, name: str) -> ResourceClaimInfo | None:
+        """The claim, None when there is none."""
         ...
 
     async def close(self) -> None: ...

@@ -42,9 +42,12 @@ from shared.ports.cluster import (
     EvictionOutcome,
     NodeInfo,
     PodInfo,
+    ResourceClaimInfo,
+    ResourceSlice,
     TokenReview,
 )
 from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec
+from shared.sim.resourceapi import SimResourceApi
 from shared.sim.spec import SimSpec, load_spec
 from shared.sim.tokenapi import SimTokenApi
 
@@ -93,6 +96,8 @@ class SimCluster:
         self._seen = 0
         self.tokens = SimTokenApi(client, subjects, clock, self._read)
         """The cluster's service-account token API (TokenRequest and TokenReview)."""
+        self.resources = SimResourceApi(client, subjects)
+        """The cluster's ResourceSlices and ResourceClaims (``resource.k8s.io``)."""
         self.created = False
         """True when this instance's ``create`` made the cluster, False when it found one."""
 
@@ -258,6 +263,13 @@ class SimCluster:
     async def review_token(self, token: str, audiences: tuple[str, ...]) -> TokenReview:
         """The TokenReview API (``SimTokenApi.review``)."""
         return await self.tokens.review(token, audiences)
+
+    # -- DRA (``shared.sim.resourceapi``) --------------------------------------------------------------------------
+    async def publish_resource_slice(self, resource_slice: ResourceSlice) -> bool:
+        return await self.resources.publish_slice(resource_slice)
+
+    async def resource_claim(self, namespace: str, name: str) -> ResourceClaimInfo | None:
+        return await self.resources.claim(namespace, name)
 
     # -- watching -----------------------------------------------------------------------------------------------
     def watch(self) -> AsyncIterator[ClusterChange]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12podresources.proto\x12\x02v1\"\x19\n\x17ListPodResourcesRequest\"C\n\x18ListPodResourcesResponse\x12\'\n\rpod_resources\x18\x01 \x03(\x0b\x32\x10.v1.PodResources\"[\n\x0cPodResources\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12*\n\ncontainers\x18\x03 \x03(\x0b\x32\x16.v1.ContainerResources\"Z\n\x12\x43ontainerResources\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x14.v1.ContainerDevices\x12\x0f\n\x07\x63pu_ids\x18\x03 \x03(\x03\"a\n\x10\x43ontainerDevices\x12\x15\n\rresource_name\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\"\n\x08topology\x18\x03 \x01(\x0b\x32\x10.v1.TopologyInfo\"+\n\x0cTopologyInfo\x12\x1b\n\x05nodes\x18\x01 \x03(\x0b\x32\x0c.v1.NUMANode\"\x16\n\x08NUMANode\x12\n\n\x02ID\x18\x01 \x01(\x03\x32Y\n\x12PodResourcesLister\x12\x43\n\x04List\x12\x1b.v1.ListPodResourcesRequest\x1a\x1c.v1.ListPodResourcesResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12podresources.proto\x12\x02v1\"\x19\n\x17ListPodResourcesRequest\"C\n\x18ListPodResourcesResponse\x12\'\n\rpod_resources\x18\x01 \x03(\x0b\x32\x10.v1.PodResources\"[\n\x0cPodResources\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12*\n\ncontainers\x18\x03 \x03(\x0b\x32\x16.v1.ContainerResources\"\x8a\x01\n\x12\x43ontainerResources\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x14.v1.ContainerDevices\x12\x0f\n\x07\x63pu_ids\x18\x03 \x03(\x03\x12.\n\x11\x64ynamic_resources\x18\x05 \x03(\x0b\x32\x13.v1.DynamicResource\"j\n\x0f\x44ynamicResource\x12\x12\n\nclaim_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63laim_namespace\x18\x03 \x01(\t\x12*\n\x0f\x63laim_resources\x18\x04 \x03(\x0b\x32\x11.v1.ClaimResource\"3\n\rClaimResource\x12\"\n\x0b\x63\x64i_devices\x18\x01 \x03(\x0b\x32\r.v1.CDIDevice\"\x19\n\tCDIDevice\x12\x0c\n\x04name\x18\x01 \x01(\t\"a\n\x10\x43ontainerDevices\x12\x15\n\rresource_name\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\"\n\x08topology\x18\x03 \x01(\x0b\x32\x10.v1.TopologyInfo\"+\n\x0cTopologyInfo\x12\x1b\n\x05nodes\x18\x01 \x03(\x0b\x32\x0c.v1.NUMANode\"\x16\n\x08NUMANode\x12\n\n\x02ID\x18\x01 \x01(\x03\x32Y\n\x12PodResourcesLister\x12\x43\n\x04List\x12\x1b.v1.ListPodResourcesRequest\x1a\x1c.v1.ListPodResourcesResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,14 +37,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTPODRESOURCESRESPONSE']._serialized_end=120
   _globals['_PODRESOURCES']._serialized_start=122
   _globals['_PODRESOURCES']._serialized_end=213
-  _globals['_CONTAINERRESOURCES']._serialized_start=215
-  _globals['_CONTAINERRESOURCES']._serialized_end=305
-  _globals['_CONTAINERDEVICES']._serialized_start=307
-  _globals['_CONTAINERDEVICES']._serialized_end=404
-  _globals['_TOPOLOGYINFO']._serialized_start=406
-  _globals['_TOPOLOGYINFO']._serialized_end=449
-  _globals['_NUMANODE']._serialized_start=451
-  _globals['_NUMANODE']._serialized_end=473
-  _globals['_PODRESOURCESLISTER']._serialized_start=475
-  _globals['_PODRESOURCESLISTER']._serialized_end=564
+  _globals['_CONTAINERRESOURCES']._serialized_start=216
+  _globals['_CONTAINERRESOURCES']._serialized_end=354
+  _globals['_DYNAMICRESOURCE']._serialized_start=356
+  _globals['_DYNAMICRESOURCE']._serialized_end=462
+  _globals['_CLAIMRESOURCE']._serialized_start=464
+  _globals['_CLAIMRESOURCE']._serialized_end=515
+  _globals['_CDIDEVICE']._serialized_start=517
+  _globals['_CDIDEVICE']._serialized_end=542
+  _globals['_CONTAINERDEVICES']._serialized_start=544
+  _globals['_CONTAINERDEVICES']._serialized_end=641
+  _globals['_TOPOLOGYINFO']._serialized_start=643
+  _globals['_TOPOLOGYINFO']._serialized_end=686
+  _globals['_NUMANODE']._serialized_start=688
+  _globals['_NUMANODE']._serialized_end=710
+  _globals['_PODRESOURCESLISTER']._serialized_start=712
+  _globals['_PODRESOURCESLISTER']._serialized_end=801
 # @@protoc_insertion_point(module_scope)
