@@ -89,7 +89,9 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
     if status.sessions_error:
         sessions.caption = f"sessions unknown: {status.sessions_error}"
     elif total > shown:
-        sessions.caption = f"... and {total - shown} more (--node NODE, --sessions N, --json)"
+        sessions.caption = (
+            f"... and {total - shown} more (--node NODE, --pod POD, --deployment NS/NAME, --sessions N, --json)"
+        )
     parts: list[Any] = [nodes, deployments, sessions]
     if status.drains:
         drains = Table(title="drains in flight", title_justify="left")
