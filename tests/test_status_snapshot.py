@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from shared.clients.drains import DrainClient, newest_drain, newest_drains
-from shared.console.client import MeshClient
+from shared.console.client import CommandError, MeshClient
 from shared.console.snapshot import take
 from shared.contract.device import DeviceInventory, GpuDevice
 from shared.contract.node import DrainCompleted, DrainFailed
@@ -94,3 +94,36 @@ async def test_status_shows_each_node_inventory_drain_and_deployment_decision(
     assert drains["node-1"].sessions_committed == 2
     assert drains["node-2"].state == "running" and drains["node-2"].id == "d-2" and not drains["node-2"].cordoned
     assert status.sessions_total is None and "checkpoint service" in status.sessions_error  # none runs here
+
+
+async def test_status_filters_name_what_the_cluster_has_when_it_lacks_what_was_asked(
+    settings: Settings, subjects: Subjects, bus: Bus, redis_client: aioredis.Redis
+) -> None:
+    await bus.ensure_streams()
+    cluster = await SimCluster.create(redis_client, subjects, default_spec())
+    mesh = MeshClient(settings, bus, redis_client, cluster)
+    for asked, words in (
+        ({"node": "node-9"}, ("--node node-9", "node-1")),
+        ({"pod": "llama-nope"}, ("--pod llama-nope",)),
+        ({"deployment": "llm/nope"}, ("--deployment llm/nope", "llm/llama")),
+    ):
+        try:
+            await take(mesh, **asked)
+        except CommandError as exc:
+            assert all(word in str(exc) for word in words), str(exc)
+        else:
+            raise AssertionError(f"{asked}: taken")
+
+
+def test_status_deployment_is_namespace_slash_name() -> None:
+    from shared.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["status", "--deployment", "llm/llama"]).deployment == "llm/llama"
+    for bad in ("llama", "llm/", "/llama", "llm/Bad_Name"):
+        try:
+            parser.parse_args(["status", "--deployment", bad])
+        except SystemExit as exc:
+            assert exc.code == 2, bad
+        else:
+            raise AssertionError(f"--deployment {bad} accepted")

@@ -3,15 +3,19 @@
 - nodes, pods and deployments: the cluster port (the simulated cluster in Redis, or the Kubernetes API);
 - driver version, GPUs, their health and MIG instances: each node's newest ``device.inventory`` event (JetStream);
 - GPU utilisation and memory in use: ``metrics.gpu.sample`` telemetry heard on core NATS while the snapshot is
-  taken (``null`` when none was heard: unknown, never 0);
+  taken, up to ``--sample`` seconds (``null`` when none was heard: unknown, never 0);
 - upgrade state: the node label ``nvidia.com/gpu-driver-upgrade-state`` (and its failure annotation);
 - why a deployment has its replica count: its newest ``scaler.decision`` event;
 - sessions and their counts: asked of the checkpoint service (``kv.fleet.query`` for the counts per node, pod and
-  deployment, ``kv.sessions.query`` for a page of sessions, of one node with ``--node``): what it costs follows the
-  pods and the page, never the number of sessions in the fleet;
+  deployment, ``kv.sessions.query`` for a page of sessions, of one node, pod or deployment with ``--node``,
+  ``--pod`` or ``--deployment``): what it costs follows the pods and the page, never the number of sessions;
 - drains: each node's newest ``node.drain.requested`` and its verdict in the events stream (JetStream);
 - whether a session was verified after a restore: its newest ``checkpoint.restored`` event, which a KV agent
   publishes only after every chunk digest and the manifest were checked, for the pod and generation that hold it.
+
+The newest events of every node, deployment and listed session are read in a few batched reads of the events stream
+(``shared.plumbing.newest``: one request per 1,000 subjects), not one read each, and everything is read at once: at
+1,000 nodes the reads cost about what they cost at 3.
 
 The JSON form (``status --json``) is a stable, documented contract (docs/cli.md): fields are only ever added.
 """
