@@ -127,3 +127,40 @@ def test_status_deployment_is_namespace_slash_name() -> None:
             assert exc.code == 2, bad
         else:
             raise AssertionError(f"--deployment {bad} accepted")
+
+
+def test_a_large_fleet_table_lists_the_nodes_that_need_attention_first_and_counts_the_rest() -> None:
+    import io
+
+    from rich.console import Console
+
+    from shared.console.render import status_tables
+    from shared.console.snapshot import GpuView, MeshStatus, NodeView
+
+    def gpu(healthy: bool = True) -> GpuView:
+        return GpuView(index=0, uuid="GPU-x", model="H100", healthy=healthy, memory_total_mib=81559)
+
+    def fleet(count: int) -> MeshStatus:
+        nodes = [
+            NodeView(
+                name=f"node-{i:03}", schedulable=True, ready=True, driver_version="1", upgrade_state="", gpus=[gpu()]
+            )
+            for i in range(count)
+        ]
+        nodes[-1].schedulable = False
+        nodes[-2].gpus = [gpu(healthy=False)]
+        return MeshStatus(taken_at=0.0, root="t", simulated=True, nodes=nodes, deployments=[], sessions=[], drains=[])
+
+    def shown(status: MeshStatus) -> str:
+        out = io.StringIO()
+        Console(file=out, width=200).print(status_tables(status, max_nodes=10))
+        return out.getvalue()
+
+    small = shown(fleet(10))
+    assert all(f"node-{i:03}" in small for i in range(10)) and "more nodes" not in small
+    large = shown(fleet(50))
+    assert "nodes (SIMULATED): 50, 50 GPUs (1 unhealthy), 1 cordoned" in large
+    assert large.index("node-048") < large.index("node-049") < large.index("node-000")  # attention first
+    listed = [i for i in range(50) if f"node-{i:03} " in large]
+    assert listed == [*range(8), 48, 49], listed
+    assert "... and 40 more nodes (2 need attention" in large and "0 of them not listed" in large
