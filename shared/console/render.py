@@ -44,10 +44,10 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40, max_nodes: int 
     title = "nodes" + (" (SIMULATED)" if status.simulated else "")
     attention = [n for n in status.nodes if needs_attention(n)]
     if len(status.nodes) > max_nodes:
-        gpus = sum(len(n.gpus) for n in status.nodes)
+        gpu_count = sum(len(n.gpus) for n in status.nodes)
         unhealthy = sum(1 for n in status.nodes for g in n.gpus if not g.healthy)
         cordoned = sum(1 for n in status.nodes if not n.schedulable)
-        title += f": {len(status.nodes)}, {gpus} GPUs ({unhealthy} unhealthy), {cordoned} cordoned"
+        title += f": {len(status.nodes)}, {gpu_count} GPUs ({unhealthy} unhealthy), {cordoned} cordoned"
         first = {n.name for n in attention[:max_nodes]}
         listed = attention[:max_nodes] + [n for n in status.nodes if n.name not in first][: max_nodes - len(first)]
     nodes = Table(title=title, title_justify="left")
