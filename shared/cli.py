@@ -206,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sample",
         type=_number(float, 0),
-        default=0.5,
-        help="seconds to listen for every GPU's utilisation sample, reading the rest meanwhile (default 0.5; the "
-        "metrics service samples every GPUWARDEN_METRICS_INTERVAL_S, 5 s by default: --sample 5 hears every GPU)",
+        default=None,
+        help="seconds to listen for every GPU's utilisation sample, reading the rest meanwhile (default 2.5 up to "
+        "50 nodes, whose metrics are read every 2 s; none beyond: a large fleet's are read every 15 s)",
     )
     p.add_argument("--node", default="", type=_id_arg("node", optional=True), help="list only this node's sessions")
     p.add_argument("--pod", default="", type=_id_arg("pod", optional=True), help="list only this pod's sessions")

@@ -3,7 +3,7 @@
 - nodes, pods and deployments: the cluster port (the simulated cluster in Redis, or the Kubernetes API);
 - driver version, GPUs, their health and MIG instances: each node's newest ``device.inventory`` event (JetStream);
 - GPU utilisation and memory in use: ``metrics.gpu.sample`` telemetry heard on core NATS while the snapshot is
-  taken, up to ``--sample`` seconds (``null`` when none was heard: unknown, never 0);
+  taken, up to ``--sample`` seconds (``SAMPLE_WAIT_S``; ``null`` when none was heard: unknown, never 0);
 - upgrade state: the node label ``nvidia.com/gpu-driver-upgrade-state`` (and its failure annotation);
 - why a deployment has its replica count: its newest ``scaler.decision`` event;
 - sessions and their counts: asked of the checkpoint service (``kv.fleet.query`` for the counts per node, pod and
@@ -32,6 +32,7 @@ import msgspec
 from shared.clients.drains import StoredDrain, newest_drains
 from shared.clients.rollouts import read_models
 from shared.console.client import CommandError, MeshClient
+from shared.console.process import QUICK_METRICS_UP_TO
 from shared.console.state import named
 from shared.contract.annotations import UPGRADE_FAILURE_ANNOTATION, UPGRADE_STATE_LABEL
 from shared.contract.base import Event
@@ -243,6 +244,11 @@ async def _health(url: str) -> str:
     return str(body.get("status", "ok")) if isinstance(body, dict) else "ok"
 
 
+SAMPLE_WAIT_S = 2.5
+"""How long ``status`` listens for utilisation samples by default in a mesh of up to ``QUICK_METRICS_UP_TO``
+nodes, whose metrics services ``gpuwarden up`` has read every 2 s: every GPU is heard. A larger fleet's read every
+15 s (as Prometheus scrapes dcgm-exporter), where a one-off ``status`` would wait 2.5 s to hear a sixth of them: it
+shows what it heard while reading the rest (``--sample S`` waits anyway, ``--watch`` fills them in)."""
 SESSION_PAGE = 100
 """Sessions a snapshot lists by default (``--sessions``): the counts cover every session whatever the page."""
 
@@ -250,7 +256,7 @@ SESSION_PAGE = 100
 async def take(
     mesh: MeshClient,
     samples: SampleListener | None = None,
-    sample_wait_s: float = 0.0,
+    sample_wait_s: float | None = 0.0,
     *,
     node: str = "",
     pod: str = "",
@@ -259,13 +265,17 @@ async def take(
 ) -> MeshStatus:
     """One snapshot. With ``samples`` (already listening) it waits, up to ``sample_wait_s`` from its start and
     meanwhile reading the rest, for a utilisation sample of every GPU the inventories name (of ``node``'s alone
-    with ``node``). Sessions: the counts of the whole fleet, and a page of at most ``max_sessions`` (of ``node``,
-    ``pod`` or ``deployment`` ``namespace/name`` when given). What it reads follows the fleet's nodes,
+    with ``node``); None: ``SAMPLE_WAIT_S`` in a mesh of up to ``QUICK_METRICS_UP_TO`` nodes, none beyond.
+    Sessions: the counts of the whole fleet, and a page of at most ``max_sessions`` (of ``node``, ``pod`` or
+    ``deployment`` ``namespace/name`` when given). What it reads follows the fleet's nodes,
     deployments and pods in a few batched reads each, and the page, never the number of sessions."""
     began = time.monotonic()
     cluster = mesh.need_cluster()
     infos, pods, deployments = await asyncio.gather(cluster.nodes(), cluster.pods(), cluster.deployments())
     _check_filters(infos, pods, deployments, node=node, pod=pod, deployment=deployment)
+    if sample_wait_s is None:
+        sample_wait_s = SAMPLE_WAIT_S if len(infos) <= QUICK_METRICS_UP_TO else 0.0
+    wait_s = sample_wait_s
     s = mesh.subjects
     inventory_of = {info.name: s.pattern("device.inventory", node=info.name) for info in infos}
     decision_of = {
@@ -275,12 +285,12 @@ async def take(
 
     async def stored_then_samples() -> dict[str, Any]:
         stored = await mesh.last_events([*inventory_of.values(), *decision_of.values()])
-        if samples is not None and sample_wait_s > 0:
+        if samples is not None and wait_s > 0:
             shown = [inventory_of[node]] if node else inventory_of.values()
             uuids = {
                 g.uuid for subject in shown if isinstance(inv := stored.get(subject), DeviceInventory) for g in inv.gpus
             }
-            await samples.wait_for(uuids, sample_wait_s - (time.monotonic() - began))
+            await samples.wait_for(uuids, wait_s - (time.monotonic() - began))
         return stored
 
     stored, counted, models, found_drains, health, simulation = await asyncio.gather(
