@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from shared.clients.drains import DrainClient, newest_drain, newest_drains
+from shared.clients.drains import newest_drain, newest_drains
 from shared.console.client import CommandError, MeshClient
 from shared.console.snapshot import take
 from shared.contract.device import DeviceInventory, GpuDevice
-from shared.contract.node import DrainCompleted, DrainFailed
+from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.scaler import ScaleDecision
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
@@ -18,6 +18,13 @@ from shared.plumbing.newest import BATCH_SUBJECTS, newest_messages
 from shared.plumbing.settings import Settings
 from shared.sim.cluster import SimCluster
 from shared.sim.spec import default_spec
+
+
+async def ask(bus: Bus, drain_id: str, node: str) -> None:
+    """A drain request as the CLI publishes it."""
+    await bus.publish(
+        DrainRequested(node=node, drain_id=drain_id, reason="maintenance", requested_by="cli", deadline_s=20.0)
+    )
 
 
 async def test_the_newest_message_of_many_subjects_is_read_in_batches_or_one_by_one(
@@ -40,16 +47,15 @@ async def test_the_newest_message_of_many_subjects_is_read_in_batches_or_one_by_
 
 async def test_the_newest_drains_of_many_nodes_are_what_each_node_read_alone_gives(bus: Bus) -> None:
     await bus.ensure_streams()
-    client = DrainClient(bus.publish, "cli")
-    await client.ask("done", "node-1", "maintenance", deadline_s=20.0)
+    await ask(bus, "done", "node-1")
     await bus.publish(DrainCompleted(node="node-1", drain_id="done", sessions_committed=3))
-    await client.ask("running", "node-2", "maintenance", deadline_s=20.0)
-    await client.ask("old", "node-3", "maintenance", deadline_s=20.0)
+    await ask(bus, "running", "node-2")
+    await ask(bus, "old", "node-3")
     await bus.publish(DrainFailed(node="node-3", drain_id="old", reason="deadline passed"))
-    await client.ask("new", "node-3", "maintenance", deadline_s=20.0)
+    await ask(bus, "new", "node-3")
     await bus.publish(DrainFailed(node="node-3", drain_id="old", reason="deadline passed"))  # answered again
     await bus.publish(DrainCompleted(node="node-3", drain_id="new", sessions_committed=1))
-    await client.ask("again", "node-4", "maintenance", deadline_s=20.0)
+    await ask(bus, "again", "node-4")
     await bus.publish(DrainFailed(node="node-4", drain_id="again", reason="deadline passed"))
     await bus.publish(DrainCompleted(node="node-4", drain_id="before", sessions_committed=1))  # another drain's
 
@@ -73,12 +79,11 @@ async def test_status_shows_each_node_inventory_drain_and_deployment_decision(
     await bus.publish(DeviceInventory(node="node-2", driver_version="550.54.15"))
     await bus.publish(DeviceInventory(node="node-2", driver_version="560.35.03"))
     await bus.publish(ScaleDecision(namespace="llm", deployment="llama", desired_replicas=3, reason="queue 40"))
-    client = DrainClient(bus.publish, "cli")
-    await client.ask("d-1", "node-1", "maintenance", deadline_s=20.0)
+    await ask(bus, "d-1", "node-1")
     await bus.publish(DrainCompleted(node="node-1", drain_id="d-1", sessions_committed=2))
     await cluster.cordon("node-1")
-    await client.ask("d-2", "node-2", "maintenance", deadline_s=20.0)
-    await client.ask("d-3", "node-3", "maintenance", deadline_s=20.0)
+    await ask(bus, "d-2", "node-2")
+    await ask(bus, "d-3", "node-3")
     await bus.publish(DrainCompleted(node="node-3", drain_id="d-3"))  # decided, node schedulable: not in flight
 
     status = await take(MeshClient(settings, bus, redis_client, cluster))
