@@ -107,17 +107,17 @@ async def test_status_filters_name_what_the_cluster_has_when_it_lacks_what_was_a
     await bus.ensure_streams()
     cluster = await SimCluster.create(redis_client, subjects, default_spec())
     mesh = MeshClient(settings, bus, redis_client, cluster)
-    for asked, words in (
-        ({"node": "node-9"}, ("--node node-9", "node-1")),
-        ({"pod": "llama-nope"}, ("--pod llama-nope",)),
-        ({"deployment": "llm/nope"}, ("--deployment llm/nope", "llm/llama")),
+    for (node, pod, deployment), words in (
+        (("node-9", "", ""), ("--node node-9", "node-1")),
+        (("", "llama-nope", ""), ("--pod llama-nope",)),
+        (("", "", "llm/nope"), ("--deployment llm/nope", "llm/llama")),
     ):
         try:
-            await take(mesh, **asked)
+            await take(mesh, node=node, pod=pod, deployment=deployment)
         except CommandError as exc:
             assert all(word in str(exc) for word in words), str(exc)
         else:
-            raise AssertionError(f"{asked}: taken")
+            raise AssertionError(f"{node or pod or deployment}: taken")
 
 
 def test_status_deployment_is_namespace_slash_name() -> None:
