@@ -35,6 +35,8 @@ class FleetBench(Protocol):
 
     subjects: Subjects
     bus: Bus | None
+    redis_url: str
+    """The mesh's Redis: the upgrade's label watch opens a client of its own there."""
     block: np.ndarray
     """The one block every session holds: what a moved session is checked against."""
     drain_ids: list[str]

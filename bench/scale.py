@@ -25,6 +25,12 @@ them, ``--upgrade-parallel`` of the nodes at once (a tenth; ``bench.scale_upgrad
 ``fleet_upgrade_verdicts`` (= ``fleet_upgrade_drains``, one a node), ``fleet_upgrade_lost``, the CPU each process
 spent on it; the fault suite's checker then reads back every checkpoint the registry records.
 
+The commands as a user runs them, each a ``gpuwarden`` process timed from its start (its interpreter's start and
+imports included) against the same fleet: ``status_cli_s_small`` and ``status_cli_s_large`` (``gpuwarden status
+--json``, the fastest of 3, beside ``status_s_small`` / ``status_s_large`` at the same moments) and
+``drain_cli_request_s`` (``gpuwarden drain NODE``, from the start of the process to its ``node.drain.requested``
+in the events stream, once the upgrade is done; the command then runs to its end).
+
 ``--quick`` runs the same at a few nodes (a smoke run; the fleet targets are missed by design), the coordinator
 passing every 2 s instead of its default 10.
 """
@@ -306,11 +312,48 @@ async def fleet_sessions(mesh: Mesh, options: ScaleOptions) -> dict[str, Any]:
         upgrade_parallel=options.upgrade_parallel,
         upgrade_timeout_s=max(900.0, 4.0 * options.nodes),  # 438 s at 300 nodes, a busy machine
         cpu=lambda: cpu_seconds({**mesh.processes(), "bench": psutil.Process()}),  # the bench hosts the pods
+        status_cli=lambda: status_cli_s(mesh),
+        drain_cli=lambda node: drain_cli_request_s(mesh, node),
     )
     if "fleet_upgrade_lost" in out:  # the simulation's own pods (the spec's deployment) were upgraded too
         out["fleet_upgrade_sim_lost"] = await simulation_lost(mesh) - lost_before
         out["fleet_upgrade_lost"] += out["fleet_upgrade_sim_lost"]
     return out
+
+
+async def status_cli_s(mesh: Mesh) -> float:
+    """``gpuwarden status --json`` as a user runs it: a new process, from its start to its end (wall clock), its
+    interpreter's start and imports included. Raises when it fails or prints no JSON document."""
+    started = time.monotonic()
+    done = await asyncio.to_thread(mesh.cli, "status", "--json", timeout=300)
+    took = time.monotonic() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"gpuwarden status failed: {done.stderr[-2000:]}")
+    json.loads(done.stdout)
+    return took
+
+
+async def drain_cli_request_s(mesh: Mesh, node: str) -> tuple[float, str]:
+    """``gpuwarden drain NODE`` as a user runs it: the seconds from starting the process to its
+    ``node.drain.requested`` being published into the events stream (heard on the bus as the stream stores it),
+    and the drain's id; the command is then followed to its end (the save, the evictions)."""
+    subjects = Subjects(mesh.env["GPUWARDEN_ROOT"])
+    bus = await Bus.connect(mesh.bus_settings(), subjects, "bench.scale-drain")
+    asked: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+    async def on_request(event: DrainRequested) -> None:
+        if event.drain_id.startswith(f"drain-{node}-") and not asked.done():
+            asked.set_result(time.monotonic())
+
+    try:
+        await bus.subscribe(subjects.pattern("node.drain.requested", node=node), on_request, (DrainRequested,))
+        started = time.monotonic()
+        done = await asyncio.to_thread(mesh.cli, "drain", node, "--json", timeout=600)
+        if done.returncode != 0 or not asked.done():
+            raise RuntimeError(f"gpuwarden drain {node} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        return asked.result() - started, str(json.loads(done.stdout)["drain_id"])
+    finally:
+        await bus.close(1)
 
 
 async def simulation_lost(mesh: Mesh) -> int:
@@ -409,6 +452,8 @@ TARGETS = (
     Target("idle_redis_calls_per_session_s", "<=", 0.05, "idle registry load per held session"),
     Target("periodic_gaps_off", "<=", 0, "every pod's periodic saves kept their interval within 10%"),
     Target("status_ratio_large_vs_small", "<=", 2.0, "status at 100,000 sessions at most twice status at 1,000"),
+    Target("status_cli_s_large", "<=", 1.0, "`gpuwarden status --json` at the fleet's size, its process included"),
+    Target("drain_cli_request_s", "<=", 1.0, "`gpuwarden drain` publishes its request within a second"),
     Target("fleet_upgrade_nodes_missing", "<=", 0, "a rolling driver upgrade of every node, 10% at once, all done"),
     Target("fleet_upgrade_verdicts_missing", "<=", 0, "every drain the upgrade asked for got its verdict"),
     Target("fleet_upgrade_lost", "<=", 0, "no session lost by the upgrade"),

@@ -21,6 +21,8 @@ Figures (each in the JSON of ``bench.scale``):
   the last), and the number of checkpoint replicas sharing the work;
 - ``status_s_small`` / ``status_s_large``: what ``gpuwarden status`` asks the checkpoint service (the counts per
   node, pod and deployment, and a page of 500 sessions) at 1,000 and at ``fleet_sessions`` sessions;
+- ``status_cli_s_small`` / ``status_cli_s_large`` and ``drain_cli_request_s``: the ``gpuwarden`` commands as a
+  user runs them, when ``bench.scale`` hands in how (``run``'s ``status_cli`` and ``drain_cli``);
 - ``lost_sessions``: sessions started that the registry or the store lost by the end.
 
 The fleet's pods are hosted here alone, or (``on_cluster``, as ``bench.scale`` runs it) pods of the mesh's
@@ -474,6 +476,8 @@ async def run(
     upgrade_parallel: float = 0.0,
     upgrade_timeout_s: float = 1800.0,
     cpu: CpuSeconds | None = None,
+    status_cli: Callable[[], Awaitable[float]] | None = None,
+    drain_cli: Callable[[str], Awaitable[tuple[float, str]]] | None = None,
 ) -> dict[str, Any]:
     """Every figure. Against a mesh already running (a fleet of ``node_names`` under ``root``, with its own
     checkpoint service and ``store``), ``replicas`` more replicas join the ``replicas_running`` it has.
@@ -481,7 +485,11 @@ async def run(
     ``on_cluster``: the fleet's sessions live on pods of the mesh's simulated cluster (``FleetPods``), not on pods
     hosted here alone; then, with ``upgrade_parallel``, a rolling driver upgrade of every node at that fraction
     of the nodes at once runs with them before the checker (``bench.scale_upgrade``; ``cpu``: the mesh's
-    processes' CPU seconds so far, by name)."""
+    processes' CPU seconds so far, by name).
+
+    ``status_cli`` times ``gpuwarden status --json`` as a user runs it (``status_cli_s_small`` and ``_large``, beside
+    ``status_s_*``); ``drain_cli`` runs ``gpuwarden drain NODE`` on a node of the fleet's pods once the rest is done
+    (``drain_cli_request_s``: its start -> its request stored), its drain joining those the checker expects."""
     fleet: FleetPods | None = None
     with tempfile.TemporaryDirectory(prefix="gw-scale-") as home:
         bench = SessionBench(nats_url, redis_url, Path(home), replicas, root=root, store=store)
@@ -495,6 +503,8 @@ async def run(
             await bench.start_sessions(small, [f"small-s{i}" for i in range(NOMINAL[0] // (50 if quick else 1))])
             out["status_s_small"] = round(min([await bench.status() for _ in range(3)]), 3)
             out["status_sessions_small"] = await bench.held()  # every session the registry places
+            if status_cli is not None:
+                out["status_cli_s_small"] = round(min([await status_cli() for _ in range(3)]), 3)
             await bench.leave(small)
             count = (sessions + PER_POD - 1) // PER_POD
             if on_cluster:
@@ -505,6 +515,8 @@ async def run(
             out.update(await fleet_figures(bench, pods, sessions, PER_POD, interval_s, rounds))
             out["fleet_on_cluster"] = on_cluster
             out["status_sessions_large"] = await bench.held()
+            if status_cli is not None:
+                out["status_cli_s_large"] = round(min([await status_cli() for _ in range(3)]), 3)
             out["status_ratio_large_vs_small"] = round(out["status_s_large"] / out["status_s_small"], 2)
             out["checkpoint_replicas"] = replicas + replicas_running
             a, b = NOMINAL
@@ -513,6 +525,13 @@ async def run(
                 out[f"restore_cpu_growth_{b}_vs_{a}"] = round(out[f"restore_cpu_s_{b}"] / out[f"restore_cpu_s_{a}"], 2)
             if fleet is not None and upgrade_parallel > 0:
                 out.update(await upgrade(bench, fleet, upgrade_parallel, upgrade_timeout_s, cpu))
+            if drain_cli is not None:
+                holders = list(fleet.pods.values()) if fleet is not None else pods
+                asked_s, drain_id = await drain_cli(holders[0].node)
+                bench.drain_ids.append(drain_id)
+                out["drain_cli_request_s"] = round(asked_s, 3)
+                if fleet is not None:
+                    await fleet.settled(300.0)
             out.update(await checked(bench, sessions))
             return out
         finally:

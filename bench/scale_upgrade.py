@@ -34,13 +34,18 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
 from bench.fleetkit import CpuSeconds, FleetBench, HostedPod
 from shared.console.operations import set_driver
 from shared.contract.annotations import UPGRADE_STATE_LABEL
 from shared.contract.driver import DriverUpgradeStateChanged
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.subjects import Subjects
 from shared.kv.endpoint import LocateRefused, SessionHeld
 from shared.kv.store import CheckpointNotFound, ChunkCorrupt
+from shared.plumbing.retries import BENCH_READ
 from shared.ports.cluster import ClusterError, PodInfo
 from shared.sim.cluster import SimCluster
 
@@ -308,6 +313,7 @@ async def upgrade(
         await bench.bus.subscribe(subjects.pattern("node.drain.failed"), on_verdict, (DrainFailed,)),
         await bench.bus.subscribe(subjects.pattern("driver.upgrade.state"), on_state, (DriverUpgradeStateChanged,)),
     ]
+    labels = UpgradeLabels(bench.redis_url, subjects)
     max_parallel = max(1, math.ceil(len(nodes) * parallel))
     cpu_before = dict(cpu()) if cpu else {}
     started = time.monotonic()
@@ -317,7 +323,7 @@ async def upgrade(
         while not finished.is_set() and time.monotonic() < end:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(finished.wait(), min(10.0, max(0.0, end - time.monotonic())))
-            if len(await upgraded(fleet.cluster)) == len(nodes):  # the events' count, should one be missed
+            if len(await labels.done()) == len(nodes):  # the events' count, should one be missed
                 break
         took = (max(done.values()) if done and len(done) == len(nodes) else time.monotonic()) - started
         spent = {k: round(v - cpu_before[k], 2) for k, v in (cpu() if cpu else {}).items() if k in cpu_before}
@@ -327,12 +333,13 @@ async def upgrade(
             heard.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(heard.wait(), deadline - time.monotonic())
+        labelled = await labels.done()
     finally:
         for sub in subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        await labels.close()
     bench.drain_ids.extend(drains)
-    labelled = await upgraded(fleet.cluster)
     holders = {sid: p for p in fleet.pods.values() for sid in p.agent.sessions()}
     expected = bench.block.tobytes()
     lost = [
@@ -367,6 +374,25 @@ async def upgrade(
     }
 
 
-async def upgraded(cluster: SimCluster) -> list[str]:
-    """The nodes whose upgrade state is ``upgrade-done`` (none was before: the fleet starts unlabelled)."""
-    return [n.name for n in await cluster.nodes() if n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done"]
+class UpgradeLabels:
+    """The watch of the upgrade labels: its own Redis client of one connection, waited for rather than exhausted
+    (the bench's shared client serves every hosted pod and the cluster's followers at once; under the load measured
+    its pool ran out after 36 min at 1,000 nodes), and a read that fails while Redis times out is tried again
+    (``retries.BENCH_READ``) rather than ending the run."""
+
+    def __init__(self, redis_url: str, subjects: Subjects) -> None:
+        pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=1, timeout=30)
+        self.cluster = SimCluster(aioredis.Redis(connection_pool=pool), subjects, owns_client=True)
+
+    async def done(self) -> list[str]:
+        """The nodes whose upgrade state is ``upgrade-done`` (none was before: the fleet starts unlabelled)."""
+        nodes = await BENCH_READ.call(self.cluster.nodes, when=_temporary)
+        return [n.name for n in nodes if n.labels.get(UPGRADE_STATE_LABEL) == "upgrade-done"]
+
+    async def close(self) -> None:
+        await self.cluster.close()
+
+
+def _temporary(exc: Exception) -> bool:
+    """A failure of Redis or of the way to it (the cluster port says ``ClusterError``), not of the bench."""
+    return isinstance(exc, ClusterError | RedisError | OSError | TimeoutError)

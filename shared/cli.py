@@ -66,6 +66,19 @@ def _id_arg(kind: str, optional: bool = False) -> Callable[[str], str]:
     return parse
 
 
+def _deployment_arg(value: str) -> str:
+    """An argparse type: ``namespace/name`` of a deployment, each part by the contract's rule ('' for none)."""
+    from shared.contract.base import id_problem
+
+    if value == "":
+        return value
+    namespace, slash, name = value.partition("/")
+    problem = id_problem("namespace", namespace) or id_problem("deployment", name) if slash else "not NAMESPACE/NAME"
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def _number(kind: type[int] | type[float], least: float, *, above: bool = False) -> Callable[[str], float]:
     """An argparse type: a number of ``kind`` that is at least ``least`` (``above``: more than it)."""
 
@@ -191,11 +204,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="a live table, refreshed every --interval seconds")
     p.add_argument("--interval", type=SECONDS, default=2.0, help="--watch: seconds between refreshes (default 2)")
     p.add_argument(
-        "--sample", type=_number(float, 0), default=2.5, help="seconds to wait for every GPU's utilisation sample"
+        "--sample",
+        type=_number(float, 0),
+        default=None,
+        help="seconds to listen for every GPU's utilisation sample, reading the rest meanwhile (default 2.5 up to "
+        "50 nodes, whose metrics are read every 2 s; none beyond: a large fleet's are read every 15 s)",
     )
     p.add_argument("--node", default="", type=_id_arg("node", optional=True), help="list only this node's sessions")
+    p.add_argument("--pod", default="", type=_id_arg("pod", optional=True), help="list only this pod's sessions")
     p.add_argument(
-        "--sessions", type=_number(int, 0), default=500, help="list at most this many sessions (default 500)"
+        "--deployment", default="", type=_deployment_arg, help="list only this deployment's sessions (NAMESPACE/NAME)"
+    )
+    p.add_argument(
+        "--sessions", type=_number(int, 0), default=100, help="list at most this many sessions (default 100)"
     )
     p.set_defaults(func=observe.cmd_status)
 

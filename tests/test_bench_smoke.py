@@ -226,6 +226,9 @@ def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: 
     assert data["fleet_sessions"] == 200 and data["lost_sessions"] == 0 and data["checkpoint_replicas"] == 2
     for key in ("idle_redis_calls_per_session_s", "periodic_round_s", "status_s_small", "status_s_large"):
         assert isinstance(data[key], int | float), key
+    # the commands as a user runs them: `gpuwarden status --json` and `gpuwarden drain NODE`, each its own process
+    for key in ("status_cli_s_small", "status_cli_s_large", "drain_cli_request_s"):
+        assert isinstance(data[key], int | float) and data[key] > 0, key
     assert isinstance(data["periodic_interval_kept"], bool)
     # those sessions on pods of the simulated cluster, through a rolling driver upgrade of every node
     # (bench/scale_upgrade.py, which bench.scale runs after the session figures)

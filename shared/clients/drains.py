@@ -30,7 +30,8 @@ A drain's life, as the caller sees it:
    with the PodDisruptionBudget back-off of ``shared.clients.evictions``.
 
 ``drain_node`` runs 1-7 in order for a command (``gpuwarden drain``). ``newest_drain`` finds a node's newest drain
-in the events stream and asks its record for its verdict (``gpuwarden status``).
+in the events stream and asks its record for its verdict (``gpuwarden status``), ``newest_drains`` those of many
+nodes at once.
 
 Not safe for concurrent use from several tasks beyond asyncio's single thread; each caller has its own client.
 """
@@ -43,7 +44,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -65,6 +66,7 @@ from shared.contract.node import (
 )
 from shared.contract.registry import codec
 from shared.plumbing.errors import TemporaryError
+from shared.plumbing.newest import StoredMessage, newest_messages
 from shared.plumbing.retries import DRAIN_RECORD
 from shared.ports.cluster import ClusterConflict, ClusterPort, NodeInfo
 
@@ -539,3 +541,51 @@ async def newest_drain(bus: Bus, node: str) -> StoredDrain | None:
                 if isinstance(event, DrainCompleted | DrainFailed) and event.drain_id == request.drain_id:
                     return StoredDrain(request, event)
     return StoredDrain(request)
+
+
+async def newest_drains(bus: Bus, nodes: Iterable[str]) -> dict[str, StoredDrain]:
+    """``newest_drain`` of each of ``nodes`` (node -> its drain, for those with one), in a few batched reads of
+    the events stream whatever the number of nodes (``shared.plumbing.newest``): each node's newest request, and
+    its newest verdict of each kind. A verdict stored after the request that names it is its verdict; a node whose
+    only verdicts after its request name another drain (an older one answered again) is read as ``newest_drain``
+    reads it, one node at a time."""
+    s = bus.subjects
+    wanted = list(dict.fromkeys(nodes))
+    kinds = ("node.drain.requested", *VERDICT_KINDS)
+    subjects = {(node, kind): s.pattern(kind, node=node) for node in wanted for kind in kinds}
+    found = await newest_messages(bus.nc, bus.js, s.events_stream.name, subjects.values())
+    out: dict[str, StoredDrain] = {}
+    unsure: list[str] = []
+    for node in wanted:
+        asked = found.get(subjects[node, "node.drain.requested"])
+        request = _decoded(asked)
+        if asked is None or not isinstance(request, DrainRequested):
+            continue
+        after: list[tuple[int, DrainVerdict]] = []
+        for kind in VERDICT_KINDS:
+            stored = found.get(subjects[node, kind])
+            verdict = _decoded(stored)
+            if stored is not None and stored.seq > asked.seq and isinstance(verdict, DrainCompleted | DrainFailed):
+                after.append((stored.seq, verdict))
+        mine = [
+            verdict for _, verdict in sorted(after, key=lambda pair: pair[0]) if verdict.drain_id == request.drain_id
+        ]
+        if mine:
+            out[node] = StoredDrain(request, mine[0])
+        elif after:
+            unsure.append(node)
+        else:
+            out[node] = StoredDrain(request)
+    for node, read in zip(unsure, await asyncio.gather(*(newest_drain(bus, n) for n in unsure)), strict=True):
+        if read is not None:
+            out[node] = read
+    return out
+
+
+def _decoded(stored: StoredMessage | None) -> Any:
+    if stored is None:
+        return None
+    try:
+        return codec.decode(stored.data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
+from shared.plumbing.newest import newest_messages
 from shared.plumbing.settings import Settings, public_url
 from shared.ports.cluster import ClusterError, ClusterPort
 
@@ -72,6 +74,16 @@ class MeshClient:
             return codec.decode(raw.data or b"")
         except (msgspec.ValidationError, msgspec.DecodeError):
             return None
+
+    async def last_events(self, subjects: Iterable[str]) -> dict[str, Any]:
+        """Subject -> the newest lifecycle event stored under it, for each of ``subjects`` that has a readable one:
+        a few batched reads whatever their number (``shared.plumbing.newest``)."""
+        found = await newest_messages(self.bus.nc, self.bus.js, self.subjects.events_stream.name, subjects)
+        events: dict[str, Any] = {}
+        for subject, stored in found.items():
+            with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+                events[subject] = codec.decode(stored.data)
+        return events
 
     async def close(self) -> None:
         if self.cluster is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
+import functools
 import sys
 from typing import Any
 
@@ -16,6 +17,10 @@ from shared.contract.registry import BY_KIND, codec
 def cmd_status(args: argparse.Namespace) -> int:
     from shared.console import render, snapshot
 
+    take = functools.partial(
+        snapshot.take, node=args.node, pod=args.pod, deployment=args.deployment, max_sessions=args.sessions
+    )
+
     async def main() -> int:
         from shared.console.client import open_mesh
 
@@ -24,7 +29,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             await samples.start()
             if not args.watch:
-                status = await snapshot.take(mesh, samples, args.sample, node=args.node, max_sessions=args.sessions)
+                status = await take(mesh, samples, args.sample)
                 if args.json:
                     sys.stdout.write(snapshot.to_json(status).decode() + "\n")
                 else:
@@ -32,11 +37,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 return 0
             from rich.live import Live
 
-            status = await snapshot.take(mesh, samples, args.sample, node=args.node, max_sessions=args.sessions)
+            status = await take(mesh, samples, args.sample)
             with Live(render.status_tables(status), console=render.console(), auto_refresh=False) as live:
                 while True:
                     await asyncio.sleep(args.interval)
-                    again = await snapshot.take(mesh, samples, node=args.node, max_sessions=args.sessions)
+                    again = await take(mesh, samples)
                     live.update(render.status_tables(again), refresh=True)
         finally:
             await samples.stop()

@@ -9,7 +9,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from shared.console.snapshot import MeshStatus
+from shared.console.snapshot import MeshStatus, NodeView
 
 
 def _mib(value: float | None) -> str:
@@ -30,12 +30,37 @@ def _ago(at: float | None, now: float) -> str:
     return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
-def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
+def needs_attention(node: NodeView) -> bool:
+    """Cordoned, not ready, upgrading (or failed to), or with an unhealthy GPU: listed first in a large fleet."""
+    upgrading = node.upgrade_state not in ("", "upgrade-done") or bool(node.upgrade_failure)
+    return not node.schedulable or not node.ready or upgrading or any(not g.healthy for g in node.gpus)
+
+
+def status_tables(status: MeshStatus, *, max_sessions: int = 40, max_nodes: int = 40) -> Group:
+    """The snapshot as tables. A fleet of more than ``max_nodes`` nodes is summarised: its counts in the title,
+    and ``max_nodes`` rows, those that need attention first (``needs_attention``); ``--json`` lists every node."""
     now = status.taken_at
-    nodes = Table(title="nodes" + (" (SIMULATED)" if status.simulated else ""), title_justify="left")
+    listed = status.nodes
+    title = "nodes" + (" (SIMULATED)" if status.simulated else "")
+    attention = [n for n in status.nodes if needs_attention(n)]
+    if len(status.nodes) > max_nodes:
+        gpu_count = sum(len(n.gpus) for n in status.nodes)
+        unhealthy = sum(1 for n in status.nodes for g in n.gpus if not g.healthy)
+        cordoned = sum(1 for n in status.nodes if not n.schedulable)
+        title += f": {len(status.nodes)}, {gpu_count} GPUs ({unhealthy} unhealthy), {cordoned} cordoned"
+        first = {n.name for n in attention[:max_nodes]}
+        listed = attention[:max_nodes] + [n for n in status.nodes if n.name not in first][: max_nodes - len(first)]
+    nodes = Table(title=title, title_justify="left")
     for column in ("node", "schedulable", "driver", "upgrade", "pods", "sessions", "GPUs (health util mem MIG)"):
         nodes.add_column(column)
-    for node in status.nodes:
+    if len(listed) < len(status.nodes):
+        hidden = len(status.nodes) - len(listed)
+        more = len(attention) - sum(1 for n in listed if needs_attention(n))
+        nodes.caption = (
+            f"... and {hidden} more nodes ({len(attention)} need attention: cordoned, not ready, upgrading or with a "
+            f"GPU unhealthy, listed first; {more} of them not listed): --json lists every node"
+        )
+    for node in listed:
         gpus = []
         for gpu in node.gpus:
             health = "ok" if gpu.healthy else "UNHEALTHY"
@@ -89,7 +114,9 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40) -> Group:
     if status.sessions_error:
         sessions.caption = f"sessions unknown: {status.sessions_error}"
     elif total > shown:
-        sessions.caption = f"... and {total - shown} more (--node NODE, --sessions N, --json)"
+        sessions.caption = (
+            f"... and {total - shown} more (--node NODE, --pod POD, --deployment NS/NAME, --sessions N, --json)"
+        )
     parts: list[Any] = [nodes, deployments, sessions]
     if status.drains:
         drains = Table(title="drains in flight", title_justify="left")

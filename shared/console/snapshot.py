@@ -3,15 +3,19 @@
 - nodes, pods and deployments: the cluster port (the simulated cluster in Redis, or the Kubernetes API);
 - driver version, GPUs, their health and MIG instances: each node's newest ``device.inventory`` event (JetStream);
 - GPU utilisation and memory in use: ``metrics.gpu.sample`` telemetry heard on core NATS while the snapshot is
-  taken (``null`` when none was heard: unknown, never 0);
+  taken, up to ``--sample`` seconds (``SAMPLE_WAIT_S``; ``null`` when none was heard: unknown, never 0);
 - upgrade state: the node label ``nvidia.com/gpu-driver-upgrade-state`` (and its failure annotation);
 - why a deployment has its replica count: its newest ``scaler.decision`` event;
 - sessions and their counts: asked of the checkpoint service (``kv.fleet.query`` for the counts per node, pod and
-  deployment, ``kv.sessions.query`` for a page of sessions, of one node with ``--node``): what it costs follows the
-  pods and the page, never the number of sessions in the fleet;
+  deployment, ``kv.sessions.query`` for a page of sessions, of one node, pod or deployment with ``--node``,
+  ``--pod`` or ``--deployment``): what it costs follows the pods and the page, never the number of sessions;
 - drains: each node's newest ``node.drain.requested`` and its verdict in the events stream (JetStream);
 - whether a session was verified after a restore: its newest ``checkpoint.restored`` event, which a KV agent
   publishes only after every chunk digest and the manifest were checked, for the pod and generation that hold it.
+
+The newest events of every node, deployment and listed session are read in a few batched reads of the events stream
+(``shared.plumbing.newest``: one request per 1,000 subjects), not one read each, and everything is read at once: at
+1,000 nodes the reads cost about what they cost at 3.
 
 The JSON form (``status --json``) is a stable, documented contract (docs/cli.md): fields are only ever added.
 """
@@ -25,9 +29,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from shared.clients.drains import StoredDrain, newest_drain
+from shared.clients.drains import StoredDrain, newest_drains
 from shared.clients.rollouts import read_models
 from shared.console.client import CommandError, MeshClient
+from shared.console.process import QUICK_METRICS_UP_TO
 from shared.console.state import named
 from shared.contract.annotations import UPGRADE_FAILURE_ANNOTATION, UPGRADE_STATE_LABEL
 from shared.contract.base import Event
@@ -40,10 +45,8 @@ from shared.contract.node import DrainCompleted, DrainFailed, DrainOutcome
 from shared.contract.scaler import ScaleDecision
 from shared.contract.sessions import FleetQuery, FleetSummary, SessionRecord, SessionsPage, SessionsQuery
 from shared.plumbing.configsync import ConfigStore
-from shared.ports.cluster import NodeInfo, PodInfo
+from shared.ports.cluster import DeploymentInfo, NodeInfo, PodInfo
 
-DRAIN_READS_AT_ONCE = 64
-"""Nodes whose newest drain is read from the events stream at once (a fleet of 1,000 nodes is read 64 at a time)."""
 _DRIVER_LABELS = ("nvidia.com/cuda.driver.major", "nvidia.com/cuda.driver.minor", "nvidia.com/cuda.driver.rev")
 
 
@@ -104,6 +107,8 @@ class DeploymentView(msgspec.Struct, kw_only=True):
     why: str = ""
     """The newest scale decision's reason, or what else explains the count."""
     pods: list[str] = msgspec.field(default_factory=list)
+    sessions: int = 0
+    """Sessions held by its running pods."""
     serving_version: str = ""
     """The model version new sessions start on ('' until a first rollout records one)."""
     rollout: RolloutView | None = None
@@ -157,10 +162,12 @@ class MeshStatus(msgspec.Struct, kw_only=True):
     nodes: list[NodeView]
     deployments: list[DeploymentView]
     sessions: list[SessionView]
-    """A page of the sessions (of ``--node`` when given), at most ``--sessions`` of them."""
+    """A page of the sessions (of ``--node``, ``--pod`` or ``--deployment`` when given), at most ``--sessions``
+    of them."""
     drains: list[DrainView]
     sessions_total: int | None = None
-    """Sessions the registry places on pods (on ``--node``); None when the checkpoint service did not answer."""
+    """Sessions the registry places on pods (of ``--node``, ``--pod`` or ``--deployment``); None when the
+    checkpoint service did not answer."""
     sessions_moving: int = 0
     """Of those, sessions whose pod is terminating or gone: restored elsewhere on their next request."""
     sessions_error: str = ""
@@ -169,6 +176,8 @@ class MeshStatus(msgspec.Struct, kw_only=True):
     """Each service the run's state file lists -> ok, degraded or unreachable."""
     simulation: dict[str, Any] | None = None
     """The simulated workload's own counters (requests, restored, lost, ...), when it runs."""
+    sessions_by_pod: dict[str, int] = msgspec.field(default_factory=dict)
+    """Sessions the registry places on each pod (a pod terminating or gone among them: its sessions moving)."""
 
 
 def driver_from_labels(labels: dict[str, str]) -> str:
@@ -235,60 +244,78 @@ async def _health(url: str) -> str:
     return str(body.get("status", "ok")) if isinstance(body, dict) else "ok"
 
 
+SAMPLE_WAIT_S = 2.5
+"""How long ``status`` listens for utilisation samples by default in a mesh of up to ``QUICK_METRICS_UP_TO``
+nodes, whose metrics services ``gpuwarden up`` has read every 2 s: every GPU is heard. A larger fleet's read every
+15 s (as Prometheus scrapes dcgm-exporter), where a one-off ``status`` would wait 2.5 s to hear a sixth of them: it
+shows what it heard while reading the rest (``--sample S`` waits anyway, ``--watch`` fills them in)."""
+SESSION_PAGE = 100
+"""Sessions a snapshot lists by default (``--sessions``): the counts cover every session whatever the page."""
+
+
 async def take(
     mesh: MeshClient,
     samples: SampleListener | None = None,
-    sample_wait_s: float = 0.0,
+    sample_wait_s: float | None = 0.0,
     *,
     node: str = "",
-    max_sessions: int = 500,
+    pod: str = "",
+    deployment: str = "",
+    max_sessions: int = SESSION_PAGE,
 ) -> MeshStatus:
-    """One snapshot. With ``samples`` (already listening) it waits up to ``sample_wait_s`` for a utilisation
-    sample of every GPU the inventories name. Sessions: the counts of the whole fleet, and a page of at most
-    ``max_sessions`` (of ``node`` when given)."""
+    """One snapshot. With ``samples`` (already listening) it waits, up to ``sample_wait_s`` from its start and
+    meanwhile reading the rest, for a utilisation sample of every GPU the inventories name (of ``node``'s alone
+    with ``node``); None: ``SAMPLE_WAIT_S`` in a mesh of up to ``QUICK_METRICS_UP_TO`` nodes, none beyond.
+    Sessions: the counts of the whole fleet, and a page of at most ``max_sessions`` (of ``node``, ``pod`` or
+    ``deployment`` ``namespace/name`` when given). What it reads follows the fleet's nodes,
+    deployments and pods in a few batched reads each, and the page, never the number of sessions."""
+    began = time.monotonic()
     cluster = mesh.need_cluster()
     infos, pods, deployments = await asyncio.gather(cluster.nodes(), cluster.pods(), cluster.deployments())
-    if node and node not in {info.name for info in infos}:
-        raise CommandError(f"--node {node}: no such node in the cluster (nodes: {named(i.name for i in infos)})")
+    _check_filters(infos, pods, deployments, node=node, pod=pod, deployment=deployment)
+    if sample_wait_s is None:
+        sample_wait_s = SAMPLE_WAIT_S if len(infos) <= QUICK_METRICS_UP_TO else 0.0
+    wait_s = sample_wait_s
     s = mesh.subjects
-    inventories: dict[str, DeviceInventory] = {}
-    for info in infos:
-        found = await mesh.last_event(s.pattern("device.inventory", node=info.name))
-        if isinstance(found, DeviceInventory):
-            inventories[info.name] = found
-    if samples is not None and sample_wait_s > 0:
-        await samples.wait_for({g.uuid for inv in inventories.values() for g in inv.gpus}, sample_wait_s)
-    serving = {p.name for p in pods if p.phase == "Running"}
-    by_node: dict[str, int] = {}
-    sessions: list[SessionView] = []
-    total: int | None = None
-    moving = 0
-    error = ""
-    try:
-        summary = await fleet_summary(mesh)
-        sessions = await read_sessions(mesh, node=node, limit=max_sessions)
-    except CommandError as exc:
-        error = str(exc)
-    else:
-        for pod, count in summary.by_pod.items():
-            if pod not in serving:
-                moving += count if not node or summary.pods.get(pod) == node else 0
-                continue
-            where = summary.pods.get(pod, "")
-            by_node[where] = by_node.get(where, 0) + count
-        total = summary.by_node.get(node, 0) if node else summary.sessions_total
-        for session in sessions:
-            if session.pod not in serving:
-                session.state = "moving"
-    nodes = [
-        _node_view(info, inventories.get(info.name), pods, samples, by_node.get(info.name, 0))
-        for info in sorted(infos, key=lambda n: n.name)
-    ]
-    models = await read_model_versions(mesh)
+    inventory_of = {info.name: s.pattern("device.inventory", node=info.name) for info in infos}
+    decision_of = {
+        (d.namespace, d.name): s.pattern("scaler.decision", namespace=d.namespace, deployment=d.name)
+        for d in deployments
+    }
+
+    async def stored_then_samples() -> dict[str, Any]:
+        stored = await mesh.last_events([*inventory_of.values(), *decision_of.values()])
+        if samples is not None and wait_s > 0:
+            shown = [inventory_of[node]] if node else inventory_of.values()
+            uuids = {
+                g.uuid for subject in shown if isinstance(inv := stored.get(subject), DeviceInventory) for g in inv.gpus
+            }
+            await samples.wait_for(uuids, wait_s - (time.monotonic() - began))
+        return stored
+
+    stored, counted, models, found_drains, health, simulation = await asyncio.gather(
+        stored_then_samples(),
+        _sessions(mesh, pods, node=node, pod=pod, deployment=deployment, limit=max_sessions),
+        read_model_versions(mesh),
+        newest_drains(mesh.bus, [info.name for info in infos]),
+        asyncio.gather(*map(_health, mesh.services.values())),
+        _simulation(mesh),
+    )
+    by_node, by_pod, by_deployment, sessions, total, moving, error = counted
+    pods_on: dict[str, list[PodInfo]] = {}
+    pods_of: dict[tuple[str, str], list[PodInfo]] = {}
+    for p in pods:
+        pods_on.setdefault(p.node, []).append(p)
+        pods_of.setdefault((p.namespace, p.deployment), []).append(p)
+    nodes = []
+    for info in sorted(infos, key=lambda n: n.name):
+        inventory = stored.get(inventory_of[info.name])
+        inventory = inventory if isinstance(inventory, DeviceInventory) else None
+        nodes.append(_node_view(info, inventory, pods_on.get(info.name, []), samples, by_node.get(info.name, 0)))
     views = []
     for dep in sorted(deployments, key=lambda d: (d.namespace, d.name)):
-        mine = [p for p in pods if p.namespace == dep.namespace and p.deployment == dep.name]
-        decision = await mesh.last_event(s.pattern("scaler.decision", namespace=dep.namespace, deployment=dep.name))
+        mine = pods_of.get((dep.namespace, dep.name), [])
+        decision = stored.get(decision_of[dep.namespace, dep.name])
         running = sum(1 for p in mine if p.phase == "Running")
         view = DeploymentView(
             namespace=dep.namespace,
@@ -296,6 +323,7 @@ async def take(
             replicas=running,
             desired=dep.replicas,
             pods=[f"{p.name}@{p.node or '-'}:{p.phase}" for p in mine],
+            sessions=by_deployment.get(f"{dep.namespace}/{dep.name}", 0),
         )
         model = models.deployments.get(f"{dep.namespace}/{dep.name}")
         if model is not None:
@@ -319,16 +347,6 @@ async def take(
         else:
             view.why = "no scale decision yet (no KEDA ScaledObject asked)"
         views.append(view)
-    drains = await read_drains(mesh, infos, pods, by_node)
-    services = dict(zip(mesh.services, await asyncio.gather(*map(_health, mesh.services.values())), strict=True))
-    simulation = None
-    sim_url = mesh.services.get("sim")
-    if sim_url:
-        with contextlib.suppress(Exception):
-            body = await get_json(sim_url, timeout=2.0)
-            sim = body.get("simulation") if isinstance(body, dict) else None
-            if isinstance(sim, dict):
-                simulation = {k: v for k, v in sim.items() if k not in ("pods", "tracked")}
     return MeshStatus(
         taken_at=time.time(),
         root=s.root,
@@ -336,13 +354,90 @@ async def take(
         nodes=nodes,
         deployments=views,
         sessions=sessions,
-        drains=drains,
-        services=services,
+        drains=drain_views(infos, pods_on, by_node, found_drains),
+        services=dict(zip(mesh.services, health, strict=True)),
         simulation=simulation,
         sessions_total=total,
         sessions_moving=moving,
         sessions_error=error,
+        sessions_by_pod=by_pod,
     )
+
+
+def _check_filters(
+    infos: list[NodeInfo],
+    pods: list[PodInfo],
+    deployments: list[DeploymentInfo],
+    *,
+    node: str,
+    pod: str,
+    deployment: str,
+) -> None:
+    """``CommandError`` naming what the cluster has, for a ``--node``, ``--pod`` or ``--deployment`` it lacks."""
+    if node and node not in {info.name for info in infos}:
+        raise CommandError(f"--node {node}: no such node in the cluster (nodes: {named(i.name for i in infos)})")
+    if pod and pod not in {p.name for p in pods}:
+        raise CommandError(f"--pod {pod}: no such pod in the cluster (pods: {named(p.name for p in pods)})")
+    if deployment:
+        known = {f"{d.namespace}/{d.name}" for d in deployments}
+        if deployment not in known:
+            raise CommandError(
+                f"--deployment {deployment}: no such deployment in the cluster (NAMESPACE/NAME: {named(known)})"
+            )
+
+
+async def _sessions(
+    mesh: MeshClient, pods: list[PodInfo], *, node: str, pod: str, deployment: str, limit: int
+) -> tuple[dict[str, int], dict[str, int], dict[str, int], list[SessionView], int | None, int, str]:
+    """The checkpoint service's counts and page: sessions held by a running pod per node, per pod and per
+    deployment; the page (of the filter); the total and the moving of the filter (None and 0, with why, when the
+    service did not answer)."""
+    serving = {p.name for p in pods if p.phase == "Running"}
+    owner_of = {p.name: f"{p.namespace}/{p.deployment}" for p in pods}
+    try:
+        summary, sessions = await asyncio.gather(
+            fleet_summary(mesh), read_sessions(mesh, node=node, pod=pod, deployment=deployment, limit=limit)
+        )
+    except CommandError as exc:
+        return {}, {}, {}, [], None, 0, str(exc)
+    by_node: dict[str, int] = {}
+    by_deployment: dict[str, int] = {}
+    moving = 0
+    for name, count in summary.by_pod.items():
+        where = summary.pods.get(name, "")
+        if name not in serving:
+            if (
+                (not node or where == node)
+                and (not pod or name == pod)
+                and (not deployment or owner_of.get(name) == deployment)
+            ):
+                moving += count
+            continue
+        by_node[where] = by_node.get(where, 0) + count
+        by_deployment[owner_of[name]] = by_deployment.get(owner_of[name], 0) + count
+    if pod:
+        total = summary.by_pod.get(pod, 0)
+    elif deployment:
+        total = summary.by_deployment.get(deployment, 0)
+    else:
+        total = summary.by_node.get(node, 0) if node else summary.sessions_total
+    for session in sessions:
+        if session.pod not in serving:
+            session.state = "moving"
+    return by_node, dict(summary.by_pod), by_deployment, sessions, total, moving, ""
+
+
+async def _simulation(mesh: MeshClient) -> dict[str, Any] | None:
+    """The simulated workload's own counters, from the ``sim`` process's health (None when none runs)."""
+    sim_url = mesh.services.get("sim")
+    if not sim_url:
+        return None
+    with contextlib.suppress(Exception):
+        body = await get_json(sim_url, timeout=2.0)
+        sim = body.get("simulation") if isinstance(body, dict) else None
+        if isinstance(sim, dict):
+            return {k: v for k, v in sim.items() if k not in ("pods", "tracked")}
+    return None
 
 
 def _node_view(
@@ -381,7 +476,7 @@ def _node_view(
         upgrade_state=info.labels.get(UPGRADE_STATE_LABEL, ""),
         upgrade_failure=info.annotations.get(UPGRADE_FAILURE_ANNOTATION, ""),
         gpus=gpus,
-        pods=[p.name for p in pods if p.node == info.name],
+        pods=[p.name for p in pods],
         sessions=sessions,
     )
 
@@ -414,18 +509,26 @@ async def fleet_summary(mesh: MeshClient) -> FleetSummary:
 
 
 async def read_sessions(
-    mesh: MeshClient, *, node: str = "", pod: str = "", limit: int | None = None, verified: bool = True
+    mesh: MeshClient,
+    *,
+    node: str = "",
+    pod: str = "",
+    deployment: str = "",
+    limit: int | None = None,
+    verified: bool = True,
 ) -> list[SessionView]:
-    """The sessions the registry places on pods (of ``node`` or ``pod`` when given), page by page from the
-    checkpoint service, at most ``limit`` (all when None), each with its newest checkpoint and, with
-    ``verified``, how it got there (one read of the events stream per session: a caller that does not show it
-    asks for none)."""
+    """The sessions the registry places on pods (of ``node``, ``pod`` or ``deployment`` ``namespace/name`` when
+    given), page by page from the checkpoint service, at most ``limit`` (all when None), each with its newest
+    checkpoint and, with ``verified``, how it got there (their newest ``checkpoint.restored`` events, a batched
+    read per 1,000: a caller that does not show it asks for none)."""
     subject = mesh.subjects.command("checkpoint", "sessions")
+    namespace, _, name = deployment.partition("/")
     records: list[SessionRecord] = []
     cursor = ""
     while limit is None or len(records) < limit:
         want = 1000 if limit is None else max(1, min(1000, limit - len(records)))
-        page = await _ask(mesh, subject, SessionsQuery(node=node, pod=pod, cursor=cursor, limit=want))
+        query = SessionsQuery(node=node, pod=pod, namespace=namespace, deployment=name, cursor=cursor, limit=want)
+        page = await _ask(mesh, subject, query)
         if not isinstance(page, SessionsPage):
             raise CommandError(f"the checkpoint service answered {page.kind}, not a page of sessions")
         records += page.sessions
@@ -453,35 +556,33 @@ async def read_sessions(
     if not verified:
         return sorted(out, key=lambda v: (v.node, v.pod, v.id))
     s = mesh.subjects
-    restored = await asyncio.gather(*(mesh.last_event(s.pattern("checkpoint.restored", session_id=v.id)) for v in out))
-    for view, event in zip(out, restored, strict=True):
+    restored_of = {v.id: s.pattern("checkpoint.restored", session_id=v.id) for v in out}
+    restored = await mesh.last_events(restored_of.values())
+    for view in out:
+        event = restored.get(restored_of[view.id])
         if isinstance(event, SessionRestored) and event.pod == view.pod and event.generation == view.generation:
             view.verified_after_restore = True
             view.restored_from = event.checkpoint_id
     return sorted(out, key=lambda v: (v.node, v.pod, v.id))
 
 
-async def read_drains(
-    mesh: MeshClient, infos: list[NodeInfo], pods: list[PodInfo], sessions_by_node: dict[str, int]
+def drain_views(
+    infos: list[NodeInfo],
+    pods_on: dict[str, list[PodInfo]],
+    sessions_by_node: dict[str, int],
+    found: dict[str, StoredDrain],
 ) -> list[DrainView]:
     """The newest drain of each node, as the events stream holds its request and verdict (the drain client's
-    ``newest_drain``), when it is still running (asked, no verdict yet) or its node is still cordoned (its pods
-    and sessions on the way out): the drains in flight, with what is left on their node. A few reads per node,
-    whatever the number of sessions; nothing of the checkpoint service's own records is read."""
-    cordoned = {n.name for n in infos if not n.schedulable}
-    at_once = asyncio.Semaphore(DRAIN_READS_AT_ONCE)
-
-    async def newest(node: str) -> StoredDrain | None:
-        async with at_once:
-            return await newest_drain(mesh.bus, node)
-
-    found = await asyncio.gather(*(newest(info.name) for info in infos))
+    ``newest_drains``, a few batched reads for the whole fleet), when it is still running (asked, no verdict yet)
+    or its node is still cordoned (its pods and sessions on the way out): the drains in flight, with what is left
+    on their node. Nothing of the checkpoint service's own records is read."""
     out = []
-    for info, stored in zip(infos, found, strict=True):
+    for info in infos:
+        stored = found.get(info.name)
         if stored is None:
             continue
         request, verdict = stored.request, stored.verdict
-        if verdict is not None and info.name not in cordoned:
+        if verdict is not None and info.schedulable:
             continue
         asked_at = request.occurred_at.timestamp()
         view = DrainView(
@@ -489,9 +590,9 @@ async def read_drains(
             node=info.name,
             state="running",
             started_at=asked_at,
-            pods_left=sum(1 for p in pods if p.node == info.name),
+            pods_left=len(pods_on.get(info.name, [])),
             sessions_left=sessions_by_node.get(info.name, 0),
-            cordoned=info.name in cordoned,
+            cordoned=not info.schedulable,
         )
         match verdict:
             case DrainCompleted():

@@ -186,6 +186,11 @@ SIM_REDIS = RetryPolicy(on=(Exception,), first_s=0.1, max_s=2.0)
 simulated world waits for it as long as it takes. Which failures, the simulation says (Redis's and the socket's:
 this module, shipped with the KV agent, imports no Redis)."""
 
+BENCH_READ = RetryPolicy(on=(Exception,), first_s=0.2, max_s=5.0, attempts=8)
+"""A benchmark's own read of the mesh it measures (``bench.scale_upgrade``'s watch of the upgrade labels) while
+that mesh's Redis times out under the load being measured: tried again, never the end of the run. Which failures,
+the benchmark says (the cluster port's and Redis's)."""
+
 
 def quiet_library_hooks() -> None:
     """For a process of this project's own (``shared.plumbing.logs.configure``): the sites log their retries in
