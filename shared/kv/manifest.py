@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+import struct
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 import msgspec
-import numpy as np
 import xxhash
 
 from shared.contract.base import CheckpointId, SessionId
@@ -174,8 +174,9 @@ def _canonical(manifest: CheckpointManifest) -> bytes:
 
 def tokens_digest_of(token_ids: Sequence[int]) -> str:
     """SHA-256 over the token ids as little-endian 32-bit integers: the same conversation prefix, the same digest,
-    in every engine and process."""
-    return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
+    in every engine and process. (No numpy here: the manifest is read by every command that names a store.)"""
+    ids = [int(t) for t in token_ids]
+    return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
 
 
 def manifest_digest(manifest: CheckpointManifest) -> str:
