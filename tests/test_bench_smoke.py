@@ -214,8 +214,9 @@ def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: 
         value = data[key]
         assert isinstance(value, int | float) and not isinstance(value, bool) and value > 0, key
     assert data["fleet_nodes"] == 4 and data["fleet_gpus"] == 32 and data["fleet_hollow"] is True
-    # one process per service kind, not per node: 3 hollow hosts, scaler, checkpoint, sim, the run, NATS, Redis
-    assert data["fleet_processes"] == 9, data["rss_mb_by_process"]
+    # one process per service kind, not per node: 3 hollow hosts, scaler, checkpoint, router, sim, the run, NATS, Redis
+    assert data["fleet_processes"] == 10, data["rss_mb_by_process"]
+    assert {"router", "checkpoint", "scaler"} <= set(data["rss_mb_by_process"])
     assert {"driver@hollow", "device@hollow", "metrics@hollow", "nats", "redis"} <= set(data["idle_cpu_cores"])
     assert set(data["hollow_start_s"]) == {"driver@hollow", "device@hollow", "metrics@hollow"}
     assert data["fleet_drain_verdict"] == "completed" and data["fleet_drain_committed"] == data["fleet_drain_sessions"]
@@ -240,8 +241,8 @@ def test_bench_scale_quick_runs_a_hollow_fleet_and_writes_its_figures(tmp_path: 
     assert data["fleet_upgrade_evicted_pods"] >= 4 and data["fleet_upgrade_moved"] >= 200  # each pod moved once
     assert data["fleet_upgrade_s"] > 0 and data["fleet_upgrade_cpu_s"]["driver@hollow"] >= 0
     assert data["checker_problems"] == 0, data["checker_first_problems"]
-    # the same services one process per node, for comparison: 3 agents a node
-    assert data["per_node_nodes"] == 2 and data["per_node_processes"] == 12
+    # the same services one process per node, for comparison: 3 agents a node, the router beside the rest
+    assert data["per_node_nodes"] == 2 and data["per_node_processes"] == 13
     assert data["per_node_agent_rss_mb"] > 0 and data["per_node_agent_idle_cpu_cores"] >= 0
     assert {t["key"] for t in data["targets"]} >= {"fleet_nodes", "idle_cpu_cores_total", "rss_mb_max"}
     assert data["params"]["figures"] == list(scale.FIGURES)
