@@ -162,7 +162,9 @@ for i = first_pair, #ARGV, 2 do
   local current = tonumber(redis.call('GET', genkey) or '0')
   if gen < current or (gen == current and held_by_another(prefix, sid, pod, gen)) then
     table.insert(stale, sid)
-    redis.call('HDEL', heldkey, sid)
+    -- out of the pod's index, unless the pod holds the session under a newer generation (it took it again since
+    -- that announcement was made: a late or replayed one must not take it out of its holder's index)
+    if redis.call('HGET', prefix .. ':kv:session:' .. sid, 'pod') ~= pod then redis.call('HDEL', heldkey, sid) end
   else
     if gen > current then redis.call('SET', genkey, gen) end
     if move(prefix, sid, pod, node, ns, dep, gen, now) then

@@ -272,23 +272,36 @@ async def check_invariants(
 
 
 async def check_locations(registry: SessionRegistry, audit: RegistryAudit, found: Findings) -> None:
+    """Every node's index agrees with each session's record and its pod's index. The indexes and the record are
+    read one after the other on a mesh that may still be moving sessions, so a disagreement is read again once:
+    a session that moved between two reads (its record or index changed meanwhile) is no problem; one that
+    disagrees twice over the same state is."""
     pods: dict[str, dict[str, int]] = {}
 
-    async def index_of(pod: str) -> dict[str, int]:  # each pod's index, read once
+    async def index_of(pod: str) -> dict[str, int]:  # each pod's index, read once while everything agrees
         if pod not in pods:
             pods[pod] = await registry.sessions_of_pod(pod)
         return pods[pod]
 
+    async def problem(node: str, sid: str, pod: str, *, fresh: bool) -> str:
+        node_index = await audit.node_index(node) if fresh else None
+        if node_index is not None and node_index.get(sid) != pod:
+            return ""  # it left the node (or its pod) since the node's index was read: a move, not a disagreement
+        held = await audit.session_record(sid)
+        if held is None or (held.node, held.pod) != (node, pod):
+            said = "nothing" if held is None else f"node {held.node} pod {held.pod}"
+            return f"node {node} lists session {sid} on {pod}, whose record says {said}"
+        if held.generation > await registry.generation(sid):
+            return f"session {sid} is held under a generation never handed out"
+        index = await registry.sessions_of_pod(pod) if fresh else await index_of(pod)
+        if sid not in index:
+            return f"session {sid} is on node {node} but not in pod {pod}'s index"
+        return ""
+
     async for node in audit.nodes():
         for sid, pod in (await audit.node_index(node)).items():
-            held = await audit.session_record(sid)
-            if held is None or (held.node, held.pod) != (node, pod):
-                said = "nothing" if held is None else f"node {held.node} pod {held.pod}"
-                found.problems.append(f"node {node} lists session {sid} on {pod}, whose record says {said}")
-            elif held.generation > await registry.generation(sid):
-                found.problems.append(f"session {sid} is held under a generation never handed out")
-            elif sid not in await index_of(pod):
-                found.problems.append(f"session {sid} is on node {node} but not in pod {pod}'s index")
+            if await problem(node, sid, pod, fresh=False) and (said := await problem(node, sid, pod, fresh=True)):
+                found.problems.append(said)
 
 
 def _said(verdict: Verdict) -> bytes:

@@ -317,3 +317,31 @@ async def test_an_old_announcement_sent_again_changes_nothing_and_an_agent_that_
     await registry.apply_announcement(announcement("pod-b", 3, full=True, sessions=["b1"], generations=[1]))
     legacy = await registry.apply_announcement(announcement("pod-b", 2, full=False, dropped=["b1"]))
     assert legacy.resync and await registry.sessions_of_pod("pod-b") == {}
+
+
+async def test_a_late_announcement_of_an_older_generation_leaves_its_holder_indexed(own_redis: aioredis.Redis) -> None:
+    """A pod that took a session again (a newer generation) and then is heard announcing the generation it held
+    before (its delta sent again after a failover, or delayed): the announcement is stale and changes nothing, so
+    the session stays in its pod's index beside its record and its node's index (before this fence the stale
+    branch took it out of the pod's index only, and the fault checker found the session on its node but not in its
+    pod's index: issue #30's replay scenario, seen under load)."""
+    subjects = Subjects("t")
+    registry = SessionRegistry(own_redis, subjects)
+    await registry.apply_announcement(announcement("pod-a", 1, full=True))
+    first = await registry.claim("chat", "pod-a", "node-1", "llm", "llama", 0)
+    await registry.apply_announcement(
+        announcement("pod-a", 2, full=False, sessions=["chat"], generations=[first.generation])
+    )
+    again = await registry.claim("chat", "pod-a", "node-1", "llm", "llama", 0)  # taken again: a newer generation
+    assert again.generation == first.generation + 1
+    late = await registry.apply_announcement(
+        announcement("pod-a", 2, full=False, sessions=["chat"], generations=[first.generation])
+    )
+    assert late.stale == ["chat"] and not late.changes
+    where = await registry.where("chat")
+    assert (where.pod, where.generation) == ("pod-a", again.generation)
+    assert "chat" in await registry.sessions_of_pod("pod-a")
+    # another pod's stale announcement still leaves that pod's own index
+    await registry.apply_announcement(announcement("pod-b", 1, full=True, sessions=["chat"], generations=[1]))
+    assert "chat" not in await registry.sessions_of_pod("pod-b")
+    assert (await registry.where("chat")).pod == "pod-a"
