@@ -227,9 +227,7 @@ class AgentEndpoint:
         """Changes not yet applied by the registry: session -> generation held now, or None when dropped."""
         self._announce_lock = asyncio.Lock()
         agent.track_changes()
-        self.journal: KvJournal | None = (
-            KvJournal(agent, journal_s, self._record_journal) if journal_s > 0 else None
-        )
+        self.journal: KvJournal | None = KvJournal(agent, journal_s, self._record_journal) if journal_s > 0 else None
         """The pod's KV journal (``GPUWARDEN_KV_JOURNAL_S``, ``shared.kv.journal``): each full block written soon
         after it fills and recorded like any save; None when off."""
 
@@ -598,8 +596,9 @@ class AgentEndpoint:
         """Take the session (its next generation) and restore its newest good checkpoint, verified, then report
         it. ``tokens_known``: how many tokens the conversation holds, where the caller knows it (the engine kept
         its tokens, the request carries them): the report then says how many of them the engine recomputes after
-        the checkpoint (``tokens_recomputed``; unknown otherwise). When there is no checkpoint (``CheckpointNotFound``) or none is usable (``ChunkCorrupt``), the
-        session is held fresh under the new generation before the error is raised, so the caller may go on."""
+        the checkpoint (``tokens_recomputed``; unknown otherwise). When there is no checkpoint
+        (``CheckpointNotFound``) or none is usable (``ChunkCorrupt``), the session is held fresh under the new
+        generation before the error is raised, so the caller may go on."""
         started = time.monotonic()
         answer = await self._locate(session_id, timeout)
         try:
