@@ -97,6 +97,7 @@ bench: install
 	$(BIN)/python -m bench.metrics $(BENCH_ARGS)
 	$(BIN)/python -m bench.failover $(BENCH_ARGS)
 	$(BIN)/python -m bench.resume $(BENCH_ARGS)
+	$(BIN)/python -m bench.crash $(BENCH_ARGS)
 	$(BIN)/python -m bench.restore_pod $(BENCH_ARGS)
 	$(BIN)/python -m bench.scrub $(BENCH_ARGS)
 	$(BIN)/python -m bench.router $(BENCH_ARGS)

@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = simsub.add_parser("run", help="run the simulation (python -m shared.sim)", add_help=False)
     r.add_argument("sim_args", nargs=argparse.REMAINDER, help="--rate, --sessions, --prompt-tokens, --new-tokens")
     r.set_defaults(func=sim.cmd_sim_run)
-    f = simsub.add_parser("fault", help="inject a fault: xid, lose_gpu, driver_install, slow_copies or mig")
+    f = simsub.add_parser("fault", help="inject a fault: xid, lose_gpu, driver_install, slow_copies, mig or kill_pod")
     add_fault_arguments(f)
     f.set_defaults(func=sim.cmd_sim_fault)
     lab = simsub.add_parser("label", help="label a simulated node: KEY=VALUE sets, KEY- removes (as kubectl label)")

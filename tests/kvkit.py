@@ -5,7 +5,11 @@ Shared by the agent's tests and the fault scenarios; a test module imports from 
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -43,3 +47,14 @@ def flip_byte(store: FileStore, pack: str, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0x01]))
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path``: a real ENOSPC. Needs root, as the tests and CI run."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

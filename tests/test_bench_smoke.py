@@ -12,6 +12,7 @@ import pytest
 
 from bench import bus as bench_bus
 from bench import checkpoint as bench_checkpoint
+from bench import crash as bench_crash
 from bench import metrics as bench_metrics
 from bench import resume as bench_resume
 from bench import scrub as bench_scrub
@@ -262,3 +263,30 @@ def test_bench_scrub_walks_a_tiny_registry_and_writes_its_costs_per_checkpoint(t
         assert data[f"{label}_checkpoints_per_s"] > 0
         calls = data["params"]["calls"][f"{label}_detail"]
         assert calls["store"]["manifest"] == 2 * n and calls["registry"]["forget_lost"] == data[f"{label}_lost"]
+
+
+CRASH_KEYS = (
+    "kills",
+    "block_tokens",
+    "lost_tokens_p99",
+    "lost_tokens_p99_periodic",
+    "journal_decode_slowdown",
+    "journal_write_amplification",
+    "resume_after_kill_vs_recompute_4k",
+)
+
+
+def test_bench_crash_kills_pods_with_and_without_the_journal_on_a_tiny_model(tmp_path: Path) -> None:
+    """The quick run: a tiny Llama, two conversations, three kills with the journal on and the same three with it
+    off; each conversation goes on on the next pod from what was committed before the kill."""
+    out = tmp_path / "crash.json"
+    report = bench_crash.run(BenchOptions("crash", quick=True, nats_url=None, out=out), progress=False)
+    data = written(out, report, "crash", CRASH_KEYS)
+    assert data["kills"] == 3 and data["conversations_resumed"] == 6 and data["block_tokens"] == 16
+    assert data["journal_entries"] > 0 and data["params"]["sizes"]["journal_s"] > 0
+    assert {t["key"] for t in data["targets"]} == {
+        "lost_tokens_p99",
+        "journal_decode_slowdown",
+        "journal_write_amplification",
+        "resume_after_kill_vs_recompute_4k",
+    }

@@ -8,7 +8,7 @@ import os
 import resource
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from shared.kv.crypto import ChunkCipher, cipher_from_env
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
 from shared.kv.store import ChunkCorrupt
-from tests.kvkit import LAYOUT, block_content, fill, flip_byte, make_agent
+from tests.kvkit import LAYOUT, block_content, fill, flip_byte, make_agent, small_disk
 
 
 @pytest.fixture
@@ -314,17 +314,6 @@ async def test_a_save_round_asks_the_store_twice_whatever_its_sessions_and_block
     report = await agent.save()
     assert len(report.committed) == 12 and report.bytes_written == 12 * LAYOUT.block_bytes
     assert counting.asked == {"manifests_present": [12], "pack_sizes": [2]}
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path``: a real ENOSPC. Needs root, as the tests and CI run."""
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs for a real ENOSPC needs root")

@@ -286,6 +286,7 @@ async def test_structures_stay_bounded_after_many_sessions_and_a_pod_deletion(
             "home": 0,
             "versions": 0,
             "preempted": 0,
+            "killed": 0,
             "last_request": 0,
             "locks": 0,
             "tasks": 2,  # the cluster watch and the reconcile loop; finished preStop tasks are gone

@@ -95,6 +95,12 @@ class CheckpointMetrics:
             "Sessions restored by a pod from a checkpoint whose every chunk digest it verified",
             registry=r,
         )
+        self.tokens_recomputed = Counter(
+            "gpuwarden_checkpoint_tokens_recomputed_total",
+            "Tokens restored sessions computed again after their checkpoint (what a pod lost without a final save"
+            " cost: at most a block per session with the KV journal on), as the restoring pods report them",
+            registry=r,
+        )
         self.periodic_missed = Counter(
             "gpuwarden_checkpoint_periodic_missed_total",
             "Periodic checkpoints a pod was due that it did not take (its agent did not answer, or refused)",

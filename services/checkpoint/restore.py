@@ -218,6 +218,8 @@ class Restores:
                 extra={"session": event.session_id, "used": event.checkpoint_id, "why": event.fell_back_from},
             )
         metrics.restores.inc()
+        if event.tokens_recomputed:
+            metrics.tokens_recomputed.inc(event.tokens_recomputed)
         await self.replica.ctx.publish(event)
         location = await self.replica.registry.note_restored(
             event.session_id, event.pod, event.generation, event.checkpoint_id

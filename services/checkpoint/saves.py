@@ -9,16 +9,24 @@ those are confirmed, not recorded again, so a drain followed by the pod's preSto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from shared.contract.base import Event
-from shared.contract.checkpoint import CheckpointSaved, CommittedCheckpoint, SaveSessions, SaveSessionsReport
+from shared.contract.base import Event, is_token
+from shared.contract.checkpoint import (
+    CheckpointFailed,
+    CheckpointSaved,
+    CommittedCheckpoint,
+    SaveSessions,
+    SaveSessionsReport,
+)
 from shared.contract.deadletter import DeadLetter
 from shared.contract.node import SessionFailure
 from shared.contract.sessions import SessionLocation
+from shared.kv.journal import JOURNAL_REASON as JOURNAL
 from shared.kv.manifest import CheckpointManifest, lost_pack
 from shared.kv.store import StoreError
 from shared.plumbing.errors import TemporaryError
@@ -27,6 +35,8 @@ from .ports import Recording
 from .replica import Replica
 
 log = logging.getLogger(__name__)
+
+REASON_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -265,11 +275,32 @@ class Saves:
             return
         locations.labels("published").inc(sum(1 for e in events if isinstance(e, SessionLocation)))
 
+    async def _journal_failed(self, report: SaveSessionsReport, failed: Sequence[SessionFailure]) -> None:
+        """A pod's journal could not write (or have recorded) some sessions' entries: ``checkpoint.failed`` for
+        each, the warning an operator sees. The sessions keep their last checkpoint (periodic, or an earlier
+        entry); the pod's journal pauses and tries again. What is recorded stands if the events are lost."""
+        self.replica.metrics.sessions.labels("journal_failed").inc(len(failed))
+        with contextlib.suppress(Exception):
+            await self.replica.ctx.bus.publish_many(
+                [
+                    CheckpointFailed(
+                        session_id=f.session_id,
+                        reason=f"journal: {f.reason}; its periodic checkpoints stand in"[:REASON_CHARS],
+                        node=report.node,
+                        pod=report.pod,
+                    )
+                    for f in failed
+                    if is_token(f.session_id)
+                ]
+            )
+
     async def on_record(self, report: SaveSessionsReport) -> SaveSessionsReport:
         """Reports handed in (the pod's preStop hook; the earlier parts of a long report): verified, fenced and
         recorded like a drain's. The answer names what is committed, what is confirmed (``kept``) and what
         failed."""
         recorded = await self.record(report, "")
+        if report.reason == JOURNAL and recorded.failed:
+            await self._journal_failed(report, recorded.failed)
         return SaveSessionsReport(
             pod=report.pod,
             node=report.node,

@@ -67,6 +67,10 @@ class SessionRestored(Event, frozen=True, kw_only=True, tag="checkpoint.restored
     generation: int = 0
     fell_back_from: list[str] = msgspec.field(default_factory=list)
     from_store: list[CheckpointId] = msgspec.field(default_factory=list)
+    tokens_recomputed: int | None = None
+    """Tokens of the conversation after the checkpoint, which the engine computes again (a pod lost without a
+    final save: what its journal or last checkpoint did not hold); None when the pod does not know the
+    conversation's length."""
 
 
 class CheckpointForgotten(Event, frozen=True, kw_only=True, tag="checkpoint.forgotten"):
@@ -145,6 +149,10 @@ class SaveSessionsReport(Event, frozen=True, kw_only=True, tag="checkpoint.save.
     parts_recorded: int = 0
     """Earlier parts of this report the agent had recorded already (``record``), each one bounded in size, so
     that no message passes the bus's payload limit: the reply is the last part."""
+    reason: str = ""
+    """What saved: the command's reason, or ``journal`` for the KV journal's entries (``shared.kv.journal``),
+    whose failures the checkpoint service publishes as ``checkpoint.failed`` (the session falls back to its
+    periodic checkpoints)."""
     kept: list[CommittedCheckpoint] = msgspec.field(default_factory=list)
     """(``confirm_unchanged``) Sessions passed over, each with the last checkpoint that holds it as it is: nothing
     was written for them. Recording confirms each (a checkpoint recorded before changes nothing; one whose first

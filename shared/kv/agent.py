@@ -132,6 +132,36 @@ def _unchanged(session: Session) -> bool:
     )
 
 
+def _prefix_due(session: Session, layout: KvLayout) -> bool:
+    """Whether the session's full blocks hold more tokens than its last checkpoint under the generation it is
+    held under (a journal entry is due): never one that would hold fewer."""
+    full = _full_count(session, layout.block_tokens)
+    if full == 0:
+        return False
+    last = session.last
+    return last is None or last.generation != session.generation or full * layout.block_tokens > last.token_count
+
+
+def _full_count(session: Session, block_tokens: int) -> int:
+    """How many of the session's first blocks are full (immutable from now on)."""
+    if block_tokens <= 0:
+        return 0
+    return min(len(session.blocks), session.token_count // block_tokens)
+
+
+def _full_prefix(session: Session, block_tokens: int) -> tuple[list[Block], int, str, int]:
+    """The session's full blocks, the tokens they hold, that many tokens' digest when it is the engine's (the
+    prefix is the whole session), and the version it holds the session at (-1: only a prefix of it)."""
+    full = _full_count(session, block_tokens)
+    whole = full * block_tokens == session.token_count and full == len(session.blocks)
+    return (
+        session.blocks[:full],
+        full * block_tokens,
+        session.tokens_digest if whole else "",
+        session.version if whole else -1,
+    )
+
+
 class KvAgent:
     """Owns nothing but references: the engine keeps its memory; the agent keeps the list of blocks."""
 
@@ -168,6 +198,7 @@ class KvAgent:
         past that is never referenced again; its block is written again. One entry per damaged pack."""
         self._bytes = 0
         self._changes: dict[str, int | None] | None = None
+        self._grown: set[str] | None = None
 
     # -- what changed, for announcements ------------------------------------------------------------------------
     def track_changes(self) -> None:
@@ -182,6 +213,21 @@ class KvAgent:
         journal."""
         changes, self._changes = self._changes or {}, {} if self._changes is not None else None
         return changes
+
+    def track_growth(self) -> None:
+        """Keep the set of sessions whose tokens changed, for ``take_grown``: what the journal looks at instead of
+        every session the pod holds. Off until asked for."""
+        if self._grown is None:
+            self._grown = set()
+
+    def take_grown(self) -> set[str]:
+        """Sessions whose tokens changed since the last call (some may hold a newly full block); empties the set."""
+        grown, self._grown = self._grown or set(), set() if self._grown is not None else None
+        return grown
+
+    def _grew(self, session_id: str) -> None:
+        if self._grown is not None:
+            self._grown.add(session_id)
 
     def _changed(self, session_id: str, generation: int | None) -> None:
         if self._changes is not None:
@@ -250,6 +296,7 @@ class KvAgent:
             tokens if tokens is not None else session.token_count + self._layout_of(session).block_tokens
         )
         session.tokens_digest = ""  # of other tokens now; the engine says again with set_tokens
+        self._grew(session_id)
 
     def update_block(self, session_id: str, index: int, buffer: Any = None) -> None:
         """Block ``index`` changed in place (or is now ``buffer``): the next save reads and hashes it again.
@@ -271,6 +318,7 @@ class KvAgent:
         session = self._session(session_id)
         if (session.token_count, session.tokens_digest) != (token_count, tokens_digest):
             session.version += 1
+            self._grew(session_id)
         session.token_count = token_count
         session.tokens_digest = tokens_digest
 
@@ -325,6 +373,7 @@ class KvAgent:
         generations: Mapping[str, int] | None = None,
         changed_only: bool = False,
         rewrite: Iterable[str] = (),
+        full_blocks_only: bool = False,
     ) -> SaveReport:
         """Checkpoint the sessions (all when None). Each session ends committed or failed with a reason; a
         session that fails never leaves a visible partial checkpoint, and its previous checkpoint still
@@ -345,7 +394,12 @@ class KvAgent:
         ``rewrite``: sessions (of those saved) that write every block again, referencing nothing of an earlier
         checkpoint, and are saved even when ``changed_only`` finds them unchanged: the checkpoint service found a
         pack their last checkpoint references lost or damaged (``SaveSessions.rewrite``). Without it a save
-        still writes again what the store lost (``_still_stored``); this covers what only a read finds (rot)."""
+        still writes again what the store lost (``_still_stored``); this covers what only a read finds (rot).
+
+        ``full_blocks_only`` (the journal, ``shared.kv.journal``): each session's checkpoint holds only its full
+        blocks (immutable: never written twice), a prefix of the session; a session is saved only when that
+        prefix holds more tokens than its last checkpoint (so a journal entry never holds less than what came
+        before it, under the same generation), and is otherwise passed over without a word (not ``unchanged``)."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         rewritten = set(rewrite)
         async with self._save_lock:
@@ -366,6 +420,8 @@ class KvAgent:
                             f"current one is {expected}; a stale copy is never saved",
                         )
                     )
+                elif full_blocks_only and not _prefix_due(session, self._layout_of(session)):
+                    continue
                 elif changed_only and sid not in rewritten and _unchanged(session):
                     assert session.last is not None  # _unchanged says so
                     report.unchanged += 1
@@ -379,12 +435,12 @@ class KvAgent:
                 round_.append(session)
                 round_bytes += session.nbytes
                 if round_bytes >= ROUND_BYTES:
-                    await self._save_round(round_, deadline, reason, report, rewritten)
+                    await self._save_round(round_, deadline, reason, report, rewritten, full_blocks_only)
                     round_, round_bytes = [], 0
                     if progress is not None:
                         await progress(report, total)
             if round_:
-                await self._save_round(round_, deadline, reason, report, rewritten)
+                await self._save_round(round_, deadline, reason, report, rewritten, full_blocks_only)
             if progress is not None and (round_ or not todo):  # the end, unless the last round was just heard
                 await progress(report, total)
             return report
@@ -447,6 +503,7 @@ class KvAgent:
         reason: str,
         report: SaveReport,
         rewrite: set[str],
+        full_blocks_only: bool = False,
     ) -> None:
         writer = self.store.open_pack()
         pending: list[tuple[Session, list[ChunkRef | None], int, int, str, int]] = []
@@ -474,10 +531,12 @@ class KvAgent:
                 known = reusable.get(session.session_id, {})
                 blocks = list(session.blocks)
                 token_count, digest_of_tokens, version = session.token_count, session.tokens_digest, session.version
-                slots: list[ChunkRef | None] = [None] * len(blocks)
-                written = 0
                 block_tokens = self._layout_of(session).block_tokens
                 full_blocks = token_count // block_tokens if block_tokens else len(blocks)
+                if full_blocks_only:
+                    blocks, token_count, digest_of_tokens, version = _full_prefix(session, block_tokens)
+                slots: list[ChunkRef | None] = [None] * len(blocks)
+                written = 0
                 todo: list[int] = []
                 for i, block in enumerate(blocks):
                     known_ref = known.get(block.digest) if i < full_blocks and block.digest else None
@@ -554,7 +613,8 @@ class KvAgent:
             return
         for (session, *_, version), manifest in zip(pending, manifests, strict=True):
             session.last = manifest
-            session.saved_version = version
+            if version >= 0:  # a prefix (``full_blocks_only``) holds the session as it is only when it is all of it
+                session.saved_version = version
             report.committed.append(manifest)
         for block, dg in digested:
             block.digest = dg

@@ -36,6 +36,7 @@ from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, Se
 from shared.contract.node import SessionFailure
 from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent, RestoredSession, SaveReport
+from shared.kv.journal import JOURNAL_REASON, KvJournal
 from shared.kv.manifest import CheckpointManifest, KvLayout
 from shared.kv.store import CheckpointNotFound, ChunkCorrupt
 from shared.plumbing.bus import Bus, Subscription
@@ -95,8 +96,11 @@ def _committed(m: CheckpointManifest) -> CommittedCheckpoint:
     )
 
 
-def report_event(agent: KvAgent, report: SaveReport, confirm_unchanged: bool = False) -> SaveSessionsReport:
-    """The agent's report as it goes on the bus; ``confirm_unchanged``: with the sessions passed over in ``kept``."""
+def report_event(
+    agent: KvAgent, report: SaveReport, confirm_unchanged: bool = False, reason: str = ""
+) -> SaveSessionsReport:
+    """The agent's report as it goes on the bus; ``confirm_unchanged``: with the sessions passed over in ``kept``;
+    ``reason``: what saved (``journal`` for the journal's entries)."""
     return SaveSessionsReport(
         pod=agent.pod,
         node=agent.node,
@@ -106,6 +110,7 @@ def report_event(agent: KvAgent, report: SaveReport, confirm_unchanged: bool = F
         not_held=report.not_held,
         unchanged=report.unchanged,
         kept=[_committed(m) for m in report.kept] if confirm_unchanged else [],
+        reason=reason,
     )
 
 
@@ -187,7 +192,14 @@ class AgentEndpoint:
     follows the deployment's serving version, heard from ``kv.rollout.state`` and asked for again at start and
     with every announcement, so a pod that missed the switch (disconnected, or started later) switches anyway."""
 
-    def __init__(self, agent: KvAgent, bus: Bus, announce_s: float = 5.0, models: ModelHost | None = None) -> None:
+    def __init__(
+        self,
+        agent: KvAgent,
+        bus: Bus,
+        announce_s: float = 5.0,
+        models: ModelHost | None = None,
+        journal_s: float = 0.0,
+    ) -> None:
         self.agent = agent
         self.bus = bus
         self.announce_s = announce_s
@@ -215,6 +227,9 @@ class AgentEndpoint:
         """Changes not yet applied by the registry: session -> generation held now, or None when dropped."""
         self._announce_lock = asyncio.Lock()
         agent.track_changes()
+        self.journal: KvJournal | None = KvJournal(agent, journal_s, self._record_journal) if journal_s > 0 else None
+        """The pod's KV journal (``GPUWARDEN_KV_JOURNAL_S``, ``shared.kv.journal``): each full block written soon
+        after it fills and recorded like any save; None when off."""
 
     async def start(self) -> None:
         subjects = self.bus.subjects
@@ -238,10 +253,19 @@ class AgentEndpoint:
             await self.follow_serving_version()
         await self.announce()
         self._tasks.append(asyncio.create_task(self._announce_loop(), name=f"kv-announce-{self.agent.pod}"))
+        if self.journal is not None:
+            self.journal.start()
+
+    async def _record_journal(self, report: SaveReport) -> None:
+        """A journal flush's entries, recorded by the checkpoint service (fenced like every save: an entry of a
+        generation this pod no longer holds is refused)."""
+        await record_report(self.bus, self.agent.pod, report_event(self.agent, report, reason=JOURNAL_REASON))
 
     async def stop(self) -> None:
         """Stop answering and announcing; the registry hears the pod is leaving (its sessions may be taken by
-        other pods at once, rather than when its lease lapses)."""
+        other pods at once, rather than when its lease lapses). The journal stops first (a flush under way ends)."""
+        if self.journal is not None:
+            await self.journal.stop()
         if not self._stopped and self._tasks:
             self._leaving = True  # whatever is announced from now on says so, the announcing loop's too
             with contextlib.suppress(Exception):
@@ -563,11 +587,18 @@ class AgentEndpoint:
         return answer.generation
 
     async def restore(
-        self, session_id: str, into: Sequence[Any] | None = None, timeout: float = 10.0
+        self,
+        session_id: str,
+        into: Sequence[Any] | None = None,
+        timeout: float = 10.0,
+        tokens_known: int | None = None,
     ) -> RestoredSession:
         """Take the session (its next generation) and restore its newest good checkpoint, verified, then report
-        it. When there is no checkpoint (``CheckpointNotFound``) or none is usable (``ChunkCorrupt``), the
-        session is held fresh under the new generation before the error is raised, so the caller may go on."""
+        it. ``tokens_known``: how many tokens the conversation holds, where the caller knows it (the engine kept
+        its tokens, the request carries them): the report then says how many of them the engine recomputes after
+        the checkpoint (``tokens_recomputed``; unknown otherwise). When there is no checkpoint
+        (``CheckpointNotFound``) or none is usable (``ChunkCorrupt``), the session is held fresh under the new
+        generation before the error is raised, so the caller may go on."""
         started = time.monotonic()
         answer = await self._locate(session_id, timeout)
         try:
@@ -598,6 +629,9 @@ class AgentEndpoint:
                     generation=answer.generation,
                     fell_back_from=restored.fell_back_from[:16],
                     from_store=answer.from_store[:16],
+                    tokens_recomputed=(
+                        None if tokens_known is None else max(0, tokens_known - restored.manifest.token_count)
+                    ),
                 ),
                 5.0,
             )

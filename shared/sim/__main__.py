@@ -25,6 +25,7 @@ import redis.exceptions
 
 from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
 from shared.host.runner import ServiceContext, run
+from shared.kv.journal import journal_settings
 from shared.kv.stores import StoreSettings
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client, warm_pool
@@ -131,6 +132,7 @@ class Simulation:
             gpus=gpus,
             link_pod=lambda pod: self._link(ctx, cluster, store, pod),
             gateway=gateway,
+            journal_s=journal_settings().interval_s,
         )
         await self.workload.start()
         ctx.status["simulation"] = self.workload.status

@@ -213,6 +213,12 @@ class SimCluster:
         """EVICTED: the pod is Terminating and its replacement is on its way; BLOCKED_BY_PDB: try again later."""
         return await self._mutate(lambda state, now: state.evict(namespace, pod, now))
 
+    async def kill_pod(self, namespace: str, pod: str) -> PodInfo | None:
+        """The pod dies at once, no preStop (``ClusterState.kill``): what it was, or None when there is no such
+        running pod. (Simulation only: a fault.)"""
+        killed = await self._mutate(lambda state, now: state.kill(namespace, pod))
+        return _pod_info(killed) if killed is not None else None
+
     async def scale(self, namespace: str, deployment: str, replicas: int) -> None:
         await self._mutate(lambda state, now: (None, state.scale(namespace, deployment, replicas)))
 

@@ -249,6 +249,21 @@ class ClusterState(msgspec.Struct, kw_only=True):
             return EvictionOutcome.BLOCKED_BY_PDB, []
         return EvictionOutcome.EVICTED, self._terminate(target, now)
 
+    def kill(self, namespace: str, pod: str) -> tuple[SimPod | None, list[ClusterChange]]:
+        """The pod dies at once (OOM kill, engine crash): deleted with no preStop and no grace period; its
+        deployment makes a new one at the next reconcile. ``namespace`` '': the one namespace holding a pod of
+        that name. None (nothing changes) when there is no such bound pod, or several."""
+        found = [
+            p
+            for p in self.pods.values()
+            if p.name == pod and (p.namespace == namespace or not namespace) and p.phase in ("Running", "Terminating")
+        ]
+        if len(found) != 1:
+            return None, []
+        target = found[0]
+        del self.pods[target.key]
+        return target, [_pod_change("DELETED", target)]
+
     def mark_prestop_done(self, namespace: str, pod: str) -> list[ClusterChange]:
         """The workload finished its preStop hook (its checkpoint is safe); the pod goes at the next reconcile.
         Idempotent: a pod that is gone, not Terminating or already done is left alone."""

@@ -55,7 +55,13 @@ class PodEngine(Protocol):
         ...
 
     async def adopt(self, session_id: str, restored: RestoredSession) -> SessionCheck:
-        """Take a session the agent just restored, and check it against the reference."""
+        """Take a session the agent just restored, and check it against the reference; a checkpoint older than
+        the conversation (a pod killed between its journal entries) is caught up by recomputing what it lacks."""
+        ...
+
+    def tokens_known(self, session_id: str) -> int | None:
+        """How many positions the conversation has reached, as its tokens are known to the deployment (the
+        client's side), whichever pod served them; None when unknown."""
         ...
 
     async def check(self, session_id: str) -> SessionCheck:
@@ -111,9 +117,11 @@ def verify_blocks(session_id: str, blocks: list[Any]) -> bool:
 
 
 class SyntheticPod:
-    def __init__(self, agent: KvAgent, layout: KvLayout) -> None:
+    def __init__(self, agent: KvAgent, layout: KvLayout, reached: dict[str, int] | None = None) -> None:
         self.agent = agent
         self._layout = layout
+        self.reached = reached if reached is not None else {}
+        """Positions each session reached, shared by the deployment's pods (what its client sent)."""
 
     @property
     def layout(self) -> KvLayout:
@@ -137,9 +145,17 @@ class SyntheticPod:
         for index in range(len(self.agent.blocks(session_id)), -(-tokens // self.layout.block_tokens)):
             self.agent.append_block(session_id, expected_block(session_id, index, nbytes))
         self.agent.set_tokens(session_id, tokens)
+        self.reached[session_id] = tokens
 
     async def adopt(self, session_id: str, restored: RestoredSession) -> SessionCheck:
-        return self._verify(session_id, restored.blocks)
+        check = self._verify(session_id, restored.blocks)
+        reached = self.reached.get(session_id, 0)
+        if check.verified and reached > restored.manifest.token_count:
+            self._fill(session_id, reached)  # the positions after the checkpoint, computed again
+        return check
+
+    def tokens_known(self, session_id: str) -> int | None:
+        return self.reached.get(session_id)
 
     async def check(self, session_id: str) -> SessionCheck:
         return self._verify(session_id, self.agent.blocks(session_id))
@@ -157,19 +173,20 @@ class SyntheticPod:
 class SyntheticEngine:
     def __init__(self, model: ModelShape) -> None:
         self._layout = layout_of(model)
+        self.reached: dict[str, int] = {}
 
     @property
     def layout(self) -> KvLayout:
         return self._layout
 
     def for_pod(self, agent: KvAgent) -> PodEngine:
-        return SyntheticPod(agent, self._layout)
+        return SyntheticPod(agent, self._layout, self.reached)
 
     def end(self, session_id: str) -> None:
-        return None
+        self.reached.pop(session_id, None)
 
     def tracked(self) -> int:
-        return 0
+        return len(self.reached)
 
 
 def model_at(model: ModelShape, version: str) -> ModelShape:

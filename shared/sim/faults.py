@@ -12,9 +12,13 @@ Requests are JSON, validated strictly (unknown fields are refused), and every re
     {"kind": "driver_install", "node": "node-1", "mode": "fail", "reason": "DKMS build failed"}
     {"kind": "mig", "node": "node-1", "mode": "hang"}
     {"kind": "slow_copies", "node": "node-1", "gpu": 1, "factor": 4.0}
+    {"kind": "kill_pod", "pod": "llama-2", "namespace": "llm"}
 
 ``gpu`` is an index or a UUID. ``driver_install`` modes are ``fail`` and ``hang`` (every install until
 ``clear``); ``mig`` the same for every MIG change. ``slow_copies`` with ``factor`` 1.0 makes copies normal again.
+``kill_pod`` kills an inference pod outright (an OOM kill, an engine crash): it is gone at once, with no preStop
+and its memory with it, and its deployment makes a new one; its sessions go on from what their checkpoints and
+journal hold (``namespace`` may be left out when one namespace has a pod of that name).
 
 Three ways in: ``apply_fault`` (a library call), ``serve_faults`` (core NATS request/reply on
 ``<root>.cmd.sim.fault``, answered with ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``) and
@@ -37,7 +41,7 @@ import redis.exceptions
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared.contract.base import TOKEN_PATTERN
+from shared.contract.base import TOKEN_PATTERN, OptNamespace, PodName
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.settings import Settings
@@ -80,14 +84,24 @@ class FaultError(ValueError):
 
 
 class _Fault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):
-    node: NodeName
-
     @property
     def kind(self) -> str:
         return str(type(self).__struct_config__.tag)
 
 
-class XidFault(_Fault, frozen=True, kw_only=True, tag="xid"):
+class _NodeFault(_Fault, frozen=True, kw_only=True):
+    node: NodeName
+
+
+class KillPodFault(_Fault, frozen=True, kw_only=True, tag="kill_pod"):
+    """The pod dies at once (OOM kill, engine crash, ``kill -9``): no preStop, its memory gone; its deployment
+    replaces it."""
+
+    pod: PodName
+    namespace: OptNamespace = ""
+
+
+class XidFault(_NodeFault, frozen=True, kw_only=True, tag="xid"):
     """The driver reports XID ``code`` on a GPU."""
 
     gpu: GpuRef
@@ -95,20 +109,20 @@ class XidFault(_Fault, frozen=True, kw_only=True, tag="xid"):
     message: str = ""
 
 
-class LoseGpuFault(_Fault, frozen=True, kw_only=True, tag="lose_gpu"):
+class LoseGpuFault(_NodeFault, frozen=True, kw_only=True, tag="lose_gpu"):
     """The GPU falls off the bus: it leaves the device list for good."""
 
     gpu: GpuRef
 
 
-class DriverInstallFault(_Fault, frozen=True, kw_only=True, tag="driver_install"):
+class DriverInstallFault(_NodeFault, frozen=True, kw_only=True, tag="driver_install"):
     """From now on every driver install on the node fails or hangs, until ``mode`` is ``clear``."""
 
     mode: Literal["fail", "hang", "clear"]
     reason: str = ""
 
 
-class MigChangeFault(_Fault, frozen=True, kw_only=True, tag="mig"):
+class MigChangeFault(_NodeFault, frozen=True, kw_only=True, tag="mig"):
     """From now on every MIG change on the node (mode, create, destroy) fails or hangs, until ``mode`` is
     ``clear``."""
 
@@ -116,15 +130,15 @@ class MigChangeFault(_Fault, frozen=True, kw_only=True, tag="mig"):
     reason: str = ""
 
 
-class SlowCopiesFault(_Fault, frozen=True, kw_only=True, tag="slow_copies"):
+class SlowCopiesFault(_NodeFault, frozen=True, kw_only=True, tag="slow_copies"):
     """Copies off the GPU take ``factor`` times as long (1.0: normal again)."""
 
     gpu: GpuRef
     factor: Slowdown
 
 
-SimFault = XidFault | LoseGpuFault | DriverInstallFault | MigChangeFault | SlowCopiesFault
-FAULT_KINDS: tuple[str, ...] = ("xid", "lose_gpu", "driver_install", "slow_copies", "mig")
+SimFault = XidFault | LoseGpuFault | DriverInstallFault | MigChangeFault | SlowCopiesFault | KillPodFault
+FAULT_KINDS: tuple[str, ...] = ("xid", "lose_gpu", "driver_install", "slow_copies", "mig", "kill_pod")
 
 _decoder = msgspec.json.Decoder(SimFault)
 
@@ -179,8 +193,11 @@ async def apply_fault(client: aioredis.Redis, subjects: Subjects, fault: SimFaul
 
     The node must have simulated GPUs: state in Redis, or a node of ``spec`` (whose state is then created, as a
     service attaching would). Raises ``FaultError`` naming the field for an unknown node or GPU, or a GPU that is
-    already lost. Not idempotent for ``xid`` (each call is one more XID), idempotent for the others.
+    already lost. Not idempotent for ``xid`` (each call is one more XID), idempotent for the others
+    (``kill_pod`` of a pod already gone is refused, naming it).
     """
+    if isinstance(fault, KillPodFault):
+        return await _kill_pod(client, subjects, fault)
     store = SimGpuStore(client, subjects)
     node = fault.node
     state = await _node_state(store, node, spec)
@@ -225,6 +242,19 @@ async def apply_fault(client: aioredis.Redis, subjects: Subjects, fault: SimFaul
             await _update(store, node, slow)
             done = f"copies on {node} GPU {gpu.index} ({gpu.uuid}) run {fault.factor:g}x slower"
     log.warning("SIMULATED fault injected", extra={"fault": fault.kind, "node": node, "done": done})
+    return done
+
+
+async def _kill_pod(client: aioredis.Redis, subjects: Subjects, fault: KillPodFault) -> str:
+    from shared.sim.cluster import SimCluster  # the cluster, only for the fault that acts on it
+
+    cluster = SimCluster(client, subjects)
+    killed = await cluster.kill_pod(fault.namespace, fault.pod)
+    if killed is None:
+        where = f" in namespace {fault.namespace}" if fault.namespace else ""
+        raise FaultError(f"$.pod: no running pod {fault.pod!r}{where} (or several: name the namespace)")
+    done = f"pod {killed.namespace}/{killed.name} on {killed.node} killed: no preStop, its memory gone"
+    log.warning("SIMULATED fault injected", extra={"fault": fault.kind, "pod": fault.pod, "done": done})
     return done
 
 
@@ -280,7 +310,7 @@ FAULT_CLI = "gpuwarden sim fault"
 
 def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     """The fault kinds and their options, as sub-commands of ``parser`` (``gpuwarden sim fault``)."""
-    parser.description = "Inject a fault into the SIMULATED GPUs: written to Redis, seen by every service."
+    parser.description = "Inject a fault into the SIMULATED GPUs or pods: written to Redis, seen by every service."
     kinds = parser.add_subparsers(dest="kind", required=True, metavar="KIND")
 
     def node_arg(p: argparse.ArgumentParser) -> None:
@@ -309,14 +339,19 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     node_arg(p)
     gpu_arg(p)
     p.add_argument("--factor", required=True, help="slowdown, at least 1.0")
+    p = kinds.add_parser("kill_pod", help="kill an inference pod outright: no preStop, its memory gone")
+    p.add_argument("pod", help="the pod, e.g. llama-2")
+    p.add_argument("--namespace", default="", help="its namespace (default: the one namespace holding such a pod)")
 
 
 def fault_from_args(args: argparse.Namespace) -> SimFault:
     fields = {
         k: v
         for k, v in vars(args).items()
-        if k in {"kind", "node", "gpu", "code", "message", "mode", "reason", "factor"}
+        if k in {"kind", "node", "gpu", "code", "message", "mode", "reason", "factor", "pod", "namespace"}
     }
+    if fields.get("kind") == "kill_pod" and not fields.get("namespace"):
+        fields.pop("namespace", None)
     gpu = fields.get("gpu")
     if isinstance(gpu, str) and gpu.isdigit():
         fields["gpu"] = int(gpu)

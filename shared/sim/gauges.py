@@ -29,6 +29,20 @@ class WorkloadCollector(Collector):
                 CounterMetricFamily("gpuwarden_sim_preemptions", "SIMULATED: sessions preempted by a full KV pool"),
                 stats.preemptions,
             ),
+            (
+                CounterMetricFamily(
+                    "gpuwarden_sim_sessions_continued_after_kill",
+                    "SIMULATED: sessions of pods killed without a preStop that went on on another pod",
+                ),
+                stats.continued_after_kill,
+            ),
+            (
+                CounterMetricFamily(
+                    "gpuwarden_sim_tokens_recomputed_after_kill",
+                    "SIMULATED: positions those sessions computed again after their last checkpoint or journal entry",
+                ),
+                stats.tokens_recomputed_after_kill,
+            ),
         ):
             counter.add_metric([], float(value))
             yield counter

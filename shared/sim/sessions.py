@@ -80,6 +80,12 @@ class WorkloadStats:
     ended_at_max_len: int = 0
     expired: int = 0
     lost: int = 0
+    """Sessions that could not go on: their context is gone (no checkpoint, no tokens to recompute it from)."""
+    pods_killed: int = 0
+    continued_after_kill: int = 0
+    """Sessions of killed pods (no preStop) that went on, from a checkpoint or journal entry or recomputed."""
+    tokens_recomputed_after_kill: int = 0
+    """Positions those sessions computed again: what the kills cost."""
     prestop_saves: int = 0
     restore_verified: int = 0
     restore_check_failed: int = 0

@@ -23,7 +23,9 @@ decode in one step, so this is an upper bound of the first token's time).
 
 A pod that turns Terminating runs its preStop: a final save recorded by the checkpoint service, then it tells
 the cluster it is done. A pod that vanishes without that (a crash, a grace period overrun) loses what its last
-checkpoint did not hold. Everything here is simulated except NATS, Redis and the store.
+checkpoint (or, with the journal on, its last journal entry) did not hold: its sessions go on from there on
+other pods, the tokens after it computed again (``continued_after_kill``, ``tokens_recomputed_after_kill``), and
+only one that cannot go on is lost. Everything here is simulated except NATS, Redis and the store.
 
 This module routes requests and moves sessions; each pod while it runs is ``shared.sim.pods``' (``PodRuntime``,
 and ``PodModels`` for its side of a model rollout), what is kept per session ``shared.sim.sessions``', and the
@@ -87,8 +89,11 @@ class SimWorkload:
         clock: Callable[[], float] = time.monotonic,
         link_pod: Callable[[PodInfo], Awaitable[PodLink]] | None = None,
         gateway: GatewayRouting | None = None,
+        journal_s: float = 0.0,
     ) -> None:
         self.bus = bus
+        self.journal_s = journal_s
+        """Each pod's KV journal interval (``GPUWARDEN_KV_JOURNAL_S``; 0: off, periodic checkpoints only)."""
         self.gateway = gateway
         """The simulated inference gateway asking the endpoint picker (``services/router``) where each request of
         its pool goes; None: the workload routes every request by itself."""
@@ -122,6 +127,9 @@ class SimWorkload:
         # Per live session only: each entry leaves when its session ends, expires or is lost.
         self.home: dict[str, str] = {}
         self.preempted: dict[str, Preempted] = {}
+        self.killed: dict[str, str] = {}
+        """Sessions whose pod was killed (no preStop) and that have not gone on yet, with that pod: counted as
+        continued (and their recomputed tokens) or lost when their next request brings them to another pod."""
         self.last_request: dict[str, float] = {}
         self.stats = WorkloadStats()
         self._locks = SessionLocks()
@@ -229,12 +237,10 @@ class SimWorkload:
             await runtime.lock.acquire()  # the step under way ends first; those waiting find the pod gone
             runtime.gone = True
             runtime.lock.release()
-            if killed:
-                gone = runtime.agent.sessions() + [s for s, p in self.preempted.items() if p.pod == name]
-                self.stats.lost += len(gone)
-                self.stats.lost_sessions.extend(gone)
-                for sid in gone:
-                    self.preempted.pop(sid, None)
+            if killed:  # its sessions go on from their checkpoints (the preempted ones from their tokens)
+                self.stats.pods_killed += 1
+                for sid in runtime.agent.sessions():
+                    self.killed[sid] = name
             for sid in runtime.agent.sessions():
                 runtime.release(sid)  # the pod's memory is gone: drop the blocks with it
                 runtime.agent.forget_session(sid)
@@ -259,7 +265,9 @@ class SimWorkload:
             layout=engine.layout,
         )
         engines: dict[str, PodEngine] = {engine.layout.model_version: engine.for_pod(agent)}
-        endpoint = AgentEndpoint(agent, bus, announce_s=self.announce_s, models=PodModels(self, agent, engines))
+        endpoint = AgentEndpoint(
+            agent, bus, announce_s=self.announce_s, models=PodModels(self, agent, engines), journal_s=self.journal_s
+        )
         node_gpus = [g.memory_mib for n in self.spec.nodes if n.name == pod.node for g in n.gpus]
         fallback = float(min(node_gpus, default=self.spec.smallest_gpu_mib()))
         gpu_uuid, memory = await pod_gpu(self.cluster, self.gpus.get(pod.node), pod, fallback)
@@ -384,6 +392,7 @@ class SimWorkload:
         self.home.pop(session_id, None)
         self.versions.pop(session_id, None)
         self.last_request.pop(session_id, None)
+        self.killed.pop(session_id, None)
         return held
 
     def retire(self, session_id: str, reason: str) -> None:
@@ -498,10 +507,13 @@ class SimWorkload:
                 raise TemporaryError(str(exc), delay=1.0) from exc
             await self._recompute(runtime, session_id, preempted.tokens)
             return
+        after_kill = session_id in self.killed
+        engine = runtime.engines.get(self.versions.get(session_id, runtime.agent.layout.model_version))
+        known = engine.tokens_known(session_id) if engine is not None else None
         try:
-            restored = await runtime.endpoint.restore(session_id)
+            restored = await runtime.endpoint.restore(session_id, tokens_known=known)
         except CheckpointNotFound:
-            await self._start(runtime, session_id, context_lost=False)
+            await self._start(runtime, session_id, context_lost=after_kill and bool(known))
             return
         except ChunkCorrupt as exc:
             log.error("no good checkpoint of the session", extra={"session": session_id, "error": str(exc)})
@@ -522,6 +534,9 @@ class SimWorkload:
         self.stats.restored += 1
         if not await self._adopt(runtime, session_id, restored):
             return
+        if self.killed.pop(session_id, None) is not None:
+            self.stats.continued_after_kill += 1
+            self.stats.tokens_recomputed_after_kill += max(0, (known or 0) - restored.manifest.token_count)
         try:
             self._preempt(runtime, runtime.pool.reserve(session_id, len(runtime.agent.blocks(session_id))))
         except PoolTooSmall as exc:
@@ -557,8 +572,14 @@ class SimWorkload:
             runtime.agent.forget_session(session_id)
             runtime.agent.register_session(session_id, generation=generation, layout=runtime.agent.layouts[pinned])
         runtime.release(session_id)
-        if await runtime.engine_of(session_id).start(session_id):
+        engine = runtime.engine_of(session_id)
+        known = engine.tokens_known(session_id)
+        killed = self.killed.pop(session_id, None) is not None
+        if await engine.start(session_id):
             self.stats.recomputed += 1
+            if killed:  # nothing restorable: the whole conversation computed again
+                self.stats.continued_after_kill += 1
+                self.stats.tokens_recomputed_after_kill += known or 0
         elif context_lost:
             self.stats.lost += 1
             self.stats.lost_sessions.append(session_id)
@@ -623,6 +644,9 @@ class SimWorkload:
             "expired": stats.expired,
             "lost": stats.lost,
             "lost_sessions": list(stats.lost_sessions),
+            "pods_killed": stats.pods_killed,
+            "continued_after_kill": stats.continued_after_kill,
+            "tokens_recomputed_after_kill": stats.tokens_recomputed_after_kill,
             "prestop_saves": stats.prestop_saves,
             "restore_checks": {
                 "verified": stats.restore_verified,
@@ -648,6 +672,7 @@ class SimWorkload:
             "home": len(self.home),
             "versions": len(self.versions),
             "preempted": len(self.preempted),
+            "killed": len(self.killed),
             "last_request": len(self.last_request),
             "locks": len(self._locks),
             "tasks": len(self._tasks),

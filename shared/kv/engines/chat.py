@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache
 
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.engines import SessionCheck as Check
+from shared.kv.engines import blocks_for
 from shared.kv.engines.huggingface import TransformersEngine
 from shared.kv.manifest import KvLayout, tokens_digest_of
 
@@ -65,6 +66,17 @@ class Conversation:
     def token_ids(self, passes: int | None = None) -> list[int]:
         """The input ids of the first ``passes`` passes (all by default), in order: the tokens the cache holds."""
         return [t for chunk in self.chunks[:passes] for t in chunk]
+
+    def boundary_below(self, tokens: int) -> tuple[int, int]:
+        """The last pass that ends at or before position ``tokens``: ``(passes, positions)``, the number of passes
+        up to it and where it ends (``(0, base)`` when even the first pass goes past)."""
+        at, passes = self.base, 0
+        for count, chunk in enumerate(self.chunks, start=1):
+            if at + len(chunk) > tokens:
+                break
+            at += len(chunk)
+            passes = count
+        return passes, at
 
     def boundary(self, tokens: int) -> int | None:
         """How many of the passes make up exactly ``tokens`` positions (None: no pass ends there)."""
@@ -297,8 +309,15 @@ class ChatPod:
         talk = self.chat.conversations.get(session_id)
         if talk is None:  # a conversation this process never saw begin: serve it on, nothing to compare with
             talk = self.chat.conversations[session_id] = Conversation(base=count)
-        cache = await self._compute(lambda: self.chat.engine.rebuild(restored.blocks, count))
         passes = talk.boundary(count)
+        blocks = restored.blocks
+        if passes is None and not talk.base and count <= talk.tokens:
+            # a journal entry ends at a block, inside a pass (a prompt): keep the KV up to the pass before it and
+            # run the rest again whole, so every position comes out of the very passes the reference ran
+            passes, count = talk.boundary_below(count)
+            blocks = blocks[: blocks_for(count, self.layout.block_tokens)]
+            self.agent.truncate(session_id, count // self.layout.block_tokens)
+        cache = await self._compute(lambda: self.chat.engine.rebuild(blocks, count))
         said = restored.manifest.tokens_digest
         if passes is None:
             check = Check(False, f"the checkpoint holds {count} positions, where no pass of the conversation ends")
@@ -316,6 +335,10 @@ class ChatPod:
             await self._compute(lambda: self.chat.replay(missing, cache))
         self._track(session_id, cache)
         return check
+
+    def tokens_known(self, session_id: str) -> int | None:
+        talk = self.chat.conversations.get(session_id)
+        return talk.tokens if talk is not None else None
 
     async def check(self, session_id: str) -> Check:
         talk = self.chat.conversations.get(session_id)
