@@ -5,14 +5,18 @@ two claims; what it cannot evaluate or place is said, never guessed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 import yaml
 
+from services.device.dra.slices import node_slice
+from shared.contract.device import DeviceInventory
 from shared.contract.subjects import Subjects
 from shared.ports.cluster import DeviceTaint, ResourceSlice, Semver, SliceDevice
+from shared.sim.cluster import SimCluster
 from shared.sim.drasched import (
     DEVICE_CLASSES,
     DeviceRequest,
@@ -22,7 +26,9 @@ from shared.sim.drasched import (
     allocate,
     parse_quantity,
 )
+from shared.sim.gpus import SimGpus
 from shared.sim.resourceapi import SimResourceApi
+from shared.sim.spec import SpecError, parse_spec
 
 DRIVER = "gpu.gpuwarden.io"
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,3 +181,93 @@ async def test_the_simulated_api_allocates_once_and_never_one_device_to_two_clai
     assert await api.release_claim("llm", "claim-0") and not await api.release_claim("llm", "claim-0")
     _, freed = await api.allocate_claim("llm", "claim-5", "uid-5", [request])
     assert (freed.devices[0].pool, freed.devices[0].device) == devices[0]
+
+
+CLAIM_SPEC = """
+nodes:
+  - name: node-1
+    gpus: [{model: NVIDIA A10, memory_mib: 23028, count: 2, nvlink: false}]
+  - name: node-2
+    gpus: [{model: NVIDIA H100 80GB HBM3, memory_mib: 81559, count: 2}]
+deployments:
+  - name: big
+    namespace: llm
+    replicas: 3
+    kv_blocks: 1024
+    model: {layers: 2, kv_heads: 2, head_dim: 16, max_model_len: 256, weights_mib: 0}
+    claim:
+      selectors: ['device.capacity["gpu.gpuwarden.io"].memory.compareTo(quantity("40Gi")) >= 0']
+  - name: any
+    namespace: llm
+    replicas: 1
+    kv_blocks: 1024
+    model: {layers: 2, kv_heads: 2, head_dim: 16, max_model_len: 256, weights_mib: 0}
+"""
+
+
+def test_a_spec_names_a_claim_it_cannot_evaluate() -> None:
+    bad = CLAIM_SPEC.replace('.compareTo(quantity("40Gi")) >= 0', " is big")
+    with pytest.raises(SpecError, match=r"claim\.selectors\[0\]: CEL selector"):
+        parse_spec(bad, "claims.yaml")
+    with pytest.raises(SpecError, match=r"claim\.device_class: 'tpu' is none of"):
+        parse_spec(CLAIM_SPEC.replace("    claim:\n", "    claim:\n      device_class: tpu\n"), "claims.yaml")
+
+
+async def test_pods_asking_by_claim_wait_for_a_slice_and_get_only_the_devices_it_selects(
+    redis_client: aioredis.Redis, subjects: Subjects
+) -> None:
+    """The simulated scheduler end to end: claim pods stay Pending until the nodes' device services publish
+    slices, then go where the selector matches (40 GiB or more: node-2's H100s), each holding its own devices
+    (whose holders are what a failing GPU's evacuation asks), one more than there are devices waiting; a pod
+    without a claim takes GPUs by count (the one here goes to node-1, a tie of free GPUs broken by name); a device
+    tainted NoExecute is given to no new pod."""
+    spec = parse_spec(CLAIM_SPEC, "claims.yaml")
+    cluster = await SimCluster.create(redis_client, subjects, spec)
+
+    async def placed(deployment: str) -> dict[str, str]:
+        return {p.name: p.node for p in await cluster.pods() if p.deployment == deployment and p.phase == "Running"}
+
+    assert await placed("big") == {} and list((await placed("any")).values()) == ["node-1"]
+    for name in ("node-1", "node-2"):
+        gpus = SimGpus(redis_client, subjects, spec, name)
+        versions = await gpus.versions()
+        inventory = DeviceInventory(node=name, driver_version=versions.driver, gpus=await gpus.devices())
+        assert await cluster.publish_resource_slice(node_slice(inventory))
+    big = await placed("big")
+    on_two = await cluster.gpu_holders("node-2")
+    assert sorted(big.values()) == ["node-2", "node-2"], big
+    assert sorted(len(holders) for holders in on_two.values()) == [1, 1]  # each H100 held by one claim pod
+    assert {h.split("/")[1] for holders in on_two.values() for h in holders} == set(big)
+    pending = [p for p in await cluster.pods() if p.deployment == "big" and p.phase == "Pending"]
+    assert len(pending) == 1  # no third device of 40 GiB
+
+    # the device of one claim pod fails (tainted NoExecute); its pod goes; the replacement is not given it
+    two = (await cluster.resources.slices())[f"node-2-{DRIVER}"].slice
+    doomed = on_two[1][0].split("/")[1]
+    tainted = tuple(
+        dataclasses.replace(d, taints=(DeviceTaint("gpuwarden.io/xid", "79", "NoExecute"),)) if d.name == "gpu-1" else d
+        for d in two.devices
+    )
+    assert await cluster.publish_resource_slice(dataclasses.replace(two, devices=tainted))
+    await cluster.kill_pod("llm", doomed)
+    await cluster.tick()
+    after = await placed("big")
+    assert doomed not in after and list(after.values()) == ["node-2"]
+    assert set((await cluster.gpu_holders("node-2")).keys()) == {0}
+
+
+def test_up_runs_the_device_services_as_dra_drivers_for_a_spec_whose_pods_ask_by_claim(tmp_path: Path) -> None:
+    """``gpuwarden up`` with deploy/sim/dra.yaml: the device services publish slices (``both``), their kubelet
+    folders under the run's home unless the environment names them; a spec without claims changes nothing."""
+    from shared.console.process import _claims, _dra_env
+
+    env = {"GPUWARDEN_BACKEND": "sim", "GPUWARDEN_SIM_SPEC": str(ROOT / "deploy/sim/dra.yaml")}
+    assert _claims(env)
+    assert not _claims(dict(env, GPUWARDEN_SIM_SPEC=str(ROOT / "deploy/sim/synthetic.yaml")))
+    assert not _claims(dict(env, GPUWARDEN_BACKEND="kube"))
+    made = _dra_env(dict(env, GPUWARDEN_CDI_DIR=str(tmp_path / "mine")), tmp_path / "node-1")
+    assert made["GPUWARDEN_DEVICE_API"] == "both" and made["GPUWARDEN_CDI_DIR"] == str(tmp_path / "mine")
+    assert made["GPUWARDEN_DRA_PLUGIN_DIR"] == str(tmp_path / "node-1" / "plugin")
+    assert all(
+        Path(made[k]).is_dir() for k in ("GPUWARDEN_DRA_PLUGIN_DIR", "GPUWARDEN_DRA_REGISTRY_DIR", "GPUWARDEN_CDI_DIR")
+    )

@@ -8,7 +8,8 @@ from here. SIMULATED.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -50,6 +51,15 @@ class SimResourceApi:
         except _REDIS_DOWN as exc:
             raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
         return True
+
+    @property
+    def slices_key(self) -> str:
+        return self._slices
+
+    @staticmethod
+    def by_node(raw: Mapping[Any, Any]) -> dict[str, ResourceSlice]:
+        """The slices of a raw read of the hash (``HGETALL slices_key``), by node."""
+        return {stored.slice.node: stored.slice for stored in (_SLICE.decode(v) for v in raw.values())}
 
     async def slices(self) -> dict[str, StoredSlice]:
         """Every slice by name, with its pool generation."""
