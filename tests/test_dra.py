@@ -27,7 +27,7 @@ from services.device.cdi import spec_problems
 from services.device.config import DeviceSettings, load
 from services.device.dra.claims import CLAIM_KIND, cdi_device_id, spec_path
 from services.device.dra.driver import DraDriver
-from services.device.dra.slices import DRIVER_NAME, LOST_TAINT, XID_TAINT, node_slice, semver
+from services.device.dra.slices import DRIVER_NAME, LOST_TAINT, MIG_CHANGING_TAINT, XID_TAINT, node_slice, semver
 from services.device.gen import podresources_pb2
 from services.device.podresources import pods_holding
 from services.device.service import DeviceService
@@ -357,6 +357,33 @@ async def test_a_recovered_gpu_loses_its_taint_and_the_slice_is_written_again(fo
         [("gpu-0", ()), ("gpu-1", (DeviceTaint(XID_TAINT, "48", "NoExecute"),))],
         [("gpu-0", ()), ("gpu-1", ())],
     ]
+
+
+async def test_while_the_mig_controller_changes_the_layout_no_device_is_offered_for_new_claims(folder: Path) -> None:
+    """The MIG controller pauses every advertiser after its drain saved the sessions: the DRA driver taints every
+    device of its slice NoSchedule (running pods stay; no new claim gets a device being torn down), keeps the health
+    taints beside it, and the slice is clean again on resume."""
+    published: list[ResourceSlice] = []
+
+    class Recording:
+        async def publish_resource_slice(self, resource_slice: ResourceSlice) -> bool:
+            published.append(resource_slice)
+            return True
+
+    async def connect() -> Any:
+        return Recording()
+
+    driver = DraDriver(dra_settings(folder), "n1", connect)
+    driver.want(DeviceInventory(node="n1", gpus=[h100(0), h100(1)]), {"GPU-1": "unhealthy"}, {"GPU-1": 48})
+    assert await driver.publish()
+    await driver.pause()
+    assert await driver.publish()
+    changing = DeviceTaint(MIG_CHANGING_TAINT, "", "NoSchedule")
+    xid = DeviceTaint(XID_TAINT, "48", "NoExecute")
+    assert [(d.name, d.taints) for d in published[-1].devices] == [("gpu-0", (changing,)), ("gpu-1", (xid, changing))]
+    await driver.resume()
+    assert await driver.publish()
+    assert [(d.name, d.taints) for d in published[-1].devices] == [("gpu-0", ()), ("gpu-1", (xid,))]
 
 
 def test_the_setting_picks_plugin_dra_or_both(folder: Path) -> None:
