@@ -240,6 +240,18 @@ async def test_pods_asking_by_claim_wait_for_a_slice_and_get_only_the_devices_it
     assert {h.split("/")[1] for holders in on_two.values() for h in holders} == set(big)
     pending = [p for p in await cluster.pods() if p.deployment == "big" and p.phase == "Pending"]
     assert len(pending) == 1  # no third device of 40 GiB
+    for name in big:  # each pod's claim, as the DRA kubelet plugin reads it to prepare it: the scheduler's devices
+        claim = await cluster.resource_claim("llm", f"{name}-gpus")
+        assert (
+            claim is not None
+            and claim.allocated
+            and claim.uid == next(p.uid for p in await cluster.pods() if p.name == name)
+        )
+        assert [(d.pool, d.device) for d in claim.devices] == [
+            ("node-2", f"gpu-{i}") for i, holders in on_two.items() if f"llm/{name}" in holders
+        ]
+    assert await cluster.resource_claim("llm", f"{pending[0].name}-gpus") is None  # not allocated yet
+    assert await cluster.resource_claim("llm", "any-1-gpus") is None  # a pod asking by count has no claim
 
     # the device of one claim pod fails (tainted NoExecute); its pod goes; the replacement is not given it
     two = (await cluster.resources.slices())[f"node-2-{DRIVER}"].slice

@@ -36,6 +36,7 @@ from shared.plumbing.replies import as_text
 from shared.plumbing.retries import SIM_REDIS
 from shared.plumbing.settings import RedisSettings
 from shared.ports.cluster import (
+    AllocatedDevice,
     ClusterChange,
     ClusterError,
     DeploymentInfo,
@@ -46,7 +47,7 @@ from shared.ports.cluster import (
     ResourceSlice,
     TokenReview,
 )
-from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec
+from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec, object_key
 from shared.sim.resourceapi import SimResourceApi
 from shared.sim.spec import SimSpec, load_spec
 from shared.sim.tokenapi import SimTokenApi
@@ -57,6 +58,8 @@ T = TypeVar("T")
 Clock = Callable[[], float]
 Slices = Mapping[str, ResourceSlice]
 """The nodes' ResourceSlices by node, read with the state when a deployment asks for GPUs by claim (else empty)."""
+POD_CLAIM_SUFFIX = "-gpus"
+"""A simulated pod's claim is named ``<pod>-gpus`` (a claim template's request ``gpus``)."""
 Step = Callable[[ClusterState | None, float, Slices], tuple[T, ClusterState | None, list[ClusterChange]]]
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -284,7 +287,20 @@ class SimCluster:
         return changed
 
     async def resource_claim(self, namespace: str, name: str) -> ResourceClaimInfo | None:
-        return await self.resources.claim(namespace, name)
+        """A stored claim, or the claim of a simulated pod that asks by claim (``<pod>-gpus``, as a pod's claim
+        template names it: allocated the devices the simulated scheduler gave the pod, its UID the pod's)."""
+        stored = await self.resources.claim(namespace, name)
+        if stored is not None or not name.endswith(POD_CLAIM_SUFFIX):
+            return stored
+        pod = (await self._read()).pods.get(object_key(namespace, name.removesuffix(POD_CLAIM_SUFFIX)))
+        if pod is None or not pod.claim_devices:
+            return None
+        slices = {s.slice.node: s.slice for s in (await self.resources.slices()).values()}
+        offered = slices.get(pod.node)
+        if offered is None:
+            return None
+        devices = tuple(AllocatedDevice("gpus", offered.driver, offered.pool, d) for d in pod.claim_devices)
+        return ResourceClaimInfo(namespace, name, pod.uid, allocated=True, devices=devices)
 
     # -- watching -----------------------------------------------------------------------------------------------
     def watch(self) -> AsyncIterator[ClusterChange]:
