@@ -40,6 +40,7 @@ from shared.ports.cluster import AllocatedDevice, DeviceTaint, ResourceClaimInfo
 from shared.sim.cluster import SimCluster
 from shared.sim.faults import LoseGpuFault, XidFault, apply_fault
 from shared.sim.gpus import SimGpus
+from shared.sim.gpustate import mig_placement
 from shared.sim.spec import SimSpec, parse_spec
 from shared.wiring import Wiring
 from tests.fake_dra_kubelet import FakeDraKubelet
@@ -133,8 +134,9 @@ async def test_a_gpu_in_mig_mode_is_offered_only_as_its_mig_devices(
     first, second = migs
     assert first.attributes["parentUUID"] == h100a.uuid and first.attributes["profile"] == "3g.40gb"
     assert first.attributes["productName"] == "NVIDIA H100 80GB HBM3" and first.attributes["parentIndex"] == 0
-    assert first.capacity == {"memory": f"{big.memory_mib}Mi", "multiprocessors": "60"}
-    assert second.capacity == {"memory": f"{small.memory_mib}Mi", "multiprocessors": "16"}
+    slots = {f"memorySlice{i}": "1" for i in range(4)}  # the simulation places the 3g at 0 (4 of 8 memory slices)
+    assert first.capacity == {"memory": f"{big.memory_mib}Mi", "multiprocessors": "60", **slots}
+    assert second.capacity == {"memory": f"{small.memory_mib}Mi", "multiprocessors": "16", "memorySlice4": "1"}
 
 
 @pytest.mark.parametrize(
@@ -384,6 +386,25 @@ async def test_while_the_mig_controller_changes_the_layout_no_device_is_offered_
     await driver.resume()
     assert await driver.publish()
     assert [(d.name, d.taints) for d in published[-1].devices] == [("gpu-0", ()), ("gpu-1", (xid,))]
+
+
+def test_a_mig_device_lists_the_memory_slices_its_instance_occupies() -> None:
+    """NVIDIA's placement capacities: ``memorySlice<i>`` for each memory slice the GPU instance holds, from the
+    GPU port's placement (NVML's; the simulation places as an H100 does); none where the port does not say."""
+    placed = MigInstance(uuid="MIG-a", profile="3g.40gb", memory_mib=40192, placement_start=4, placement_size=4)
+    unknown = MigInstance(uuid="MIG-b", profile="1g.10gb", memory_mib=9856)
+    gpu = msgspec.structs.replace(h100(0), mig_capable=True, mig_enabled=True, mig_instances=[placed, unknown])
+    devices = by_name(node_slice(DeviceInventory(node="n1", gpus=[gpu])))
+    slots = {name: sorted(k for k in d.capacity if k.startswith("memorySlice")) for name, d in devices.items()}
+    assert slots == {"gpu-0-mig-0": [f"memorySlice{i}" for i in (4, 5, 6, 7)], "gpu-0-mig-1": []}
+    taken: set[int] = set()
+    order = []
+    for slices in (3, 2, 1, 1, 1):  # 3g.40gb, 2g.20gb, then 1g.10gb until the memory slices run out
+        where = mig_placement(slices, taken)
+        order.append(where)
+        if where is not None:
+            taken |= set(range(where[0], where[0] + where[1]))
+    assert order == [(0, 4), (4, 2), (6, 1), None, None]
 
 
 def test_the_setting_picks_plugin_dra_or_both(folder: Path) -> None:

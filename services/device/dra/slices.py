@@ -140,6 +140,9 @@ def mig_device(
     multiprocessors = mig_multiprocessors(gpu.model, mig.profile)
     if multiprocessors is not None:
         capacity["multiprocessors"] = str(multiprocessors)
+    if mig.placement_start is not None and mig.placement_size is not None:  # the memory slices it occupies
+        for i in range(mig.placement_start, mig.placement_start + mig.placement_size):
+            capacity[f"memorySlice{i}"] = "1"
     return SliceDevice(
         name=mig_device_name(gpu, k, mig), attributes=attributes, capacity=capacity, taints=tuple(taints)
     )
