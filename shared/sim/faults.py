@@ -18,7 +18,8 @@ Requests are JSON, validated strictly (unknown fields are refused), and every re
 ``clear``); ``mig`` the same for every MIG change. ``slow_copies`` with ``factor`` 1.0 makes copies normal again.
 ``kill_pod`` kills an inference pod outright (an OOM kill, an engine crash): it is gone at once, with no preStop
 and its memory with it, and its deployment makes a new one; its sessions go on from what their checkpoints and
-journal hold (``namespace`` may be left out when one namespace has a pod of that name).
+journal hold (``namespace`` may be left out when one namespace has a pod of that name). ``lose_gpu`` kills the pods
+holding that GPU the same way: their KV was in its memory, which no save can read any more.
 
 Three ways in: ``apply_fault`` (a library call), ``serve_faults`` (core NATS request/reply on
 ``<root>.cmd.sim.fault``, answered with ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``) and
@@ -215,7 +216,10 @@ async def apply_fault(client: aioredis.Redis, subjects: Subjects, fault: SimFaul
 
             lost = GpuHealthEvent(uuid=gpu.uuid, kind="lost", message="GPU has fallen off the bus")
             await _update(store, node, lose, (lost,))
-            done = f"{node} GPU {gpu.index} ({gpu.uuid}) is lost"
+            killed = await _kill_holders(client, subjects, node, gpu.index)
+            done = f"{node} GPU {gpu.index} ({gpu.uuid}) is lost" + (
+                f"; the pods holding it died with their memory: {', '.join(killed)}" if killed else ""
+            )
         case DriverInstallFault():
             mode: Literal["", "fail", "hang"] = "" if fault.mode == "clear" else fault.mode
 
@@ -256,6 +260,24 @@ async def _kill_pod(client: aioredis.Redis, subjects: Subjects, fault: KillPodFa
     done = f"pod {killed.namespace}/{killed.name} on {killed.node} killed: no preStop, its memory gone"
     log.warning("SIMULATED fault injected", extra={"fault": fault.kind, "pod": fault.pod, "done": done})
     return done
+
+
+async def _kill_holders(client: aioredis.Redis, subjects: Subjects, node: str, index: int) -> list[str]:
+    """The pods holding a GPU that fell off the bus die with it: their KV lived in its memory, which no save can
+    read any more (the engine's next CUDA call fails). Killed as ``kill_pod`` kills (no preStop, memory gone), so
+    their sessions go on only from what was journaled or checkpointed before. Their names; none without a
+    simulated cluster (GPUs simulated alone)."""
+    from shared.sim.cluster import SimCluster  # the cluster, only for the faults that act on it
+
+    cluster = SimCluster(client, subjects)
+    if not await cluster.present():
+        return []
+    killed = []
+    for holder in (await cluster.gpu_holders(node)).get(index, []):
+        namespace, _, name = holder.partition("/")
+        if await cluster.kill_pod(namespace, name) is not None:
+            killed.append(holder)
+    return killed
 
 
 async def _update(store: SimGpuStore, node: str, change: Any, health: Sequence[GpuHealthEvent] = ()) -> None:
@@ -324,7 +346,9 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     gpu_arg(p)
     p.add_argument("--code", required=True, help="XID code, 1-255 (79: fallen off the bus; 13: application)")
     p.add_argument("--message", default="", help="driver message (default: the usual text for the code)")
-    p = kinds.add_parser("lose_gpu", help="a GPU falls off the bus and leaves the device list")
+    p = kinds.add_parser(
+        "lose_gpu", help="a GPU falls off the bus and leaves the device list; the pods holding it die with its memory"
+    )
     node_arg(p)
     gpu_arg(p)
     p = kinds.add_parser("driver_install", help="make every driver install fail or hang, or clear that")

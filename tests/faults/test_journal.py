@@ -2,7 +2,9 @@
 session of the killed pod goes on on another pod (from its newest journal entry, or recomputed from its tokens
 when it had no full block yet), each restored conversation equal to its reference run, the positions recomputed
 counted, none lost; the fault checker finds the store and the registry consistent (no rollback, no generation
-handed out twice). The long form kills pods again and again while the conversations go on."""
+handed out twice). The same when the pod's GPU falls off the bus (``lose_gpu``: its memory unreadable, the pod
+dies with it, nothing saved from it after). The long form kills pods again and again while the conversations go
+on."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
-from shared.sim.faults import KillPodFault, apply_fault
+from shared.sim.faults import KillPodFault, LoseGpuFault, apply_fault
 from shared.sim.spec import TINY_LLAMA
 from tests.faults.checker import check_invariants
 from tests.helpers import eventually
@@ -31,8 +33,9 @@ async def _turns(m: Mesh) -> int:
     return target
 
 
-async def _kill_mid_decode(m: Mesh, settings: Settings, subjects: Subjects) -> list[str]:
-    """Send every session a turn and kill the busiest pod while it serves them. The killed pod's sessions."""
+async def _kill_mid_decode(m: Mesh, settings: Settings, subjects: Subjects, how: str = "kill_pod") -> list[str]:
+    """Send every session a turn and kill the busiest pod while it serves them (``kill_pod``, or ``lose_gpu``: the
+    GPU it holds falls off the bus). The killed pod's sessions."""
     w = m.workload
     target = await _turns(m)
     await eventually(lambda: w.stats.requests >= target - SESSIONS + 1, timeout=60)  # decoding has begun
@@ -40,7 +43,13 @@ async def _kill_mid_decode(m: Mesh, settings: Settings, subjects: Subjects) -> l
     victims = sorted(pod.agent.sessions())
     client = redis_client(settings.redis)
     try:
-        await apply_fault(client, subjects, KillPodFault(pod=pod.info.name, namespace="llm"))
+        if how == "lose_gpu":
+            holders = await m.cluster.gpu_holders(pod.info.node)
+            index = next(i for i, pods in holders.items() if f"llm/{pod.info.name}" in pods)
+            done = await apply_fault(client, subjects, LoseGpuFault(node=pod.info.node, gpu=index), m.workload.spec)
+            assert f"llm/{pod.info.name}" in done, done  # the pod died with the GPU's memory
+        else:
+            await apply_fault(client, subjects, KillPodFault(pod=pod.info.name, namespace="llm"))
     finally:
         await client.aclose()
     await eventually(lambda: pod.info.name not in w.runtimes and len(w.runtimes) == 2, timeout=30)
@@ -48,7 +57,9 @@ async def _kill_mid_decode(m: Mesh, settings: Settings, subjects: Subjects) -> l
     return victims
 
 
-async def _run(settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, kills: int) -> None:
+async def _run(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, kills: int, how: str = "kill_pod"
+) -> None:
     spec = spec_of(2, 256, TINY_LLAMA)  # room for every session: none preempted
     async with mesh(settings, subjects, bus, tmp_path, spec, journal_s=0.1) as m:
         w = m.workload
@@ -56,7 +67,7 @@ async def _run(settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path,
         await eventually(lambda: w.stats.served >= target, timeout=120)
         moved: set[str] = set()
         for _ in range(kills):
-            moved.update(await _kill_mid_decode(m, settings, subjects))
+            moved.update(await _kill_mid_decode(m, settings, subjects, how))
             target = await _turns(m)  # each session's next turn, wherever it is now
             await eventually(lambda t=target: w.stats.requests >= t and not w.killed, timeout=120)
         stats = w.stats
@@ -74,10 +85,11 @@ async def _run(settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path,
         assert found, found.problems
 
 
+@pytest.mark.parametrize("how", ["kill_pod", "lose_gpu"])
 async def test_a_pod_killed_mid_decode_costs_its_sessions_at_most_a_block(
-    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, how: str
 ) -> None:
-    await _run(settings, subjects, bus, tmp_path, kills=1)
+    await _run(settings, subjects, bus, tmp_path, kills=1, how=how)
 
 
 @pytest.mark.long
