@@ -618,3 +618,31 @@ async def test_sim_label_sets_and_removes_labels_of_a_simulated_node(
     assert missing.returncode == 2 and "no simulated node 'node-9'" in missing.stderr
     assert "node-1, node-2, node-3" in missing.stderr
     await cluster.close()
+
+
+async def test_a_lost_node_is_not_ready_for_good_and_its_pods_die_and_come_back_elsewhere(
+    redis_client: aioredis.Redis, subjects: Subjects
+) -> None:
+    """``lose_node``: the node NotReady, every pod on it dead at once (no preStop), replaced on the nodes left that
+    have room; an unknown node or a missing cluster is refused naming the field."""
+    from shared.sim.faults import FaultError, LoseNodeFault, apply_fault
+
+    with pytest.raises(FaultError, match=r"\$\.node: there is no simulated cluster"):
+        await apply_fault(redis_client, subjects, LoseNodeFault(node="node-a"))
+    spec = SimSpec(
+        nodes=[NodeSpec(name=n, gpus=[GpuSpec(count=1)]) for n in ("node-a", "node-b", "node-c")],
+        deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2)],
+    )
+    cluster = await SimCluster.create(redis_client, subjects, spec)
+    before = {p.name: p.node for p in await cluster.pods()}
+    assert sorted(before.values()) == ["node-a", "node-b"]
+    with pytest.raises(FaultError, match=r"\$\.node: no node 'node-z'"):
+        await apply_fault(redis_client, subjects, LoseNodeFault(node="node-z"))
+    done = await apply_fault(redis_client, subjects, LoseNodeFault(node="node-a"))
+    gone = next(name for name, node in before.items() if node == "node-a")
+    assert f"llm/{gone}" in done and "NotReady" in done
+    nodes = {n.name: n for n in await cluster.nodes()}
+    assert not nodes["node-a"].ready and nodes["node-b"].ready
+    after = {p.name: p.node for p in await cluster.pods()}
+    assert gone not in after and sorted(after.values()) == ["node-b", "node-c"]
+    assert await cluster.lose_node("node-a") == []  # again: nothing left to kill, nothing changes

@@ -225,6 +225,11 @@ class SimCluster:
         killed = await self._mutate(lambda state, now: state.kill(namespace, pod))
         return _pod_info(killed) if killed is not None else None
 
+    async def lose_node(self, node: str) -> list[str]:
+        """The node is gone (``ClusterState.lose_node``): NotReady, every pod on it dead at once. The pods killed,
+        as ``namespace/name``. (Simulation only: a fault.)"""
+        return await self._mutate(lambda state, now: state.lose_node(node))
+
     async def scale(self, namespace: str, deployment: str, replicas: int) -> None:
         await self._mutate(lambda state, now: (None, state.scale(namespace, deployment, replicas)))
 

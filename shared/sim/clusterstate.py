@@ -276,6 +276,20 @@ class ClusterState(msgspec.Struct, kw_only=True):
         del self.pods[target.key]
         return target, [_pod_change("DELETED", target)]
 
+    def lose_node(self, node: str) -> tuple[list[str], list[ClusterChange]]:
+        """The node is gone: NotReady (nothing is scheduled there again) and every pod on it dies at once, as
+        ``kill`` kills one; their deployments replace them elsewhere at the next reconcile."""
+        target = self.node(node)
+        changes: list[ClusterChange] = []
+        if target.ready:
+            target.ready = False
+            changes.append(ClusterChange("node", "MODIFIED", node))
+        killed = sorted((p for p in self.pods.values() if p.node == node), key=lambda p: p.created_seq)
+        for pod in killed:
+            del self.pods[pod.key]
+            changes.append(_pod_change("DELETED", pod))
+        return [p.key for p in killed], changes
+
     def mark_prestop_done(self, namespace: str, pod: str) -> list[ClusterChange]:
         """The workload finished its preStop hook (its checkpoint is safe); the pod goes at the next reconcile.
         Idempotent: a pod that is gone, not Terminating or already done is left alone."""

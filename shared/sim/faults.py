@@ -13,13 +13,15 @@ Requests are JSON, validated strictly (unknown fields are refused), and every re
     {"kind": "mig", "node": "node-1", "mode": "hang"}
     {"kind": "slow_copies", "node": "node-1", "gpu": 1, "factor": 4.0}
     {"kind": "kill_pod", "pod": "llama-2", "namespace": "llm"}
+    {"kind": "lose_node", "node": "node-2"}
 
 ``gpu`` is an index or a UUID. ``driver_install`` modes are ``fail`` and ``hang`` (every install until
 ``clear``); ``mig`` the same for every MIG change. ``slow_copies`` with ``factor`` 1.0 makes copies normal again.
 ``kill_pod`` kills an inference pod outright (an OOM kill, an engine crash): it is gone at once, with no preStop
 and its memory with it, and its deployment makes a new one; its sessions go on from what their checkpoints and
 journal hold (``namespace`` may be left out when one namespace has a pod of that name). ``lose_gpu`` kills the pods
-holding that GPU the same way: their KV was in its memory, which no save can read any more.
+holding that GPU the same way: their KV was in its memory, which no save can read any more. ``lose_node`` makes
+the node NotReady for good and kills every pod on it the same way (its memory and local disk gone).
 
 Three ways in: ``apply_fault`` (a library call), ``serve_faults`` (core NATS request/reply on
 ``<root>.cmd.sim.fault``, answered with ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``) and
@@ -102,6 +104,11 @@ class KillPodFault(_Fault, frozen=True, kw_only=True, tag="kill_pod"):
     namespace: OptNamespace = ""
 
 
+class LoseNodeFault(_NodeFault, frozen=True, kw_only=True, tag="lose_node"):
+    """The node is gone (power, kernel panic, network): NotReady for good, its pods dead with their memory and its
+    local disk; their deployments replace them on other nodes."""
+
+
 class XidFault(_NodeFault, frozen=True, kw_only=True, tag="xid"):
     """The driver reports XID ``code`` on a GPU."""
 
@@ -138,8 +145,10 @@ class SlowCopiesFault(_NodeFault, frozen=True, kw_only=True, tag="slow_copies"):
     factor: Slowdown
 
 
-SimFault = XidFault | LoseGpuFault | DriverInstallFault | MigChangeFault | SlowCopiesFault | KillPodFault
-FAULT_KINDS: tuple[str, ...] = ("xid", "lose_gpu", "driver_install", "slow_copies", "mig", "kill_pod")
+SimFault = (
+    XidFault | LoseGpuFault | DriverInstallFault | MigChangeFault | SlowCopiesFault | KillPodFault | LoseNodeFault
+)
+FAULT_KINDS: tuple[str, ...] = ("xid", "lose_gpu", "driver_install", "slow_copies", "mig", "kill_pod", "lose_node")
 
 _decoder = msgspec.json.Decoder(SimFault)
 
@@ -199,6 +208,8 @@ async def apply_fault(client: aioredis.Redis, subjects: Subjects, fault: SimFaul
     """
     if isinstance(fault, KillPodFault):
         return await _kill_pod(client, subjects, fault)
+    if isinstance(fault, LoseNodeFault):
+        return await _lose_node(client, subjects, fault)
     store = SimGpuStore(client, subjects)
     node = fault.node
     state = await _node_state(store, node, spec)
@@ -259,6 +270,21 @@ async def _kill_pod(client: aioredis.Redis, subjects: Subjects, fault: KillPodFa
         raise FaultError(f"$.pod: no running pod {fault.pod!r}{where} (or several: name the namespace)")
     done = f"pod {killed.namespace}/{killed.name} on {killed.node} killed: no preStop, its memory gone"
     log.warning("SIMULATED fault injected", extra={"fault": fault.kind, "pod": fault.pod, "done": done})
+    return done
+
+
+async def _lose_node(client: aioredis.Redis, subjects: Subjects, fault: LoseNodeFault) -> str:
+    from shared.sim.cluster import SimCluster  # the cluster, only for the faults that act on it
+
+    cluster = SimCluster(client, subjects)
+    if not await cluster.present():
+        raise FaultError("$.node: there is no simulated cluster to lose a node of")
+    known = [n.name for n in await cluster.nodes()]
+    if fault.node not in known:
+        raise FaultError(f"$.node: no node {fault.node!r} in the simulated cluster (nodes: {', '.join(known)})")
+    killed = await cluster.lose_node(fault.node)
+    done = f"{fault.node} is lost (NotReady); its pods died with their memory: {', '.join(killed) or 'none'}"
+    log.warning("SIMULATED fault injected", extra={"fault": fault.kind, "node": fault.node, "done": done})
     return done
 
 
@@ -363,6 +389,8 @@ def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     node_arg(p)
     gpu_arg(p)
     p.add_argument("--factor", required=True, help="slowdown, at least 1.0")
+    p = kinds.add_parser("lose_node", help="a node is gone: NotReady, its pods dead with their memory")
+    node_arg(p)
     p = kinds.add_parser("kill_pod", help="kill an inference pod outright: no preStop, its memory gone")
     p.add_argument("pod", help="the pod, e.g. llama-2")
     p.add_argument("--namespace", default="", help="its namespace (default: the one namespace holding such a pod)")

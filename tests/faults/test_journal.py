@@ -3,21 +3,22 @@ session of the killed pod goes on on another pod (from its newest journal entry,
 when it had no full block yet), each restored conversation equal to its reference run, the positions recomputed
 counted, none lost; the fault checker finds the store and the registry consistent (no rollback, no generation
 handed out twice). The same when the pod's GPU falls off the bus (``lose_gpu``: its memory unreadable, the pod
-dies with it, nothing saved from it after). The long form kills pods again and again while the conversations go
-on."""
+dies with it, nothing saved from it after) and when its node is lost (``lose_node``: NotReady, its pods dead).
+The long form kills pods again and again while the conversations go on."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
-from shared.sim.faults import KillPodFault, LoseGpuFault, apply_fault
-from shared.sim.spec import TINY_LLAMA
+from shared.sim.faults import KillPodFault, LoseGpuFault, LoseNodeFault, apply_fault
+from shared.sim.spec import TINY_LLAMA, GpuSpec, NodeSpec
 from tests.faults.checker import check_invariants
 from tests.helpers import eventually
 from tests.workloadkit import Mesh, mesh, spec_of, turn
@@ -48,6 +49,9 @@ async def _kill_mid_decode(m: Mesh, settings: Settings, subjects: Subjects, how:
             index = next(i for i, pods in holders.items() if f"llm/{pod.info.name}" in pods)
             done = await apply_fault(client, subjects, LoseGpuFault(node=pod.info.node, gpu=index), m.workload.spec)
             assert f"llm/{pod.info.name}" in done, done  # the pod died with the GPU's memory
+        elif how == "lose_node":
+            done = await apply_fault(client, subjects, LoseNodeFault(node=pod.info.node))
+            assert f"llm/{pod.info.name}" in done, done
         else:
             await apply_fault(client, subjects, KillPodFault(pod=pod.info.name, namespace="llm"))
     finally:
@@ -61,6 +65,8 @@ async def _run(
     settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, kills: int, how: str = "kill_pod"
 ) -> None:
     spec = spec_of(2, 256, TINY_LLAMA)  # room for every session: none preempted
+    if how == "lose_node":  # a third node for the pod the lost one held
+        spec = msgspec.structs.replace(spec, nodes=[*spec.nodes, NodeSpec(name="node-3", gpus=[GpuSpec(count=1)])])
     async with mesh(settings, subjects, bus, tmp_path, spec, journal_s=0.1) as m:
         w = m.workload
         target = await _turns(m)
@@ -85,7 +91,7 @@ async def _run(
         assert found, found.problems
 
 
-@pytest.mark.parametrize("how", ["kill_pod", "lose_gpu"])
+@pytest.mark.parametrize("how", ["kill_pod", "lose_gpu", "lose_node"])
 async def test_a_pod_killed_mid_decode_costs_its_sessions_at_most_a_block(
     settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, how: str
 ) -> None:
