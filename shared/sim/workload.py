@@ -173,6 +173,7 @@ class SimWorkload:
                 task.cancel()
         for runtime in list(self.runtimes.values()):
             await runtime.endpoint.stop()
+            await runtime.close_engines()
             if runtime.link is not None:
                 await runtime.link.close()
         self.runtimes.clear()
@@ -247,6 +248,7 @@ class SimWorkload:
             for sid in [s for s, pod in self.home.items() if pod == name]:
                 del self.home[sid]
             await runtime.endpoint.stop()  # it leaves: the registry hears its sessions are no longer held
+            await runtime.close_engines(kill=killed)
             if runtime.link is not None:
                 await runtime.link.close()
             del self.runtimes[name]
@@ -421,7 +423,7 @@ class SimWorkload:
             for version in list(runtime.engines):
                 waiting = any(p.pod == runtime.info.name and p.version == version for p in self.preempted.values())
                 if not waiting and runtime.agent.release(version):
-                    del runtime.engines[version]
+                    self._spawn(runtime.engines.pop(version).close(), f"close-{runtime.info.name}-{version}")
                     log.info("model version released", extra={"pod": runtime.info.name, "version": version})
 
     def end_pinned_soon(self, pod: str, version: str, reason: str) -> None:
