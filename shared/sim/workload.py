@@ -389,6 +389,9 @@ class SimWorkload:
         owner = self.runtimes.get(preempted.pod) if preempted is not None else None
         if owner is not None:
             owner.endpoint.end_session(session_id)  # the pod that owned it last retires its checkpoints
+        elif not held and (session_id in self.versions or session_id in self.last_request):
+            version = self.versions.get(session_id)
+            self._spawn(self._end_unheld(session_id, version), f"end-{session_id}")
         for engine in self.engines.values():
             engine.end(session_id)
         self.home.pop(session_id, None)
@@ -396,6 +399,29 @@ class SimWorkload:
         self.last_request.pop(session_id, None)
         self.killed.pop(session_id, None)
         return held
+
+    async def _end_unheld(self, session_id: str, version: str | None) -> None:
+        """A live session ended while no pod held it (its pod drained or killed, its next request not come yet):
+        a pod takes it and ends it at once, as a server does that gets a conversation's last request, so that the
+        registry retires its checkpoints and says it ended (``kv.session.location`` ``ended``: what ``gpuwarden
+        drain --wait`` counts such a session by). Only the pod that took its newest generation can end it; the
+        drained pod is gone. Nothing to do when no pod serves its version any more (retention retires it)."""
+        candidates = [
+            r for r in self.runtimes.values() if not r.stopping and (version is None or version in r.agent.layouts)
+        ]
+        if not candidates:
+            return
+        runtime = min(candidates, key=lambda r: (len(r.agent.sessions()), r.info.name))
+        async with self._locks.hold(session_id):
+            if session_id in runtime.agent.sessions() or self.versions.get(session_id) is not None:
+                return  # it came back meanwhile: a new conversation under the same id, served as such
+            layout = runtime.agent.layouts.get(version) if version is not None else None
+            try:
+                await runtime.endpoint.start_session(session_id, layout=layout)
+            except (SessionHeld, TimeoutError, LocateRefused) as exc:
+                log.warning("ended session not retired", extra={"session": session_id, "error": str(exc)})
+                return
+            runtime.endpoint.end_session(session_id)
 
     def retire(self, session_id: str, reason: str) -> None:
         """End the session for good with ``reason``: its later requests are refused, not served on another model
