@@ -134,7 +134,7 @@ class VllmEngine:
         if not (self.folder / "config.json").is_file():
             build_model(self.python, self.folder, model)
         self.work = Path(tempfile.mkdtemp(prefix="gpuwarden-sim-vllm-"))
-        """Each pod's engine log and store, a folder each."""
+        """Each pod's engine log and store, a folder each (removed with the last of them)."""
         self._layout = KvLayout(
             model_id=model.model_id,
             model_version=model.model_version,
@@ -198,6 +198,7 @@ class VllmPod:
     def __init__(self, engine: VllmEngine, agent: KvAgent) -> None:
         self.engine = engine
         self.agent = agent
+        engine.work.mkdir(parents=True, exist_ok=True)
         self.folder = Path(tempfile.mkdtemp(prefix=f"{agent.pod}-", dir=engine.work))
         self.process = EngineProcess(
             engine.folder,
@@ -254,6 +255,8 @@ class VllmPod:
         if self._started is not None and not self._started.done():
             self._started.cancel()
         shutil.rmtree(self.folder, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the last pod's engine gone: the deployment's folder too
+            self.engine.work.rmdir()
 
     def _generate(self, session: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         answer = self.process.generate(prompt, max_tokens, session=session)

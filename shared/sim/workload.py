@@ -180,6 +180,11 @@ class SimWorkload:
         if self.gateway is not None:
             await self.gateway.close()
 
+    async def end_engines(self) -> None:
+        """The simulation stops: what its pods' engines run apart from it (a vLLM pod's engine process, its folder)
+        ends at once, as the pods' memory does; the registry is left as it is (a restarted simulation finds it)."""
+        await asyncio.gather(*(r.close_engines(kill=True) for r in self.runtimes.values()))
+
     def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
         """Run ``work`` in the background; the task is forgotten once it is done."""
         task = asyncio.create_task(work, name=name)
