@@ -27,7 +27,7 @@ from services.device.cdi import spec_problems
 from services.device.config import DeviceSettings, load
 from services.device.dra.claims import CLAIM_KIND, cdi_device_id, spec_path
 from services.device.dra.driver import DraDriver
-from services.device.dra.slices import DRIVER_NAME, LOST_TAINT, XID_TAINT, node_slice, semver
+from services.device.dra.slices import DRIVER_NAME, LOST_TAINT, MIG_CHANGING_TAINT, XID_TAINT, node_slice, semver
 from services.device.gen import podresources_pb2
 from services.device.podresources import pods_holding
 from services.device.service import DeviceService
@@ -40,6 +40,7 @@ from shared.ports.cluster import AllocatedDevice, DeviceTaint, ResourceClaimInfo
 from shared.sim.cluster import SimCluster
 from shared.sim.faults import LoseGpuFault, XidFault, apply_fault
 from shared.sim.gpus import SimGpus
+from shared.sim.gpustate import mig_placement
 from shared.sim.spec import SimSpec, parse_spec
 from shared.wiring import Wiring
 from tests.fake_dra_kubelet import FakeDraKubelet
@@ -133,8 +134,9 @@ async def test_a_gpu_in_mig_mode_is_offered_only_as_its_mig_devices(
     first, second = migs
     assert first.attributes["parentUUID"] == h100a.uuid and first.attributes["profile"] == "3g.40gb"
     assert first.attributes["productName"] == "NVIDIA H100 80GB HBM3" and first.attributes["parentIndex"] == 0
-    assert first.capacity == {"memory": f"{big.memory_mib}Mi", "multiprocessors": "60"}
-    assert second.capacity == {"memory": f"{small.memory_mib}Mi", "multiprocessors": "16"}
+    slots = {f"memorySlice{i}": "1" for i in range(4)}  # the simulation places the 3g at 0 (4 of 8 memory slices)
+    assert first.capacity == {"memory": f"{big.memory_mib}Mi", "multiprocessors": "60", **slots}
+    assert second.capacity == {"memory": f"{small.memory_mib}Mi", "multiprocessors": "16", "memorySlice4": "1"}
 
 
 @pytest.mark.parametrize(
@@ -357,6 +359,52 @@ async def test_a_recovered_gpu_loses_its_taint_and_the_slice_is_written_again(fo
         [("gpu-0", ()), ("gpu-1", (DeviceTaint(XID_TAINT, "48", "NoExecute"),))],
         [("gpu-0", ()), ("gpu-1", ())],
     ]
+
+
+async def test_while_the_mig_controller_changes_the_layout_no_device_is_offered_for_new_claims(folder: Path) -> None:
+    """The MIG controller pauses every advertiser after its drain saved the sessions: the DRA driver taints every
+    device of its slice NoSchedule (running pods stay; no new claim gets a device being torn down), keeps the health
+    taints beside it, and the slice is clean again on resume."""
+    published: list[ResourceSlice] = []
+
+    class Recording:
+        async def publish_resource_slice(self, resource_slice: ResourceSlice) -> bool:
+            published.append(resource_slice)
+            return True
+
+    async def connect() -> Any:
+        return Recording()
+
+    driver = DraDriver(dra_settings(folder), "n1", connect)
+    driver.want(DeviceInventory(node="n1", gpus=[h100(0), h100(1)]), {"GPU-1": "unhealthy"}, {"GPU-1": 48})
+    assert await driver.publish()
+    await driver.pause()
+    assert await driver.publish()
+    changing = DeviceTaint(MIG_CHANGING_TAINT, "", "NoSchedule")
+    xid = DeviceTaint(XID_TAINT, "48", "NoExecute")
+    assert [(d.name, d.taints) for d in published[-1].devices] == [("gpu-0", (changing,)), ("gpu-1", (xid, changing))]
+    await driver.resume()
+    assert await driver.publish()
+    assert [(d.name, d.taints) for d in published[-1].devices] == [("gpu-0", ()), ("gpu-1", (xid,))]
+
+
+def test_a_mig_device_lists_the_memory_slices_its_instance_occupies() -> None:
+    """NVIDIA's placement capacities: ``memorySlice<i>`` for each memory slice the GPU instance holds, from the
+    GPU port's placement (NVML's; the simulation places as an H100 does); none where the port does not say."""
+    placed = MigInstance(uuid="MIG-a", profile="3g.40gb", memory_mib=40192, placement_start=4, placement_size=4)
+    unknown = MigInstance(uuid="MIG-b", profile="1g.10gb", memory_mib=9856)
+    gpu = msgspec.structs.replace(h100(0), mig_capable=True, mig_enabled=True, mig_instances=[placed, unknown])
+    devices = by_name(node_slice(DeviceInventory(node="n1", gpus=[gpu])))
+    slots = {name: sorted(k for k in d.capacity if k.startswith("memorySlice")) for name, d in devices.items()}
+    assert slots == {"gpu-0-mig-0": [f"memorySlice{i}" for i in (4, 5, 6, 7)], "gpu-0-mig-1": []}
+    taken: set[int] = set()
+    order = []
+    for slices in (3, 2, 1, 1, 1):  # 3g.40gb, 2g.20gb, then 1g.10gb until the memory slices run out
+        where = mig_placement(slices, taken)
+        order.append(where)
+        if where is not None:
+            taken |= set(range(where[0], where[0] + where[1]))
+    assert order == [(0, 4), (4, 2), (6, 1), None, None]
 
 
 def test_the_setting_picks_plugin_dra_or_both(folder: Path) -> None:

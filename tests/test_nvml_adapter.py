@@ -228,6 +228,20 @@ class FakeGi:
     id: int
     profile: int
     cis: dict[int, FakeCi]
+    start: int = 0
+    """Its first memory slice (NVML's placement; the fake lays instances side by side)."""
+
+
+@dataclass
+class Placement:
+    start: int
+    size: int
+
+
+@dataclass
+class GiInfo:
+    id: int
+    placement: Placement
 
 
 @dataclass
@@ -302,7 +316,8 @@ class MigNvml(FakeNvml):
         same = sum(1 for gi in self.gis.values() if gi.profile == profile)
         if used + slices > 7 or same >= count:
             raise NVMLError(self.NVML_ERROR_INSUFFICIENT_RESOURCES)
-        gi = FakeGi(gpu=h, id=self.next_gi, profile=profile, cis={})
+        start = sum(H100_PROFILES[g.profile][1] for g in self.gis.values())
+        gi = FakeGi(gpu=h, id=self.next_gi, profile=profile, cis={}, start=start)
         self.gis[gi.id] = gi
         self.next_gi += 1
         return gi
@@ -321,7 +336,7 @@ class MigNvml(FakeNvml):
         return ci
 
     def nvmlGpuInstanceGetInfo(self, gi: FakeGi) -> Any:
-        return GiProfileInfo(gi.id, 0, 0, 0)
+        return GiInfo(gi.id, Placement(gi.start, H100_PROFILES[gi.profile][1]))
 
     def _migs(self) -> list[FakeMig]:
         return [
@@ -409,6 +424,7 @@ async def test_mig_instances_are_made_and_destroyed_through_nvml() -> None:
     assert (a.profile, a.memory_mib, c.profile) == ("3g.40gb", 40192, "1g.10gb")
     assert (await port.devices())[0].mig_instances == [a, b, c]
     assert [(i.gpu_instance_id, i.compute_instance_id) for i in (a, b, c)] == [(1, 0), (2, 0), (3, 0)]
+    assert [(i.placement_start, i.placement_size) for i in (a, b, c)] == [(0, 3), (3, 3), (6, 1)]  # NVML's, as read
     with pytest.raises(GpuError, match="nvmlDeviceCreateGpuInstance on GPU GPU-aaaa failed"):
         await port.create_mig_instance("GPU-aaaa", "1g.10gb")  # 7 of 7 slices in use
     with pytest.raises(GpuError, match=r"'5g\.50gb' is not offered by GPU GPU-aaaa \(offered: 1g\.10gb, 2g\.20gb"):

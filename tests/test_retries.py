@@ -66,6 +66,24 @@ async def test_failures_of_another_kind_or_refused_by_when_are_not_tried_again()
     assert other.calls == refused.calls == 1
 
 
+async def test_a_jetstream_create_the_cluster_cannot_place_yet_is_tried_again_and_no_other_refusal() -> None:
+    """A cluster just started, or one that lost a server, answers a stream's create with 400 "no suitable peers for
+    placement" until its peers are current (seen as a flake of the fault suite's fresh 3-server cluster): tried
+    again within the deadline. Any other 400 is a refusal, answered at once."""
+    import nats.js.errors
+
+    fast = RetryPolicy(on=JETSTREAM_API.on, first_s=0.001, max_s=0.001, only=JETSTREAM_API.only)
+    no_peers = nats.js.errors.BadRequestError(
+        code=400, err_code=retries.NO_PEERS_FOR_PLACEMENT, description="peer offline"
+    )
+    placing = Flaky(3, no_peers)
+    assert await fast.call(placing) == "ok" and placing.calls == 4
+    refused = Flaky(1, nats.js.errors.BadRequestError(code=400, err_code=10058, description="stream name in use"))
+    with pytest.raises(nats.js.errors.BadRequestError):
+        await fast.call(refused)
+    assert refused.calls == 1
+
+
 async def test_a_cancellation_is_never_tried_again() -> None:
     flaky = Flaky(1, asyncio.CancelledError())  # type: ignore[arg-type]
     with pytest.raises(asyncio.CancelledError):

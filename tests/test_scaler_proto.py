@@ -3,6 +3,9 @@ committed stubs in services/scaler/gen/ are what protoc makes of it today."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from google.protobuf.descriptor import FieldDescriptor
 
 from services.scaler.gen import externalscaler_pb2 as pb
@@ -62,3 +65,15 @@ def test_service_and_rpcs_are_exactly_kedas() -> None:
 
 def test_committed_stubs_do_not_drift_from_the_proto() -> None:
     assert protogen.EXTERNAL_SCALER.drift() == [], "run: python -m tools.protogen"
+
+
+def test_a_stub_from_another_grpcio_tools_release_is_no_drift_but_a_changed_contract_is(tmp_path: Path) -> None:
+    """The package index's patch releases of grpcio-tools change only the line naming themselves; the check of
+    committed stubs must pass on a fresh install as on the machine that generated them, and still catch a change."""
+    committed = protogen.EXTERNAL_SCALER.gen_dir / "externalscaler_pb2_grpc.py"
+    text = committed.read_text()
+    other = tmp_path / "other.py"
+    other.write_text(re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = '9.99.9'", text))
+    assert other.read_text() != text and protogen._contract(other) == protogen._contract(committed)
+    other.write_text(text.replace("GetMetrics", "GetMetric"))
+    assert protogen._contract(other) != protogen._contract(committed)

@@ -4,12 +4,15 @@ the device service serves), PodResources API (v1, which it asks which pods hold 
 (v1 and v1beta1, which its DRA driver serves) and plugin registration service, all in ``services/device/gen/``.
 Generated code is never edited by hand: ``generate`` runs protoc (grpcio-tools) and makes one deterministic change,
 rewriting grpc's top-level ``import X_pb2`` into a package-relative import so the stubs live inside the service's
-``gen`` package; ``drift`` regenerates into a temporary folder and names what differs.
+``gen`` package; ``drift`` regenerates into a temporary folder and names what differs, apart from the line naming
+the grpcio-tools release that generated a file (``GRPC_GENERATED_VERSION``): a patch release of the tools on the
+package index changes it and nothing else, so it says nothing of the contract.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -72,9 +75,16 @@ class ProtoStubs:
             return [
                 path.name
                 for path in self.generate(Path(tmp))
-                if not (self.gen_dir / path.name).is_file()
-                or (self.gen_dir / path.name).read_bytes() != path.read_bytes()
+                if not (self.gen_dir / path.name).is_file() or _contract(self.gen_dir / path.name) != _contract(path)
             ]
+
+
+_TOOLS_VERSION = re.compile(rb"^GRPC_GENERATED_VERSION = '[^']*'$", re.MULTILINE)
+
+
+def _contract(path: Path) -> bytes:
+    """A generated file without the grpcio-tools release that wrote it."""
+    return _TOOLS_VERSION.sub(b"GRPC_GENERATED_VERSION = ''", path.read_bytes())
 
 
 EXTERNAL_SCALER = ProtoStubs("externalscaler", ROOT / "services" / "scaler" / "gen", COMMAND)

@@ -37,8 +37,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from shared.clients.drains import Drain, DrainClient, RecordReader, VerdictReader, VerdictUnknown, VerdictWake
 from shared.contract.annotations import MIG_DRAIN_ANNOTATION
@@ -54,7 +54,6 @@ from shared.ports.gpu import GpuError, GpuPort
 
 from .config import DeviceSettings
 from .mig_plan import CONFIG_DOCUMENT, LayoutRefused, MigStep, layout, plan
-from .plugin import KubeletDevicePlugin
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +103,21 @@ def _rewatching(exc: Exception, wait_s: float) -> None:
 Hook = Callable[[], Awaitable[None]]
 
 
+class Advertiser(Protocol):
+    """What offers the node's devices to the scheduler and withdraws them while the layout changes: the kubelet
+    device plugin (advertises none) and the DRA driver (taints every device of its slice ``NoSchedule``)."""
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
 class MigController:
     """Keeps the node's MIG layout as its label and the ``mig`` document say (see the module).
 
     ``run`` reconciles on every wake and every ``reconcile_s``; ``watch_cluster`` wakes it when the node changes;
-    ``on_config`` when the document does. ``pause``/``resume`` withdraw and restore the device plugin's
-    advertisement around the changes; ``refresh`` reads the inventory again after them.
+    ``on_config`` when the document does. ``pause``/``resume`` withdraw and restore the devices' offer (the device
+    plugin's advertisement, the DRA slice's) around the changes; ``refresh`` reads the inventory again after them.
 
     With ``drain_timeout_s`` every change waits for a drain of the node first (``publish`` sends the request,
     ``record`` reads its verdict: the drain client's ``RecordReader``); ``None`` changes the GPUs without one.
@@ -370,7 +378,7 @@ class MigController:
         await self._report(info, name, "pending", "", planned, force=True)
         outcome: tuple[MigConfigState, str]
         try:
-            await self._hook(self._pause, "pause the device plugin")
+            await self._hook(self._pause, "withdraw the devices (plugin, DRA slice)")
             await self._run_steps(name, steps)
             outcome = ("success", "")
         except (StepFailed, GpuError) as exc:
@@ -389,7 +397,7 @@ class MigController:
         """After the changes, whatever became of them: the inventory read again, the plugin back, the outcome
         reported (so no path leaves ``pending`` behind)."""
         await self._hook(self._refresh, "read the inventory again")
-        await self._hook(self._resume, "resume the device plugin")
+        await self._hook(self._resume, "offer the devices again (plugin, DRA slice)")
         state, reason = outcome
         if state == "failed":
             log.error("MIG layout failed", extra={"config": name, "reason": reason})
@@ -469,13 +477,14 @@ async def start_mig_controller(
     settings: DeviceSettings,
     gpus: GpuPort,
     connect: Callable[[], Awaitable[ClusterPort]],
-    plugin: KubeletDevicePlugin | None,
+    advertisers: Sequence[Advertiser],
     refresh: Hook,
 ) -> MigController:
     """The device service's MIG controller, started: it reads the ``mig`` document through the service's config
     watcher, watches its node through the service's cluster port (``connect``; the service owns and closes it),
-    pauses ``plugin`` while it works, and (unless ``GPUWARDEN_MIG_CHECKPOINT=off``) drains the node first, woken
-    by its node's verdict events and the bus's reconnects, and reading each verdict from the drain's record."""
+    withdraws the devices from the ``advertisers`` (device plugin, DRA driver) while it works, and (unless
+    ``GPUWARDEN_MIG_CHECKPOINT=off``) drains the node first, woken by its node's verdict events and the bus's
+    reconnects, and reading each verdict from the drain's record."""
     controller = MigController(
         ctx.node,
         gpus,
@@ -485,8 +494,8 @@ async def start_mig_controller(
         step_timeout_s=settings.mig_step_timeout_s,
         reconcile_s=settings.mig_reconcile_s,
         retry_s=settings.mig_retry_s,
-        pause=plugin.pause if plugin is not None else None,
-        resume=plugin.resume if plugin is not None else None,
+        pause=_each(a.pause for a in advertisers) if advertisers else None,
+        resume=_each(a.resume for a in advertisers) if advertisers else None,
         refresh=refresh,
         drain_timeout_s=settings.mig_drain_timeout_s if settings.mig_checkpoint else None,
         drain_deadline_s=min(DRAIN_DEADLINE_S, settings.mig_drain_timeout_s * 0.8),
@@ -501,3 +510,14 @@ async def start_mig_controller(
     ctx.spawn(controller.run, "mig-controller")
     ctx.spawn(controller.watch_cluster, "mig-node-watch")
     return controller
+
+
+def _each(hooks: Iterable[Hook]) -> Hook:
+    """One hook that runs ``hooks`` in turn."""
+    listed = list(hooks)
+
+    async def run() -> None:
+        for hook in listed:
+            await hook()
+
+    return run

@@ -124,8 +124,9 @@ class DeviceService:
             ctx.spawn(self.plugin.run, "device-plugin")
         if self.dra is not None:
             ctx.spawn(self.dra.run, "device-dra")
+        advertisers = [a for a in (self.plugin, self.dra) if a is not None]
         self.mig = await start_mig_controller(
-            ctx, self.settings, gpus, self._cluster_port, self.plugin, self.refresh_inventory
+            ctx, self.settings, gpus, self._cluster_port, advertisers, self.refresh_inventory
         )
 
     async def on_cordon(self, event: NodeCordoned | NodeUncordoned) -> None:

@@ -300,12 +300,32 @@ class NvmlGpus:
                 match = _MIG_PROFILE_RE.search(as_text(nvml.nvmlDeviceGetName(mh)))
                 profile = match.group(1) if match else ""
             gi_id, ci_id = self._instance_ids(mh)
+            start, size = self._placement(h, gi_id)
             instances.append(
                 MigInstance(
-                    uuid=mig_uuid, profile=profile, memory_mib=memory, gpu_instance_id=gi_id, compute_instance_id=ci_id
+                    uuid=mig_uuid,
+                    profile=profile,
+                    memory_mib=memory,
+                    gpu_instance_id=gi_id,
+                    compute_instance_id=ci_id,
+                    placement_start=start,
+                    placement_size=size,
                 )
             )
         return instances
+
+    def _placement(self, h: Any, gi_id: int | None) -> tuple[int | None, int | None]:
+        """The memory slices a GPU instance occupies (start, size); (None, None) where the driver does not say."""
+        if gi_id is None:
+            return None, None
+        try:
+            gi = self._nvml.nvmlDeviceGetGpuInstanceById(h, gi_id)
+            placement = self._nvml.nvmlGpuInstanceGetInfo(gi).placement
+            return int(placement.start), int(placement.size)
+        except Exception as exc:
+            if self._is_nvml_error(exc) or isinstance(exc, AttributeError):
+                return None, None  # an older driver or binding: the slice then lists no memorySlice capacities
+            raise
 
     def _instance_ids(self, mh: Any) -> tuple[int | None, int | None]:
         """A MIG device's GPU and compute instance ids; None for one the driver does not answer (the CDI spec then
@@ -485,7 +505,8 @@ class NvmlGpus:
                 ci_info.id,
                 uuid=uuid,
             )
-            gi_id = int(self._call("nvmlGpuInstanceGetInfo", nvml.nvmlGpuInstanceGetInfo, gi, uuid=uuid).id)
+            gi_info = self._call("nvmlGpuInstanceGetInfo", nvml.nvmlGpuInstanceGetInfo, gi, uuid=uuid)
+            gi_id = int(gi_info.id)
         except BaseException:
             with contextlib.suppress(Exception):
                 nvml.nvmlGpuInstanceDestroy(gi)  # no half-made instance holding slices
@@ -494,12 +515,15 @@ class NvmlGpus:
             if owner == gi_id:
                 memory = int(self._call("nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMemoryInfo, mh, uuid=uuid).total)
                 ci_id = self._instance_ids(mh)[1]
+                placement = getattr(gi_info, "placement", None)
                 return MigInstance(
                     uuid=mig_uuid,
                     profile=profile,
                     memory_mib=memory // MIB,
                     gpu_instance_id=gi_id,
                     compute_instance_id=ci_id,
+                    placement_start=int(placement.start) if placement is not None else None,
+                    placement_size=int(placement.size) if placement is not None else None,
                 )
         raise GpuError(f"GPU {uuid}: GPU instance {gi_id} ({profile}) was created but NVML lists no MIG device for it")
 

@@ -165,6 +165,30 @@ def _fleet(args: argparse.Namespace, env: dict[str, str], base: Path) -> tuple[l
     return nodes, hollow
 
 
+def _claims(env: dict[str, str]) -> bool:
+    """Whether the simulation's spec has a deployment whose pods ask for GPUs by DRA claim."""
+    if env["GPUWARDEN_BACKEND"] != "sim":
+        return False
+    from shared.sim.spec import load_spec
+
+    return any(d.claim is not None for d in load_spec(env=env).deployments)
+
+
+def _dra_env(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """A device service of the simulation as a DRA driver beside the device plugin (``both``), its kubelet
+    folders under the run's home (no kubelet dials them here; its ResourceSlices are what the simulated
+    scheduler reads), unless the environment names them."""
+    wanted = {
+        "GPUWARDEN_DEVICE_API": "both",
+        "GPUWARDEN_DRA_PLUGIN_DIR": str(folder / "plugin"),
+        "GPUWARDEN_DRA_REGISTRY_DIR": str(folder / "registry"),
+        "GPUWARDEN_CDI_DIR": str(folder / "cdi"),
+    }
+    for path in ("GPUWARDEN_DRA_PLUGIN_DIR", "GPUWARDEN_DRA_REGISTRY_DIR", "GPUWARDEN_CDI_DIR"):
+        Path(env.get(path, wanted[path])).mkdir(parents=True, exist_ok=True)
+    return {k: env.get(k, v) for k, v in wanted.items()}
+
+
 SECURE_DIR = "secure"
 """Under ``GPUWARDEN_HOME``, ``up --secure``'s passwords, issuer seed, server configuration and pods' tokens."""
 
@@ -251,6 +275,7 @@ def _run_mesh(
 
     checkpoints = f"file://{base / 'checkpoints'}"
     router = _router_env(env)
+    claims = _claims(env)
     plan: list[tuple[str, str, dict[str, str]]] = []
     listeners: dict[str, socket.socket] = {}
     subjects = Subjects(env["GPUWARDEN_ROOT"])
@@ -289,6 +314,8 @@ def _run_mesh(
             child.setdefault("GPUWARDEN_CHECKPOINT_GC_S", "30")
             child.setdefault("GPUWARDEN_CHECKPOINT_GC_GRACE_S", "60")
             child.setdefault("GPUWARDEN_SCALER_ADDR", "127.0.0.1:0")  # KEDA is not here: any free port
+            if name == "device" and claims:  # the spec's pods ask for GPUs by DRA claim: publish slices
+                child.update(_dra_env(child, base / "dra" / ("hollow" if hosted else node)))
             if name == "router":
                 child.update((k, v) for k, v in router.items() if k.startswith("GPUWARDEN_ROUTER_"))
             if name == "metrics" and env["GPUWARDEN_BACKEND"] == "sim":  # scrape the simulated exporters

@@ -19,6 +19,10 @@ class MigInstance(msgspec.Struct, frozen=True, kw_only=True):
     memory_mib: int = 0
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
+    placement_start: int | None = None
+    """The first of the GPU's memory slices its GPU instance occupies (NVML's placement), None where unknown."""
+    placement_size: int | None = None
+    """How many memory slices it occupies from ``placement_start`` (a DRA slice's ``memorySlice<i>`` capacities)."""
 
 
 class GpuDevice(msgspec.Struct, frozen=True, kw_only=True):

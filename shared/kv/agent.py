@@ -45,6 +45,7 @@ from shared.kv.manifest import (
     seal_manifest,
 )
 from shared.kv.reading import read_verified
+from shared.kv.session import Session, full_prefix, prefix_due, unchanged
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt, StoreError
 
 log = logging.getLogger(__name__)
@@ -59,30 +60,6 @@ class SessionUnknown(KeyError):
 
 class DeadlineExceeded(TimeoutError):
     pass
-
-
-@dataclass
-class Session:
-    """``last``: the newest checkpoint this agent wrote or verified for the session, the only one whose chunks a
-    later save may reference. ``generation``: the ownership generation this pod holds; ``sequence``: its saves."""
-
-    session_id: str
-    blocks: list[Block] = field(default_factory=list)
-    token_count: int = 0
-    last: CheckpointManifest | None = None
-    generation: int = 0
-    sequence: int = 0
-    layout: KvLayout | None = None
-    """The model (version, weights) that built this session's KV: its checkpoints carry it, and it never changes."""
-    tokens_digest: str = ""
-    """The engine's ``tokens_digest_of`` the ``token_count`` tokens, when it says (``set_tokens``); '' otherwise."""
-    version: int = 0
-    """Counts the engine's changes to the session (blocks, tokens): a save that finds the version it last
-    committed has nothing new to write."""
-    saved_version: int = -1
-    """The version ``last`` holds (-1: none committed by this agent yet)."""
-    nbytes: int = 0
-    """Bytes of ``blocks``, kept as they change (never summed again)."""
 
 
 @dataclass(frozen=True)
@@ -121,45 +98,6 @@ class RestoredSession:
     manifest: CheckpointManifest
     blocks: list[Any]
     fell_back_from: list[str] = field(default_factory=list)
-
-
-def _unchanged(session: Session) -> bool:
-    """Whether the session's last checkpoint holds it as it is now, under the generation it is held under."""
-    return (
-        session.last is not None
-        and session.version == session.saved_version
-        and session.last.generation == session.generation
-    )
-
-
-def _prefix_due(session: Session, layout: KvLayout) -> bool:
-    """Whether the session's full blocks hold more tokens than its last checkpoint under the generation it is
-    held under (a journal entry is due): never one that would hold fewer."""
-    full = _full_count(session, layout.block_tokens)
-    if full == 0:
-        return False
-    last = session.last
-    return last is None or last.generation != session.generation or full * layout.block_tokens > last.token_count
-
-
-def _full_count(session: Session, block_tokens: int) -> int:
-    """How many of the session's first blocks are full (immutable from now on)."""
-    if block_tokens <= 0:
-        return 0
-    return min(len(session.blocks), session.token_count // block_tokens)
-
-
-def _full_prefix(session: Session, block_tokens: int) -> tuple[list[Block], int, str, int]:
-    """The session's full blocks, the tokens they hold, that many tokens' digest when it is the engine's (the
-    prefix is the whole session), and the version it holds the session at (-1: only a prefix of it)."""
-    full = _full_count(session, block_tokens)
-    whole = full * block_tokens == session.token_count and full == len(session.blocks)
-    return (
-        session.blocks[:full],
-        full * block_tokens,
-        session.tokens_digest if whole else "",
-        session.version if whole else -1,
-    )
 
 
 class KvAgent:
@@ -420,9 +358,9 @@ class KvAgent:
                             f"current one is {expected}; a stale copy is never saved",
                         )
                     )
-                elif full_blocks_only and not _prefix_due(session, self._layout_of(session)):
+                elif full_blocks_only and not prefix_due(session, self._layout_of(session)):
                     continue
-                elif changed_only and sid not in rewritten and _unchanged(session):
+                elif changed_only and sid not in rewritten and unchanged(session):
                     assert session.last is not None  # _unchanged says so
                     report.unchanged += 1
                     report.kept.append(session.last)
@@ -534,7 +472,7 @@ class KvAgent:
                 block_tokens = self._layout_of(session).block_tokens
                 full_blocks = token_count // block_tokens if block_tokens else len(blocks)
                 if full_blocks_only:
-                    blocks, token_count, digest_of_tokens, version = _full_prefix(session, block_tokens)
+                    blocks, token_count, digest_of_tokens, version = full_prefix(session, block_tokens)
                 slots: list[ChunkRef | None] = [None] * len(blocks)
                 written = 0
                 todo: list[int] = []

@@ -289,8 +289,14 @@ class _ConsumerLoop:
 
         Never more is asked for than can start at once (``concurrency`` minus handlers running, at most
         ``batch``), so no message waits here while its ``ack_wait`` runs. A request that ends (expired, no
-        messages, 409) is written off and renewed; when nothing at all has been heard for a few expiry periods
-        (a reconnect, a restarted server) the stream and consumer are ensured again before asking anew."""
+        messages, 409) is written off and renewed. When nothing at all has been heard for a few expiry periods (a
+        request lost with a connection or with the server that led the consumer), what was asked for is written
+        off and asked for again at once, and the stream and consumer are ensured again beside the pull, never
+        before it: while a JetStream cluster elects a new meta leader its API may not answer for tens of
+        seconds, but the consumer's new leader serves pulls as soon as it is elected (a loop that waited for
+        the API first heard nothing for as long; seen in the fault suite's leader kills). A consumer or stream
+        the server says is gone (409 other than a leadership change, 503 no responders) is ensured the same
+        way."""
         bus, spec, consumer = self.bus, self.spec, self.consumer
         nc = bus.nc
         loop = asyncio.get_running_loop()
@@ -302,6 +308,7 @@ class _ConsumerLoop:
         low_water = max(1, most // 2)
         owed = 0  # messages asked for, neither delivered yet nor written off by a status message
         heard = time.monotonic()
+        ensuring: asyncio.Task[None] | None = None
         wake = asyncio.Event()
 
         def finished(task: asyncio.Task[None]) -> None:
@@ -317,10 +324,12 @@ class _ConsumerLoop:
                 if status != "100":  # not a heartbeat: 404 no messages, 408 expired, 409 ...: the request is over
                     pending = msg.headers.get("Nats-Pending-Messages") if msg.headers else None
                     owed = max(0, owed - int(pending)) if pending else 0
-                    if status == "409":
+                    if status in ("409", "503"):
+                        description = (msg.headers or {}).get("Description", "")
                         consumer.stats.fetch_errors += 1
-                        consumer.stats.last_error = f"pull: 409 {(msg.headers or {}).get('Description', '')}"
-                        heard = 0.0  # ensure the consumer again before the next request
+                        consumer.stats.last_error = f"pull: {status} {description}"
+                        if "leadership change" not in description.lower():
+                            heard = 0.0  # the consumer or its stream may be gone: ensure them again
                     wake.set()
                 return
             owed = max(0, owed - 1)
@@ -352,16 +361,11 @@ class _ConsumerLoop:
                 if consumer.stopping.is_set():
                     break
                 if time.monotonic() - heard > 3 * PULL_EXPIRES:
-                    try:  # silence: the request was lost with a connection or a server; start again
-                        await bus.ensure_stream(spec.stream, recheck=True)
-                        await ensure_consumer(bus, spec)
-                        owed, heard = 0, time.monotonic()
-                    except Exception as exc:
-                        consumer.stats.fetch_errors += 1
-                        consumer.stats.last_error = f"pull: {exc!r}"
-                        log.warning("pull failed; retrying", extra={"consumer": spec.durable, "error": repr(exc)})
-                        heard = time.monotonic() - 2 * PULL_EXPIRES  # try again a tick later
-                        continue
+                    # silence: the requests were lost with a connection or a server; ask again, and ensure
+                    # the stream and consumer beside the pull (the next silence tries again if that fails)
+                    owed, heard = 0, time.monotonic()
+                    if ensuring is None or ensuring.done():
+                        ensuring = asyncio.create_task(self._ensure(), name=f"{spec.durable}-ensure")
                 room = min(spec.batch, spec.concurrency - len(inflight)) - owed
                 if room > 0 and (owed == 0 or room >= low_water):
                     owed += room
@@ -370,6 +374,8 @@ class _ConsumerLoop:
         finally:
             ticker.cancel()
             stop_watch.cancel()
+            if ensuring is not None:
+                ensuring.cancel()
             if inflight:
                 _, pending = await asyncio.wait(inflight, timeout=10.0)
                 for task in pending:
@@ -378,6 +384,17 @@ class _ConsumerLoop:
             # messages the open requests still deliver meanwhile are nak'ed by on_msg; later ones wait ack_wait
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _ensure(self) -> None:
+        """The stream and the durable consumer made again if they are gone (after a silence or a refusal)."""
+        spec, consumer = self.spec, self.consumer
+        try:
+            await self.bus.ensure_stream(spec.stream, recheck=True)
+            await ensure_consumer(self.bus, spec)
+        except Exception as exc:
+            consumer.stats.fetch_errors += 1
+            consumer.stats.last_error = f"pull: {exc!r}"
+            log.warning("consumer not ensured; trying again", extra={"consumer": spec.durable, "error": repr(exc)})
 
     async def _handle(self, msg: Msg) -> None:
         spec, consumer = self.spec, self.consumer

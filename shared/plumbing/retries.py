@@ -53,6 +53,8 @@ class RetryPolicy:
     max_s: float
     attempts: int | None = None
     jitter_s: float = 0.0
+    only: Callable[[Exception], bool] | None = None
+    """Which failures of ``on`` the policy itself tries again (all by default); a site's ``when`` narrows it."""
 
     def tries(
         self,
@@ -129,7 +131,9 @@ class Tries:
 
     def _again(self, exc: Exception) -> bool:
         policy, attempt = self.policy, self._current
-        if not isinstance(exc, policy.on) or (self._when is not None and not self._when(exc)) or attempt is None:
+        if not isinstance(exc, policy.on) or attempt is None:
+            return False
+        if (policy.only is not None and not policy.only(exc)) or (self._when is not None and not self._when(exc)):
             return False
         if policy.attempts is not None and attempt.num >= policy.attempts:
             return False
@@ -141,13 +145,31 @@ class Tries:
         return True
 
 
+NO_PEERS_FOR_PLACEMENT = 10005
+"""JetStream's ``err_code`` for a stream or consumer it cannot place (``no suitable peers for placement``): what a
+cluster answers a create while a server is offline or not yet current, as after a start or a server's loss."""
+
+
+def _jetstream_unavailable(exc: Exception) -> bool:
+    if isinstance(exc, nats.js.errors.APIError) and not isinstance(exc, nats.js.errors.ServiceUnavailableError):
+        return exc.err_code == NO_PEERS_FOR_PLACEMENT
+    return True
+
+
 JETSTREAM_API = RetryPolicy(
-    on=(nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError),
+    on=(
+        nats.errors.TimeoutError,
+        nats.errors.NoRespondersError,
+        nats.js.errors.ServiceUnavailableError,
+        nats.js.errors.BadRequestError,
+    ),
     first_s=0.1,
     max_s=1.0,
+    only=_jetstream_unavailable,
 )
 """A JetStream API call (a lookup or an idempotent create) while the cluster cannot answer it, until the bus's
-``API_DEADLINE``."""
+``API_DEADLINE``: a timeout, no responders, a 503, or a create the cluster cannot place yet (a 400 with
+``NO_PEERS_FOR_PLACEMENT``; any other refusal is not tried again)."""
 
 JETSTREAM_PUBLISH = RetryPolicy(
     on=(nats.errors.Error, nats.js.errors.Error, TimeoutError),

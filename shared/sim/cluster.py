@@ -36,6 +36,7 @@ from shared.plumbing.replies import as_text
 from shared.plumbing.retries import SIM_REDIS
 from shared.plumbing.settings import RedisSettings
 from shared.ports.cluster import (
+    AllocatedDevice,
     ClusterChange,
     ClusterError,
     DeploymentInfo,
@@ -46,7 +47,7 @@ from shared.ports.cluster import (
     ResourceSlice,
     TokenReview,
 )
-from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec
+from shared.sim.clusterstate import ClusterState, SimDeployment, SimNode, SimPod, from_spec, object_key
 from shared.sim.resourceapi import SimResourceApi
 from shared.sim.spec import SimSpec, load_spec
 from shared.sim.tokenapi import SimTokenApi
@@ -55,7 +56,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Clock = Callable[[], float]
-Step = Callable[[ClusterState | None, float], tuple[T, ClusterState | None, list[ClusterChange]]]
+Slices = Mapping[str, ResourceSlice]
+"""The nodes' ResourceSlices by node, read with the state when a deployment asks for GPUs by claim (else empty)."""
+POD_CLAIM_SUFFIX = "-gpus"
+"""A simulated pod's claim is named ``<pod>-gpus`` (a claim template's request ``gpus``)."""
+Step = Callable[[ClusterState | None, float, Slices], tuple[T, ClusterState | None, list[ClusterChange]]]
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(ClusterState)
@@ -94,6 +99,7 @@ class SimCluster:
         self._clock = clock
         self._owns_client = owns_client
         self._seen = 0
+        self._claims_wanted = True  # whether the state last read asks for devices by claim (unknown: yes)
         self.tokens = SimTokenApi(client, subjects, clock, self._read)
         """The cluster's service-account token API (TokenRequest and TokenReview)."""
         self.resources = SimResourceApi(client, subjects)
@@ -272,10 +278,29 @@ class SimCluster:
 
     # -- DRA (``shared.sim.resourceapi``) --------------------------------------------------------------------------
     async def publish_resource_slice(self, resource_slice: ResourceSlice) -> bool:
-        return await self.resources.publish_slice(resource_slice)
+        """Store the slice; when it changed, pods waiting for devices by claim are scheduled again (as a real
+        scheduler retries pending pods when a slice changes). A cluster whose state, when this instance last
+        wrote it, had no deployment by claim is not read again for it."""
+        changed = await self.resources.publish_slice(resource_slice)
+        if changed and self._claims_wanted:
+            await self._mutate(lambda state, now: (None, []))
+        return changed
 
     async def resource_claim(self, namespace: str, name: str) -> ResourceClaimInfo | None:
-        return await self.resources.claim(namespace, name)
+        """A stored claim, or the claim of a simulated pod that asks by claim (``<pod>-gpus``, as a pod's claim
+        template names it: allocated the devices the simulated scheduler gave the pod, its UID the pod's)."""
+        stored = await self.resources.claim(namespace, name)
+        if stored is not None or not name.endswith(POD_CLAIM_SUFFIX):
+            return stored
+        pod = (await self._read()).pods.get(object_key(namespace, name.removesuffix(POD_CLAIM_SUFFIX)))
+        if pod is None or not pod.claim_devices:
+            return None
+        slices = {s.slice.node: s.slice for s in (await self.resources.slices()).values()}
+        offered = slices.get(pod.node)
+        if offered is None:
+            return None
+        devices = tuple(AllocatedDevice("gpus", offered.driver, offered.pool, d) for d in pod.claim_devices)
+        return ResourceClaimInfo(namespace, name, pod.uid, allocated=True, devices=devices)
 
     # -- watching -----------------------------------------------------------------------------------------------
     def watch(self) -> AsyncIterator[ClusterChange]:
@@ -336,11 +361,13 @@ class SimCluster:
         return state
 
     async def _mutate(self, operation: Callable[[ClusterState, float], tuple[T, list[ClusterChange]]]) -> T:
-        def step(current: ClusterState | None, now: float) -> tuple[T, ClusterState | None, list[ClusterChange]]:
+        def step(
+            current: ClusterState | None, now: float, slices: Slices
+        ) -> tuple[T, ClusterState | None, list[ClusterChange]]:
             if current is None:
                 raise self._absent()
             result, changes = operation(current, now)
-            return result, current, changes + current.reconcile(now)
+            return result, current, changes + current.reconcile(now, slices)
 
         return await self._transact(step)
 
@@ -359,7 +386,13 @@ class SimCluster:
                         current = None if raw is None else self._decode(raw)
                         if current is not None:
                             self._seen = max(self._seen, current.revision)
-                        result, state, changes = step(current, self._clock())
+                        slices: Slices = {}
+                        if current is not None and current.wants_slices:
+                            slices = self.resources.by_node(await pipe.hgetall(self.resources.slices_key))
+                        result, state, changes = step(current, self._clock(), slices)
+                        newest = state if state is not None else current
+                        if newest is not None:
+                            self._claims_wanted = newest.wants_slices
                         if state is None or not changes:
                             return result
                         state.revision += 1
@@ -408,13 +441,13 @@ class SimCluster:
 
 
 def _create_step(
-    spec: SimSpec, current: ClusterState | None, now: float
+    spec: SimSpec, current: ClusterState | None, now: float, slices: Slices
 ) -> tuple[bool, ClusterState | None, list[ClusterChange]]:
     if current is not None:
         return False, None, []
     state = from_spec(spec)
     changes = state.as_added()
-    return True, state, changes + state.reconcile(now)
+    return True, state, changes + state.reconcile(now, slices)
 
 
 def _fields(change: ClusterChange) -> dict[FieldT, EncodableT]:

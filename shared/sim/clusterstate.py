@@ -18,8 +18,16 @@ from typing import Literal
 
 import msgspec
 
-from shared.ports.cluster import ClusterChange, ClusterConflict, ClusterError, EvictionOutcome, PodPhase
-from shared.sim.spec import SimSpec
+from shared.ports.cluster import (
+    ClusterChange,
+    ClusterConflict,
+    ClusterError,
+    EvictionOutcome,
+    PodPhase,
+    ResourceSlice,
+)
+from shared.sim.drasched import Unschedulable, allocate
+from shared.sim.spec import ClaimSpec, SimSpec
 
 ChangeType = Literal["ADDED", "MODIFIED", "DELETED"]
 
@@ -49,6 +57,8 @@ class SimDeployment(msgspec.Struct, kw_only=True):
     max_unavailable: int = 1
     grace_period_s: float = 30.0
     labels: dict[str, str] = msgspec.field(default_factory=dict)
+    claim: ClaimSpec | None = None
+    """Its pods' GPUs by DRA claim, allocated from the nodes' ResourceSlices (``_schedule``)."""
 
     @property
     def key(self) -> str:
@@ -71,6 +81,8 @@ class SimPod(msgspec.Struct, kw_only=True):
     terminating_since: float | None = None
     prestop_done: bool = False
     gpu_indices: list[int] = msgspec.field(default_factory=list)
+    claim_devices: list[str] = msgspec.field(default_factory=list)
+    """The devices of its node's ResourceSlice its claim was allocated (a deployment with a ``claim``)."""
 
     @property
     def key(self) -> str:
@@ -279,19 +291,26 @@ class ClusterState(msgspec.Struct, kw_only=True):
         return [_pod_change("MODIFIED", pod)]
 
     # -- the controllers ----------------------------------------------------------------------------------------
-    def reconcile(self, now: float) -> list[ClusterChange]:
+    @property
+    def wants_slices(self) -> bool:
+        """Whether a deployment asks for GPUs by claim (scheduling it reads the nodes' ResourceSlices)."""
+        return any(d.claim is not None for d in self.deployments.values())
+
+    def reconcile(self, now: float, slices: Mapping[str, ResourceSlice] | None = None) -> list[ClusterChange]:
         """Remove finished Terminating pods, bring each deployment to its replica count, then bind Pending pods.
 
         A Terminating pod is gone once its preStop is done, or when its grace period has run out (SIGKILL).
         Missing pods are created; surplus ones go unbound first, then newest first (bound ones terminate
         gracefully). Pending pods, oldest first, go to the ready, schedulable node with the most free GPUs that
-        has enough, ties broken by name, and run at once, holding that node's lowest-numbered free GPUs.
-        Idempotent: a second call with the same ``now`` finds nothing to do.
+        has enough, ties broken by name, and run at once, holding that node's lowest-numbered free GPUs. A pod
+        whose deployment asks by claim goes, in the same order of nodes, to the first whose ResourceSlice
+        (``slices`` by node; none: it waits) offers the claim's devices free (``shared.sim.drasched``), and holds
+        those. Idempotent: a second call with the same ``now`` finds nothing to do.
         """
         changes = self._remove_finished(now)
         for deployment in sorted(self.deployments.values(), key=lambda d: d.key):
             changes += self._scale_pods(deployment, now)
-        changes += self._schedule()
+        changes += self._schedule(slices or {})
         return changes
 
     def _remove_finished(self, now: float) -> list[ClusterChange]:
@@ -332,7 +351,7 @@ class ClusterState(msgspec.Struct, kw_only=True):
                     changes += self._terminate(pod, now)
         return changes
 
-    def _schedule(self) -> list[ClusterChange]:
+    def _schedule(self, slices: Mapping[str, ResourceSlice]) -> list[ClusterChange]:
         changes: list[ClusterChange] = []
         pending = sorted((p for p in self.pods.values() if p.phase == "Pending"), key=lambda p: p.created_seq)
         if not pending:
@@ -343,17 +362,51 @@ class ClusterState(msgspec.Struct, kw_only=True):
                 allocated[placed.node] = allocated.get(placed.node, 0) + placed.gpus
         free = {n.name: n.gpus - allocated.get(n.name, 0) for n in self.nodes.values() if n.ready and n.schedulable}
         for pod in pending:
-            fitting = [name for name, gpus in free.items() if gpus >= pod.gpus]
-            if not fitting:
+            fitting = sorted((name for name, gpus in free.items() if gpus >= pod.gpus), key=lambda n: (-free[n], n))
+            claim = self.deployments[object_key(pod.namespace, pod.deployment)].claim
+            if claim is not None:
+                chosen = self._by_claim(pod, claim, fitting, slices)
+                if chosen is None:
+                    continue
+                node, pod.claim_devices = chosen
+                pod.gpu_indices = sorted({_gpu_index(d) for d in pod.claim_devices})
+            elif not fitting:
                 continue
-            node = min(fitting, key=lambda name: (-free[name], name))
+            else:
+                node = fitting[0]
+                held = {i for p in self.pods.values() if p.node == node for i in p.gpu_indices}
+                pod.gpu_indices = [i for i in range(self.nodes[node].gpus) if i not in held][: pod.gpus]
             free[node] -= pod.gpus
-            held = {i for p in self.pods.values() if p.node == node for i in p.gpu_indices}
-            pod.gpu_indices = [i for i in range(self.nodes[node].gpus) if i not in held][: pod.gpus]
             pod.node = node
             pod.phase = "Running"
             changes.append(_pod_change("MODIFIED", pod))
         return changes
+
+    def _by_claim(
+        self, pod: SimPod, claim: ClaimSpec, nodes: list[str], slices: Mapping[str, ResourceSlice]
+    ) -> tuple[str, list[str]] | None:
+        """The first of ``nodes`` whose slice offers the claim's devices free: free of other claims and of the GPUs
+        pods without a claim hold there. None: no node does (the pod waits, as a real one would)."""
+        request = claim.request(pod.gpus)
+        for node in nodes:
+            offered = slices.get(node)
+            if offered is None:
+                continue
+            on_node = [p for p in self.pods.values() if p.node == node]
+            whole = {i for p in on_node if not p.claim_devices for i in p.gpu_indices}
+            taken = {(offered.driver, offered.pool, d) for p in on_node for d in p.claim_devices}
+            taken |= {(offered.driver, offered.pool, d.name) for d in offered.devices if _gpu_index(d.name) in whole}
+            try:
+                _, devices = allocate([request], [offered], taken, node=node)
+            except Unschedulable:
+                continue
+            return node, [d.device for d in devices]
+        return None
+
+
+def _gpu_index(device: str) -> int:
+    """The GPU a device of the slice is or is part of (``gpu-<index>`` or ``gpu-<index>-mig-...``)."""
+    return int(device.split("-")[1])
 
 
 def from_spec(spec: SimSpec) -> ClusterState:
@@ -369,6 +422,7 @@ def from_spec(spec: SimSpec) -> ClusterState:
                 max_unavailable=d.max_unavailable,
                 grace_period_s=d.grace_period_s,
                 labels={"app": d.name},
+                claim=d.claim,
             )
             for d in spec.deployments
         },

@@ -117,6 +117,27 @@ def mig_profile_slices(profile: str) -> tuple[int, int]:
     return int(match["slices"]), int(match["gb"])
 
 
+MIG_PLACEMENTS: dict[int, tuple[int, tuple[int, ...]]] = {
+    1: (1, (0, 1, 2, 3, 4, 5, 6)),
+    2: (2, (0, 2, 4)),
+    3: (4, (0, 4)),
+    4: (4, (0,)),
+    7: (8, (0,)),
+}
+"""By compute slices: the memory slices (of 8) a GPU instance occupies and where it may start, as on an A100 or
+H100 (NVML's ``nvmlDeviceGetGpuInstancePossiblePlacements``)."""
+
+
+def mig_placement(slices: int, taken: set[int]) -> tuple[int, int] | None:
+    """The first placement (start, size) of a ``slices``-slice instance whose memory slices are all free; None when
+    none is (or the profile has no placement table here)."""
+    size, starts = MIG_PLACEMENTS.get(slices, (0, ()))
+    for start in starts:
+        if not taken & set(range(start, start + size)):
+            return start, size
+    return None
+
+
 def mig_profile(profile: str, gpu_memory_mib: int) -> MigProfile:
     """What a simulated GPU offers for ``profile``: a media-extension profile (``+me``) once per GPU, the others
     as many times as their compute slices fit in 7."""
@@ -257,12 +278,21 @@ def with_mig_instance(state: SimNodeState, uuid: str, profile: str) -> tuple[Sim
             f"{state.node}: no room for {profile} on GPU {gpu.index}: {used} of {MIG_COMPUTE_SLICES} compute slices "
             f"are in use, {profile} needs {slices}"
         )
+    taken = {
+        i
+        for other in gpu.mig_instances
+        if other.placement_start is not None and other.placement_size is not None
+        for i in range(other.placement_start, other.placement_start + other.placement_size)
+    }
+    placed = mig_placement(slices, taken)  # None: no start is free in this order; the instance is still made
     instance = MigInstance(
         uuid="MIG-" + str(uuidlib.uuid5(_UUID_NAMESPACE, f"{gpu.uuid}/{gpu.next_instance}")),
         profile=profile,
         memory_mib=min(gb * 1024, gpu.memory_mib),
         gpu_instance_id=gpu.next_instance + 1,
         compute_instance_id=0,
+        placement_start=placed[0] if placed else None,
+        placement_size=placed[1] if placed else None,
     )
     changed = msgspec.structs.replace(
         gpu, mig_instances=[*gpu.mig_instances, instance], next_instance=gpu.next_instance + 1

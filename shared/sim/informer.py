@@ -26,6 +26,7 @@ from shared.sim.cluster import (
     WATCH_BLOCK_MS,
     Clock,
     SimCluster,
+    Slices,
     change_from,
     stream_entries,
     stream_id,
@@ -282,7 +283,11 @@ class SharedSimCluster(SimCluster):
                     future.set_exception(value)
 
     def _batch_step(
-        self, batch: list[tuple[Operation, asyncio.Future[Any]]], current: ClusterState | None, now: float
+        self,
+        batch: list[tuple[Operation, asyncio.Future[Any]]],
+        current: ClusterState | None,
+        now: float,
+        slices: Slices,
     ) -> tuple[list[tuple[bool, Any]], ClusterState | None, list[ClusterChange]]:
         if current is None:
             raise self._absent()
@@ -295,7 +300,7 @@ class SharedSimCluster(SimCluster):
             except Exception as exc:  # refused before it changed anything (ClusterState's operations do)
                 outcomes.append((False, exc))
                 continue
-            made = made + current.reconcile(now)
+            made = made + current.reconcile(now, slices)
             for change in made:  # later writes of the batch see the revision this one gives the node
                 if change.kind == "node" and change.name in current.nodes:
                     current.nodes[change.name].revision = revision

@@ -8,13 +8,18 @@ from here. SIMULATED.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
 
 from shared.contract.subjects import Subjects
 from shared.ports.cluster import ClusterError, ResourceClaimInfo, ResourceSlice
+from shared.sim.drasched import DeviceRequest, allocate
 
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -47,6 +52,15 @@ class SimResourceApi:
             raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
         return True
 
+    @property
+    def slices_key(self) -> str:
+        return self._slices
+
+    @staticmethod
+    def by_node(raw: Mapping[Any, Any]) -> dict[str, ResourceSlice]:
+        """The slices of a raw read of the hash (``HGETALL slices_key``), by node."""
+        return {stored.slice.node: stored.slice for stored in (_SLICE.decode(v) for v in raw.values())}
+
     async def slices(self) -> dict[str, StoredSlice]:
         """Every slice by name, with its pool generation."""
         try:
@@ -68,3 +82,55 @@ class SimResourceApi:
         except _REDIS_DOWN as exc:
             raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
         return _CLAIM.decode(raw) if raw is not None else None
+
+    async def allocate_claim(
+        self, namespace: str, name: str, uid: str, requests: Sequence[DeviceRequest], node: str | None = None
+    ) -> tuple[str, ResourceClaimInfo]:
+        """Allocate a claim as the scheduler does (``shared.sim.drasched.allocate``: by class, CEL selectors and
+        taints, free devices of one node; ``node``: the pod's, when it is placed already) and store it allocated.
+        The node and the claim; an allocated claim of that name is answered as it is (allocating twice changes
+        nothing). ``Unschedulable`` when no node can. Two schedulers allocating at once never share a device: the
+        read of the claims and the write are one transaction (WATCH), tried again when another wrote between."""
+        key = f"{namespace}/{name}"
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        await pipe.watch(self._claims)
+                        raw_claims = await pipe.hgetall(self._claims)  # type: ignore[misc]
+                        claims = {
+                            (k.decode() if isinstance(k, bytes) else k): _CLAIM.decode(v) for k, v in raw_claims.items()
+                        }
+                        held = claims.get(key)
+                        if held is not None and held.allocated:
+                            await pipe.reset()
+                            return _node_of(held, await self.slices()), held
+                        taken = {(d.driver, d.pool, d.device) for c in claims.values() for d in c.devices}
+                        slices = [s.slice for s in (await self.slices()).values()]
+                        where, devices = allocate(requests, slices, taken, node=node)
+                        claim = ResourceClaimInfo(namespace, name, uid, allocated=True, devices=devices)
+                        pipe.multi()
+                        pipe.hset(self._claims, key, msgspec.json.encode(claim))
+                        await pipe.execute()
+                        return where, claim
+                    except WatchError:
+                        continue
+        except _REDIS_DOWN as exc:
+            raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
+
+    async def release_claim(self, namespace: str, name: str) -> bool:
+        """Delete a claim (its pod gone): its devices are free for the next. True when there was one."""
+        try:
+            return bool(await self._client.hdel(self._claims, f"{namespace}/{name}"))  # type: ignore[misc]
+        except _REDIS_DOWN as exc:
+            raise ClusterError(f"simulated cluster: Redis unreachable: {exc}") from exc
+
+
+def _node_of(claim: ResourceClaimInfo, slices: dict[str, StoredSlice]) -> str:
+    """The node whose slice holds the claim's devices ('' when none does any more)."""
+    for stored in slices.values():
+        pool = stored.slice
+        names = {d.name for d in pool.devices}
+        if any(d.driver == pool.driver and d.pool == pool.pool and d.device in names for d in claim.devices):
+            return pool.node
+    return ""

@@ -40,6 +40,7 @@ import yaml
 from shared.contract.base import TOKEN_PATTERN
 from shared.kv.presets import LLAMA_3_8B, LLAMA_3_8B_MAX_MODEL_LEN, LLAMA_3_8B_WEIGHTS_MIB
 from shared.plumbing.settings import any_path, documented, setting, settings_from_env
+from shared.sim.drasched import DEVICE_CLASSES, DeviceRequest, Selector, SelectorError
 
 Name = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -182,6 +183,32 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return -(-self.max_model_len // self.block_tokens)
 
 
+class ClaimSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A deployment's pods ask for their GPUs by DRA claim (``resource.k8s.io/v1``) instead of the device plugin's
+    count: ``gpus_per_pod`` devices of ``device_class`` that every CEL selector in ``selectors`` selects (the forms
+    ``shared.sim.drasched`` evaluates), tolerating the taints whose keys ``tolerates`` lists. The simulated
+    scheduler allocates them from the ResourceSlices the nodes' device services publish
+    (``GPUWARDEN_DEVICE_API=dra`` or ``both``); without a slice that offers them a pod stays Pending."""
+
+    device_class: str = "gpu.gpuwarden.io"
+    selectors: tuple[str, ...] = ()
+    tolerates: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.device_class not in DEVICE_CLASSES:
+            raise SpecError(f"claim.device_class: {self.device_class!r} is none of {', '.join(DEVICE_CLASSES)}")
+        for i, expression in enumerate(self.selectors):
+            try:
+                Selector.parse(expression)
+            except SelectorError as exc:
+                raise SpecError(f"claim.selectors[{i}]: {exc}") from None
+
+    def request(self, count: int) -> DeviceRequest:
+        """What a pod of the deployment asks the scheduler for."""
+        selectors = tuple(Selector.parse(e) for e in self.selectors)
+        return DeviceRequest("gpus", self.device_class, selectors, count=count, tolerates=self.tolerates)
+
+
 class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     namespace: Name = "default"
@@ -192,6 +219,7 @@ class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     model: ModelShape = msgspec.field(default_factory=ModelShape)
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     kv_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: derived from the GPU memory, as vLLM does
+    claim: ClaimSpec | None = None  # GPUs by DRA claim (the simulated scheduler's), not the device plugin's count
 
     def kv_capacity(self, gpu_memory_mib: float) -> int:
         """The KV pool of one pod on GPUs of ``gpu_memory_mib``, in blocks: ``kv_blocks`` when set, else what

@@ -22,14 +22,14 @@ import msgspec
 
 from shared.contract.device import DeviceInventory, GpuDevice
 from shared.plumbing.retries import NODE_LABELS, RetryPolicy
-from shared.ports.cluster import ClusterError, ClusterPort, ResourceSlice
+from shared.ports.cluster import ClusterError, ClusterPort, DeviceTaint, ResourceSlice
 
 from ..cdi import CdiError, DriverRoot
 from ..config import DeviceSettings
 from ..health import GpuHealth
 from .claims import ClaimSpecError, cdi_device_id, remove_claim_spec, write_claim_spec
 from .kubelet import ClaimError, DraKubeletPlugin, PreparedDevice
-from .slices import DRIVER_NAME, devices_by_name, health_taints, node_slice
+from .slices import DRIVER_NAME, MIG_CHANGING_TAINT, devices_by_name, health_taints, node_slice
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ class DraDriver:
         self._connect = connect
         self._retry = retry
         self.inventory: DeviceInventory | None = None
+        self.paused = False
+        """The MIG controller is changing the layout: every device tainted ``MIG_CHANGING_TAINT`` until ``resume``."""
+        self._health: Mapping[str, GpuHealth] = {}
+        self._xids: Mapping[str, int] = {}
         self._seen: dict[str, GpuDevice] = {}
         """Every GPU seen, as last seen, by UUID: what a lost GPU's devices were."""
         self.desired: ResourceSlice | None = None
@@ -75,14 +79,32 @@ class DraDriver:
         rather than left to notice a device gone."""
         self.inventory = inventory
         self._seen.update({g.uuid: g for g in inventory.gpus})
-        health = health or {}
+        health = self._health = dict(health or {})
+        self._xids = dict(xids or {})
         present = {g.uuid for g in inventory.gpus}
         lost = [self._seen[u] for u, h in health.items() if h == "lost" and u not in present and u in self._seen]
         shown = msgspec.structs.replace(inventory, gpus=[*inventory.gpus, *lost]) if lost else inventory
-        wanted = node_slice(shown, health_taints(health, xids or {}), driver=self.driver)
+        taints: dict[str, tuple[DeviceTaint, ...]] = dict(health_taints(health, self._xids))
+        if self.paused:
+            changing = DeviceTaint(MIG_CHANGING_TAINT, "", "NoSchedule")
+            taints = {g.uuid: (*taints.get(g.uuid, ()), changing) for g in shown.gpus}
+        wanted = node_slice(shown, taints, driver=self.driver)
         if wanted != self.desired:
             self.desired = wanted
             self._wake.set()
+
+    async def pause(self) -> None:
+        """The MIG controller begins changing the layout (its drain has saved the sessions on these devices): every
+        device is tainted ``NoSchedule`` so no new claim is given one being torn down, until ``resume``."""
+        self.paused = True
+        if self.inventory is not None:
+            self.want(self.inventory, self._health, self._xids)
+
+    async def resume(self) -> None:
+        """The layout is changed: the next inventory (read by the controller's refresh) is published untainted."""
+        self.paused = False
+        if self.inventory is not None:
+            self.want(self.inventory, self._health, self._xids)
 
     def describe(self) -> dict[str, Any]:
         """For /healthz."""

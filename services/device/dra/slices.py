@@ -45,6 +45,9 @@ MIG_MULTIPROCESSORS: Mapping[str, Mapping[int, int]] = {
 
 XID_TAINT = "gpuwarden.io/xid"
 LOST_TAINT = "gpuwarden.io/gpu-lost"
+MIG_CHANGING_TAINT = "gpuwarden.io/mig-changing"
+"""``NoSchedule`` on every device of the node while the MIG controller changes its layout (after the drain that
+saved the sessions on them): no new claim is given a device being torn down, and no running pod is evicted for it."""
 FATAL_XIDS: frozenset[int] = frozenset({48, 79, 95})
 """XIDs after which the GPU's work is lost anyway and the GPU needs a reset (a double-bit ECC error, fallen off the
 bus, an uncontained ECC error): their taint is ``NoExecute``, so pods holding the device are evicted (gracefully:
@@ -137,6 +140,9 @@ def mig_device(
     multiprocessors = mig_multiprocessors(gpu.model, mig.profile)
     if multiprocessors is not None:
         capacity["multiprocessors"] = str(multiprocessors)
+    if mig.placement_start is not None and mig.placement_size is not None:  # the memory slices it occupies
+        for i in range(mig.placement_start, mig.placement_start + mig.placement_size):
+            capacity[f"memorySlice{i}"] = "1"
     return SliceDevice(
         name=mig_device_name(gpu, k, mig), attributes=attributes, capacity=capacity, taints=tuple(taints)
     )
