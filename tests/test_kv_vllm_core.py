@@ -243,10 +243,13 @@ def test_the_session_comes_from_kv_transfer_params() -> None:
     assert session_of({"other": 1}) is None
     assert session_of({"gpuwarden_session": "chat-42"}) == ("chat-42", False)
     assert session_of({"gpuwarden_session": "chat-42", "gpuwarden_end": True}) == ("chat-42", True)
-    with pytest.raises(ValueError, match="a session id is"):
+    with pytest.raises(ValueError, match="a session id: letters"):
         session_of({"gpuwarden_session": "../etc/passwd"})
-    with pytest.raises(ValueError, match="a session id is"):
+    with pytest.raises(ValueError, match="must be a string"):
         session_of({"gpuwarden_session": 42})
+    for refused in ("chat.42", "chat:42", "x" * 129):  # what the contract refuses, the connector refuses first
+        with pytest.raises(ValueError, match="a session id: letters"):
+            session_of({"gpuwarden_session": refused})
 
 
 def test_the_connector_config_says_what_is_wrong() -> None:

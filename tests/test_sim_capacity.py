@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -259,6 +260,35 @@ async def test_idle_sessions_end(settings: Settings, subjects: Subjects, bus: Bu
         now[0] += 20  # "quiet" idle for 65 s, "busy" for 20 s
         await eventually(lambda: w.stats.expired == 1)
         assert runtime.agent.sessions() == ["busy"] and set(w.last_request) == {"busy"} == set(w.home)
+
+
+async def test_a_session_that_ends_while_no_pod_holds_it_leaves_the_registry_as_ended(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
+) -> None:
+    """Its pod drained away (evicted after its preStop save) and its client closing it before any pod brought it
+    back: a pod takes it and ends it, so the registry retires its checkpoints and says it ended (what ``gpuwarden
+    drain --wait`` waits for; without it the wait never ends)."""
+    async with mesh(settings, subjects, bus, tmp_path, spec_of(2, kv_blocks=16)) as m:
+        w = m.workload
+        await bus.publish(turn("closed-away", 40, 8))
+        await eventually(lambda: w.stats.served == 1)
+        gone = w.runtimes[w.home["closed-away"]]
+        await eventually(lambda: _located(m.service, "closed-away", gone.info.name), timeout=10)
+        assert await m.cluster.evict("llm", gone.info.name) is EvictionOutcome.EVICTED
+        await eventually(lambda: gone.info.name not in w.runtimes, timeout=20)
+        assert await m.service.registry.newest_checkpoint("closed-away") is not None  # its preStop save
+        await bus.publish(turn("closed-away", 0, 0))  # the client closes it; no pod holds it
+
+        async def ended() -> bool:
+            return (await m.service.registry.where("closed-away")).reason == "ended"
+
+        await eventually(ended, timeout=20)
+        await eventually(lambda: quiet(w), timeout=20)
+        assert w.stats.lost == 0 and "closed-away" not in w.versions and w.tracked()["home"] == 0
+
+
+async def _located(service: Any, sid: str, pod: str) -> bool:
+    return (await service.registry.where(sid)).pod == pod
 
 
 async def test_structures_stay_bounded_after_many_sessions_and_a_pod_deletion(

@@ -135,6 +135,7 @@ class Simulation:
             journal_s=journal_settings().interval_s,
         )
         await self.workload.start()
+        ctx.on_stop(self.workload.end_engines)
         ctx.status["simulation"] = self.workload.status
         ctx.telemetry.registry.register(WorkloadCollector(self.workload))
         # a dcgm-exporter page per node, all on one port, each announced in Redis for the metrics service

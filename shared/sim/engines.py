@@ -1,7 +1,7 @@
 """The engines the simulated pods run: what turns a request into KV blocks, and a restored checkpoint back into a
 session that goes on.
 
-Two kinds, chosen per deployment by the spec (``model.engine``):
+Three kinds, chosen per deployment by the spec (``model.engine``):
 
 - ``synthetic``: blocks sized like the model's and filled deterministically from the session id and block index
   (``expected_block``), so any copy anywhere can be verified byte for byte. Cheap at any model size: the kind for
@@ -10,6 +10,10 @@ Two kinds, chosen per deployment by the spec (``model.engine``):
   prefills each prompt and decodes greedily, its cache tracked into the agent's blocks
   (``shared.kv.engines.chat``). A restored session is checked by continuing it beside a reference run that
   recomputes the conversation from its tokens: the same tokens and bit-identical logits, or the check fails.
+
+- ``vllm``: the same tiny Llama served by vLLM's CPU build, one engine process per pod with gpuwarden's KV
+  connector in it (``shared.sim.vllmpods``); a restored session is checked against the conversation replayed in
+  vLLM.
 
 Only ``engine_for`` reaches the transformers engine, through a function-level import, so the simulation runs
 without torch unless a deployment asks for a real model (the import contract allows exactly that import).
@@ -70,6 +74,10 @@ class PodEngine(Protocol):
 
     def release(self, session_id: str) -> None:
         """The pod's engine memory of the session is gone (preempted, ended, moved, pod stopped)."""
+        ...
+
+    async def close(self, kill: bool = False) -> None:
+        """The pod is gone (``kill``: without a preStop): what the engine runs apart from the simulation ends."""
         ...
 
 
@@ -169,6 +177,9 @@ class SyntheticPod:
     def release(self, session_id: str) -> None:
         return None
 
+    async def close(self, kill: bool = False) -> None:
+        return None
+
 
 class SyntheticEngine:
     def __init__(self, model: ModelShape) -> None:
@@ -211,7 +222,7 @@ def engine_for(deployment: DeploymentSpec, version: str = "") -> DeploymentEngin
                 "(deploy/sim/synthetic.yaml)"
             ) from None
 
-        return ChatModel.tiny(
+        chat: DeploymentEngine = ChatModel.tiny(
             model_id=model.model_id,
             model_version=model.model_version,
             layers=model.layers,
@@ -224,4 +235,9 @@ def engine_for(deployment: DeploymentSpec, version: str = "") -> DeploymentEngin
             block_tokens=model.block_tokens,
             seed=model.seed,
         )
+        return chat
+    if model.engine == "vllm":
+        from shared.sim.vllmpods import VllmEngine  # vLLM runs in engine processes of its own: none imported here
+
+        return VllmEngine(model)
     return SyntheticEngine(model)

@@ -77,6 +77,15 @@ class PodRuntime:
         for engine in self.engines.values():
             engine.release(session_id)
 
+    async def close_engines(self, kill: bool = False) -> None:
+        """The pod is gone: each of its engines ends what it runs apart from the simulation (a vLLM pod's engine
+        process: stopped, or killed with the pod); one that fails to is logged."""
+        for version, engine in list(self.engines.items()):
+            try:
+                await engine.close(kill=kill)
+            except Exception as exc:
+                log.warning("engine close failed", extra={"pod": self.info.name, "version": version, "error": str(exc)})
+
     async def final_save(self, deadline_s: float) -> bool:
         """The preStop hook's save, recorded by the checkpoint service; False (logged) when it failed."""
         try:

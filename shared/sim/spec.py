@@ -45,6 +45,8 @@ from shared.sim.drasched import DEVICE_CLASSES, DeviceRequest, Selector, Selecto
 Name = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 MIB = 2**20
+VLLM_CPU_BLOCK = 32
+"""vLLM's CPU attention backend accepts only block sizes that are multiples of this."""
 _NAME_RE = re.compile(TOKEN_PATTERN)
 
 
@@ -124,9 +126,12 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ``engine``: ``synthetic`` (blocks of this geometry filled from the session id: any model size, no compute) or
     ``transformers`` (a real Llama of this shape, ``attention_heads`` query heads (0: twice ``kv_heads``) and a
     ``vocab_size`` vocabulary, its weights drawn from ``seed``; it really prefills and decodes, so keep it tiny).
-    A real model's layout (tokenizer, weights digest) is read from the model, not from ``tokenizer_id``."""
+    A real model's layout (tokenizer, weights digest) is read from the model, not from ``tokenizer_id``.
+    ``vllm``: the same tiny Llama served by vLLM's CPU build, one engine process per pod with gpuwarden's connector
+    (``shared.sim.vllmpods``): float32 only, and ``block_tokens`` (vLLM's block size) a multiple of 32, as vLLM's CPU
+    attention backend requires."""
 
-    engine: Literal["synthetic", "transformers"] = "synthetic"
+    engine: Literal["synthetic", "transformers", "vllm"] = "synthetic"
 
     model_id: str = LLAMA_3_8B.model_id
     model_version: str = LLAMA_3_8B.model_version
@@ -144,8 +149,16 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.engine != "transformers":
+        if self.engine == "synthetic":
             return
+        if self.engine == "vllm":
+            if self.dtype != "float32":
+                raise SpecError(f"model.dtype: a vllm engine here runs float32 (vLLM's CPU build), not {self.dtype!r}")
+            if self.block_tokens % VLLM_CPU_BLOCK:
+                raise SpecError(
+                    f"model.block_tokens: vLLM's CPU attention backend takes blocks of a multiple of "
+                    f"{VLLM_CPU_BLOCK} tokens, not {self.block_tokens}"
+                )
         sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
         if self.dtype not in sizes:
             raise SpecError(f"model.dtype: a transformers engine runs {', '.join(sizes)}, not {self.dtype!r}")

@@ -173,11 +173,17 @@ class SimWorkload:
                 task.cancel()
         for runtime in list(self.runtimes.values()):
             await runtime.endpoint.stop()
+            await runtime.close_engines()
             if runtime.link is not None:
                 await runtime.link.close()
         self.runtimes.clear()
         if self.gateway is not None:
             await self.gateway.close()
+
+    async def end_engines(self) -> None:
+        """The simulation stops: what its pods' engines run apart from it (a vLLM pod's engine process, its folder)
+        ends at once, as the pods' memory does; the registry is left as it is (a restarted simulation finds it)."""
+        await asyncio.gather(*(r.close_engines(kill=True) for r in self.runtimes.values()))
 
     def _spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
         """Run ``work`` in the background; the task is forgotten once it is done."""
@@ -247,6 +253,7 @@ class SimWorkload:
             for sid in [s for s, pod in self.home.items() if pod == name]:
                 del self.home[sid]
             await runtime.endpoint.stop()  # it leaves: the registry hears its sessions are no longer held
+            await runtime.close_engines(kill=killed)
             if runtime.link is not None:
                 await runtime.link.close()
             del self.runtimes[name]
@@ -387,6 +394,9 @@ class SimWorkload:
         owner = self.runtimes.get(preempted.pod) if preempted is not None else None
         if owner is not None:
             owner.endpoint.end_session(session_id)  # the pod that owned it last retires its checkpoints
+        elif not held and (session_id in self.versions or session_id in self.last_request):
+            version = self.versions.get(session_id)
+            self._spawn(self._end_unheld(session_id, version), f"end-{session_id}")
         for engine in self.engines.values():
             engine.end(session_id)
         self.home.pop(session_id, None)
@@ -394,6 +404,29 @@ class SimWorkload:
         self.last_request.pop(session_id, None)
         self.killed.pop(session_id, None)
         return held
+
+    async def _end_unheld(self, session_id: str, version: str | None) -> None:
+        """A live session ended while no pod held it (its pod drained or killed, its next request not come yet):
+        a pod takes it and ends it at once, as a server does that gets a conversation's last request, so that the
+        registry retires its checkpoints and says it ended (``kv.session.location`` ``ended``: what ``gpuwarden
+        drain --wait`` counts such a session by). Only the pod that took its newest generation can end it; the
+        drained pod is gone. Nothing to do when no pod serves its version any more (retention retires it)."""
+        candidates = [
+            r for r in self.runtimes.values() if not r.stopping and (version is None or version in r.agent.layouts)
+        ]
+        if not candidates:
+            return
+        runtime = min(candidates, key=lambda r: (len(r.agent.sessions()), r.info.name))
+        async with self._locks.hold(session_id):
+            if session_id in runtime.agent.sessions() or self.versions.get(session_id) is not None:
+                return  # it came back meanwhile: a new conversation under the same id, served as such
+            layout = runtime.agent.layouts.get(version) if version is not None else None
+            try:
+                await runtime.endpoint.start_session(session_id, layout=layout)
+            except (SessionHeld, TimeoutError, LocateRefused) as exc:
+                log.warning("ended session not retired", extra={"session": session_id, "error": str(exc)})
+                return
+            runtime.endpoint.end_session(session_id)
 
     def retire(self, session_id: str, reason: str) -> None:
         """End the session for good with ``reason``: its later requests are refused, not served on another model
@@ -421,7 +454,7 @@ class SimWorkload:
             for version in list(runtime.engines):
                 waiting = any(p.pod == runtime.info.name and p.version == version for p in self.preempted.values())
                 if not waiting and runtime.agent.release(version):
-                    del runtime.engines[version]
+                    self._spawn(runtime.engines.pop(version).close(), f"close-{runtime.info.name}-{version}")
                     log.info("model version released", extra={"pod": runtime.info.name, "version": version})
 
     def end_pinned_soon(self, pod: str, version: str, reason: str) -> None:

@@ -13,9 +13,12 @@ rest of ``shared.kv`` imports without them.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.manifest import CheckpointManifest, KvLayout
@@ -99,3 +102,10 @@ async def restore_cache(
                 return engine.rebuild(restored.blocks, restored.manifest.token_count), restored
     restored = await agent.restore(session_id, **restore)
     return engine.rebuild(restored.blocks, restored.manifest.token_count), restored
+
+
+def prompt_ids(session_id: str, turn: int, count: int, vocab_size: int) -> list[int]:
+    """The prompt of turn ``turn`` of a session: ``count`` token ids, the same in every process."""
+    seed = int.from_bytes(hashlib.blake2b(f"{session_id}#{turn}".encode(), digest_size=8).digest(), "little")
+    ids = np.random.Generator(np.random.PCG64(seed)).integers(2, vocab_size, count)
+    return [int(t) for t in ids]

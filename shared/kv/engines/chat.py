@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache
 
 from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.engines import SessionCheck as Check
-from shared.kv.engines import blocks_for
+from shared.kv.engines import blocks_for, prompt_ids
 from shared.kv.engines.huggingface import TransformersEngine
 from shared.kv.manifest import KvLayout, tokens_digest_of
 
@@ -90,13 +88,6 @@ class Conversation:
             if at > tokens:
                 break
         return None
-
-
-def prompt_ids(session_id: str, turn: int, count: int, vocab_size: int) -> list[int]:
-    """The prompt of turn ``turn`` of a session: ``count`` token ids, the same in every process."""
-    seed = int.from_bytes(hashlib.blake2b(f"{session_id}#{turn}".encode(), digest_size=8).digest(), "little")
-    ids = np.random.Generator(np.random.PCG64(seed)).integers(2, vocab_size, count)
-    return [int(t) for t in ids]
 
 
 def tiny_llama(
@@ -350,3 +341,6 @@ class ChatPod:
 
     def release(self, session_id: str) -> None:
         self.caches.pop(session_id, None)
+
+    async def close(self, kill: bool = False) -> None:
+        self.caches.clear()

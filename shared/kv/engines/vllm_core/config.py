@@ -4,11 +4,11 @@ the session a request names in its ``kv_transfer_params``."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shared.contract.base import id_problem
 from shared.kv.engines.vllm_core.paged import PagedLayout
 
 SESSION_KEY = "gpuwarden_session"
@@ -110,10 +110,12 @@ def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
 
 def session_of(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str, bool] | None:
     """``(session id, ends)`` of a request, from its ``kv_transfer_params``; None when it names no session.
-    A session id that is not a short plain token is refused with a one-line ``ValueError``."""
+    A session id the contract would refuse (``shared.contract.base.id_problem``: letters, digits, '-' and '_', at
+    most 128) is refused here with its one-line ``ValueError``, before the agent or the checkpoint service see it."""
     if not kv_transfer_params or SESSION_KEY not in kv_transfer_params:
         return None
     sid = kv_transfer_params[SESSION_KEY]
-    if not isinstance(sid, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}", sid):
-        raise ValueError(f"{SESSION_KEY}={sid!r}: a session id is 1-128 letters, digits, '_', '.', ':' or '-'")
+    problem = id_problem("session", sid)
+    if problem:
+        raise ValueError(f"{SESSION_KEY}: {problem}")
     return sid, bool(kv_transfer_params.get(END_KEY, False))
