@@ -169,3 +169,31 @@ def test_a_large_fleet_table_lists_the_nodes_that_need_attention_first_and_count
     listed = [i for i in range(50) if f"node-{i:03} " in large]
     assert listed == [*range(8), 48, 49], listed
     assert "... and 40 more nodes (2 need attention" in large and "0 of them not listed" in large
+
+
+def test_the_sessions_table_says_how_each_session_got_where_it_is_and_no_size_before_a_checkpoint() -> None:
+    """``restored+verified``: ``yes`` (restored on the pod that holds it, under the generation it holds, every
+    digest checked), ``gen N`` (its last verified restore was under an earlier generation, elsewhere), ``-`` (never
+    restored); a session with no checkpoint yet shows no bytes or tokens, only ``none yet``."""
+    import io
+
+    from rich.console import Console
+
+    from shared.console.render import status_tables
+    from shared.console.snapshot import CheckpointView, MeshStatus, SessionView
+
+    saved = CheckpointView(id="c1", at=0.0, bytes=49152, tokens=95)
+    sessions = [
+        SessionView(id="s-restored", pod="p1", node="n1", generation=2, bytes=49152, tokens=95, last_checkpoint=saved),
+        SessionView(id="s-moved-on", pod="p1", node="n1", generation=3, restored_generation=2),
+        SessionView(id="s-fresh", pod="p1", node="n1", generation=1, bytes=49152, tokens=95, last_checkpoint=saved),
+    ]
+    sessions[0].verified_after_restore = True
+    status = MeshStatus(taken_at=5.0, root="t", simulated=True, nodes=[], deployments=[], sessions=sessions, drains=[])
+    out = io.StringIO()
+    Console(file=out, width=200).print(status_tables(status))
+    rows = {line.split()[1]: line.split("│")[1:-1] for line in out.getvalue().splitlines() if "│ s-" in line}
+    cells = {sid: [cell.strip() for cell in row] for sid, row in rows.items()}
+    assert cells["s-restored"][3:] == ["2", "48.0 KiB", "95", "5s ago", "yes"], cells
+    assert cells["s-moved-on"][3:] == ["3", "-", "-", "none yet", "gen 2"], cells
+    assert cells["s-fresh"][3:] == ["1", "48.0 KiB", "95", "5s ago", "-"], cells
