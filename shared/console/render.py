@@ -27,7 +27,7 @@ def restored_column(session: SessionView) -> str:
     """The ``restored+verified`` column: ``yes`` when the pod holding the session restored it from a checkpoint
     under the generation it holds and every digest checked out; ``gen N`` when its last verified restore was under
     an earlier generation N (on another pod; this one took it since without a restore: started afresh or recomputed);
-    ``-`` when it was never restored (started where it is)."""
+    ``-`` when it was never restored from a checkpoint (started, or recomputed from its tokens, where it is)."""
     if session.verified_after_restore:
         return "yes"
     if session.restored_generation is not None:
