@@ -169,3 +169,62 @@ def test_a_large_fleet_table_lists_the_nodes_that_need_attention_first_and_count
     listed = [i for i in range(50) if f"node-{i:03} " in large]
     assert listed == [*range(8), 48, 49], listed
     assert "... and 40 more nodes (2 need attention" in large and "0 of them not listed" in large
+
+
+def test_the_sessions_table_says_how_each_session_got_where_it_is_and_no_size_before_a_checkpoint() -> None:
+    """``restored+verified``: ``yes`` (restored on the pod that holds it, under the generation it holds, every
+    digest checked), ``gen N`` (its last verified restore was under an earlier generation, elsewhere), ``-`` (never
+    restored); a session with no checkpoint yet shows no bytes or tokens, only ``none yet``."""
+    import io
+
+    from rich.console import Console
+
+    from shared.console.render import status_tables
+    from shared.console.snapshot import CheckpointView, MeshStatus, SessionView
+
+    saved = CheckpointView(id="c1", at=0.0, bytes=49152, tokens=95)
+    sessions = [
+        SessionView(id="s-restored", pod="p1", node="n1", generation=2, bytes=49152, tokens=95, last_checkpoint=saved),
+        SessionView(id="s-moved-on", pod="p1", node="n1", generation=3, restored_generation=2),
+        SessionView(id="s-fresh", pod="p1", node="n1", generation=1, bytes=49152, tokens=95, last_checkpoint=saved),
+    ]
+    sessions[0].verified_after_restore = True
+    status = MeshStatus(taken_at=5.0, root="t", simulated=True, nodes=[], deployments=[], sessions=sessions, drains=[])
+    out = io.StringIO()
+    Console(file=out, width=200).print(status_tables(status))
+    rows = {line.split()[1]: line.split("│")[1:-1] for line in out.getvalue().splitlines() if "│ s-" in line}
+    cells = {sid: [cell.strip() for cell in row] for sid, row in rows.items()}
+    assert cells["s-restored"][3:] == ["2", "48.0 KiB", "95", "5s ago", "yes"], cells
+    assert cells["s-moved-on"][3:] == ["3", "-", "-", "none yet", "gen 2"], cells
+    assert cells["s-fresh"][3:] == ["1", "48.0 KiB", "95", "5s ago", "-"], cells
+
+
+async def test_status_reads_how_each_session_got_to_its_pod_from_its_newest_restore(
+    settings: Settings, subjects: Subjects, bus: Bus, redis_client: aioredis.Redis
+) -> None:
+    """``restored+verified`` from the events stream: a restore by the pod and generation that hold the session is
+    ``yes``; a restore under an earlier generation (it moved on since, without one) is that generation; no restore
+    is neither. The page of sessions comes from a responder standing in for the checkpoint service."""
+    from shared.console.snapshot import read_sessions
+    from shared.contract.checkpoint import SessionRestored
+    from shared.contract.sessions import SessionRecord, SessionsPage, SessionsQuery
+
+    await bus.ensure_streams()
+    records = [
+        SessionRecord(session_id="s-here", pod="p-2", node="n-2", generation=2, checkpoint_id="c-1", checkpoint_at=1.0),
+        SessionRecord(session_id="s-moved", pod="p-3", node="n-3", generation=3),
+        SessionRecord(session_id="s-fresh", pod="p-1", node="n-1", generation=1),
+    ]
+
+    async def page(query: SessionsQuery) -> SessionsPage:
+        return SessionsPage(sessions=records)
+
+    await bus.serve(subjects.command("checkpoint", "sessions"), page, (SessionsQuery,))
+    await bus.publish(SessionRestored(session_id="s-here", checkpoint_id="c-1", pod="p-2", node="n-2", generation=2))
+    await bus.publish(SessionRestored(session_id="s-moved", checkpoint_id="c-2", pod="p-2", node="n-2", generation=2))
+
+    views = {v.id: v for v in await read_sessions(MeshClient(settings, bus, redis_client, None))}
+    assert (views["s-here"].verified_after_restore, views["s-here"].restored_generation) == (True, None)
+    assert views["s-here"].restored_from == "c-1"
+    assert (views["s-moved"].verified_after_restore, views["s-moved"].restored_generation) == (None, 2)
+    assert (views["s-fresh"].verified_after_restore, views["s-fresh"].restored_generation) == (None, None)

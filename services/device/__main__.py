@@ -3,7 +3,7 @@
 
 from dataclasses import replace
 
-from shared.host.entry import main
+from shared.host.entry import exit_now, main
 from shared.host.hollow import HollowPlan
 from shared.plumbing.errors import SettingsError
 from shared.wiring import HollowWiring, Wiring
@@ -22,4 +22,4 @@ def hollow_instance(first: bool) -> DeviceService:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main("device", DeviceService, Wiring, HollowPlan(hollow_instance, HollowWiring)))
+    exit_now(main("device", DeviceService, Wiring, HollowPlan(hollow_instance, HollowWiring)))

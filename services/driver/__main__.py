@@ -3,7 +3,7 @@
 
 from dataclasses import replace
 
-from shared.host.entry import main
+from shared.host.entry import exit_now, main
 from shared.host.hollow import HollowPlan
 from shared.wiring import HollowWiring, Wiring
 
@@ -19,4 +19,4 @@ def hollow_instance(first: bool) -> DriverService:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main("driver", DriverService, Wiring, HollowPlan(hollow_instance, HollowWiring)))
+    exit_now(main("driver", DriverService, Wiring, HollowPlan(hollow_instance, HollowWiring)))

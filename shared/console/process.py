@@ -407,26 +407,44 @@ def _run_mesh(
                 if proc.poll() is not None and not stopping:
                     restarts[label] = restarts.get(label, 0) + 1
                     print(f"  {label} exited with {proc.returncode}; restarting (#{restarts[label]})", flush=True)
-                    time.sleep(min(restarts[label], 5))
+                    backoff = time.monotonic() + min(restarts[label], 5)
+                    while not stopping and time.monotonic() < backoff:  # a stop ends the back-off at once
+                        time.sleep(0.1)
+                    if stopping:
+                        break
                     launch(label, name, child)
                     changed = True
             if changed:
                 record()
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for label, proc in procs.items():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                print(f"  {label} did not stop within 15 s of SIGTERM; killed", flush=True)
-                proc.kill()
-                proc.wait()
+        # In order: the simulated cluster and workload first (its requests and pods would otherwise call on services
+        # already gone, and its teardown compete with theirs for the CPU), then the services, then the auth callout
+        # they authenticate through; NATS and Redis after this returns (run_foreground).
+        for group in (["sim"], [label for label in procs if label not in ("sim", "auth")], ["auth"]):
+            _stop_all({label: procs[label] for label in group if label in procs})
         for sock in listeners.values():
             sock.close()
     print("stopped", flush=True)
     return 0
+
+
+STOP_WAIT_S = 15.0
+"""How long ``up`` waits for a process it sent SIGTERM before it kills it."""
+
+
+def _stop_all(procs: Mapping[str, subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every process of ``procs`` at once, then wait for each (``STOP_WAIT_S`` in all; then SIGKILL)."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for label, proc in procs.items():
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"  {label} did not stop within {STOP_WAIT_S:g} s of SIGTERM; killed", flush=True)
+            proc.kill()
+            proc.wait()
 
 
 def banner(state: dict[str, Any], base: Path) -> str:

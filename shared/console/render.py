@@ -9,7 +9,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from shared.console.snapshot import MeshStatus, NodeView
+from shared.console.snapshot import MeshStatus, NodeView, SessionView
 
 
 def _mib(value: float | None) -> str:
@@ -21,6 +21,18 @@ def _bytes(value: int) -> str:
         if value >= size:
             return f"{value / size:.1f} {unit}"
     return f"{value} B"
+
+
+def restored_column(session: SessionView) -> str:
+    """The ``restored+verified`` column: ``yes`` when the pod holding the session restored it from a checkpoint
+    under the generation it holds and every digest checked out; ``gen N`` when its last verified restore was under
+    an earlier generation N (on another pod; this one took it since without a restore: started afresh or recomputed);
+    ``-`` when it was never restored from a checkpoint (started, or recomputed from its tokens, where it is)."""
+    if session.verified_after_restore:
+        return "yes"
+    if session.restored_generation is not None:
+        return f"gen {session.restored_generation}"
+    return "-"
 
 
 def _ago(at: float | None, now: float) -> str:
@@ -99,14 +111,14 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40, max_nodes: int 
         sessions.add_column(column)
     for session in status.sessions[:max_sessions]:
         last = session.last_checkpoint
-        verified = {True: "yes", None: "-"}.get(session.verified_after_restore, "NO")
+        verified = restored_column(session)
         sessions.add_row(
             session.id,
             session.pod if session.state == "held" else Text(f"{session.pod} (moving)", style="yellow"),
             session.node,
             str(session.generation),
-            _bytes(session.bytes),
-            str(session.tokens),
+            _bytes(session.bytes) if last else "-",  # nothing saved yet: no size to show
+            str(session.tokens) if last else "-",
             _ago(last.at, now) if last else "none yet",
             verified,
         )

@@ -136,6 +136,9 @@ class SessionView(msgspec.Struct, kw_only=True):
     """True: the pod holding it now restored it and every digest checked out; None: it did not come from a
     checkpoint on this pod (started or recomputed here)."""
     restored_from: str = ""
+    restored_generation: int | None = None
+    """The generation under which it was last restored and verified, when that is not the generation it is held
+    under now (it was restored on an earlier pod, then taken by this one without a restore); else None."""
     state: str = "held"
     """held: its pod runs; moving: its pod is terminating or gone, and the session is restored elsewhere on its
     next request (the registry drops it once the pod's announcements lapse)."""
@@ -560,9 +563,13 @@ async def read_sessions(
     restored = await mesh.last_events(restored_of.values())
     for view in out:
         event = restored.get(restored_of[view.id])
-        if isinstance(event, SessionRestored) and event.pod == view.pod and event.generation == view.generation:
+        if not isinstance(event, SessionRestored):
+            continue
+        if event.pod == view.pod and event.generation == view.generation:
             view.verified_after_restore = True
             view.restored_from = event.checkpoint_id
+        else:
+            view.restored_generation = event.generation
     return sorted(out, key=lambda v: (v.node, v.pod, v.id))
 
 

@@ -4,9 +4,12 @@ neither imports the other."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from shared.host.hollow import HollowPlan, HollowSettings, run_hollow
 from shared.host.runner import BackendsFactory, Service, run
@@ -34,3 +37,16 @@ def main(
     if nodes and hollow is not None:
         return run_hollow(name, hollow_settings, hollow, os.environ)
     return run(service, backends)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a service's process once ``main`` returned, without the interpreter's teardown. By then the runner has
+    stopped the service in order (consumers, loops, stop hooks, connections: ``shared.host.runner``); what is left
+    is freeing every object of the interpreter, which takes a CPU-bound second or more per process when a dozen
+    stop at once on a busy 2-core machine (and seconds with torch and transformers loaded), all of which
+    ``gpuwarden down`` would wait for. Only the logs and stdio are left to flush, and they are flushed here."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -47,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from shared.contract.base import Event, id_problem, subject_token
 from shared.contract.config import ConfigApplied
 from shared.contract.subjects import Subjects
-from shared.host.runner import Service, ServiceContext
+from shared.host.runner import Service, ServiceContext, run_main
 from shared.plumbing import logs
 from shared.plumbing.bus import Bus, Handler
 from shared.plumbing.configsync import ConfigWatcher, VersionedConfig, share_redis_pool, warm_pool
@@ -568,4 +568,4 @@ def run_hollow(service: str, hollow: HollowSettings, plan: HollowPlan, env: Mapp
         log.info("stopped")
         return 0
 
-    return asyncio.run(main())
+    return run_main(main())

@@ -22,7 +22,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 STOP_HOOK_TIMEOUT_S = 5.0
 """How long one stop hook may take; past it, shutdown goes on without it (logged)."""
+
+EXIT_TASKS_S = 2.0
+"""At the end of ``run``, how long the tasks still running after the service stopped (a library's own, a loop's
+child it did not await) get to end once cancelled; past it the process exits without them (logged)."""
 
 BackendsFactory = Callable[[Settings, Subjects, Bus], Backends]
 """How the runner gets a service's ports: ``shared.wiring.Wiring`` in every ``__main__``; tests may hand their own."""
@@ -330,4 +334,36 @@ def run(service: Service, backends: BackendsFactory | None = None, settings: Set
         log.info("stopped")
         return 0
 
-    return asyncio.run(main())
+    return run_main(main())
+
+
+def run_main(main: Coroutine[Any, Any, int]) -> int:
+    """``asyncio.run(main)`` for a process that runs services: the same, but its end never waits without end
+    (``close_promptly``)."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        close_promptly(loop)
+
+
+def close_promptly(loop: asyncio.AbstractEventLoop, tasks_s: float = EXIT_TASKS_S) -> None:
+    """Close ``loop`` as ``asyncio.run`` does, but never wait without end: the tasks still running are cancelled
+    and get ``tasks_s`` to end, and the default executor's threads (a blocking call, such as a DNS lookup, that a
+    stopped service no longer waits for) are not waited for: they end with the process. ``gpuwarden down`` waits
+    for every process it stopped, so a service's exit is not to hang on either."""
+    try:
+        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            _, stuck = loop.run_until_complete(asyncio.wait(pending, timeout=tasks_s))
+            if stuck:
+                names = sorted(task.get_name() for task in stuck)
+                log.warning("tasks still running at exit; leaving them", extra={"tasks": names})
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), tasks_s))
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()  # shuts the default executor down without waiting for its threads

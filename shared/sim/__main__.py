@@ -14,16 +14,16 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import redis.exceptions
 
 from shared.contract.permissions import AGENT, Identity, identity_name, inbox_prefix
+from shared.host.entry import exit_now
 from shared.host.runner import ServiceContext, run
 from shared.kv.journal import journal_settings
 from shared.kv.stores import StoreSettings
@@ -257,17 +257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
     return 0
-
-
-def exit_now(code: int) -> NoReturn:
-    """End the process once ``main`` returned, without the interpreter's teardown: with torch and transformers
-    loaded that takes seconds (15 s on a busy 2-core machine), which ``gpuwarden down`` would wait for. Everything
-    of the simulation's is stopped, closed and flushed by then; only the logs and stdio are left to flush."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
