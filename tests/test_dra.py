@@ -336,7 +336,8 @@ async def test_xids_and_a_lost_gpu_become_taints_on_exactly_that_gpus_devices(
         await runner.stop()
 
 
-async def test_a_recovered_gpu_loses_its_taint_and_the_slice_is_written_again(folder: Path) -> None:
+def recording_driver(folder: Path) -> tuple[DraDriver, list[ResourceSlice]]:
+    """A DRA driver of node n1 whose cluster only records the slices it is given to publish."""
     published: list[ResourceSlice] = []
 
     class Recording:
@@ -347,7 +348,11 @@ async def test_a_recovered_gpu_loses_its_taint_and_the_slice_is_written_again(fo
     async def connect() -> Any:
         return Recording()
 
-    driver = DraDriver(dra_settings(folder), "n1", connect)
+    return DraDriver(dra_settings(folder), "n1", connect), published
+
+
+async def test_a_recovered_gpu_loses_its_taint_and_the_slice_is_written_again(folder: Path) -> None:
+    driver, published = recording_driver(folder)
     inventory = DeviceInventory(node="n1", gpus=[h100(0), h100(1)])
     driver.want(inventory, {"GPU-1": "unhealthy"}, {"GPU-1": 48})
     assert await driver.publish()
@@ -365,17 +370,7 @@ async def test_while_the_mig_controller_changes_the_layout_no_device_is_offered_
     """The MIG controller pauses every advertiser after its drain saved the sessions: the DRA driver taints every
     device of its slice NoSchedule (running pods stay; no new claim gets a device being torn down), keeps the health
     taints beside it, and the slice is clean again on resume."""
-    published: list[ResourceSlice] = []
-
-    class Recording:
-        async def publish_resource_slice(self, resource_slice: ResourceSlice) -> bool:
-            published.append(resource_slice)
-            return True
-
-    async def connect() -> Any:
-        return Recording()
-
-    driver = DraDriver(dra_settings(folder), "n1", connect)
+    driver, published = recording_driver(folder)
     driver.want(DeviceInventory(node="n1", gpus=[h100(0), h100(1)]), {"GPU-1": "unhealthy"}, {"GPU-1": 48})
     assert await driver.publish()
     await driver.pause()

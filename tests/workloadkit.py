@@ -27,6 +27,7 @@ from shared.sim.conversations import Conversations
 from shared.sim.spec import DeploymentSpec, GpuSpec, ModelShape, NodeSpec, SimSpec
 from shared.sim.workload import SimWorkload
 from shared.wiring import Wiring
+from tests.faults.checker import check_invariants
 from tests.helpers import eventually
 
 SMALL_MODEL = ModelShape(layers=2, kv_heads=2, head_dim=64, block_tokens=16, max_model_len=256)  # 16 KiB blocks
@@ -107,3 +108,13 @@ def turn(sid: str, prompt: int, new: int = 0) -> InferenceRequest:
     return InferenceRequest(
         namespace="llm", deployment="llama", session_id=sid, prompt_tokens=prompt, max_new_tokens=new
     )
+
+
+async def check_store(workload: SimWorkload, settings: Settings, subjects: Subjects, min_checkpoints: int) -> None:
+    """The fault checker over the workload's store and the registry (``check_invariants``): any problem fails."""
+    client = redis_client(settings.redis)
+    try:
+        found = await check_invariants(workload.store, client, subjects, min_checkpoints=min_checkpoints)
+    finally:
+        await client.aclose()
+    assert found, found.problems

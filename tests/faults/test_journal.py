@@ -19,9 +19,8 @@ from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
 from shared.sim.faults import KillPodFault, LoseGpuFault, LoseNodeFault, apply_fault
 from shared.sim.spec import TINY_LLAMA, GpuSpec, NodeSpec
-from tests.faults.checker import check_invariants
 from tests.helpers import eventually
-from tests.workloadkit import Mesh, mesh, spec_of, turn
+from tests.workloadkit import Mesh, check_store, mesh, spec_of, turn
 
 SESSIONS = 6
 
@@ -83,12 +82,7 @@ async def _run(
         for sid in sorted(moved):
             check = await w.check_session(sid)
             assert check.verified is True, (sid, check.detail)
-        client = redis_client(settings.redis)
-        try:
-            found = await check_invariants(w.store, client, subjects, min_checkpoints=SESSIONS)
-        finally:
-            await client.aclose()
-        assert found, found.problems
+        await check_store(w, settings, subjects, min_checkpoints=SESSIONS)
 
 
 @pytest.mark.parametrize("how", ["kill_pod", "lose_gpu", "lose_node"])

@@ -18,9 +18,8 @@ from shared.plumbing.settings import Settings
 from shared.sim.faults import KillPodFault, apply_fault
 from shared.sim.spec import load_spec
 from shared.sim.vllmpods import VllmPod
-from tests.faults.checker import check_invariants
 from tests.helpers import eventually
-from tests.workloadkit import Mesh, mesh, spec_of, turn
+from tests.workloadkit import Mesh, check_store, mesh, spec_of, turn
 
 pytestmark = [pytest.mark.long, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1500)]
 
@@ -77,9 +76,4 @@ async def test_a_vllm_pod_killed_mid_decode_loses_no_session(
             assert w.home[sid] != pod.info.name
             check = await w.check_session(sid)
             assert check.verified is True, (sid, check.detail)
-        client = redis_client(settings.redis)
-        try:
-            found = await check_invariants(w.store, client, subjects, min_checkpoints=SESSIONS)
-        finally:
-            await client.aclose()
-        assert found, found.problems
+        await check_store(w, settings, subjects, min_checkpoints=SESSIONS)
