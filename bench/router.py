@@ -131,7 +131,7 @@ class NoopServicer(ExternalProcessorServicer):
         super().__init__(EndpointPicker(NAMESPACE, DEPLOYMENT), settings)
         self.fixed = Pick(Outcome.HOLDER, (f"{pod_ip(1)}:{TARGET_PORT}",))
 
-    def _pick(self, exchange: Any, with_body: bool) -> tuple[Pick, bool]:
+    async def _pick(self, exchange: Any, with_body: bool) -> tuple[Pick, bool]:
         exchange.picked = True
         return self.fixed, False
 

@@ -4,6 +4,7 @@ exactly what deploy/rbac/router.yaml grants."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, replace
@@ -257,6 +258,55 @@ async def test_a_replaced_or_restarted_pod_is_not_credited_with_its_predecessors
     await mesh.located("s1", 2, "a")  # the restarted server took s1 again
     await eventually(lambda: first_is(mesh.stub, "s1", "a"), timeout=5)
     assert mesh.picker.picks["holder-gone"] >= 2
+
+
+async def test_a_session_being_moved_waits_for_its_new_holder_never_racing_to_another_pod(mesh: Mesh) -> None:
+    """Its holder's server restarted: the first request hands s1 to the least loaded pod (b); a second request
+    before b's claim is heard waits for it (were it balanced again it might reach another pod, whose claim would be
+    refused), then goes to b once the location says b holds it."""
+    for suffix, used in (("a", 90), ("b", 10), ("c", 50)):
+        await mesh.load(suffix, used)
+    await mesh.located("s1", 1, "a")
+    await eventually(lambda: first_is(mesh.stub, "s1", "a"), timeout=5)
+
+    def restarted(obj: dict[str, Any]) -> None:
+        obj["status"]["containerStatuses"][0]["restartCount"] = 1
+
+    mesh.api.update("pods", NS, pod_name("a"), restarted)
+    await eventually(lambda: mesh.picker.sessions["s1"].holder is not mesh.picker.pods[pod_name("a")], timeout=5)
+    for suffix, used in (("c", 5), ("b", 10)):  # c is the least loaded from now on
+        await mesh.load(suffix, used)
+    await eventually(lambda: mesh.picker.pods[pod_name("c")].blocks_used == 5, timeout=5)
+    handovers = mesh.service.handovers
+    assert handovers is not None
+    first = await route(mesh.stub, "s1")
+    assert first.endpoints[0] == endpoint("c") and handovers.moving("s1", mesh.service.clock()) is not None
+    for suffix, used in (("b", 1), ("c", 60)):  # now b is: a second request balanced again would go there
+        await mesh.load(suffix, used)
+    await eventually(lambda: mesh.picker.pods[pod_name("c")].blocks_used == 60, timeout=5)
+    second = asyncio.ensure_future(route(mesh.stub, "s1"))
+    await eventually(lambda: handovers.waited == 1, timeout=5)
+    assert not second.done()
+    await mesh.located("s1", 2, "c")  # c claimed it
+    assert (await second).endpoints[0] == endpoint("c")
+    assert handovers.heard_in_time == 1 and mesh.picker.picks["handover-timeout"] == 0
+
+
+async def test_past_the_handover_wait_a_request_is_answered_503_and_the_retry_hands_over_afresh(
+    api: FakeKubeApi, settings: Settings, bus: Bus
+) -> None:
+    await bus.ensure_streams()
+    mesh = await start_router(api, settings, bus, handover_wait_s=0.3)
+    try:
+        await mesh.located("s1", 1, None)  # known, held by no pod
+        await eventually(lambda: "s1" in mesh.picker.sessions, timeout=5)
+        assert (await route(mesh.stub, "s1")).status == 200  # handed over
+        assert (await route(mesh.stub, "s1")).status == 503  # nothing heard within the wait
+        assert mesh.picker.picks["handover-timeout"] == 1
+        assert (await route(mesh.stub, "s1")).status == 200  # the retry: handed over again
+    finally:
+        await mesh.channel.close()
+        await mesh.running.stop(grace=1)
 
 
 async def test_a_request_without_a_session_goes_to_the_least_loaded_pod_and_is_shed_when_all_are_full(

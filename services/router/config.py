@@ -87,6 +87,14 @@ class RouterSettings:
         "router: seconds between two listings of the pool's pods when the cluster's watch says nothing",
         parse=seconds(minimum=0.1, maximum=3600),
     )
+    handover_wait_s: float = setting(
+        "GPUWARDEN_ROUTER_HANDOVER_WAIT_S",
+        10.0,
+        "router: seconds a request of a session being moved (handed to a pod, its new location not heard yet) "
+        "waits for the new holder instead of going to a pod that does not hold it; past it 503 (the client "
+        "retries); 0 never waits",
+        parse=seconds(minimum=0, maximum=300),
+    )
 
     @property
     def namespace(self) -> str:

@@ -19,6 +19,7 @@ from shared.host.runner import ServiceContext
 from .adapters import LocationReader, PodFollower, follow_reconnects
 from .config import RouterSettings, load
 from .extproc import Clock, ExternalProcessorServicer, RouterServer
+from .handover import Handovers
 from .picker import EndpointPicker
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class RouterService:
         self.clock = clock
         self.picker: EndpointPicker | None = None
         self.servicer: ExternalProcessorServicer | None = None
+        self.handovers: Handovers | None = None
         self.port = 0
 
     async def start(self, ctx: ServiceContext) -> None:
@@ -46,10 +48,13 @@ class RouterService:
             load_stale_s=settings.load_stale_s,
             max_sessions=settings.max_sessions,
         )
+        handovers = self.handovers = Handovers(settings.handover_wait_s)
 
         async def on_location(event: SessionLocation) -> None:
-            """Idempotent: an older or repeated location changes nothing (``EndpointPicker.on_location``)."""
-            picker.on_location(event)
+            """Idempotent: an older or repeated location changes nothing (``EndpointPicker.on_location``); a newer
+            one ends the session's handover (its waiting requests pick again)."""
+            if picker.on_location(event):
+                handovers.on_location(event.session_id)
 
         async def on_load(event: PodLoad) -> None:
             """Idempotent: the newest report of a pod replaces the last."""
@@ -73,12 +78,13 @@ class RouterService:
         ctx.spawn(pods.watch, "router-pod-watch")
         ctx.spawn(pods.relist, "router-pod-list")
 
-        servicer = self.servicer = ExternalProcessorServicer(picker, settings, self.clock)
+        servicer = self.servicer = ExternalProcessorServicer(picker, settings, self.clock, handovers)
         server = RouterServer(servicer, settings, serving=lambda: ctx.bus.connected)
         self.port = await server.start()
         ctx.on_stop(lambda: server.stop(grace=1.0))
         ctx.status["grpc"] = f"{settings.listen.host}:{self.port}"
         ctx.status["routing"] = picker.status
+        ctx.status["handovers"] = handovers.status
         ctx.status["locations_read_back"] = lambda: reader.read
         ctx.status["streams_refused"] = lambda: servicer.refused_streams
         ctx.status["pod_listings"] = lambda: pods.listings
