@@ -192,6 +192,8 @@ async def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
 
 
 async def start_router(api: FakeKubeApi, settings: Settings, bus: Bus, **options: Any) -> Mesh:
+    """No KV agent answers here: the router prefetches nothing unless a test says so (``prefetch_s``)."""
+    options.setdefault("prefetch_s", 0.0)
     router_settings = RouterSettings(listen=HostPort("127.0.0.1", 0), pool=f"{NS}/{DEP}", **options)
     service = RouterService(router_settings)
     running = await start_service(service, replace(settings, backend="real"), Wiring)
@@ -428,7 +430,9 @@ def _struct(values: dict[str, Any]) -> Any:
     return found
 
 
-def test_the_routers_user_reads_locations_loads_and_rollouts_and_nothing_else(subjects: Subjects) -> None:
+def test_the_routers_user_reads_locations_loads_and_rollouts_asks_pods_to_prefetch_and_nothing_else(
+    subjects: Subjects,
+) -> None:
     perms = service_permissions(subjects, "router")
     events = subjects.events_stream.name
     for kind in ("kv.session.location", "kv.pod.load", "kv.rollout.state"):
@@ -441,6 +445,8 @@ def test_the_routers_user_reads_locations_loads_and_rollouts_and_nothing_else(su
     assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{events}")
     assert not may_publish(perms, subjects.command("checkpoint", "where"))
     assert not any(may_publish(perms, subjects.pattern(k)) for k in ("kv.session.location", "kv.pod.load"))
+    assert may_publish(perms, f"{subjects.root}.cmd.kvagent.llama-1.prefetch")  # it asks pods to prefetch
+    assert not may_publish(perms, f"{subjects.root}.cmd.kvagent.llama-1.save")  # and nothing else of them
 
 
 # -- the picker's memory, without transport ---------------------------------------------------------------------

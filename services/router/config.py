@@ -95,6 +95,14 @@ class RouterSettings:
         "retries); 0 never waits",
         parse=seconds(minimum=0, maximum=300),
     )
+    prefetch_s: float = setting(
+        "GPUWARDEN_ROUTER_PREFETCH_S",
+        30.0,
+        "router: when a pod stops serving (drained, scaled in, replaced), the sessions it held that had a request "
+        "within this many seconds are restored on their next pod ahead of their next request "
+        "(kv.session.prefetch.command); 0 never prefetches",
+        parse=seconds(minimum=0, maximum=86400),
+    )
 
     @property
     def namespace(self) -> str:

@@ -35,7 +35,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .config import RouterSettings
 from .handover import Handovers
+from .metrics import RouterMetrics, landed_of
 from .picker import EndpointPicker, Outcome, Pick, RequestFacts
+from .prefetch import Prefetcher
 from .reading import DESTINATION_HEADER, DESTINATION_NAMESPACE, SUBSET_HEADER, SUBSET_NAMESPACE, read_request
 
 log = logging.getLogger(__name__)
@@ -128,11 +130,15 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
         settings: RouterSettings,
         clock: Clock = time.time,
         handovers: Handovers | None = None,
+        prefetcher: Prefetcher | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.picker = picker
         self.settings = settings
         self.clock = clock
         self.handovers = handovers if handovers is not None else Handovers(settings.handover_wait_s)
+        self.prefetcher = prefetcher
+        self.metrics = metrics if metrics is not None else RouterMetrics(None, settings.deployment)
         self.refused_streams = 0
 
     async def _pick_handing_over(self, facts: RequestFacts) -> Pick:
@@ -147,8 +153,12 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
             self.handovers.start(facts.session, pick.first_pod, now)
             return pick
         if await self.handovers.wait(handover, handover.since + self.handovers.wait_s - now):
-            pick = self.picker.pick(facts, self.clock())
+            now = self.clock()
+            pick = self.picker.pick(facts, now)
             if pick.outcome is Outcome.HOLDER:
+                return pick
+            if pick.outcome in HANDED_OVER and pick.status == 200 and self.handovers.moving(facts.session, now) is None:
+                self.handovers.start(facts.session, pick.first_pod, now)  # given up, or placed nowhere: afresh
                 return pick
         elif self.handovers.moving(facts.session, self.clock()) is handover:
             self.handovers.forget(facts.session)
@@ -160,6 +170,11 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
         body = bytes(exchange.body) if with_body and not exchange.body_too_large else None
         facts: RequestFacts = read_request(headers, self.settings.session_header, body, exchange.hint)
         pick = await self._pick_handing_over(facts)
+        prefetched = False
+        if self.prefetcher is not None and facts.session:
+            self.prefetcher.saw_request(facts.session, self.clock())
+            prefetched = pick.outcome is Outcome.HOLDER and self.prefetcher.took_request(facts.session)
+        self.metrics.landed(landed_of(pick, prefetched))
         exchange.picked = True
         if pick.refused_session:
             log.info("session refused; routed without it", extra={"reason": pick.refused_session[:MAX_DETAILS]})

@@ -71,6 +71,14 @@ class Handovers:
         if handover is not None:
             handover.heard.set()
 
+    def given_up(self, sessions: list[str], pod: str) -> None:
+        """The sessions' handover to ``pod`` will not happen (its prefetch failed or went unanswered): their next
+        request hands them over afresh, and requests waiting for them pick again now."""
+        for session in sessions:
+            handover = self._pending.get(session)
+            if handover is not None and handover.pod == pod:
+                self.forget(session)
+
     def forget(self, session: str) -> None:
         """The handover timed out: the next request hands the session over afresh."""
         handover = self._pending.pop(session, None)

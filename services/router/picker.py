@@ -76,6 +76,8 @@ class Placement:
     holder: PodIncarnation | None
     sequence: int
     foreign: bool = False
+    tokens: int = 0
+    """Tokens of its newest checkpoint (the location's ``token_count``): its size, to spread prefetches."""
     """The session belongs to another deployment: never routed within this pool."""
 
 
@@ -191,7 +193,7 @@ class EndpointPicker:
             holder = self.pods.get(location.pod)
             if holder is None:
                 holder = self.pods[location.pod] = PodIncarnation(location.pod)
-            placement = Placement(holder, location.sequence)
+            placement = Placement(holder, location.sequence, tokens=location.token_count)
         else:
             placement = Placement(None, location.sequence)
         if known is not None:

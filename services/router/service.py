@@ -13,14 +13,16 @@ import logging
 import time
 
 from shared.contract.load import PodLoad
-from shared.contract.sessions import SessionLocation
+from shared.contract.sessions import PrefetchSessions, SessionLocation
 from shared.host.runner import ServiceContext
 
 from .adapters import LocationReader, PodFollower, follow_reconnects
 from .config import RouterSettings, load
 from .extproc import Clock, ExternalProcessorServicer, RouterServer
 from .handover import Handovers
+from .metrics import RouterMetrics
 from .picker import EndpointPicker
+from .prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class RouterService:
         self.picker: EndpointPicker | None = None
         self.servicer: ExternalProcessorServicer | None = None
         self.handovers: Handovers | None = None
+        self.prefetcher: Prefetcher | None = None
+        self.metrics: RouterMetrics | None = None
         self.port = 0
 
     async def start(self, ctx: ServiceContext) -> None:
@@ -68,9 +72,17 @@ class RouterService:
         log.info("newest session locations read", extra={"sessions": read, "refused": reader.refused})
         ctx.spawn(lambda: follow_reconnects(ctx.bus, reader.read_newest), "router-reread")
 
+        async def ask(command: PrefetchSessions, timeout: float) -> object:
+            return await ctx.bus.request(s.for_event(command), command, timeout)
+
+        prefetcher = self.prefetcher = Prefetcher(
+            picker, handovers, ask, settings.prefetch_s, self.clock, max_sessions=settings.max_sessions
+        )
+        ctx.on_stop(prefetcher.close)
+        metrics = self.metrics = RouterMetrics(ctx.telemetry.registry, settings.deployment)
         cluster = await ctx.backends.cluster(watch_kinds=("pod",))
         ctx.on_stop(cluster.close)
-        pods = PodFollower(cluster, picker, settings.pods_resync_s)
+        pods = PodFollower(cluster, picker, settings.pods_resync_s, prefetcher, self.clock)
         try:
             await pods.list_once()
         except Exception as exc:  # the listing loop tries again; until then no endpoint can serve (503)
@@ -78,13 +90,17 @@ class RouterService:
         ctx.spawn(pods.watch, "router-pod-watch")
         ctx.spawn(pods.relist, "router-pod-list")
 
-        servicer = self.servicer = ExternalProcessorServicer(picker, settings, self.clock, handovers)
+        servicer = self.servicer = ExternalProcessorServicer(
+            picker, settings, self.clock, handovers, prefetcher, metrics
+        )
         server = RouterServer(servicer, settings, serving=lambda: ctx.bus.connected)
         self.port = await server.start()
         ctx.on_stop(lambda: server.stop(grace=1.0))
         ctx.status["grpc"] = f"{settings.listen.host}:{self.port}"
         ctx.status["routing"] = picker.status
         ctx.status["handovers"] = handovers.status
+        ctx.status["prefetch"] = prefetcher.status
+        ctx.status["landed"] = lambda: {settings.pool: dict(metrics.counts)}
         ctx.status["locations_read_back"] = lambda: reader.read
         ctx.status["streams_refused"] = lambda: servicer.refused_streams
         ctx.status["pod_listings"] = lambda: pods.listings
