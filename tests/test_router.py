@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.router.config import RouterSettings
+from services.router.deletioncost import DELETION_COST, rounded
 from services.router.extproc import SERVICE_NAME
 from services.router.picker import EndpointPicker, RequestFacts
 from services.router.service import RouterService
@@ -306,6 +307,42 @@ async def test_past_the_handover_wait_a_request_is_answered_503_and_the_retry_ha
         assert (await route(mesh.stub, "s1")).status == 503  # nothing heard within the wait
         assert mesh.picker.picks["handover-timeout"] == 1
         assert (await route(mesh.stub, "s1")).status == 200  # the retry: handed over again
+    finally:
+        await mesh.channel.close()
+        await mesh.running.stop(grace=1)
+
+
+async def test_each_pod_carries_its_deletion_cost_from_the_sessions_it_holds(
+    api: FakeKubeApi, settings: Settings, bus: Bus
+) -> None:
+    """Sessions plus tokens / 4096, rounded to 3 significant bits, patched on the pods through the real adapter
+    as deploy/router/rbac.yaml allows it; rewritten when it changes."""
+    await bus.ensure_streams()
+    mesh = await start_router(api, settings, bus, deletion_cost_s=0.1)
+
+    def cost(suffix: str) -> str | None:
+        obj = api.get("pods", NS, pod_name(suffix)) or {}
+        return ((obj.get("metadata") or {}).get("annotations") or {}).get(DELETION_COST)
+
+    try:
+        for index in range(9):
+            await bus.publish(
+                SessionLocation(
+                    session_id=f"s{index}",
+                    sequence=1,
+                    reason="placed",
+                    held=True,
+                    pod=pod_name("a"),
+                    namespace=NS,
+                    deployment=DEP,
+                    token_count=4096,
+                )
+            )
+        await mesh.located("t1", 1, "b")
+        await eventually(lambda: cost("a") == "20" and cost("b") == "1" and cost("c") == "0", timeout=10)
+        await mesh.located("t1", 2, "c")  # moved: b holds nothing now
+        await eventually(lambda: cost("b") == "0" and cost("c") == "1", timeout=10)
+        assert rounded(9 + 9 * 4096 / 4096) == 20 and rounded(7) == 7 and rounded(1000) == 1024
     finally:
         await mesh.channel.close()
         await mesh.running.stop(grace=1)

@@ -103,6 +103,14 @@ class RouterSettings:
         "(kv.session.prefetch.command); 0 never prefetches",
         parse=seconds(minimum=0, maximum=86400),
     )
+    deletion_cost_s: float = setting(
+        "GPUWARDEN_ROUTER_DELETION_COST_S",
+        10.0,
+        "router: seconds between two writes of each pod's controller.kubernetes.io/pod-deletion-cost (its sessions "
+        "plus their tokens / 4096, rounded to 3 significant bits; only when changed, at most 10 pods a second): "
+        "scale-in removes the pods cheapest to evacuate first; 0 writes none",
+        parse=seconds(minimum=0, maximum=3600),
+    )
 
     @property
     def namespace(self) -> str:

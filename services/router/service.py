@@ -18,6 +18,7 @@ from shared.host.runner import ServiceContext
 
 from .adapters import LocationReader, PodFollower, follow_reconnects
 from .config import RouterSettings, load
+from .deletioncost import DeletionCosts
 from .extproc import Clock, ExternalProcessorServicer, RouterServer
 from .handover import Handovers
 from .metrics import RouterMetrics
@@ -89,6 +90,10 @@ class RouterService:
             log.warning("pods not listed yet", extra={"error": str(exc)})
         ctx.spawn(pods.watch, "router-pod-watch")
         ctx.spawn(pods.relist, "router-pod-list")
+        if settings.deletion_cost_s > 0:
+            deletion_costs = DeletionCosts(cluster, picker, settings.deletion_cost_s)
+            ctx.spawn(deletion_costs.run, "router-deletion-cost")
+            ctx.status["deletion_cost"] = deletion_costs.status
 
         servicer = self.servicer = ExternalProcessorServicer(
             picker, settings, self.clock, handovers, prefetcher, metrics
