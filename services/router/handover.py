@@ -2,8 +2,9 @@
 
 A session is *being moved* from the moment the router hands it to a pod while no live pod holds it (the first
 request after its holder left, drained, restarted or was replaced: ``holder-gone``, or of a session known but
-unplaced) until the router hears a newer ``kv.session.location`` of it (the pod it was sent to claimed it:
-``placed``, then ``restored``). A second request of that session in between would be balanced again, perhaps to
+unplaced) until the router hears a newer ``kv.session.location`` of it naming a holder (the pod it was sent to
+claimed it: ``placed``, then ``restored``; a location naming none, the old holder's last save or its leaving, does
+not end it). A second request of that session in between would be balanced again, perhaps to
 another pod, which would race the first for the session: its claim refused while the first pod holds it
 (``to_non_holder``), or the session split. Instead it waits, up to ``wait_s`` (``GPUWARDEN_ROUTER_HANDOVER_WAIT_S``),
 for the newer location, and is then picked again (its new holder first). Past the bound it is answered 503 (the
@@ -11,7 +12,7 @@ gateway's client retries) and the handover is forgotten, so the retry hands the 
 
 Kept in memory, bounded: one entry per session in handover (at most ``max_pending``, the oldest forgotten first),
 an entry older than ``wait_s`` counts for nothing and is dropped when next looked at. Waiting changes nothing the
-router knows; a location wakes the session's waiters whatever it says.
+router knows; a location naming a holder wakes the session's waiters.
 """
 
 from __future__ import annotations

@@ -78,6 +78,9 @@ class Placement:
     foreign: bool = False
     tokens: int = 0
     """Tokens of its newest checkpoint (the location's ``token_count``): its size, to spread prefetches."""
+    was: PodIncarnation | None = None
+    """While no pod holds it: the last pod that did (its sessions are prefetched when that pod stops serving, even
+    when the registry let the session go before the router saw the pod leave)."""
     """The session belongs to another deployment: never routed within this pool."""
 
 
@@ -195,7 +198,8 @@ class EndpointPicker:
                 holder = self.pods[location.pod] = PodIncarnation(location.pod)
             placement = Placement(holder, location.sequence, tokens=location.token_count)
         else:
-            placement = Placement(None, location.sequence)
+            was = None if known is None else (known.holder or known.was)
+            placement = Placement(None, location.sequence, tokens=location.token_count, was=was)
         if known is not None:
             del self.sessions[location.session_id]  # re-inserted last: the dict's order is the order of change
         self.sessions[location.session_id] = placement

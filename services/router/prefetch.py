@@ -3,9 +3,10 @@ session's next request comes.
 
 The router notices a holder leaving when the pool's listing shows one of its pods stop serving (not ready,
 terminating, gone, or replaced by another incarnation: a drain, a scale-in, a rollout, a restart). The sessions it
-held that had a request within ``prefetch_s`` (``GPUWARDEN_ROUTER_PREFETCH_S``: the conversations still going on;
-older ones restore on demand) are each given their next pod: the serving pod with the least KV pressure, counting
-what this round already gave it (each session's blocks, from its tokens). Each pod is sent one
+held (or held last, where the registry let them go before the listing showed the pod leave) that had a request
+within ``prefetch_s`` (``GPUWARDEN_ROUTER_PREFETCH_S``: the conversations still going on; older ones restore on
+demand) are each given their next pod: the serving pod with the least KV pressure, counting what this round
+already gave it (each session's blocks, from its tokens). Each pod is sent one
 ``kv.session.prefetch.command`` (``cmd.kvagent.<pod>.prefetch``, up to 1,000 sessions a command), answered by
 ``kv.session.prefetched``; its KV agent restores through the pod's own restore path, which never takes a session
 from a holder the cluster still lists (``LocateCheckpoint.prefetch``): a holder still terminating (its last save
@@ -131,7 +132,8 @@ class Prefetcher:
         moving: list[tuple[str, int]] = []
         for session in self.activity.since(now - self.prefetch_s):
             placement = self.picker.sessions.get(session)
-            if placement is not None and placement.holder is not None and id(placement.holder) in left:
+            holder = None if placement is None else (placement.holder or placement.was)
+            if placement is not None and holder is not None and id(holder) in left:
                 moving.append((session, placement.tokens))
         if not moving:
             return 0

@@ -57,8 +57,9 @@ class RouterService:
 
         async def on_location(event: SessionLocation) -> None:
             """Idempotent: an older or repeated location changes nothing (``EndpointPicker.on_location``); a newer
-            one ends the session's handover (its waiting requests pick again)."""
-            if picker.on_location(event):
+            one naming a holder ends the session's handover (its waiting requests pick again); one that names none
+            (dropped, forgotten by the pod leaving) does not: the handover waits for the new holder."""
+            if picker.on_location(event) and event.held:  # a new holder: the handover is over
                 handovers.on_location(event.session_id)
 
         async def on_load(event: PodLoad) -> None:
