@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 from services.router.config import RouterSettings
 from services.router.deletioncost import DELETION_COST, rounded
 from services.router.extproc import SERVICE_NAME
+from services.router.handover import Handovers
 from services.router.picker import EndpointPicker, RequestFacts
+from services.router.prefetch import Prefetcher
 from services.router.service import RouterService
 from shared.contract.load import PodLoad
 from shared.contract.permissions import may_publish, may_subscribe, service_permissions
@@ -611,3 +613,51 @@ def test_the_router_manifests_agree_with_each_other_with_the_example_pool_and_wi
     assert (served["metadata"]["namespace"], served["metadata"]["name"]) == (settings.namespace, settings.deployment)
     assert pool["spec"]["selector"]["matchLabels"].items() <= served["spec"]["template"]["metadata"]["labels"].items()
     assert {8000} == {p["containerPort"] for c in served["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+
+
+def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_and_only_they() -> None:
+    """The prefetch's choice, without transport: the sessions of pod a with a recent request go to b and c by KV
+    pressure (the largest first, each counted where it went); an idle one and another pod's are left alone."""
+    picker = _picker()
+    for suffix, used in (("b", 10), ("c", 40)):
+        picker.on_load(
+            PodLoad(pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=used, blocks_total=100, window_s=5),
+            100.0,
+        )
+    for index, (sid, suffix, tokens) in enumerate(
+        (("big", "a", 16 * 45), ("mid", "a", 16 * 10), ("small", "a", 16), ("idle", "a", 16), ("other", "b", 16))
+    ):
+        picker.on_location(
+            SessionLocation(
+                session_id=sid,
+                sequence=index + 1,
+                reason="placed",
+                held=True,
+                pod=pod_name(suffix),
+                namespace=NS,
+                deployment=DEP,
+                token_count=tokens,
+            )
+        )
+    handovers = Handovers(10.0)
+    prefetcher = Prefetcher(picker, handovers, _never_asked, 30.0, lambda: 100.0)
+    prefetcher.saw_request("idle", 10.0)  # 90 s ago: restored on demand
+    for sid in ("big", "mid", "small", "other"):
+        prefetcher.saw_request(sid, 95.0)
+    before = prefetcher.serving()
+    picker.set_pods(  # a leaves
+        PodInfo(name=pod_name(s), namespace=NS, node="n", deployment=DEP, phase="Running", uid=s, ip=PODS[s])
+        for s in ("b", "c")
+    )
+    moving = [
+        (sid, placement.tokens)
+        for sid, placement in picker.sessions.items()
+        if sid in prefetcher.activity.since(70.0) and placement.holder is before[pod_name("a")]
+    ]
+    plan = prefetcher.assign(moving, 100.0)
+    assert plan == {pod_name("b"): ["big"], pod_name("c"): ["mid", "small"]}  # b: 0.10 + 0.45 > c's 0.40 + ...
+    assert not handovers.moving("idle", 100.0)
+
+
+async def _never_asked(command: object, timeout: float) -> object:
+    raise AssertionError("no command in this test")
