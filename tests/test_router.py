@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.router.config import RouterSettings
+from services.router.config import load as load_router_settings
 from services.router.deletioncost import DELETION_COST, rounded
 from services.router.extproc import SERVICE_NAME
 from services.router.handover import Handovers
@@ -33,6 +34,7 @@ from shared.contract.sessions import SessionLocation
 from shared.contract.subjects import Subjects
 from shared.host.runner import RunningService, start_service
 from shared.plumbing.bus import Bus
+from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import HostPort, Settings
 from shared.ports.cluster import PodInfo
 from shared.wiring import Wiring
@@ -661,3 +663,18 @@ def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_a
 
 async def _never_asked(command: object, timeout: float) -> object:
     raise AssertionError("no command in this test")
+
+
+def test_the_handover_prefetch_and_deletion_cost_settings_take_zero_for_off_and_refuse_negatives() -> None:
+    off = load_router_settings(
+        {
+            "GPUWARDEN_ROUTER_HANDOVER_WAIT_S": "0",
+            "GPUWARDEN_ROUTER_PREFETCH_S": "0",
+            "GPUWARDEN_ROUTER_DELETION_COST_S": "0",
+        }
+    )
+    assert (off.handover_wait_s, off.prefetch_s, off.deletion_cost_s) == (0.0, 0.0, 0.0)
+    defaults = load_router_settings({})
+    assert (defaults.handover_wait_s, defaults.prefetch_s, defaults.deletion_cost_s) == (10.0, 30.0, 10.0)
+    with pytest.raises(SettingsError, match="GPUWARDEN_ROUTER_PREFETCH_S"):
+        load_router_settings({"GPUWARDEN_ROUTER_PREFETCH_S": "-1"})
