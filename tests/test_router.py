@@ -678,3 +678,28 @@ def test_the_handover_prefetch_and_deletion_cost_settings_take_zero_for_off_and_
     assert (defaults.handover_wait_s, defaults.prefetch_s, defaults.deletion_cost_s) == (10.0, 30.0, 10.0)
     with pytest.raises(SettingsError, match="GPUWARDEN_ROUTER_PREFETCH_S"):
         load_router_settings({"GPUWARDEN_ROUTER_PREFETCH_S": "-1"})
+
+
+def test_a_session_forgotten_with_its_pod_remembers_that_pod_and_a_preempted_one_does_not() -> None:
+    picker = _picker()
+
+    def located(sid: str, sequence: int, reason: str, pod: str = "") -> None:
+        picker.on_location(
+            SessionLocation(
+                session_id=sid,
+                sequence=sequence,
+                reason=reason,
+                held=bool(pod),
+                pod=pod_name(pod) if pod else "",
+                namespace=NS,
+                deployment=DEP,
+            )
+        )
+
+    located("gone", 1, "placed", "a")
+    located("gone", 2, "forgotten")  # the registry let it go with pod a, perhaps before the router saw a leave
+    located("pre", 1, "placed", "a")
+    located("pre", 2, "dropped")  # its engine preempted it: no move
+    a = picker.pods[pod_name("a")]
+    assert picker.sessions["gone"].holder is None and picker.sessions["gone"].was is a
+    assert picker.sessions["pre"].holder is None and picker.sessions["pre"].was is None

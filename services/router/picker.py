@@ -79,8 +79,9 @@ class Placement:
     tokens: int = 0
     """Tokens of its newest checkpoint (the location's ``token_count``): its size, to spread prefetches."""
     was: PodIncarnation | None = None
-    """While no pod holds it: the last pod that did (its sessions are prefetched when that pod stops serving, even
-    when the registry let the session go before the router saw the pod leave)."""
+    """While no pod holds it because the registry forgot it with its pod (``forgotten``): that pod (its sessions are
+    prefetched when the router sees it stop serving, even after the registry let them go). Not for a session its
+    engine dropped (``dropped``: preempted), which restores on its next request."""
     """The session belongs to another deployment: never routed within this pool."""
 
 
@@ -198,7 +199,9 @@ class EndpointPicker:
                 holder = self.pods[location.pod] = PodIncarnation(location.pod)
             placement = Placement(holder, location.sequence, tokens=location.token_count)
         else:
-            was = None if known is None else (known.holder or known.was)
+            was = None  # the pod that held it, when the registry forgot it with its pod; never for a preemption
+            if known is not None:
+                was = (known.holder or known.was) if location.reason == "forgotten" else known.was
             placement = Placement(None, location.sequence, tokens=location.token_count, was=was)
         if known is not None:
             del self.sessions[location.session_id]  # re-inserted last: the dict's order is the order of change
