@@ -3,6 +3,15 @@ process, against a no-op ext_proc server in the same process model.
 
 ``python -m bench.router [--quick] [--out PATH] [--strict]`` writes ``bench/results/router.json``.
 
+Besides (``measure_moves``), a drain under load through the whole mesh: ``gpuwarden run`` with the router in front
+of its pool, ``MoveSizes.sessions`` open conversations per deployment, the node whose pool pods hold the most
+sessions drained with ``gpuwarden drain``; the figures are what changed across it, as the simulation and the router
+count them: ``sessions_moved`` (the pool's sessions on the node when it was drained), ``prefetched`` (restored on
+their next pod by the router's prefetch), ``requests_to_non_holder`` (the simulated gateway: a request of a live
+session sent to a pod that does not hold it), ``cold_restores_on_request`` (requests of a known session with no
+live holder, so restored or recomputed on the pod they reached: moved sessions not prefetched, and preempted
+ones), ``sessions_recomputed``, ``sessions_lost``, and the handovers waited for.
+
 The router (``services/router``: its ``ExternalProcessorServicer`` and ``RouterServer``, what ``python -m
 services.router`` serves, without the bus around it) runs in a child process, its memory set as the bus and the
 cluster would set it: ``pods`` serving pods of the pool (IPs, UIDs, a KV load report each) and ``sessions``
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import multiprocessing
 import random
@@ -131,7 +141,7 @@ class NoopServicer(ExternalProcessorServicer):
         super().__init__(EndpointPicker(NAMESPACE, DEPLOYMENT), settings)
         self.fixed = Pick(Outcome.HOLDER, (f"{pod_ip(1)}:{TARGET_PORT}",))
 
-    def _pick(self, exchange: Any, with_body: bool) -> tuple[Pick, bool]:
+    async def _pick(self, exchange: Any, with_body: bool) -> tuple[Pick, bool]:
         exchange.picked = True
         return self.fixed, False
 
@@ -236,6 +246,141 @@ def measure(sizes: Sizes) -> dict[str, Any]:
     return results
 
 
+# -- sessions moved by a drain, through the whole mesh ----------------------------------------------------------
+@dataclass(frozen=True)
+class MoveSizes:
+    """A drain under load: ``gpuwarden run`` (every service, the router, the simulated cluster and workload, the
+    simulated gateway asking the router for every request of its pool) with ``sessions`` open conversations per
+    deployment at ``rate`` requests a second; after ``warm_s`` the node whose pool pods hold the most sessions is
+    drained, and ``settle_s`` of traffic follow its verdict. ``prefetch``: the router's GPUWARDEN_ROUTER_PREFETCH_S
+    (0: off)."""
+
+    sessions: int = 1_000
+    rate: float = 60.0
+    warm_s: float = 60.0
+    settle_s: float = 30.0
+    prefetch_s: float = 30.0
+    nodes: str = ""
+
+
+QUICK_MOVES = MoveSizes(sessions=8, rate=6.0, warm_s=8.0, settle_s=6.0, nodes="2")
+
+
+def _snapshot(services: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from bench.soak import http_json
+
+    return http_json(services["sim"]).get("simulation", {}), http_json(services["router"])
+
+
+def _pool_sessions_by_node(simulation: dict[str, Any], deployment: str) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for name, pod in (simulation.get("pods") or {}).items():
+        if name.startswith(f"{deployment}-") and not pod.get("stopping") and pod.get("node"):
+            found[pod["node"]] = found.get(pod["node"], 0) + int(pod.get("sessions") or 0)
+    return found
+
+
+def _launch(argv: list[str], env: dict[str, str], home: Path) -> tuple[Any, Any]:
+    """``gpuwarden run`` in ``home``, in a process group of its own, its output in ``home/run.out``."""
+    import subprocess
+
+    log = open(home / "run.out", "wb")
+    proc = subprocess.Popen(argv, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+async def _moves(sizes: MoveSizes, home: Path, nats_url: str, redis_url: str) -> dict[str, Any]:
+    import os
+
+    from bench.soak import REPO, cli, stop, wait_ready
+
+    root = "moves"
+    env = dict(
+        os.environ,
+        GPUWARDEN_NATS_URL=nats_url,
+        GPUWARDEN_REDIS_URL=redis_url,
+        GPUWARDEN_ROOT=root,
+        GPUWARDEN_HOME=str(home),
+        GPUWARDEN_ROUTER_PREFETCH_S=str(sizes.prefetch_s),
+        PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    for inherited in ("GPUWARDEN_SIM_SPEC", "GPUWARDEN_CHECKPOINT_STORE", "GPUWARDEN_NODE", "GPUWARDEN_HTTP_ADDR"):
+        env.pop(inherited, None)
+    argv = [sys.executable, "-m", "shared.cli", "run", "--rate", str(sizes.rate), "--sessions", str(sizes.sessions)]
+    if sizes.nodes:
+        argv += ["--nodes", sizes.nodes]
+    proc, log = _launch(argv, env, home)
+    try:
+        state = await wait_ready(home, proc, timeout=300)
+        services = {label: url for label, url in state["services"].items()}
+        await asyncio.sleep(sizes.warm_s)
+        simulation, router = await asyncio.to_thread(_snapshot, services)
+        pool = str((router.get("routing") or {}).get("pool") or "llm/llama")
+        on = _pool_sessions_by_node(simulation, pool.partition("/")[2])
+        if not on:
+            raise RuntimeError(f"no pod of {pool} holds a session after {sizes.warm_s:.0f}s; see {home / 'logs'}")
+        node = max(on, key=lambda n: on[n])
+        started = time.monotonic()
+        done = await asyncio.to_thread(
+            cli, env, home, "drain", node, "--json", "--timeout", "180", "--requested-by", "bench.router"
+        )
+        try:
+            outcome = json.loads(done.stdout)
+        except ValueError:
+            outcome = {"ok": False, "reason": (done.stdout + done.stderr).strip()[-300:]}
+        drain_s = time.monotonic() - started
+        await asyncio.sleep(sizes.settle_s)
+        after_sim, after_router = await asyncio.to_thread(_snapshot, services)
+    finally:
+        stop(proc)
+        log.close()
+
+    def delta(after: dict[str, Any], before: dict[str, Any], *path: str) -> int:
+        now: Any = after
+        then: Any = before
+        for key in path:
+            now, then = (now or {}).get(key), (then or {}).get(key)
+        return int(now or 0) - int(then or 0)
+
+    return {
+        "drained_node": node,
+        "drain_ok": bool(outcome.get("ok")),
+        "drain_s": round(drain_s, 2),
+        "sessions_moved": on[node],
+        "prefetched": delta(after_router, router, "prefetch", "prefetched"),
+        "prefetch_held_elsewhere_asked_again": delta(after_router, router, "prefetch", "asked_again"),
+        "prefetch_failed": delta(after_router, router, "prefetch", "failed")
+        + delta(after_router, router, "prefetch", "unanswered"),
+        "requests_to_non_holder": delta(after_sim, simulation, "gateway", "landed", "to_non_holder"),
+        "requests_to_prefetched": delta(after_router, router, "landed", pool, "prefetched"),
+        "cold_restores_on_request": delta(after_router, router, "landed", pool, "cold"),
+        "handover_waits": delta(after_router, router, "handovers", "waited"),
+        "handover_timeouts": delta(after_router, router, "handovers", "timed_out"),
+        "sessions_restored": delta(after_sim, simulation, "restored"),
+        "sessions_recomputed": delta(after_sim, simulation, "recomputed"),
+        "sessions_lost": delta(after_sim, simulation, "lost"),
+        "requests_served": delta(after_sim, simulation, "served"),
+    }
+
+
+def measure_moves(sizes: MoveSizes, keep: Path | None = None) -> dict[str, Any]:
+    """A drain under load through the whole mesh (``MoveSizes``); NATS and Redis servers of its own."""
+    import shutil
+    import tempfile
+
+    from shared.host.devservers import NatsServer, RedisServer
+
+    home = keep or Path(tempfile.mkdtemp(prefix="gw-router-moves-"))
+    nats, redis = NatsServer().start(), RedisServer().start()
+    try:
+        return asyncio.run(_moves(sizes, home, nats.url, redis.url))
+    finally:
+        nats.cleanup()
+        redis.cleanup()
+        if keep is None:
+            shutil.rmtree(home, ignore_errors=True)
+
+
 TARGETS = (
     Target("router_pick_p99_ms", "<=", 2.0, "ext_proc pick p99, 1,000 requests/s, 100,000 sessions on 2,000 pods"),
     Target("router_vs_noop_p99", "<=", 2.0, "the router's p99 against a no-op ext_proc server's, same run"),
@@ -243,21 +388,42 @@ TARGETS = (
 )
 
 
-def run(sizes: Sizes, out: Path | None = None, quick: bool = False, quiet: bool = False) -> dict[str, Any]:
+MOVE_TARGETS = (
+    Target(
+        "requests_to_non_holder", "<=", 0, "requests of a live session sent to a pod not holding it, across a drain"
+    ),
+    Target("sessions_lost", "<=", 0, "sessions whose context was lost across the drain"),
+)
+
+
+def run(
+    sizes: Sizes,
+    out: Path | None = None,
+    quick: bool = False,
+    quiet: bool = False,
+    moves: MoveSizes | None = None,
+) -> dict[str, Any]:
+    """The pick's latency; with ``moves``, a drain under load through the whole mesh besides (``measure_moves``)."""
     options = BenchOptions(name="router", quick=quick, nats_url=None, out=out or default_out("router"))
     results = measure(sizes)
-    params = asdict(sizes)
+    params: dict[str, Any] = asdict(sizes)
+    targets: tuple[Target, ...] = TARGETS
+    if moves is not None:
+        results.update(measure_moves(moves))
+        params["moves"] = asdict(moves)
+        targets = (*TARGETS, *MOVE_TARGETS)
     if quiet:
-        report = build_report(options, results, TARGETS, params, machine_info())
+        report = build_report(options, results, targets, params, machine_info())
         write_report(report, options.out)
         return report
-    return finish(options, results, TARGETS, params, machine_info())
+    return finish(options, results, targets, params, machine_info())
 
 
 def main(argv: list[str] | None = None) -> int:
     options = parse_args("router", __doc__ or "", argv)
     logging.basicConfig(level=logging.WARNING)
-    report = run(QUICK if options.quick else Sizes(), options.out, options.quick)
+    sizes, moves = (QUICK, QUICK_MOVES) if options.quick else (Sizes(), MoveSizes())
+    report = run(sizes, options.out, options.quick, moves=moves)
     return exit_code(options, report)
 
 

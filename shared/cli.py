@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--rate", type=float, default=2.0, help="simulated inference requests per second")
+    p.add_argument(
+        "--sessions", type=int, default=10, help="simulated open conversations per deployment at a time (default 10)"
+    )
     p.add_argument("--nats-port", type=int, default=0, help="port of the NATS server it starts (default: a free one)")
     p.add_argument("--redis-port", type=int, default=0, help="port of the Redis server it starts (default: a free one)")
     p.add_argument(

@@ -4,6 +4,7 @@ exactly what deploy/rbac/router.yaml grants."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, replace
@@ -20,8 +21,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.router.config import RouterSettings
+from services.router.config import load as load_router_settings
+from services.router.deletioncost import DELETION_COST, rounded
 from services.router.extproc import SERVICE_NAME
+from services.router.handover import Handovers
 from services.router.picker import EndpointPicker, RequestFacts
+from services.router.prefetch import Prefetcher
 from services.router.service import RouterService
 from shared.contract.load import PodLoad
 from shared.contract.permissions import may_publish, may_subscribe, service_permissions
@@ -29,6 +34,7 @@ from shared.contract.sessions import SessionLocation
 from shared.contract.subjects import Subjects
 from shared.host.runner import RunningService, start_service
 from shared.plumbing.bus import Bus
+from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import HostPort, Settings
 from shared.ports.cluster import PodInfo
 from shared.wiring import Wiring
@@ -191,6 +197,8 @@ async def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
 
 
 async def start_router(api: FakeKubeApi, settings: Settings, bus: Bus, **options: Any) -> Mesh:
+    """No KV agent answers here: the router prefetches nothing unless a test says so (``prefetch_s``)."""
+    options.setdefault("prefetch_s", 0.0)
     router_settings = RouterSettings(listen=HostPort("127.0.0.1", 0), pool=f"{NS}/{DEP}", **options)
     service = RouterService(router_settings)
     running = await start_service(service, replace(settings, backend="real"), Wiring)
@@ -257,6 +265,91 @@ async def test_a_replaced_or_restarted_pod_is_not_credited_with_its_predecessors
     await mesh.located("s1", 2, "a")  # the restarted server took s1 again
     await eventually(lambda: first_is(mesh.stub, "s1", "a"), timeout=5)
     assert mesh.picker.picks["holder-gone"] >= 2
+
+
+async def test_a_session_being_moved_waits_for_its_new_holder_never_racing_to_another_pod(mesh: Mesh) -> None:
+    """Its holder's server restarted: the first request hands s1 to the least loaded pod (b); a second request
+    before b's claim is heard waits for it (were it balanced again it might reach another pod, whose claim would be
+    refused), then goes to b once the location says b holds it."""
+    for suffix, used in (("a", 90), ("b", 10), ("c", 50)):
+        await mesh.load(suffix, used)
+    await mesh.located("s1", 1, "a")
+    await eventually(lambda: first_is(mesh.stub, "s1", "a"), timeout=5)
+
+    def restarted(obj: dict[str, Any]) -> None:
+        obj["status"]["containerStatuses"][0]["restartCount"] = 1
+
+    mesh.api.update("pods", NS, pod_name("a"), restarted)
+    await eventually(lambda: mesh.picker.sessions["s1"].holder is not mesh.picker.pods[pod_name("a")], timeout=5)
+    for suffix, used in (("c", 5), ("b", 10)):  # c is the least loaded from now on
+        await mesh.load(suffix, used)
+    await eventually(lambda: mesh.picker.pods[pod_name("c")].blocks_used == 5, timeout=5)
+    handovers = mesh.service.handovers
+    assert handovers is not None
+    first = await route(mesh.stub, "s1")
+    assert first.endpoints[0] == endpoint("c") and handovers.moving("s1", mesh.service.clock()) is not None
+    for suffix, used in (("b", 1), ("c", 60)):  # now b is: a second request balanced again would go there
+        await mesh.load(suffix, used)
+    await eventually(lambda: mesh.picker.pods[pod_name("c")].blocks_used == 60, timeout=5)
+    second = asyncio.ensure_future(route(mesh.stub, "s1"))
+    await eventually(lambda: handovers.waited == 1, timeout=5)
+    assert not second.done()
+    await mesh.located("s1", 2, "c")  # c claimed it
+    assert (await second).endpoints[0] == endpoint("c")
+    assert handovers.heard_in_time == 1 and mesh.picker.picks["handover-timeout"] == 0
+
+
+async def test_past_the_handover_wait_a_request_is_answered_503_and_the_retry_hands_over_afresh(
+    api: FakeKubeApi, settings: Settings, bus: Bus
+) -> None:
+    await bus.ensure_streams()
+    mesh = await start_router(api, settings, bus, handover_wait_s=0.3)
+    try:
+        await mesh.located("s1", 1, None)  # known, held by no pod
+        await eventually(lambda: "s1" in mesh.picker.sessions, timeout=5)
+        assert (await route(mesh.stub, "s1")).status == 200  # handed over
+        assert (await route(mesh.stub, "s1")).status == 503  # nothing heard within the wait
+        assert mesh.picker.picks["handover-timeout"] == 1
+        assert (await route(mesh.stub, "s1")).status == 200  # the retry: handed over again
+    finally:
+        await mesh.channel.close()
+        await mesh.running.stop(grace=1)
+
+
+async def test_each_pod_carries_its_deletion_cost_from_the_sessions_it_holds(
+    api: FakeKubeApi, settings: Settings, bus: Bus
+) -> None:
+    """Sessions plus tokens / 4096, rounded to 3 significant bits, patched on the pods through the real adapter
+    as deploy/router/rbac.yaml allows it; rewritten when it changes."""
+    await bus.ensure_streams()
+    mesh = await start_router(api, settings, bus, deletion_cost_s=0.1)
+
+    def cost(suffix: str) -> str | None:
+        obj = api.get("pods", NS, pod_name(suffix)) or {}
+        return ((obj.get("metadata") or {}).get("annotations") or {}).get(DELETION_COST)
+
+    try:
+        for index in range(9):
+            await bus.publish(
+                SessionLocation(
+                    session_id=f"s{index}",
+                    sequence=1,
+                    reason="placed",
+                    held=True,
+                    pod=pod_name("a"),
+                    namespace=NS,
+                    deployment=DEP,
+                    token_count=4096,
+                )
+            )
+        await mesh.located("t1", 1, "b")
+        await eventually(lambda: cost("a") == "20" and cost("b") == "1" and cost("c") == "0", timeout=10)
+        await mesh.located("t1", 2, "c")  # moved: b holds nothing now
+        await eventually(lambda: cost("b") == "0" and cost("c") == "1", timeout=10)
+        assert rounded(9 + 9 * 4096 / 4096) == 20 and rounded(7) == 7 and rounded(1000) == 1024
+    finally:
+        await mesh.channel.close()
+        await mesh.running.stop(grace=1)
 
 
 async def test_a_request_without_a_session_goes_to_the_least_loaded_pod_and_is_shed_when_all_are_full(
@@ -378,7 +471,9 @@ def _struct(values: dict[str, Any]) -> Any:
     return found
 
 
-def test_the_routers_user_reads_locations_loads_and_rollouts_and_nothing_else(subjects: Subjects) -> None:
+def test_the_routers_user_reads_locations_loads_and_rollouts_asks_pods_to_prefetch_and_nothing_else(
+    subjects: Subjects,
+) -> None:
     perms = service_permissions(subjects, "router")
     events = subjects.events_stream.name
     for kind in ("kv.session.location", "kv.pod.load", "kv.rollout.state"):
@@ -391,6 +486,8 @@ def test_the_routers_user_reads_locations_loads_and_rollouts_and_nothing_else(su
     assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{events}")
     assert not may_publish(perms, subjects.command("checkpoint", "where"))
     assert not any(may_publish(perms, subjects.pattern(k)) for k in ("kv.session.location", "kv.pod.load"))
+    assert may_publish(perms, f"{subjects.root}.cmd.kvagent.llama-1.prefetch")  # it asks pods to prefetch
+    assert not may_publish(perms, f"{subjects.root}.cmd.kvagent.llama-1.save")  # and nothing else of them
 
 
 # -- the picker's memory, without transport ---------------------------------------------------------------------
@@ -518,3 +615,91 @@ def test_the_router_manifests_agree_with_each_other_with_the_example_pool_and_wi
     assert (served["metadata"]["namespace"], served["metadata"]["name"]) == (settings.namespace, settings.deployment)
     assert pool["spec"]["selector"]["matchLabels"].items() <= served["spec"]["template"]["metadata"]["labels"].items()
     assert {8000} == {p["containerPort"] for c in served["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+
+
+def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_and_only_they() -> None:
+    """The prefetch's choice, without transport: the sessions of pod a with a recent request go to b and c by KV
+    pressure (the largest first, each counted where it went); an idle one and another pod's are left alone."""
+    picker = _picker()
+    for suffix, used in (("b", 10), ("c", 40)):
+        picker.on_load(
+            PodLoad(pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=used, blocks_total=100, window_s=5),
+            100.0,
+        )
+    for index, (sid, suffix, tokens) in enumerate(
+        (("big", "a", 16 * 45), ("mid", "a", 16 * 10), ("small", "a", 16), ("idle", "a", 16), ("other", "b", 16))
+    ):
+        picker.on_location(
+            SessionLocation(
+                session_id=sid,
+                sequence=index + 1,
+                reason="placed",
+                held=True,
+                pod=pod_name(suffix),
+                namespace=NS,
+                deployment=DEP,
+                token_count=tokens,
+            )
+        )
+    handovers = Handovers(10.0)
+    prefetcher = Prefetcher(picker, handovers, _never_asked, 30.0, lambda: 100.0)
+    prefetcher.saw_request("idle", 10.0)  # 90 s ago: restored on demand
+    for sid in ("big", "mid", "small", "other"):
+        prefetcher.saw_request(sid, 95.0)
+    before = prefetcher.serving()
+    picker.set_pods(  # a leaves
+        PodInfo(name=pod_name(s), namespace=NS, node="n", deployment=DEP, phase="Running", uid=s, ip=PODS[s])
+        for s in ("b", "c")
+    )
+    moving = [
+        (sid, placement.tokens)
+        for sid, placement in picker.sessions.items()
+        if sid in prefetcher.activity.since(70.0) and placement.holder is before[pod_name("a")]
+    ]
+    plan = prefetcher.assign(moving, 100.0)
+    assert plan == {pod_name("b"): ["big"], pod_name("c"): ["mid", "small"]}  # b: 0.10 + 0.45 > c's 0.40 + ...
+    assert not handovers.moving("idle", 100.0)
+
+
+async def _never_asked(command: object, timeout: float) -> object:
+    raise AssertionError("no command in this test")
+
+
+def test_the_handover_prefetch_and_deletion_cost_settings_take_zero_for_off_and_refuse_negatives() -> None:
+    off = load_router_settings(
+        {
+            "GPUWARDEN_ROUTER_HANDOVER_WAIT_S": "0",
+            "GPUWARDEN_ROUTER_PREFETCH_S": "0",
+            "GPUWARDEN_ROUTER_DELETION_COST_S": "0",
+        }
+    )
+    assert (off.handover_wait_s, off.prefetch_s, off.deletion_cost_s) == (0.0, 0.0, 0.0)
+    defaults = load_router_settings({})
+    assert (defaults.handover_wait_s, defaults.prefetch_s, defaults.deletion_cost_s) == (10.0, 30.0, 10.0)
+    with pytest.raises(SettingsError, match="GPUWARDEN_ROUTER_PREFETCH_S"):
+        load_router_settings({"GPUWARDEN_ROUTER_PREFETCH_S": "-1"})
+
+
+def test_a_session_forgotten_with_its_pod_remembers_that_pod_and_a_preempted_one_does_not() -> None:
+    picker = _picker()
+
+    def located(sid: str, sequence: int, reason: str, pod: str = "") -> None:
+        picker.on_location(
+            SessionLocation(
+                session_id=sid,
+                sequence=sequence,
+                reason=reason,
+                held=bool(pod),
+                pod=pod_name(pod) if pod else "",
+                namespace=NS,
+                deployment=DEP,
+            )
+        )
+
+    located("gone", 1, "placed", "a")
+    located("gone", 2, "forgotten")  # the registry let it go with pod a, perhaps before the router saw a leave
+    located("pre", 1, "placed", "a")
+    located("pre", 2, "dropped")  # its engine preempted it: no move
+    a = picker.pods[pod_name("a")]
+    assert picker.sessions["gone"].holder is None and picker.sessions["gone"].was is a
+    assert picker.sessions["pre"].holder is None and picker.sessions["pre"].was is None

@@ -21,3 +21,20 @@ def test_bench_router_asks_a_router_and_a_noop_server_and_writes_the_figures(tmp
     assert data["router_failed"] == data["noop_failed"] == 0
     assert data["router_not_holder"] == 0 and data["router_picks_holder"] >= 30  # every answer named the holder
     assert {t["key"] for t in data["targets"]} == {"router_pick_p99_ms", "router_vs_noop_p99", "router_not_holder"}
+
+
+def test_bench_router_measures_a_drain_through_the_whole_mesh_at_a_tiny_size() -> None:
+    """``gpuwarden run`` with the router, 8 conversations, one node drained: the figures are there and no request
+    of a live session went to a pod that did not hold it."""
+    moves = bench_router.measure_moves(bench_router.QUICK_MOVES)
+    for key in (
+        "sessions_moved",
+        "prefetched",
+        "requests_to_non_holder",
+        "cold_restores_on_request",
+        "sessions_recomputed",
+        "sessions_lost",
+    ):
+        assert isinstance(moves[key], int), key
+    assert moves["drain_ok"] and moves["requests_served"] > 0
+    assert moves["requests_to_non_holder"] == 0 and moves["sessions_lost"] == 0

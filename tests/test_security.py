@@ -283,6 +283,7 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
     assert perms["subscribe"]["allow"] == [
         concrete(subjects, "checkpoint.save.command", pod="llama-1"),
         concrete(subjects, "model.prepare.command", pod="llama-1"),  # its own prepare commands only
+        concrete(subjects, "kv.session.prefetch.command", pod="llama-1"),  # and the router's prefetch for it
         subjects.pattern("kv.rollout.state"),  # every rollout's switch
         f"_INBOX.{subjects.root}-agent-llama-1.>",  # its own replies only
     ]

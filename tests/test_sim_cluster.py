@@ -23,7 +23,7 @@ from shared.contract.subjects import Subjects
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterChange, ClusterError, ClusterPort, EvictionOutcome
 from shared.sim.cluster import SimCluster
-from shared.sim.clusterstate import ClusterState, from_spec, object_key
+from shared.sim.clusterstate import DELETION_COST, ClusterState, from_spec, object_key
 from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec, SpecError, load_spec
 from tests.helpers import eventually
 
@@ -269,6 +269,28 @@ def test_pods_fill_nodes_by_free_gpus_most_free_first_ties_by_name() -> None:
         "llama-4": ("c", "Running"),
         "llama-5": ("", "Pending"),
     }
+
+
+def test_scale_in_removes_the_lowest_deletion_cost_first_then_the_newest() -> None:
+    """As the ReplicaSet controller does with ``controller.kubernetes.io/pod-deletion-cost`` (the router writes it)."""
+    state = from_spec(
+        SimSpec(
+            nodes=[NodeSpec(name="a", gpus=[GpuSpec(count=4)])],
+            deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=4)],
+        )
+    )
+    state.reconcile(0.0)
+    for name, cost in (("llama-1", "3"), ("llama-2", "0"), ("llama-3", "12"), ("llama-4", "0")):
+        assert state.set_pod_annotations("llm", name, {DELETION_COST: cost})
+    assert state.set_pod_annotations("llm", "llama-1", {DELETION_COST: "3"}) == []  # unchanged: no change
+    assert state.set_pod_annotations("llm", "gone", {DELETION_COST: "1"}) == []
+    state.scale("llm", "llama", 2)
+    state.reconcile(1.0)
+    phases = {p.name: p.phase for p in state.pods.values()}
+    assert phases == {"llama-1": "Running", "llama-2": "Terminating", "llama-3": "Running", "llama-4": "Terminating"}
+    state.scale("llm", "llama", 1)
+    state.reconcile(2.0)
+    assert state.pods[object_key("llm", "llama-1")].phase == "Terminating"  # 3 < 12
 
 
 # -- the adapter, in separate processes -------------------------------------------------------------------------

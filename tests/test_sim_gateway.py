@@ -13,6 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from shared.console import operations
+from shared.contract.sessions import PrefetchSessions, SessionsPrefetched
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import HostPort, Settings, settings_from_env
 from shared.sim.gateway import GatewayClient, GatewaySettings, read_answer
@@ -58,7 +59,7 @@ async def test_every_request_asks_the_router_and_a_known_session_lands_on_its_ho
         f.sessions_intact(sessions)
 
 
-async def test_a_drained_nodes_sessions_are_routed_to_other_pods_and_then_to_their_new_holders(
+async def test_a_drained_nodes_sessions_are_prefetched_on_other_pods_and_routed_to_their_new_holders(
     settings: Settings, tmp_path: Path
 ) -> None:
     async with fleet(settings, tmp_path, drivers=False, routers=1) as f:
@@ -84,6 +85,35 @@ async def test_a_drained_nodes_sessions_are_routed_to_other_pods_and_then_to_the
         assert gateway.landings.fell_back == 0
         f.sessions_intact(sessions)
         await f.check(min_checkpoints=len(on[node]))
+        router = f.routers[0][0]
+        assert router.prefetcher is not None and router.metrics is not None
+        # the drained pods' active sessions were restored on their next pods ahead of their requests
+        assert router.prefetcher.stats.prefetched >= 1 and f.workload.stats.prefetched >= 1
+        assert router.metrics.counts["prefetched"] >= 1
+        assert gateway.landings.to_non_holder == 0
+
+
+async def test_a_pod_prefetches_through_its_restore_path_never_from_a_holder_still_listed(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The router's command over the bus to a pod's KV agent: a session another running pod holds is not taken
+    (``held_elsewhere``, asked again later), one the pod holds already is answered held; nothing moves."""
+    async with fleet(settings, tmp_path, drivers=False, routers=1) as f:
+        sessions = await f.begin(4)
+        runtimes = [r for r in f.workload.runtimes.values() if not r.stopping]
+        holder = next(r for r in runtimes if r.agent.sessions())
+        other = next(r for r in runtimes if r is not holder)
+        theirs = holder.agent.sessions()[0]
+        command = PrefetchSessions(pod=other.info.name, namespace="llm", deployment="llama", session_ids=[theirs])
+        answer = await f.bus.request(f.bus.subjects.for_event(command), command, 30)
+        assert isinstance(answer, SessionsPrefetched)
+        assert answer.held_elsewhere == [theirs] and not answer.restored and not answer.failed
+        assert theirs in holder.agent.sessions() and theirs not in other.agent.sessions()
+        command = PrefetchSessions(pod=holder.info.name, namespace="llm", deployment="llama", session_ids=[theirs])
+        again = await f.bus.request(f.bus.subjects.for_event(command), command, 30)
+        assert isinstance(again, SessionsPrefetched) and again.held == [theirs]
+        await f.talk(sessions)
+        f.sessions_intact(sessions)
 
 
 async def test_a_router_replica_that_does_not_answer_is_passed_over_and_none_means_no_answer() -> None:

@@ -5,9 +5,12 @@ cluster from the simulated one in a real Redis."""
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from aiohttp import web
+from rich.console import Console
 
 from shared.clients.drains import newest_drain, newest_drains
 from shared.console.client import CommandError, MeshClient
+from shared.console.render import status_tables
 from shared.console.snapshot import take
 from shared.contract.device import DeviceInventory, GpuDevice
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
@@ -99,6 +102,37 @@ async def test_status_shows_each_node_inventory_drain_and_deployment_decision(
     assert drains["node-1"].sessions_committed == 2
     assert drains["node-2"].state == "running" and drains["node-2"].id == "d-2" and not drains["node-2"].cordoned
     assert status.sessions_total is None and "checkpoint service" in status.sessions_error  # none runs here
+
+
+async def test_status_shows_per_deployment_where_the_router_sent_its_requests(
+    settings: Settings, subjects: Subjects, bus: Bus, redis_client: aioredis.Redis
+) -> None:
+    """From the router's own health (``landed`` per pool), as ``gpuwarden up`` lists it in the run's state."""
+    await bus.ensure_streams()
+    cluster = await SimCluster.create(redis_client, subjects, default_spec())
+    counts = {"holder": 40, "prefetched": 6, "cold": 1, "new": 3, "unavailable": 0}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"service": "router", "landed": {"llm/llama": counts}})
+
+    app = web.Application()
+    app.router.add_get("/healthz", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        mesh = MeshClient(settings, bus, redis_client, cluster, services={"router": f"http://127.0.0.1:{port}/healthz"})
+        status = await take(mesh)
+    finally:
+        await runner.cleanup()
+    (llama,) = [d for d in status.deployments if d.name == "llama"]
+    assert llama.landed == counts
+    assert all(d.landed is None for d in status.deployments if d.name != "llama")
+    shown = Console(width=300, record=True)
+    shown.print(status_tables(status))
+    assert "holder 40, prefetched 6, cold 1, new 3" in shown.export_text()
 
 
 async def test_status_filters_name_what_the_cluster_has_when_it_lacks_what_was_asked(

@@ -87,7 +87,8 @@ class Restores:
         refused = self.replica.metrics.refused
         args = (event.session_id, event.pod, event.node, event.namespace, event.deployment, floor)
         claim = await registry.claim(*args, seal=seal, take=event.take_id)
-        if claim.refused == "held" and not await self._runs(claim.holder, claim.holder_node):
+        gone = self._listed if event.prefetch else self._runs  # a prefetch waits until the holder has left
+        if claim.refused == "held" and not await gone(claim.holder, claim.holder_node):
             claim = await registry.claim(*args, force=True, seal=seal, take=event.take_id)
         if claim.location is not None:
             await self.replica.publish_locations([claim.location])
@@ -111,6 +112,16 @@ class Restores:
             log.warning("cluster unreadable; the holder is taken to run", extra={"pod": pod, "error": str(exc)})
             return True
         return any(p.name == pod and p.phase == "Running" for p in pods)
+
+    async def _listed(self, pod: str, node: str) -> bool:
+        """Whether the cluster still lists ``pod`` in any phase (a terminating pod may still be saving): what a
+        prefetch asks before it takes a session. When the cluster cannot say, the pod is taken to be listed."""
+        try:
+            pods = await self.replica.cluster.pods(node=node or None)
+        except Exception as exc:
+            log.warning("cluster unreadable; the holder is taken to be listed", extra={"pod": pod, "error": str(exc)})
+            return True
+        return any(p.name == pod for p in pods)
 
     async def _candidates(self, session_id: str) -> RestoreCandidates:
         """What a restore of the session may use. The store is the last word on what was committed (Redis

@@ -25,6 +25,7 @@ from shared.plumbing.bus import DEFAULT_MAX_EVENT_BYTES, Bus
 from shared.ports.cluster import ClusterPort
 
 from .picker import EndpointPicker
+from .prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +100,29 @@ async def follow_reconnects(bus: Bus, reread: Callable[[], Awaitable[int]], poll
 class PodFollower:
     """The pool's pods from the cluster port into the picker, level-triggered."""
 
-    def __init__(self, cluster: ClusterPort, picker: EndpointPicker, resync_s: float) -> None:
+    def __init__(
+        self,
+        cluster: ClusterPort,
+        picker: EndpointPicker,
+        resync_s: float,
+        prefetcher: Prefetcher | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.picker = picker
+        self.prefetcher = prefetcher
+        self.clock = clock
         self.resync_s = resync_s
         self.changed = asyncio.Event()
         self.listings = 0
 
     async def list_once(self) -> None:
         pods = await self.cluster.pods(namespace=self.picker.namespace)
+        before = self.prefetcher.serving() if self.prefetcher is not None else {}
         self.picker.set_pods(pods)
         self.listings += 1
+        if self.prefetcher is not None and self.clock is not None:  # pods that stopped serving: their sessions
+            self.prefetcher.on_listing(before, self.clock())
 
     async def watch(self) -> None:
         """Wake the listing loop on each change of a pod of the pool's namespace (a loop for ``ctx.spawn``)."""

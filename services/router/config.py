@@ -87,6 +87,30 @@ class RouterSettings:
         "router: seconds between two listings of the pool's pods when the cluster's watch says nothing",
         parse=seconds(minimum=0.1, maximum=3600),
     )
+    handover_wait_s: float = setting(
+        "GPUWARDEN_ROUTER_HANDOVER_WAIT_S",
+        10.0,
+        "router: seconds a request of a session being moved (handed to a pod, its new location not heard yet) "
+        "waits for the new holder instead of going to a pod that does not hold it; past it 503 (the client "
+        "retries); 0 never waits",
+        parse=seconds(allow_zero=True, maximum=300),
+    )
+    prefetch_s: float = setting(
+        "GPUWARDEN_ROUTER_PREFETCH_S",
+        30.0,
+        "router: when a pod stops serving (drained, scaled in, replaced), the sessions it held that had a request "
+        "within this many seconds are restored on their next pod ahead of their next request "
+        "(kv.session.prefetch.command); 0 never prefetches",
+        parse=seconds(allow_zero=True, maximum=86400),
+    )
+    deletion_cost_s: float = setting(
+        "GPUWARDEN_ROUTER_DELETION_COST_S",
+        10.0,
+        "router: seconds between two writes of each pod's controller.kubernetes.io/pod-deletion-cost (its sessions "
+        "plus their tokens / 4096, rounded to 3 significant bits; only when changed, at most 10 pods a second): "
+        "scale-in removes the pods cheapest to evacuate first; 0 writes none",
+        parse=seconds(allow_zero=True, maximum=3600),
+    )
 
     @property
     def namespace(self) -> str:

@@ -34,7 +34,10 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .config import RouterSettings
-from .picker import EndpointPicker, Pick, RequestFacts
+from .handover import Handovers
+from .metrics import RouterMetrics, landed_of
+from .picker import EndpointPicker, Outcome, Pick, RequestFacts
+from .prefetch import Prefetcher
 from .reading import DESTINATION_HEADER, DESTINATION_NAMESPACE, SUBSET_HEADER, SUBSET_NAMESPACE, read_request
 
 log = logging.getLogger(__name__)
@@ -116,18 +119,62 @@ class _Exchange:
     picked: bool = False
 
 
+HANDED_OVER = (Outcome.HOLDER_GONE, Outcome.UNPLACED)
+"""Picks that hand a known session to a pod while no live pod holds it: the start of a handover (handover.py)."""
+
+
 class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: EndpointPicker, settings: RouterSettings, clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        picker: EndpointPicker,
+        settings: RouterSettings,
+        clock: Clock = time.time,
+        handovers: Handovers | None = None,
+        prefetcher: Prefetcher | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         self.picker = picker
         self.settings = settings
         self.clock = clock
+        self.handovers = handovers if handovers is not None else Handovers(settings.handover_wait_s)
+        self.prefetcher = prefetcher
+        self.metrics = metrics if metrics is not None else RouterMetrics(None, settings.deployment)
         self.refused_streams = 0
 
-    def _pick(self, exchange: _Exchange, with_body: bool) -> tuple[Pick, bool]:
+    async def _pick_handing_over(self, facts: RequestFacts) -> Pick:
+        """The pick, held while the session is being moved (handover.py): a request of a session handed to a pod
+        whose new location is not heard yet waits for it, then goes to its new holder; past the bound, 503."""
+        now = self.clock()
+        pick = self.picker.pick(facts, now)
+        if pick.outcome not in HANDED_OVER or pick.status != 200:
+            return pick
+        handover = self.handovers.moving(facts.session, now)
+        if handover is None:
+            self.handovers.start(facts.session, pick.first_pod, now)
+            return pick
+        if await self.handovers.wait(handover, handover.since + self.handovers.wait_s - now):
+            now = self.clock()
+            pick = self.picker.pick(facts, now)
+            if pick.outcome is Outcome.HOLDER:
+                return pick
+            if pick.outcome in HANDED_OVER and pick.status == 200 and self.handovers.moving(facts.session, now) is None:
+                self.handovers.start(facts.session, pick.first_pod, now)  # given up, or placed nowhere: afresh
+                return pick
+        elif self.handovers.moving(facts.session, self.clock()) is handover:
+            self.handovers.forget(facts.session)
+        reason = f"session {facts.session} is being moved to {handover.pod}; its new holder is not known yet"
+        return self.picker.count(Pick(Outcome.HANDOVER_TIMEOUT, status=503, reason=reason))
+
+    async def _pick(self, exchange: _Exchange, with_body: bool) -> tuple[Pick, bool]:
         headers = exchange.headers or {}
         body = bytes(exchange.body) if with_body and not exchange.body_too_large else None
         facts: RequestFacts = read_request(headers, self.settings.session_header, body, exchange.hint)
-        pick = self.picker.pick(facts, self.clock())
+        pick = await self._pick_handing_over(facts)
+        prefetched = False
+        if self.prefetcher is not None and facts.session:
+            self.prefetcher.saw_request(facts.session, self.clock())
+            prefetched = pick.outcome is Outcome.HOLDER and self.prefetcher.took_request(facts.session)
+        self.metrics.landed(landed_of(pick, prefetched))
         exchange.picked = True
         if pick.refused_session:
             log.info("session refused; routed without it", extra={"reason": pick.refused_session[:MAX_DETAILS]})
@@ -164,7 +211,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
                 exchange.hint = _hint(request)
                 named = self.settings.session_header in exchange.headers
                 if named or request.request_headers.end_of_stream:
-                    yield self._respond(phase, *self._pick(exchange, with_body=False))
+                    yield self._respond(phase, *await self._pick(exchange, with_body=False))
                 else:
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
             elif phase == "request_body":
@@ -180,14 +227,14 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
                 elif not exchange.body_too_large:
                     exchange.body += chunk
                 if request.request_body.end_of_stream:
-                    yield self._respond(phase, *self._pick(exchange, with_body=True))
+                    yield self._respond(phase, *await self._pick(exchange, with_body=True))
                 else:
                     yield pb.ProcessingResponse(request_body=pb.BodyResponse())
             elif phase == "request_trailers":
                 if exchange.headers is None:
                     await self._refuse(context, "request trailers came before the request headers")
                 if not exchange.picked:
-                    yield self._respond(phase, *self._pick(exchange, with_body=True))
+                    yield self._respond(phase, *await self._pick(exchange, with_body=True))
                 else:
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             elif phase == "response_headers":

@@ -38,6 +38,7 @@ class Outcome(Enum):
     NO_SESSION = "no-session"  # the request names none: balanced
     REFUSED_SESSION = "refused-session"  # a forged or malformed id, or another deployment's session: balanced
     NO_ENDPOINT = "no-endpoint"  # 503
+    HANDOVER_TIMEOUT = "handover-timeout"  # 503: the session's new holder was not heard within the handover wait
     SHED = "shed"  # 429
 
 
@@ -75,6 +76,12 @@ class Placement:
     holder: PodIncarnation | None
     sequence: int
     foreign: bool = False
+    tokens: int = 0
+    """Tokens of its newest checkpoint (the location's ``token_count``): its size, to spread prefetches."""
+    was: PodIncarnation | None = None
+    """While no pod holds it because the registry forgot it with its pod (``forgotten``): that pod (its sessions are
+    prefetched when the router sees it stop serving, even after the registry let them go). Not for a session its
+    engine dropped (``dropped``: preempted), which restores on its next request."""
     """The session belongs to another deployment: never routed within this pool."""
 
 
@@ -98,6 +105,8 @@ class Pick:
     status: int = 200
     reason: str = ""
     refused_session: str = ""
+    first_pod: str = ""
+    """The pod of ``endpoints[0]`` ('' when none)."""
 
 
 def incarnation_of(pod: PodInfo) -> str:
@@ -188,9 +197,12 @@ class EndpointPicker:
             holder = self.pods.get(location.pod)
             if holder is None:
                 holder = self.pods[location.pod] = PodIncarnation(location.pod)
-            placement = Placement(holder, location.sequence)
+            placement = Placement(holder, location.sequence, tokens=location.token_count)
         else:
-            placement = Placement(None, location.sequence)
+            was = None  # the pod that held it, when the registry forgot it with its pod; never for a preemption
+            if known is not None:
+                was = (known.holder or known.was) if location.reason == "forgotten" else known.was
+            placement = Placement(None, location.sequence, tokens=location.token_count, was=was)
         if known is not None:
             del self.sessions[location.session_id]  # re-inserted last: the dict's order is the order of change
         self.sessions[location.session_id] = placement
@@ -250,7 +262,7 @@ class EndpointPicker:
                 Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
             )
         endpoints = tuple(p.endpoint for p in ranked[: 1 + self.fallbacks])
-        return self._count(Pick(outcome, endpoints, refused_session=refused))
+        return self._count(Pick(outcome, endpoints, refused_session=refused, first_pod=ranked[0].name))
 
     def _pick_in_pool(self, facts: RequestFacts, now: float) -> Pick:
         """``pick`` among every serving pod of the pool, from the kept order (the same answer as a full sort)."""
@@ -270,7 +282,7 @@ class EndpointPicker:
             if pod is not holder:
                 chosen.append(pod)
         endpoints = tuple(p.endpoint for p in chosen[: 1 + self.fallbacks])
-        return self._count(Pick(outcome, endpoints, refused_session=refused))
+        return self._count(Pick(outcome, endpoints, refused_session=refused, first_pod=chosen[0].name))
 
     def _holder(
         self, facts: RequestFacts, candidates: list[PodIncarnation] | None
@@ -290,6 +302,10 @@ class EndpointPicker:
         if holder.serves if candidates is None else (holder.current and holder in candidates):
             return Outcome.HOLDER, holder, ""
         return Outcome.HOLDER_GONE, None, ""
+
+    def count(self, pick: Pick) -> Pick:
+        """Count a pick made outside ``pick`` (the handover wait's 503)."""
+        return self._count(pick)
 
     def _count(self, pick: Pick) -> Pick:
         self.picks[pick.outcome.value] += 1

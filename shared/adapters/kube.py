@@ -168,6 +168,21 @@ class KubeCluster:
                 raise ClusterConflict(f"node {node!r} changed since it was read (resourceVersion {expect})") from exc
             raise
 
+    async def set_pod_annotations(self, namespace: str, pod: str, annotations: Mapping[str, str | None]) -> None:
+        """One merge patch of ``metadata.annotations``; a pod that is gone (404) is no error."""
+        if not annotations:
+            return
+        patch = {"metadata": {"annotations": dict(annotations)}}
+        try:
+            await read_json(
+                self._core.patch_namespaced_pod_without_preload_content(
+                    pod, namespace, patch, _content_type=MERGE_PATCH
+                )
+            )
+        except KubeApiError as exc:
+            if exc.code != 404:
+                raise
+
     async def _patch_node(self, node: str, patch: Obj) -> Obj:
         return await read_json(self._core.patch_node_without_preload_content(node, patch, _content_type=MERGE_PATCH))
 

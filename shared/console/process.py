@@ -349,7 +349,7 @@ def _run_mesh(
     if secure is not None:  # how the CLI connects: as the admin (``state.command_env``)
         state["secure"] = as_user("admin")
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    extra = {"sim": ["--rate", str(args.rate)]}
+    extra = {"sim": ["--rate", str(args.rate), "--sessions", str(getattr(args, "sessions", 10))]}
 
     def record() -> None:
         pids = {label: p.pid for label, p in procs.items()}
@@ -621,6 +621,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not args.detach:
         return run_foreground(args)
     argv = ["--nodes", args.nodes, "--rate", str(args.rate), "--gpus-per-node", str(args.gpus_per_node)]
+    argv += ["--sessions", str(args.sessions)]
     argv += ["--nats-port", str(args.nats_port), "--redis-port", str(args.redis_port)]
     if args.hollow is not None:
         argv.append("--hollow" if args.hollow else "--no-hollow")

@@ -93,7 +93,8 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40, max_nodes: int 
             "\n".join(gpus) or "-",
         )
     deployments = Table(title="deployments", title_justify="left")
-    for column in ("deployment", "replicas", "desired", "model", "why"):
+    routed = any(dep.landed for dep in status.deployments)
+    for column in ("deployment", "replicas", "desired", "model", "why", *(("requests landed",) if routed else ())):
         deployments.add_column(column)
     for dep in status.deployments:
         desired = str(dep.desired) + (f" (scaler {dep.scaler_desired})" if dep.scaler_desired is not None else "")
@@ -103,7 +104,10 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40, max_nodes: int 
         elif r is not None:
             model += f" (rollout {r.from_version} -> {r.to_version} {r.phase})"
         why = f"by {dep.scaler_signal}: {dep.why}" if dep.scaler_signal else dep.why
-        deployments.add_row(f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, model, why)
+        row = [f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, model, why]
+        if routed:
+            row.append(_landed(dep.landed))
+        deployments.add_row(*row)
     total = status.sessions_total if status.sessions_total is not None else len(status.sessions)
     moving = f", {status.sessions_moving} moving" if status.sessions_moving else ""
     sessions = Table(title=f"sessions ({total}{moving})", title_justify="left")
@@ -153,6 +157,18 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40, max_nodes: int 
         )
     parts.append(Text(time.strftime("as of %H:%M:%S", time.localtime(now)), style="dim"))
     return Group(*parts)
+
+
+def _landed(landed: dict[str, int] | None) -> str:
+    """The router's landings of one deployment: on the holder, prefetched, cold (restored on the request), and the
+    rest when there are any; '-' when no router picks for it."""
+    if not landed:
+        return "-"
+    shown = [f"{k.replace('_', ' ')} {landed.get(k, 0)}" for k in ("holder", "prefetched", "cold")]
+    shown += [
+        f"{k.replace('_', ' ')} {v}" for k, v in landed.items() if k not in ("holder", "prefetched", "cold") and v
+    ]
+    return ", ".join(shown)
 
 
 def console(stderr: bool = False) -> Console:

@@ -112,6 +112,9 @@ class DeploymentView(msgspec.Struct, kw_only=True):
     serving_version: str = ""
     """The model version new sessions start on ('' until a first rollout records one)."""
     rollout: RolloutView | None = None
+    landed: dict[str, int] | None = None
+    """Where the router sent this deployment's requests since it started (holder, prefetched, cold, new,
+    no_session, refused_session, unavailable: docs/routing.md); None when no router picks for it."""
 
 
 class CheckpointView(msgspec.Struct, kw_only=True):
@@ -296,6 +299,7 @@ async def take(
             await samples.wait_for(uuids, wait_s - (time.monotonic() - began))
         return stored
 
+    routed = asyncio.ensure_future(_landed(mesh))
     stored, counted, models, found_drains, health, simulation = await asyncio.gather(
         stored_then_samples(),
         _sessions(mesh, pods, node=node, pod=pod, deployment=deployment, limit=max_sessions),
@@ -304,6 +308,7 @@ async def take(
         asyncio.gather(*map(_health, mesh.services.values())),
         _simulation(mesh),
     )
+    landed = await routed
     by_node, by_pod, by_deployment, sessions, total, moving, error = counted
     pods_on: dict[str, list[PodInfo]] = {}
     pods_of: dict[tuple[str, str], list[PodInfo]] = {}
@@ -327,6 +332,7 @@ async def take(
             desired=dep.replicas,
             pods=[f"{p.name}@{p.node or '-'}:{p.phase}" for p in mine],
             sessions=by_deployment.get(f"{dep.namespace}/{dep.name}", 0),
+            landed=landed.get(f"{dep.namespace}/{dep.name}"),
         )
         model = models.deployments.get(f"{dep.namespace}/{dep.name}")
         if model is not None:
@@ -428,6 +434,24 @@ async def _sessions(
         if session.pod not in serving:
             session.state = "moving"
     return by_node, dict(summary.by_pod), by_deployment, sessions, total, moving, ""
+
+
+async def _landed(mesh: MeshClient) -> dict[str, dict[str, int]]:
+    """Per deployment the router picks for, where its requests were sent, from the ``router`` process's health
+    (empty when none runs or it does not answer)."""
+    router_url = mesh.services.get("router")
+    if not router_url:
+        return {}
+    with contextlib.suppress(Exception):
+        body = await get_json(router_url, timeout=2.0)
+        found = body.get("landed") if isinstance(body, dict) else None
+        if isinstance(found, dict):
+            return {
+                str(pool): {str(k): int(v) for k, v in counts.items()}
+                for pool, counts in found.items()
+                if isinstance(counts, dict)
+            }
+    return {}
 
 
 async def _simulation(mesh: MeshClient) -> dict[str, Any] | None:

@@ -257,6 +257,13 @@ class LocateCheckpoint(Event, frozen=True, kw_only=True, tag="checkpoint.locate"
     """Names this take (a fresh id each time a pod takes a session): the same take sent again (a retry after a
     lost answer, a duplicate, a replay) is answered with the generation it was given and changes nothing. Without
     it (an older agent) each take is a new generation."""
+    prefetch: Annotated[
+        bool,
+        msgspec.Meta(
+            description="asked ahead of a request (the router's prefetch): never take the session from a holder the "
+            "cluster still lists, even one that is terminating"
+        ),
+    ] = False
 
     @property
     def takes_session(self) -> bool:

@@ -79,7 +79,7 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
         "kv.rollout.state",
         "model.prepare.command",
     ),
-    "router": (),  # the endpoint picker answers the gateway over gRPC; it publishes no event
+    "router": ("kv.session.prefetch.command",),  # it asks pods to restore sessions ahead of their next request
 }
 
 SERVICES: tuple[str, ...] = tuple(PUBLISHES)
@@ -140,6 +140,7 @@ AGENT_PUBLISHES: tuple[str, ...] = (
     "checkpoint.save.report",
     "checkpoint.save.progress",
     "model.prepare.report",
+    "kv.session.prefetched",  # its answer to the router's prefetch command
     "kv.pod.load",  # its pod's KV pool and time to first token, which the scaler hears (HEARS)
 )
 AGENT_REQUESTS: tuple[str, ...] = AGENT_VERBS
@@ -442,6 +443,7 @@ def agent_permissions(
     own = [subjects.pattern(kind, **fields) for kind in AGENT_PUBLISHES]
     save_command = subjects.pattern("checkpoint.save.command", **fields)  # the preStop hook asks its own agent
     prepare_command = subjects.pattern("model.prepare.command", **fields)
+    prefetch_command = subjects.pattern("kv.session.prefetch.command", **fields)
     rollouts = subjects.pattern("kv.rollout.state")  # a rollout's switch, heard by every agent
     requests = (
         [subjects.agent_command(verb, pod) for verb in AGENT_REQUESTS]
@@ -463,7 +465,7 @@ def agent_permissions(
         allowed["deny"] = deny
     return {
         "publish": allowed,
-        "subscribe": {"allow": [save_command, prepare_command, rollouts, inbox]},
+        "subscribe": {"allow": [save_command, prepare_command, prefetch_command, rollouts, inbox]},
         "allow_responses": True,
     }
 

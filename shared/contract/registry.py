@@ -50,8 +50,10 @@ from shared.contract.scaler import ScaleDecision
 from shared.contract.sessions import (
     FleetQuery,
     FleetSummary,
+    PrefetchSessions,
     SessionLocation,
     SessionsPage,
+    SessionsPrefetched,
     SessionsQuery,
     WhereIsSession,
 )
@@ -91,6 +93,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     CheckpointLocation,
     SessionLocation,
     WhereIsSession,
+    PrefetchSessions,
+    SessionsPrefetched,
     SessionsQuery,
     SessionsPage,
     FleetQuery,

@@ -25,6 +25,7 @@ from shared.contract.base import (
     OptNamespace,
     OptNodeName,
     OptPodName,
+    PodName,
     SessionId,
 )
 
@@ -81,6 +82,35 @@ class WhereIsSession(Event, frozen=True, kw_only=True, tag="kv.session.where"):
     family: ClassVar[str] = "kv"
 
     session_id: SessionId
+
+
+class PrefetchSessions(Event, frozen=True, kw_only=True, tag="kv.session.prefetch.command"):
+    """A command to one pod's KV agent, from the router: restore these sessions now, ahead of their next request
+    (their holder is leaving: drained, scaled in, replaced), through the pod's own restore path, taking each only
+    from a holder the cluster no longer lists. Answered ``SessionsPrefetched`` before ``deadline_s``. Idempotent:
+    a session the pod already holds is answered held."""
+
+    family: ClassVar[str] = "kv"
+
+    pod: PodName
+    namespace: OptNamespace = ""
+    deployment: OptDeploymentName = ""
+    session_ids: Annotated[list[SessionId], msgspec.Meta(max_length=1000)]
+    deadline_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 30.0
+
+
+class SessionsPrefetched(Event, frozen=True, kw_only=True, tag="kv.session.prefetched"):
+    """A KV agent's answer to ``PrefetchSessions``: the sessions it restored (or started: no checkpoint), those it
+    held already, those another pod still holds (``held_elsewhere``: asked again later), and those that failed,
+    with the reason."""
+
+    family: ClassVar[str] = "kv"
+
+    pod: PodName
+    restored: list[SessionId] = msgspec.field(default_factory=list)
+    held: list[SessionId] = msgspec.field(default_factory=list)
+    held_elsewhere: list[SessionId] = msgspec.field(default_factory=list)
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class SessionRecord(msgspec.Struct, frozen=True, kw_only=True):

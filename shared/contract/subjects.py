@@ -141,6 +141,14 @@ ROUTES: dict[str, Route] = {
         Delivery.CORE,
         "A pod's load every few seconds: KV blocks used of its pool, time to first token (p90) of its requests.",
     ),
+    "kv.session.prefetch.command": Route(
+        "cmd.kvagent.{pod}.prefetch",
+        Delivery.CORE,
+        "Request/reply: the router asks a pod's KV agent to restore sessions ahead of their next request.",
+    ),
+    "kv.session.prefetched": Route(
+        "kvagent.{pod}.prefetched", Delivery.CORE, "A KV agent's answer to a prefetch command (what it restored)."
+    ),
     "model.prepare.command": Route(
         "cmd.kvagent.{pod}.prepare",
         Delivery.CORE,

@@ -34,6 +34,7 @@ from shared.contract.checkpoint import (
 )
 from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, ServingQuery
 from shared.contract.node import SessionFailure
+from shared.contract.sessions import PrefetchSessions, SessionsPrefetched
 from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent, RestoredSession, SaveReport
 from shared.kv.journal import JOURNAL_REASON, KvJournal
@@ -184,6 +185,22 @@ class ModelHost(Protocol):
         ...
 
 
+class SessionHost(Protocol):
+    """The inference engine's side of a prefetch (the router's ``kv.session.prefetch.command``), as the pod's
+    endpoint drives it."""
+
+    async def prefetch(self, session_id: str) -> bool:
+        """Bring ``session_id`` onto this pod ahead of its next request, through the pod's own restore path
+        (``AgentEndpoint.restore`` with ``prefetch=True``: never taken from a holder the cluster still lists).
+        True when it was brought (restored, or started where there is no checkpoint), False when the pod held it
+        already. ``SessionHeld`` when another pod still holds it; anything else raised: failed, with its message."""
+        ...
+
+
+PREFETCH_WINDOW = 8
+"""Sessions one prefetch command restores at once."""
+
+
 class AgentEndpoint:
     """``start`` answers save commands and announces the pod's sessions; ``stop`` ends both: a stopped agent
     never saves again (its pod is gone; what it still holds may have moved on elsewhere).
@@ -199,11 +216,15 @@ class AgentEndpoint:
         announce_s: float = 5.0,
         models: ModelHost | None = None,
         journal_s: float = 0.0,
+        sessions: SessionHost | None = None,
     ) -> None:
         self.agent = agent
         self.bus = bus
         self.announce_s = announce_s
         self.models = models
+        self.sessions_host = sessions
+        """Where the router's prefetch commands restore sessions; None: the pod answers none."""
+        self._prefetching: Subscription | None = None
         self.rollout: RolloutState | None = None
         """The newest rollout state this pod heard of its deployment."""
         self._tasks: list[asyncio.Task[Any]] = []
@@ -251,6 +272,12 @@ class AgentEndpoint:
                 ),
             ]
             await self.follow_serving_version()
+        if self.sessions_host is not None:
+            self._prefetching = await self.bus.serve(
+                subjects.for_event(PrefetchSessions(pod=self.agent.pod, session_ids=[])),
+                self.on_prefetch,
+                (PrefetchSessions,),
+            )
         await self.announce()
         self._tasks.append(asyncio.create_task(self._announce_loop(), name=f"kv-announce-{self.agent.pod}"))
         if self.journal is not None:
@@ -276,6 +303,10 @@ class AgentEndpoint:
         if self._serving is not None:
             await self._serving.unsubscribe()
             self._serving = None
+        if self._prefetching is not None:
+            with contextlib.suppress(Exception):
+                await self._prefetching.unsubscribe()
+            self._prefetching = None
         for sub in self._model_subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -358,6 +389,48 @@ class AgentEndpoint:
             },
         )
         return report_event(self.agent, report, command.changed_only and command.confirm_unchanged)
+
+    # -- prefetch -----------------------------------------------------------------------------------------------
+    async def on_prefetch(self, command: PrefetchSessions) -> SessionsPrefetched:
+        """The router's prefetch: each session brought here through ``SessionHost.prefetch``, a few at once, within
+        the command's deadline. Idempotent: a session held already is answered held."""
+        host = self.sessions_host
+        if self._stopped or host is None:
+            raise PermanentError(f"pod {self.agent.pod}'s KV agent takes no prefetch")
+        restored: list[str] = []
+        held: list[str] = []
+        elsewhere: list[str] = []
+        failed: dict[str, str] = {}
+        window = asyncio.Semaphore(PREFETCH_WINDOW)
+
+        async def one(session_id: str) -> None:
+            async with window:
+                try:
+                    brought = await host.prefetch(session_id)
+                except SessionHeld:
+                    elsewhere.append(session_id)
+                    return
+                except Exception as exc:
+                    failed[session_id] = (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300]
+                    return
+                (restored if brought else held).append(session_id)
+
+        ids = list(dict.fromkeys(command.session_ids))
+        tasks = [asyncio.ensure_future(one(sid)) for sid in ids]
+        _, late = await asyncio.wait(tasks, timeout=command.deadline_s) if tasks else (set(), set())
+        for task in late:
+            task.cancel()
+        done = set(restored) | set(held) | set(elsewhere) | set(failed)
+        for sid in ids:
+            if sid not in done:
+                failed[sid] = f"not brought within the deadline ({command.deadline_s:g} s)"
+        log.info(
+            "sessions prefetched",
+            extra={"pod": self.agent.pod, "restored": len(restored), "held": len(held), "failed": len(failed)},
+        )
+        return SessionsPrefetched(
+            pod=self.agent.pod, restored=restored, held=held, held_elsewhere=elsewhere, failed=failed
+        )
 
     # -- model rollouts -----------------------------------------------------------------------------------------
     async def on_prepare(self, command: PrepareModel) -> ModelPrepared:
@@ -554,7 +627,7 @@ class AgentEndpoint:
         recorded = await record_report(self.bus, self.agent.pod, report)
         return recorded if recorded is not None else report
 
-    async def _locate(self, session_id: str, timeout: float) -> CheckpointLocation:
+    async def _locate(self, session_id: str, timeout: float, prefetch: bool = False) -> CheckpointLocation:
         """Take the session: its location and the generation handed out to this pod. ``TimeoutError`` when the
         checkpoint service does not answer within ``timeout``, ``LocateRefused`` when it refuses the command,
         ``SessionHeld`` when the session is another pod's."""
@@ -568,6 +641,7 @@ class AgentEndpoint:
                 namespace=self.agent.namespace,
                 deployment=self.agent.deployment,
                 take_id=uuid.uuid4().hex,
+                prefetch=prefetch,
             ),
             timeout,
         )
@@ -592,6 +666,7 @@ class AgentEndpoint:
         into: Sequence[Any] | None = None,
         timeout: float = 10.0,
         tokens_known: int | None = None,
+        prefetch: bool = False,
     ) -> RestoredSession:
         """Take the session (its next generation) and restore its newest good checkpoint, verified, then report
         it. ``tokens_known``: how many tokens the conversation holds, where the caller knows it (the engine kept

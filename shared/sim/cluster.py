@@ -198,6 +198,9 @@ class SimCluster:
     async def set_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
         await self._mutate(lambda state, now: (None, state.set_annotations(node, annotations)))
 
+    async def set_pod_annotations(self, namespace: str, pod: str, annotations: Mapping[str, str | None]) -> None:
+        await self._mutate(lambda state, now: (None, state.set_pod_annotations(namespace, pod, annotations)))
+
     async def update_node(
         self,
         node: str,

@@ -32,6 +32,10 @@ from shared.sim.spec import ClaimSpec, SimSpec
 ChangeType = Literal["ADDED", "MODIFIED", "DELETED"]
 
 
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+"""The annotation by which the ReplicaSet controller removes the cheapest pods first on scale-in."""
+
+
 def object_key(namespace: str, name: str) -> str:
     """How deployments and pods are keyed: ``namespace/name``, as ``kubectl`` writes them."""
     return f"{namespace}/{name}"
@@ -83,6 +87,16 @@ class SimPod(msgspec.Struct, kw_only=True):
     gpu_indices: list[int] = msgspec.field(default_factory=list)
     claim_devices: list[str] = msgspec.field(default_factory=list)
     """The devices of its node's ResourceSlice its claim was allocated (a deployment with a ``claim``)."""
+    annotations: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @property
+    def deletion_cost(self) -> int:
+        """``controller.kubernetes.io/pod-deletion-cost`` as the ReplicaSet controller reads it (0 when absent or
+        not an integer)."""
+        try:
+            return int(self.annotations.get(DELETION_COST, "0"))
+        except ValueError:
+            return 0
 
     @property
     def key(self) -> str:
@@ -192,6 +206,21 @@ class ClusterState(msgspec.Struct, kw_only=True):
 
     def set_annotations(self, node: str, annotations: Mapping[str, str | None]) -> list[ClusterChange]:
         return _merge(self.node(node).annotations, annotations, node)
+
+    def set_pod_annotations(
+        self, namespace: str, pod: str, annotations: Mapping[str, str | None]
+    ) -> list[ClusterChange]:
+        """A pod's annotations merged (None removes one); a pod that is gone changes nothing."""
+        target = self.pods.get(object_key(namespace, pod))
+        if target is None:
+            return []
+        before = dict(target.annotations)
+        for key, value in annotations.items():
+            if value is None:
+                target.annotations.pop(key, None)
+            else:
+                target.annotations[key] = value
+        return [] if target.annotations == before else [_pod_change("MODIFIED", target)]
 
     def update_node(
         self,
@@ -314,7 +343,8 @@ class ClusterState(msgspec.Struct, kw_only=True):
         """Remove finished Terminating pods, bring each deployment to its replica count, then bind Pending pods.
 
         A Terminating pod is gone once its preStop is done, or when its grace period has run out (SIGKILL).
-        Missing pods are created; surplus ones go unbound first, then newest first (bound ones terminate
+        Missing pods are created; surplus ones go unbound first, then, as the ReplicaSet controller chooses, the
+        lowest ``controller.kubernetes.io/pod-deletion-cost`` first, then newest first (bound ones terminate
         gracefully). Pending pods, oldest first, go to the ready, schedulable node with the most free GPUs that
         has enough, ties broken by name, and run at once, holding that node's lowest-numbered free GPUs. A pod
         whose deployment asks by claim goes, in the same order of nodes, to the first whose ResourceSlice
@@ -357,7 +387,8 @@ class ClusterState(msgspec.Struct, kw_only=True):
             changes.append(_pod_change("ADDED", pod))
         surplus = len(active) - deployment.replicas
         if surplus > 0:
-            for pod in sorted(active, key=lambda p: (p.phase != "Pending", -p.created_seq))[:surplus]:
+            removal = sorted(active, key=lambda p: (p.phase != "Pending", p.deletion_cost, -p.created_seq))
+            for pod in removal[:surplus]:  # unbound first, then the lowest deletion cost, then the newest
                 if pod.phase == "Pending":
                     del self.pods[pod.key]
                     changes.append(_pod_change("DELETED", pod))

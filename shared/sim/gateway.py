@@ -67,8 +67,9 @@ class GatewaySettings:
     )
     timeout_s: float = setting(
         "GPUWARDEN_SIM_ROUTER_TIMEOUT_S",
-        1.0,
-        "sim: seconds the SIMULATED gateway waits for one router replica's answer before it asks the next",
+        15.0,
+        "sim: seconds the SIMULATED gateway waits for one router replica's answer before it asks the next (above "
+        "the router's GPUWARDEN_ROUTER_HANDOVER_WAIT_S: a request may be held that long for a moved session)",
         parse=seconds(minimum=0.01, maximum=60),
     )
 
@@ -137,7 +138,7 @@ class GatewayStats:
 class GatewayClient:
     """The simulated gateway's side of ext_proc, over one gRPC channel per router replica."""
 
-    def __init__(self, replicas: Sequence[HostPort], timeout_s: float = 1.0) -> None:
+    def __init__(self, replicas: Sequence[HostPort], timeout_s: float = 15.0) -> None:
         self.replicas = [str(r) for r in replicas]
         self.timeout_s = timeout_s
         self.stats = GatewayStats()

@@ -73,6 +73,8 @@ class WorkloadStats:
     requests: int = 0
     served: int = 0
     restored: int = 0
+    prefetched: int = 0
+    """Sessions brought onto a pod by the router's prefetch, ahead of their next request (restored or started)."""
     started_fresh: int = 0
     recomputed: int = 0
     preemptions: int = 0

@@ -51,7 +51,7 @@ from shared.kv.manifest import IncompatibleCheckpoint, KvLayout
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt
 from shared.plumbing.bus import Bus
 from shared.plumbing.consumer import ConsumerSpec, consume
-from shared.plumbing.errors import TemporaryError
+from shared.plumbing.errors import PermanentError, TemporaryError
 from shared.plumbing.retries import CLUSTER_REWATCH
 from shared.ports.cluster import PodInfo
 from shared.sim.blockpool import BlockPool, PoolTooSmall
@@ -67,6 +67,17 @@ log = logging.getLogger(__name__)
 
 def _watch_interrupted(exc: Exception, wait_s: float) -> None:
     log.warning("cluster watch interrupted", extra={"error": str(exc), "retry_s": wait_s})
+
+
+class PodSessions:
+    """One simulated pod's ``SessionHost``: the router's prefetch commands, brought through the workload."""
+
+    def __init__(self, workload: SimWorkload, pod: str) -> None:
+        self.workload = workload
+        self.pod = pod
+
+    async def prefetch(self, session_id: str) -> bool:
+        return await self.workload.prefetch(self.pod, session_id)
 
 
 class SimWorkload:
@@ -273,7 +284,12 @@ class SimWorkload:
         )
         engines: dict[str, PodEngine] = {engine.layout.model_version: engine.for_pod(agent)}
         endpoint = AgentEndpoint(
-            agent, bus, announce_s=self.announce_s, models=PodModels(self, agent, engines), journal_s=self.journal_s
+            agent,
+            bus,
+            announce_s=self.announce_s,
+            models=PodModels(self, agent, engines),
+            journal_s=self.journal_s,
+            sessions=PodSessions(self, pod.name),
         )
         node_gpus = [g.memory_mib for n in self.spec.nodes if n.name == pod.node for g in n.gpus]
         fallback = float(min(node_gpus, default=self.spec.smallest_gpu_mib()))
@@ -521,7 +537,33 @@ class SimWorkload:
         self.home[request.session_id] = chosen.info.name
         return chosen
 
-    async def _bring_session(self, runtime: PodRuntime, session_id: str) -> None:
+    async def prefetch(self, pod: str, session_id: str) -> bool:
+        """The router's prefetch on pod ``pod`` (``shared.kv.endpoint.SessionHost``): the session brought there as
+        its next request would bring it, never taken from a holder the cluster still lists. False when the pod holds
+        it already; ``SessionHeld`` when another pod still does; ``PermanentError`` when this pod cannot take it."""
+        async with self._locks.hold(session_id):
+            runtime = self.runtimes.get(pod)
+            if runtime is None or runtime.stopping or runtime.gone:
+                raise PermanentError(f"pod {pod} is not serving")
+            if session_id in self.retired:
+                raise PermanentError(f"session {session_id} was ended")
+            pinned = self.versions.get(session_id)
+            if pinned is not None and pinned not in runtime.agent.layouts:
+                raise PermanentError(f"pod {pod} does not hold the session's model version {pinned!r}")
+            async with runtime.lock:
+                if runtime.gone:
+                    raise PermanentError(f"pod {pod} is gone")
+                if session_id in runtime.agent.sessions():
+                    self.home[session_id] = pod
+                    return False
+                await self._bring_session(runtime, session_id, prefetch=True)
+                if session_id not in runtime.agent.sessions():
+                    raise PermanentError(f"session {session_id} was not brought onto pod {pod}")
+                self.home[session_id] = pod
+                self.stats.prefetched += 1
+                return True
+
+    async def _bring_session(self, runtime: PodRuntime, session_id: str, prefetch: bool = False) -> None:
         """Make the session run on ``runtime``: recompute it when it was preempted, else restore its newest
         checkpoint (checked against the reference), else start it (recomputed from its tokens where the engine
         knows them, else empty). Its blocks are then reserved in the pool, preempting others."""
@@ -544,7 +586,7 @@ class SimWorkload:
         engine = runtime.engines.get(self.versions.get(session_id, runtime.agent.layout.model_version))
         known = engine.tokens_known(session_id) if engine is not None else None
         try:
-            restored = await runtime.endpoint.restore(session_id, tokens_known=known)
+            restored = await runtime.endpoint.restore(session_id, tokens_known=known, prefetch=prefetch)
         except CheckpointNotFound:
             await self._start(runtime, session_id, context_lost=after_kill and bool(known))
             return
@@ -559,6 +601,8 @@ class SimWorkload:
             self.retire(session_id, f"its checkpoint cannot be restored here: {exc}")
             return
         except SessionHeld as exc:
+            if prefetch:
+                raise
             raise self._held_elsewhere(session_id, exc) from exc
         except TimeoutError as exc:
             raise TemporaryError(f"checkpoint service not answering: {exc}", delay=1.0) from exc
@@ -669,6 +713,7 @@ class SimWorkload:
             "requests": stats.requests,
             "served": stats.served,
             "restored": stats.restored,
+            "prefetched": stats.prefetched,
             "started_fresh": stats.started_fresh,
             "recomputed": stats.recomputed,
             "preemptions": stats.preemptions,

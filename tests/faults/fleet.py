@@ -226,7 +226,7 @@ async def fleet(
         gateway = None
         if pickers:
             ports = [HostPort("127.0.0.1", router.port) for router, _ in pickers]
-            gateway = GatewayRouting(GatewayClient(ports, timeout_s=1.0), "llm/llama")
+            gateway = GatewayRouting(GatewayClient(ports, timeout_s=15.0), "llm/llama")
         workload_bus = await Bus.connect(settings.nats, subjects, "sim-workload")
         workload = SimWorkload(workload_bus, cluster, store, spec, announce_s=1.0, tick_s=0.1, gateway=gateway)
         await workload.start()

@@ -1,0 +1,226 @@
+"""Prefetch: when a session's holder leaves, the pod the router will send the session to restores it before the
+session's next request comes.
+
+The router notices a holder leaving when the pool's listing shows one of its pods stop serving (not ready,
+terminating, gone, or replaced by another incarnation: a drain, a scale-in, a rollout, a restart). The sessions it
+held (or held last, where the registry let them go before the listing showed the pod leave) that had a request
+within ``prefetch_s`` (``GPUWARDEN_ROUTER_PREFETCH_S``: the conversations still going on; older ones restore on
+demand) are each given their next pod: the serving pod with the least KV pressure, counting what this round
+already gave it (each session's blocks, from its tokens). Each pod is sent one
+``kv.session.prefetch.command`` (``cmd.kvagent.<pod>.prefetch``, up to 1,000 sessions a command), answered by
+``kv.session.prefetched``; its KV agent restores through the pod's own restore path, which never takes a session
+from a holder the cluster still lists (``LocateCheckpoint.prefetch``): a holder still terminating (its last save
+under way) keeps it, the answer says ``held_elsewhere`` and the router asks again every ``RETRY_S`` until the
+prefetch deadline. From the moment it is sent, each session is in handover to its new pod (``handover.py``): a
+request that comes first waits for the new holder's location rather than racing the restore.
+
+Nothing here changes what the router knows of locations: the pod's claim and restore are published by the
+checkpoint service as for any restore, and heard as any location is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from shared.contract.sessions import PrefetchSessions, SessionsPrefetched
+
+from .handover import Handovers
+from .picker import EndpointPicker, PodIncarnation
+
+log = logging.getLogger(__name__)
+
+BATCH = 1000
+"""Sessions one prefetch command names at most (the contract's bound)."""
+RETRY_S = 0.5
+"""Between two asks for the sessions a listed holder still keeps."""
+BLOCK_TOKENS = 16
+"""Tokens per KV block assumed when spreading sessions by their size (the engines' usual block)."""
+
+Ask = Callable[[PrefetchSessions, float], Awaitable[object]]
+"""Sends one prefetch command and returns the answer (``Bus.request``)."""
+
+
+@dataclass
+class PrefetchStats:
+    rounds: int = 0
+    asked: int = 0
+    prefetched: int = 0
+    held: int = 0
+    asked_again: int = 0
+    failed: int = 0
+    unanswered: int = 0
+
+
+class Activity:
+    """When each session last had a request routed, bounded (the least recent forgotten first)."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self._at: OrderedDict[str, float] = OrderedDict()
+
+    def saw(self, session: str, now: float) -> None:
+        self._at.pop(session, None)
+        self._at[session] = now
+        while len(self._at) > self.max_sessions:
+            self._at.popitem(last=False)
+
+    def since(self, cutoff: float) -> list[str]:
+        """Sessions with a request at or after ``cutoff``, the most recent first."""
+        found: list[str] = []
+        for session, at in reversed(self._at.items()):
+            if at < cutoff:
+                break
+            found.append(session)
+        return found
+
+
+class Prefetcher:
+    """Chooses the next pod of each active session whose holder left, and asks it to restore them."""
+
+    def __init__(
+        self,
+        picker: EndpointPicker,
+        handovers: Handovers,
+        ask: Ask,
+        prefetch_s: float,
+        clock: Callable[[], float],
+        deadline_s: float = 60.0,
+        max_sessions: int = 1_000_000,
+    ) -> None:
+        self.clock = clock
+        self.picker = picker
+        self.handovers = handovers
+        self.ask = ask
+        self.prefetch_s = prefetch_s
+        self.deadline_s = deadline_s
+        self.activity = Activity(max_sessions)
+        self.stats = PrefetchStats()
+        self.prefetched: set[str] = set()
+        """Sessions a prefetch brought, whose next request has not come yet (counted ``prefetched`` when it does)."""
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def saw_request(self, session: str, now: float) -> None:
+        if self.prefetch_s > 0 and session:
+            self.activity.saw(session, now)
+
+    def took_request(self, session: str) -> bool:
+        """Whether this request is the first of ``session`` since a prefetch brought it (and forget that)."""
+        if session in self.prefetched:
+            self.prefetched.discard(session)
+            return True
+        return False
+
+    def serving(self) -> dict[str, PodIncarnation]:
+        """The pool's serving pods now, by name (``snapshot`` before a listing, compared after it)."""
+        return {name: pod for name, pod in self.picker.pods.items() if pod.serves}
+
+    def on_listing(self, before: dict[str, PodIncarnation], now: float) -> int:
+        """After a listing: the incarnations serving in ``before`` that serve no more have left; their active
+        sessions are prefetched. Returns how many sessions were sent."""
+        if self.prefetch_s <= 0:
+            return 0
+        left = {id(p) for name, p in before.items() if not p.serves or self.picker.pods.get(name) is not p}
+        if not left:
+            return 0
+        moving: list[tuple[str, int]] = []
+        for session in self.activity.since(now - self.prefetch_s):
+            placement = self.picker.sessions.get(session)
+            holder = None if placement is None else (placement.holder or placement.was)
+            if placement is not None and holder is not None and id(holder) in left:
+                moving.append((session, placement.tokens))
+        if not moving:
+            return 0
+        plan = self.assign(moving, now)
+        for pod, sessions in plan.items():
+            for start in range(0, len(sessions), BATCH):
+                batch = sessions[start : start + BATCH]
+                for session in batch:
+                    self.handovers.start(session, pod, now)
+                task = asyncio.ensure_future(self._prefetch(pod, batch))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        self.stats.rounds += 1
+        return len(moving)
+
+    def assign(self, moving: list[tuple[str, int]], now: float) -> dict[str, list[str]]:
+        """Each session to the serving pod with the least KV pressure, counting what this round already gave it."""
+        heap: list[tuple[float, str]] = []
+        totals: dict[str, int] = {}
+        for name, pod in self.picker.pods.items():
+            if not pod.serves:
+                continue
+            used = pod.utilisation(now, self.picker.load_stale_s)
+            totals[name] = max(pod.blocks_total, 1) if used is not None else 1_000
+            heap.append((0.5 if used is None else used, name))
+        heapq.heapify(heap)
+        plan: dict[str, list[str]] = {}
+        if not heap:
+            return plan
+        for session, tokens in sorted(moving, key=lambda m: -m[1]):  # the largest first: a better spread
+            pressure, name = heapq.heappop(heap)
+            plan.setdefault(name, []).append(session)
+            blocks = max(1, math.ceil(tokens / BLOCK_TOKENS))
+            heapq.heappush(heap, (pressure + blocks / totals[name], name))
+        return plan
+
+    async def _prefetch(self, pod: str, sessions: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s
+        remaining = sessions
+        namespace, deployment = self.picker.namespace, self.picker.deployment
+        while remaining:
+            self.stats.asked += len(remaining)
+            left_s = max(1.0, deadline - loop.time())
+            command = PrefetchSessions(
+                pod=pod, namespace=namespace, deployment=deployment, session_ids=remaining, deadline_s=left_s
+            )
+            try:
+                answer = await self.ask(command, left_s + 5.0)
+            except Exception as exc:  # no agent answers (the pod is starting or gone): restored on demand
+                self.stats.unanswered += len(remaining)
+                self.handovers.given_up(remaining, pod)
+                log.info("prefetch unanswered", extra={"pod": pod, "sessions": len(remaining), "error": str(exc)})
+                return
+            if not isinstance(answer, SessionsPrefetched):
+                self.stats.failed += len(remaining)
+                self.handovers.given_up(remaining, pod)
+                log.info("prefetch refused", extra={"pod": pod, "answer": getattr(answer, "reason", "")[:200]})
+                return
+            self.stats.prefetched += len(answer.restored)
+            self.stats.held += len(answer.held)
+            self.stats.failed += len(answer.failed)
+            self.prefetched.update(answer.restored)
+            if answer.failed:
+                self.handovers.given_up(list(answer.failed), pod)
+                log.info("prefetch failed for some sessions", extra={"pod": pod, "failed": len(answer.failed)})
+            remaining = answer.held_elsewhere
+            if remaining and loop.time() + RETRY_S < deadline:
+                self.stats.asked_again += len(remaining)
+                now = self.clock()
+                for session in remaining:  # still in handover to this pod while its holder finishes leaving
+                    self.handovers.start(session, pod, now)
+                await asyncio.sleep(RETRY_S)
+            else:
+                self.handovers.given_up(remaining, pod)
+                return
+
+    def status(self) -> dict[str, object]:
+        return {
+            "prefetch_s": self.prefetch_s,
+            "in_flight": len(self._tasks),
+            **self.stats.__dict__,
+        }
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
