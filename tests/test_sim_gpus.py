@@ -252,7 +252,7 @@ async def test_driver_install_fails_hangs_and_validates_as_injected(
         ('{"kind": "xid", "node": "node-1", "code": 79}', "missing required field `gpu`"),
         (
             '{"kind": "meteor", "node": "node-1"}',
-            "`$.kind` (kinds: xid, lose_gpu, driver_install, slow_copies, mig, kill_pod)",
+            "`$.kind` (kinds: xid, lose_gpu, driver_install, slow_copies, mig, kill_pod, lose_node)",
         ),
         ('{"node": "node-1"}', "missing required field `kind`"),
         ('{"kind": "lose_gpu", "node": "node-1", "gpu": 0, "colour": "red"}', "unknown field `colour`"),
