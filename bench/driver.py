@@ -16,7 +16,9 @@ not counted):
 - ``<mode>_<n>_idle_cpu_s_per_pass``: nothing to upgrade (the mean of ``idle_passes`` passes);
 - ``<mode>_<n>_upgrade_cpu_s_per_pass``: the passes after the one that starts an upgrade to a new version at
   ``max_parallel_upgrades`` = 10% of the nodes (the mean of ``upgrade_passes``); ``..._upgrade_nodes_done`` how
-  many nodes those passes finished, ``..._nodes_read_per_pass`` how many nodes a pass read.
+  many nodes those passes finished, ``..._nodes_read_per_pass`` how many nodes a pass read;
+- ``watched_<n>_watch_idle_cpu_s_per_s``: what the watch itself costs between passes while nothing changes (CPU
+  seconds per second over 3 s, 1 with ``--quick``; its blocking read of the change stream returns every second).
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ class _Driver:
         return DriverValidation(ok=True, version=self.fleet.versions[self.node], visible_gpus=GPUS_PER_NODE)
 
 
-async def one_mode(redis_url: str, n: int, watched: bool, idle_passes: int, upgrade_passes: int) -> dict[str, Any]:
+async def one_mode(
+    redis_url: str, n: int, watched: bool, idle_passes: int, upgrade_passes: int, watch_idle_s: float
+) -> dict[str, Any]:
     import msgspec
 
     from services.driver.coordinator import UpgradeCoordinator
@@ -140,6 +144,13 @@ async def one_mode(redis_url: str, n: int, watched: bool, idle_passes: int, upgr
         idle_read = coordinator.last_pass.nodes_read
         if watched and (coordinator.last_pass.full or idle_read):
             raise RuntimeError(f"{label}: an idle pass fed by the watch read {idle_read} node(s)")
+        between: dict[str, Any] = {}
+        if watched:  # what the watch itself costs between passes while nothing changes
+            started, cpu = time.monotonic(), time.process_time()
+            await asyncio.sleep(watch_idle_s)
+            between[f"{label}_watch_idle_cpu_s_per_s"] = round(
+                (time.process_time() - cpu) / (time.monotonic() - started), 5
+            )
         policy[0] = msgspec.structs.replace(policy[0], desired_version=NEW)
         await timed_pass()  # the policy changed: every node is looked at, the first slots taken
         upgrade: list[float] = []
@@ -153,6 +164,7 @@ async def one_mode(redis_url: str, n: int, watched: bool, idle_passes: int, upgr
             f"{label}_upgrade_cpu_s_per_pass": round(sum(upgrade) / len(upgrade), 3),
             f"{label}_upgrade_nodes_done": done,
             f"{label}_upgrade_nodes_read_per_pass": round(sum(read) / len(read), 1),
+            **between,
         }
     finally:
         if follower is not None:
@@ -162,7 +174,7 @@ async def one_mode(redis_url: str, n: int, watched: bool, idle_passes: int, upgr
         await client.aclose()
 
 
-async def measure(sizes: Sequence[int], idle_passes: int, upgrade_passes: int) -> dict[str, Any]:
+async def measure(sizes: Sequence[int], idle_passes: int, upgrade_passes: int, watch_idle_s: float) -> dict[str, Any]:
     from shared.host.devservers import RedisServer
 
     server = RedisServer().start()
@@ -170,7 +182,7 @@ async def measure(sizes: Sequence[int], idle_passes: int, upgrade_passes: int) -
     try:
         for n in sizes:
             for watched in (False, True):
-                results |= await one_mode(server.url, n, watched, idle_passes, upgrade_passes)
+                results |= await one_mode(server.url, n, watched, idle_passes, upgrade_passes, watch_idle_s)
     finally:
         server.cleanup()
     return results
@@ -185,7 +197,8 @@ def run(
     chosen = tuple(sizes or (SIZES_QUICK if options.quick else SIZES_FULL))
     idle_n = idle_passes or (2 if options.quick else 5)
     upgrade_n = upgrade_passes or 3
-    results = asyncio.run(measure(chosen, idle_n, upgrade_n))
+    watch_idle_s = 1.0 if options.quick else 3.0
+    results = asyncio.run(measure(chosen, idle_n, upgrade_n, watch_idle_s))
     params = {
         "sizes": list(chosen),
         "gpus_per_node": GPUS_PER_NODE,
@@ -193,6 +206,7 @@ def run(
         "max_parallel_upgrades": "10% of the nodes",
         "idle_passes": idle_n,
         "upgrade_passes": upgrade_n,
+        "watch_idle_s": watch_idle_s,
         "cluster": "SimCluster (the whole cluster one msgpack value in Redis, decoded by every read)",
         "agents": "in-process stand-ins answering at once (no bus round trips counted)",
     }
