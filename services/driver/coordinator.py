@@ -175,7 +175,7 @@ class UpgradeCoordinator:
                     self.token = 0
                 except (ClusterError, GpuError, LeaseUnavailable) as exc:
                     log.warning("upgrade pass interrupted; retrying", extra={"error": str(exc)})
-                if self.token and follower is None:  # after a pass: the watch starts where its read left the cluster
+                if self.token and (follower is None or follower.done()):  # where the pass's read left the cluster
                     follower = asyncio.create_task(self.follow_cluster(), name="driver-upgrade-watch")
                 elif not self.token and follower is not None:
                     await _cancelled(follower)
@@ -194,7 +194,7 @@ class UpgradeCoordinator:
         watch that ends is watched again, at once when it brought changes, else as ``retries.CLUSTER_REWATCH``
         says; while none runs, every pass reads every node, and the first pass after a new watch does too."""
         while True:
-            async for attempt in CLUSTER_REWATCH.tries(when=_cluster_failed, note=_rewatching):
+            async for attempt in CLUSTER_REWATCH.tries(note=_rewatching):
                 with attempt:
                     await self._follow_once()
 
@@ -622,10 +622,6 @@ def _counted(view: NodeView) -> tuple[int, int, int]:
 async def _cancelled(task: asyncio.Task[None]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-
-
-def _cluster_failed(exc: Exception) -> bool:
-    return isinstance(exc, ClusterError)
 
 
 def _rewatching(exc: Exception, wait_s: float) -> None:
