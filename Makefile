@@ -101,6 +101,7 @@ bench: install
 	$(BIN)/python -m bench.restore_pod $(BENCH_ARGS)
 	$(BIN)/python -m bench.scrub $(BENCH_ARGS)
 	$(BIN)/python -m bench.router $(BENCH_ARGS)
+	$(BIN)/python -m bench.driver $(BENCH_ARGS)
 	$(BIN)/python -m bench.scale --quick
 
 # A simulated fleet (default 1,000 nodes x 8 GPUs, hollow nodes) of its own: memory, idle CPU per process, time to

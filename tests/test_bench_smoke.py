@@ -13,6 +13,7 @@ import pytest
 from bench import bus as bench_bus
 from bench import checkpoint as bench_checkpoint
 from bench import crash as bench_crash
+from bench import driver as bench_driver
 from bench import metrics as bench_metrics
 from bench import resume as bench_resume
 from bench import scrub as bench_scrub
@@ -290,3 +291,20 @@ def test_bench_crash_kills_pods_with_and_without_the_journal_on_a_tiny_model(tmp
         "journal_write_amplification",
         "resume_after_kill_vs_recompute_4k",
     }
+
+
+def test_bench_driver_measures_the_coordinator_idle_and_upgrading_both_ways(tmp_path: Path) -> None:
+    out = tmp_path / "driver.json"
+    options = BenchOptions(name="driver", quick=True, nats_url=None, out=out)
+    report = bench_driver.run(options, sizes=(4,), idle_passes=1, upgrade_passes=2)
+
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(report))
+    assert data["benchmark"] == "driver" and data["params"]["sizes"] == [4]
+    for mode in ("full", "watched"):
+        for figure in ("idle_cpu_s_per_pass", "upgrade_cpu_s_per_pass"):
+            value = data[f"{mode}_4_{figure}"]
+            assert isinstance(value, float) and value >= 0, (mode, figure)
+        assert data[f"{mode}_4_upgrade_nodes_done"] >= 1  # the upgrade moved on within the passes measured
+    assert data["full_4_upgrade_nodes_read_per_pass"] == 4  # every node, every pass
+    assert data["watched_4_upgrade_nodes_read_per_pass"] < 4

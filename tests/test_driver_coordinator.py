@@ -22,10 +22,11 @@ from services.driver.agent import DriverAgent, bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
 from services.driver.gauges import UpgradeCollector
 from services.driver.lease import RedisLeaderLease
-from services.driver.ports import StaleLeader
+from services.driver.ports import NodeDriver, NodeDrivers, StaleLeader
 from services.driver.upgrade import ORDER
 from shared.clients.drains import RecordReader
 from shared.contract.annotations import (
+    CORDON_DRAIN_ANNOTATION,
     UPGRADE_FAILURE_ANNOTATION,
     UPGRADE_FENCE_ANNOTATION,
     UPGRADE_SINCE_ANNOTATION,
@@ -39,12 +40,13 @@ from shared.contract.node import DrainCompleted, DrainFailed, DrainQuery, DrainR
 from shared.contract.subjects import Subjects
 from shared.plumbing.bus import Bus, Subscription
 from shared.plumbing.settings import Settings
-from shared.ports.cluster import ClusterConflict, EvictionOutcome
+from shared.ports.cluster import ClusterChange, ClusterConflict, EvictionOutcome, NodeInfo, PodInfo
 from shared.ports.gpu import DriverValidation, GpuPort
 from shared.sim.cluster import SimCluster
 from shared.sim.faults import DriverInstallFault, apply_fault
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import DeploymentSpec, NodeSpec, SimSpec
+from tests.helpers import eventually
 
 NEW = "560.35.03"
 OLD = "550.54.15"
@@ -105,6 +107,9 @@ class Harness:
         self.generation = 0
         self.agent_timeout_s = AGENT_TIMEOUT_S
         self.agents: dict[str, tuple[DriverAgent, Bus]] = {}
+        self.cluster_for_coordinator: SimCluster | None = None
+        """What the coordinators read the cluster through (default: ``cluster``)."""
+        self.drivers_for_coordinator: NodeDrivers | None = None
 
     async def setup(self) -> None:
         await self.setup_responder()
@@ -150,8 +155,8 @@ class Harness:
         self.generation += 1
         lease = RedisLeaderLease(self.client, self.subjects, f"coordinator-{self.generation}", ttl_s=30.0)
         return UpgradeCoordinator(
-            self.cluster,
-            bus_node_drivers(self.bus, self.agent_timeout_s),
+            self.cluster_for_coordinator or self.cluster,
+            self.drivers_for_coordinator or bus_node_drivers(self.bus, self.agent_timeout_s),
             lease,
             self.verdicts,
             self.publish,
@@ -601,3 +606,180 @@ def msgspec_replace(policy: DriverPolicy, **changes: object) -> DriverPolicy:
 
 async def _state_is(h: Harness, node: str, state: str) -> bool:
     return (await h.states())[node] == state
+
+
+# -- a pass costs what changed, not the fleet's size --------------------------------------------------------------
+class SpyCluster(SimCluster):
+    """The simulated cluster as the coordinator reads it, counting its reads of each node (the node, its pods) and
+    of every node at once; its watch loses the changes of the nodes in ``deaf_to`` (a change no watch reports)."""
+
+    def __init__(self, client: aioredis.Redis, subjects: Subjects) -> None:
+        super().__init__(client, subjects)
+        self.reads: Counter[str] = Counter()
+        self.full_reads = 0
+        self.deaf_to: set[str] = set()
+
+    async def nodes(self) -> list[NodeInfo]:
+        self.full_reads += 1
+        return await super().nodes()
+
+    async def node(self, name: str) -> NodeInfo | None:
+        self.reads[name] += 1
+        return await super().node(name)
+
+    async def pods(self, node: str | None = None, namespace: str | None = None) -> list[PodInfo]:
+        if node is not None:
+            self.reads[node] += 1
+        return await super().pods(node=node, namespace=namespace)
+
+    def watch(self) -> AsyncIterator[ClusterChange]:
+        return self._heard(super().watch())
+
+    async def _heard(self, changes: AsyncIterator[ClusterChange]) -> AsyncIterator[ClusterChange]:
+        async for change in changes:
+            if change.node not in self.deaf_to:
+                yield change
+
+    def forget_counts(self) -> None:
+        self.reads.clear()
+        self.full_reads = 0
+
+
+class Watched:
+    """The harness's coordinator reading through a ``SpyCluster``, its agents asked through a counter, and its
+    view fed by ``follow_cluster`` as ``run`` feeds it."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self.spy = SpyCluster(h.client, h.subjects)
+        self.asked: Counter[str] = Counter()
+        drivers = bus_node_drivers(h.bus, h.agent_timeout_s)
+
+        def counted(node: str) -> NodeDriver:
+            self.asked[node] += 1
+            return drivers(node)
+
+        h.cluster_for_coordinator, h.drivers_for_coordinator = self.spy, counted
+        h.coordinator = h.new_coordinator()
+        self.follower: asyncio.Task[None] | None = None
+
+    async def start(self) -> UpgradeCoordinator:
+        """A first full pass, then the watch; the pass after a new watch is full again (what changed before it)."""
+        coordinator = self.h.coordinator
+        await self.h.step()
+        assert coordinator.last_pass.full
+        self.follower = asyncio.create_task(coordinator.follow_cluster())
+        await eventually(lambda: coordinator.watching)
+        await self.h.step()
+        assert coordinator.last_pass.full and "watch" in coordinator.last_pass.why
+        return coordinator
+
+    async def pass_reading(self) -> tuple[int, set[str]]:
+        """One pass: how many times every node was read at once, and which nodes were read alone."""
+        self.spy.forget_counts()
+        self.asked.clear()
+        await self.h.coordinator.reconcile_once()
+        return self.spy.full_reads, set(self.spy.reads) | set(self.asked)
+
+    async def close(self) -> None:
+        if self.follower is not None:
+            self.follower.cancel()
+            await asyncio.gather(self.follower, return_exceptions=True)
+
+
+def up_to_date(count: int) -> SimSpec:
+    return SimSpec(
+        nodes=[NodeSpec(name=f"node-{i}", driver_version=NEW) for i in range(1, count + 1)],
+        deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2)],
+    )
+
+
+async def test_a_pass_reads_only_the_nodes_that_changed(make_harness: MakeHarness) -> None:
+    h = await make_harness(up_to_date(4), POLICY)
+    watched = Watched(h)
+    try:
+        coordinator = await watched.start()
+        assert await watched.pass_reading() == (0, set())  # idle: nothing read, no agent asked
+        assert not coordinator.last_pass.full and coordinator.last_pass.nodes_read == 0
+
+        await h.cluster.set_node_labels("node-3", {"team": "search"})  # someone labels one node
+        await eventually(lambda: "node-3" in coordinator.changed())
+        assert await watched.pass_reading() == (0, {"node-3"})
+
+        killed = (await h.cluster.pods(node="node-1"))[0]  # a pod dies; its replacement is bound somewhere
+        await h.cluster.kill_pod(killed.namespace, killed.name)
+        replacement = (await h.cluster.pods())[-1]
+        await eventually(lambda: {"node-1", replacement.node} <= coordinator.changed())
+        assert await watched.pass_reading() == (0, {"node-1", replacement.node})
+
+        coordinator.note_verdict("node-2")  # a drain verdict heard for a node: its view is read again
+        assert await watched.pass_reading() == (0, {"node-2"})
+        assert await watched.pass_reading() == (0, set())
+
+        h.policy = msgspec_replace(POLICY, max_parallel_upgrades=2)  # a new policy: every node looked at again
+        assert (await watched.pass_reading())[0] == 1 and coordinator.last_pass.why == "the policy changed"
+        assert await watched.pass_reading() == (0, set())
+    finally:
+        await watched.close()
+
+
+async def test_a_change_the_watch_missed_is_caught_by_the_resync(make_harness: MakeHarness) -> None:
+    """Someone cordons node-2 and the watch never says so: passes go on reading nothing until the resync, which
+    finds the cordon and saves node-2's sessions (the drain an external cordon asks for)."""
+    h = await make_harness(up_to_date(3), POLICY)
+    watched = Watched(h)
+    now = [time.time()]
+    h.clock = lambda: now[0]
+    try:
+        coordinator = await watched.start()
+        watched.spy.deaf_to.add("node-2")
+        await h.cluster.cordon("node-2")
+        await h.cluster.set_node_labels("node-1", {"team": "search"})  # heard: the watch runs past the cordon
+        await eventually(lambda: "node-1" in coordinator.changed())
+        assert await watched.pass_reading() == (0, {"node-1"})
+        node = await h.cluster.node("node-2")
+        assert node is not None and CORDON_DRAIN_ANNOTATION not in node.annotations
+
+        now[0] += coordinator.resync_s
+        full, _ = await watched.pass_reading()
+        assert full == 1 and coordinator.last_pass.why == f"resync every {coordinator.resync_s:g} s"
+        node = await h.cluster.node("node-2")
+        assert node is not None and node.annotations.get(CORDON_DRAIN_ANNOTATION, "")
+        assert [e.node for e in h.events if isinstance(e, DrainRequested)] == ["node-2"]
+        assert await watched.pass_reading() == (0, set())
+    finally:
+        await watched.close()
+
+
+async def test_an_upgrade_fed_by_the_watch_completes_with_the_same_verdicts(make_harness: MakeHarness) -> None:
+    """The rolling upgrade with the view fed by the watch: every node through every state in order, one drain
+    each, as with every node read on every pass; and the passes read only the nodes in flight or changed."""
+    spec = SimSpec(
+        nodes=[NodeSpec(name="node-1"), NodeSpec(name="node-2"), NodeSpec(name="node-3", driver_version=NEW)],
+        deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2)],
+    )
+    h = await make_harness(spec, POLICY)
+    watched = Watched(h)
+    try:
+        coordinator = await watched.start()
+        partial: list[int] = []
+        for _ in range(200):
+            await h.step()
+            if not coordinator.last_pass.full:
+                partial.append(coordinator.last_pass.nodes_read)
+            if await _all_done(h) and (await h.states())["node-2"] == "upgrade-done":
+                break
+        else:
+            raise AssertionError("the rollout did not get there")
+        assert h.history("node-1") == list(ORDER) and h.history("node-2") == list(ORDER)
+        assert h.history("node-3") == []
+        assert sorted(e.node for e in h.events if isinstance(e, DrainRequested)) == ["node-1", "node-2"]
+        for node in ("node-1", "node-2"):
+            assert (await h.gpus(node).versions()).driver == NEW
+        assert partial and max(partial) < len(spec.nodes), partial  # no pass fed by the watch read every node
+        await h.cluster.set_node_labels("node-3", {"team": "search"})  # the watch past the coordinator's own writes
+        await eventually(lambda: "node-3" in coordinator.changed())
+        assert (await watched.pass_reading())[0] == 0
+        assert await watched.pass_reading() == (0, set())  # done: idle again
+    finally:
+        await watched.close()

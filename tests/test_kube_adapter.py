@@ -244,6 +244,8 @@ async def test_watch_sees_every_change_in_order(cluster: KubeCluster, api: FakeK
     ]
     assert all(c.namespace == NS for c in pods) and all(c.revision for c in seen)
     assert [int(c.revision) for c in nodes] == sorted(int(c.revision) for c in nodes)
+    assert [c.node for c in nodes] == ["gpu-a"] * 3
+    assert [c.node for c in pods][1:] == [pods[0].node, "gpu-b"] and pods[0].node  # the node each pod is on
     await nothing_more(watch, api)
     await watch.aclose()
 

@@ -432,6 +432,11 @@ async def test_separate_processes_share_one_cluster_that_schedules_evicts_and_co
             "llama-9": ("node-a", "Running"),
         }
 
+        everyone = await reader.pods()
+        for name in ("node-a", "node-b", "node-c", "node-x"):  # one node's pods, from the index by node
+            assert await reader.pods(node=name) == [p for p in everyone if p.node == name]
+        assert await reader.pods(node="node-a", namespace="other") == []
+
         final = reader.revision
         await eventually(lambda: seen and seen[-1].revision.startswith(f"{final}-"))
     finally:
@@ -450,6 +455,10 @@ async def test_separate_processes_share_one_cluster_that_schedules_evicts_and_co
         "DELETED",
     ]
     assert [c.name for c in seen if c.kind == "node" and c.type == "MODIFIED"] == ["node-a", "node-a"]
+    assert all(c.node == c.name for c in seen if c.kind == "node")
+    # each pod change names the node it is about: none while Pending, the node it is bound to (was, when it goes)
+    assert [c.node for c in seen if c.kind == "pod" and c.name == "llama-4"] == ["", *["node-c"] * 4]
+    assert [c.node for c in seen if c.kind == "pod" and c.name == "llama-7"] == ["", ""]  # never bound
     assert [c.type for c in seen if c.kind == "deployment"] == ["ADDED", "MODIFIED", "MODIFIED", "MODIFIED"]
     assert Counter(c.name for c in seen if c.kind == "node" and c.type == "ADDED") == {
         "node-a": 1,

@@ -24,6 +24,16 @@ class DriverSettings:
     reconcile_s: float = setting(
         "GPUWARDEN_DRIVER_RECONCILE_S", 10.0, "driver: seconds between reconciliations", parse=seconds()
     )
+    resync_s: float = setting(
+        "GPUWARDEN_DRIVER_RESYNC_S",
+        300.0,
+        "driver: seconds between the upgrade coordinator's full passes; between them a pass reads only the nodes "
+        "the cluster watch or a drain verdict reported changed and those with an upgrade in flight, and a full pass "
+        "finds what no watch reports (a driver installed on a node by hand, a change the watch lost)",
+        parse=seconds(),
+    )
+    """Seconds between full passes of the upgrade coordinator (every node read); between them a pass costs what
+    changed, not the fleet's size (``services.driver.coordinator``)."""
     coordinate: bool = setting(
         "GPUWARDEN_DRIVER_COORDINATE",
         True,

@@ -1,12 +1,25 @@
 """The cluster-wide upgrade coordinator: one leader at a time moves each node through the upgrade states.
 
-Each pass: take or renew the leader lease (its fencing token), read every node (labels, annotations, pods, the
-installed driver as that node's driver agent answers, the verdict of its drain), and for each node (those
-unavailable already first, then in name order: ``upgrade.upgrade_order``) apply what ``upgrade.next_step`` says,
-re-reading the node after each step. Nothing is remembered between passes that the cluster (or the node's agent)
-does not hold, except the eviction backoff and which drains this process has published; so a coordinator killed at
-any point and started again resumes where the labels say, and never evicts a pod twice (a Terminating pod is never
-evicted again; evictions go through the Eviction API only, and nothing is deleted). The nodes' GPUs are never
+Each pass: take or renew the leader lease (its fencing token), read the nodes it must (labels, annotations, pods,
+the installed driver as that node's driver agent answers, the verdict of its drain), and for each node to look at
+(those unavailable already first, then in name order: ``upgrade.upgrade_order``) apply what ``upgrade.next_step``
+says, re-reading the node after each step.
+
+A pass costs what changed, not the fleet's size. The coordinator keeps a view of every node (``NodeView``), fed by
+the cluster's watch (each ``ClusterChange`` names its node) and by the drain verdicts (``note_verdict``); a pass
+reads again only the nodes that changed since the last, and those with an upgrade in flight (a state holding a
+slot, ``upgrade-failed``, or an agent whose driver is unknown: what time or a node's agent moves without the
+cluster changing). Nodes waiting for a slot (``upgrade-required``) are decided on their kept view: the slot counts
+(``ClusterView``) are kept as views change, not counted over the fleet, and every write is a compare-and-set on the
+revision the view holds, so a view gone stale is refused and read again. Every node is read (a full pass) while no
+watch feeds the view (before ``follow_cluster`` runs, or after it failed), on a new lease, when the policy
+changed, after a pass that failed midway, and every ``resync_s``: what the watch could not say (a driver installed
+on a node by hand, a change the watch lost) is found then. Idle, a pass reads nothing.
+
+Nothing is remembered between passes that the cluster (or the node's agent) does not hold, except that view (read
+whole again at start), the eviction backoff and which drains this process has published; so a coordinator killed
+at any point and started again resumes where the labels say, and never evicts a pod twice (a Terminating pod is
+never evicted again; evictions go through the Eviction API only, and nothing is deleted). The nodes' GPUs are never
 touched from here: installs and validations are commands to the node's driver agent (``services.driver.agent``),
 which answer within a bound, so a silent node delays a pass by one timeout and the policy's timeouts fail it.
 
@@ -29,7 +42,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, cast, get_args
 
 from shared.clients.drains import DrainClient, VerdictReader, VerdictUnknown
@@ -46,7 +59,8 @@ from shared.contract.annotations import (
 from shared.contract.base import Event
 from shared.contract.configdocs import DriverPolicy
 from shared.contract.driver import DriverInstalled, DriverInstallFailed, DriverUpgradeStateChanged, UpgradeState
-from shared.ports.cluster import ClusterConflict, ClusterError, ClusterPort, NodeInfo
+from shared.plumbing.retries import CLUSTER_REWATCH
+from shared.ports.cluster import ClusterChange, ClusterConflict, ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError
 
 from .ports import (
@@ -59,6 +73,7 @@ from .ports import (
 )
 from .upgrade import (
     EXTERNAL_DRAIN_REASON,
+    IN_PROGRESS,
     VERDICT_UNKNOWN,
     Action,
     ClusterView,
@@ -79,6 +94,17 @@ Publish = Callable[[Event], Awaitable[None]]
 Clock = Callable[[], float]
 _MAX_STEPS_PER_NODE = 12
 _DRAIN_DEADLINE_S = 25.0
+RESYNC_S = 300.0
+"""Seconds between full passes (every node read) while the watch feeds the view: ``GPUWARDEN_DRIVER_RESYNC_S``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassStats:
+    """What the last pass read: every node (``full``) or only ``nodes_read`` of them, and why it was full."""
+
+    full: bool
+    nodes_read: int
+    why: str = ""
 
 
 def stamped_token(nodes: Iterable[NodeInfo]) -> int:
@@ -106,6 +132,7 @@ class UpgradeCoordinator:
         *,
         clock: Clock = time.time,
         on_transition: Callable[[str, str, str], None] | None = None,
+        resync_s: float = RESYNC_S,
     ) -> None:
         self.cluster = cluster
         self.drivers = drivers
@@ -120,23 +147,95 @@ class UpgradeCoordinator:
         self._verdicts_silent = False  # the checkpoint service did not answer for a verdict this pass
         self._backoff: dict[str, tuple[float, float]] = {}
         self.drains = DrainClient(lambda event: self.publish(event), "driver", record, lambda: self.clock())
+        self.resync_s = resync_s
+        self.watching = False
+        """True while ``follow_cluster``'s watch feeds the view: only then may a pass read less than every node."""
+        self.last_pass = PassStats(full=True, nodes_read=0, why="no pass yet")
+        self._views: dict[str, NodeView] = {}
+        self._dirty: set[str] = set()
+        self._in_flight: set[str] = set()
+        self._waiting: set[str] = set()
+        self._tally = [0, 0, 0]  # in_progress, unavailable, failed: ClusterView's counts, kept as views change
+        self._resync_due = True
+        self._resync_at = 0.0
+        self._policy_seen: DriverPolicy | None = None
 
-    # -- the loop -------------------------------------------------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------------------------------------------
     async def run(self, interval_s: float, wake: asyncio.Event | None = None) -> None:
+        """Passes every ``interval_s`` (or when ``wake`` is set), with ``follow_cluster`` feeding the view while this
+        coordinator leads (a standby watches nothing: a hollow host's thousand driver instances are one watcher)."""
         wake = wake or asyncio.Event()
+        follower: asyncio.Task[None] | None = None
+        try:
+            while True:
+                try:
+                    await self.reconcile_once()
+                except StaleLeader as exc:
+                    log.warning("no longer the upgrade coordinator", extra={"error": str(exc)})
+                    self.token = 0
+                except (ClusterError, GpuError, LeaseUnavailable) as exc:
+                    log.warning("upgrade pass interrupted; retrying", extra={"error": str(exc)})
+                if self.token and (follower is None or follower.done()):  # where the pass's read left the cluster
+                    follower = asyncio.create_task(self.follow_cluster(), name="driver-upgrade-watch")
+                elif not self.token and follower is not None:
+                    await _cancelled(follower)
+                    follower = None
+                try:
+                    await asyncio.wait_for(wake.wait(), timeout=interval_s)
+                except TimeoutError:
+                    pass
+                wake.clear()
+        finally:
+            if follower is not None:
+                await _cancelled(follower)
+
+    async def follow_cluster(self) -> None:
+        """Feeds the view for the coordinator's lifetime: each change marks its node to be read by the next pass. A
+        watch that ends is watched again, at once when it brought changes, else as ``retries.CLUSTER_REWATCH``
+        says; while none runs, every pass reads every node, and the first pass after a new watch does too."""
         while True:
-            try:
-                await self.reconcile_once()
-            except StaleLeader as exc:
-                log.warning("no longer the upgrade coordinator", extra={"error": str(exc)})
-                self.token = 0
-            except (ClusterError, GpuError, LeaseUnavailable) as exc:
-                log.warning("upgrade pass interrupted; retrying", extra={"error": str(exc)})
-            try:
-                await asyncio.wait_for(wake.wait(), timeout=interval_s)
-            except TimeoutError:
-                pass
-            wake.clear()
+            async for attempt in CLUSTER_REWATCH.tries(note=_rewatching):
+                with attempt:
+                    await self._follow_once()
+
+    async def _follow_once(self) -> None:
+        changed = False
+        changes = self.cluster.watch()
+        ready = getattr(changes, "ready", None)  # a Kubernetes watch lists first: changes count from then on
+        try:
+            if ready is not None:
+                await ready()
+            self.watching, self._resync_due = True, True  # what changed before the watch began is read whole
+            async for change in changes:
+                changed = True
+                self.note_change(change)
+            ended = ClusterError("the watch ended")
+        except ClusterError as exc:
+            ended = exc
+        finally:
+            self.watching, self._resync_due = False, True
+            close = getattr(changes, "aclose", None)
+            if close is not None:
+                await close()
+        if not changed:
+            raise ended
+        log.info("cluster watch ended; watching again", extra={"error": str(ended)})
+
+    def note_change(self, change: ClusterChange) -> None:
+        """The node ``change`` is about is read again by the next pass; a pod gone from a node the change does not
+        name (a Kubernetes watch's re-list reports a deleted pod by name alone) makes the next pass a full one."""
+        if change.node:
+            self._dirty.add(change.node)
+        elif change.kind == "pod" and change.type == "DELETED":
+            self._resync_due = True
+
+    def changed(self) -> frozenset[str]:
+        """The nodes the next pass reads because they changed (the watch or a verdict said so)."""
+        return frozenset(self._dirty)
+
+    def note_verdict(self, node: str) -> None:
+        """A drain verdict was heard for ``node``: the next pass reads it (and its verdict) again."""
+        self._dirty.add(node)
 
     async def reconcile_once(self) -> bool:
         """One pass; False when another coordinator leads. Raises ``StaleLeader`` when the lease was lost mid-pass."""
@@ -146,32 +245,91 @@ class UpgradeCoordinator:
             return False
         if token != self.token:
             log.info("leading driver upgrades", extra={"holder": self.lease.holder, "fencing_token": token})
+            self._resync_due = True  # another coordinator may have led meanwhile
         self.token = token
         self._verdicts_silent = False
-        policy = self.policy()
-        infos = await self.cluster.nodes()
+        try:
+            await self._pass(token, self.policy())
+        except BaseException:
+            self._resync_due = True  # the nodes this pass was to read may be unread: the next one reads all
+            raise
+        return True
+
+    async def _pass(self, token: int, policy: DriverPolicy) -> None:
+        now = self.clock()
+        why = self._why_full(policy, now)
+        self._policy_seen = policy
+        if why:
+            self._dirty.clear()  # before the read: what changes during it is read again next pass
+            self._resync_due = False
+            infos = await self.cluster.nodes()
+            gone: list[str] = sorted(set(self._views) - {info.name for info in infos})
+        else:
+            names = sorted(self._dirty | self._in_flight)
+            self._dirty.clear()
+            found = await asyncio.gather(*(self.cluster.node(name) for name in names))
+            infos = [info for info in found if info is not None]
+            gone = [name for name, info in zip(names, found, strict=True) if info is None]
         stamped = stamped_token(infos)
         if stamped > token:
             await self._give_up(f"the lease's token {token} is older than token {stamped} stamped on a node")
-        views = list(await asyncio.gather(*(self._view(info) for info in infos)))
-        cluster = ClusterView.of(views)
-        for index in upgrade_order(views):
-            before = views[index]
-            views[index] = await self._advance(before, views, policy, cluster)
-            if views[index] is not before:  # a step was taken: the slots are counted again, not for every node
-                cluster = ClusterView.of(views)
-        self.states = {v.name: self._state_of(v) for v in views}
-        return True
+        read = list(await asyncio.gather(*(self._view(info) for info in infos)))
+        for name in gone:
+            self._forget(name)
+        for view in read:
+            self._put(view)
+        if why:
+            self._resync_at = now + self.resync_s
+        self.last_pass = PassStats(full=bool(why), nodes_read=len(read), why=why)
+        looked_at = [self._views[name] for name in {v.name for v in read} | self._waiting if name in self._views]
+        for index in upgrade_order(looked_at):
+            current = self._views.get(looked_at[index].name)
+            if current is not None:
+                await self._advance(current, policy)
 
-    async def _advance(
-        self, view: NodeView, views: list[NodeView], policy: DriverPolicy, cluster: ClusterView
-    ) -> NodeView:
-        """``cluster`` is ``ClusterView.of(views)`` as ``views`` are on entry; counted again after each step."""
-        for step in range(_MAX_STEPS_PER_NODE):
+    def _why_full(self, policy: DriverPolicy, now: float) -> str:
+        """Why this pass reads every node ('' when it reads only what changed or is in flight)."""
+        if not self.watching:
+            return "no watch feeds the view"
+        if self._resync_due:
+            return "a new watch, a new lease, or the last pass failed"
+        if policy != self._policy_seen:
+            return "the policy changed"
+        if now >= self._resync_at:
+            return f"resync every {self.resync_s:g} s"
+        return ""
+
+    def cluster_view(self) -> ClusterView:
+        """The slot counts over the kept views (``ClusterView.of`` them all, counted as they change)."""
+        in_progress, unavailable, failed = self._tally
+        return ClusterView(total=len(self._views), in_progress=in_progress, unavailable=unavailable, failed=failed)
+
+    def _put(self, view: NodeView) -> None:
+        """Keep ``view`` as its node's, the counts, the sets of nodes in flight and waiting, and the status too."""
+        self._forget(view.name)
+        self._views[view.name] = view
+        for i, counted in enumerate(_counted(view)):
+            self._tally[i] += counted
+        if view.state in IN_PROGRESS or view.state == "upgrade-failed" or not view.installed_version:
+            self._in_flight.add(view.name)
+        if view.state == "upgrade-required":
+            self._waiting.add(view.name)
+        self.states[view.name] = self._state_of(view)
+
+    def _forget(self, name: str) -> None:
+        old = self._views.pop(name, None)
+        if old is not None:
+            for i, counted in enumerate(_counted(old)):
+                self._tally[i] -= counted
+        self._in_flight.discard(name)
+        self._waiting.discard(name)
+        self.states.pop(name, None)
+
+    async def _advance(self, view: NodeView, policy: DriverPolicy) -> NodeView:
+        """Steps on one node until it waits; the slot counts are the kept views' as each step leaves them."""
+        for _ in range(_MAX_STEPS_PER_NODE):
             await self._republish_drain(view)
-            if step:
-                cluster = ClusterView.of(views)
-            action = next_step(view, policy, cluster, self.clock())
+            action = next_step(view, policy, self.cluster_view(), self.clock())
             if action.kind == "wait":
                 return view
             before = (view.state, view.schedulable, dict(view.annotations))
@@ -183,9 +341,10 @@ class UpgradeCoordinator:
                 conflicted = True
             info = await self.cluster.node(view.name)
             if info is None:
+                self._forget(view.name)
                 return view
             view = await self._view(info)
-            views[:] = [view if v.name == view.name else v for v in views]
+            self._put(view)
             if conflicted:
                 continue
             if action.kind in ("evict", "request_drain", "external_drain") or before == (
@@ -445,10 +604,37 @@ class UpgradeCoordinator:
 
     # -- status ---------------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        return {"leader": self.token > 0, "fencing_token": self.token, "nodes": self.states}
+        return {"leader": self.token > 0, "fencing_token": self.token, "nodes": dict(self.states)}
 
 
 _STATES: frozenset[str] = frozenset(get_args(UpgradeState))
+
+
+def _counted(view: NodeView) -> tuple[int, int, int]:
+    """What ``view`` adds to ``ClusterView``'s in_progress, unavailable and failed."""
+    return (
+        int(view.state in IN_PROGRESS),
+        int(not view.schedulable or not view.ready),
+        int(view.state == "upgrade-failed"),
+    )
+
+
+_WATCH_END_S = 5.0
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel the watch and let it end, for a bounded time: a standby's passes must not wait on a Redis read being
+    cancelled (seen once to hang under a heavily loaded machine in bench.driver, not diagnosed)."""
+    task.cancel()
+    ended, _ = await asyncio.wait({task}, timeout=_WATCH_END_S)
+    if not ended:
+        log.warning(
+            "the cluster watch did not end after its cancel; left to end on its own", extra={"waited_s": _WATCH_END_S}
+        )
+
+
+def _rewatching(exc: Exception, wait_s: float) -> None:
+    log.warning("cluster watch failed; every pass reads every node until it runs again", extra={"error": str(exc)})
 
 
 def _state(value: str) -> UpgradeState:

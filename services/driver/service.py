@@ -94,6 +94,7 @@ class DriverService:
                 RecordReader(ctx.bus),
                 ctx.publish,
                 self.policy,
+                resync_s=self.settings.resync_s,
             )
             coordinator = self.coordinator
             ctx.telemetry.registry.register(UpgradeCollector(coordinator))
@@ -109,6 +110,8 @@ class DriverService:
         may hear it; every one reads the same record). This replica's health lists the verdicts it heard."""
         verdict = verdict_text(event)
         self.verdicts[event.drain_id] = verdict
+        if self.coordinator is not None:
+            self.coordinator.note_verdict(event.node)
         while len(self.verdicts) > VERDICTS_SHOWN:
             del self.verdicts[next(iter(self.verdicts))]
         self._wake.set()

@@ -109,8 +109,10 @@ class ClusterWatch(AsyncIterator[ClusterChange]):
 
     def _emit(self, kind: Kind, type_: ChangeType, obj: Obj) -> None:
         meta = obj.get("metadata") or {}
+        name = meta.get("name", "")
+        node = name if kind == "node" else (obj.get("spec") or {}).get("nodeName", "") if kind == "pod" else ""
         change = ClusterChange(
-            kind, type_, meta.get("name", ""), meta.get("namespace", ""), meta.get("resourceVersion", "")
+            kind, type_, name, meta.get("namespace", ""), meta.get("resourceVersion", ""), node=node or ""
         )
         self._queue.put_nowait(change)
 

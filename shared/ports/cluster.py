@@ -74,13 +74,16 @@ class EvictionOutcome(Enum):
 
 @dataclass(frozen=True, slots=True)
 class ClusterChange:
-    """One change seen by a watch: ``kind`` is node or pod, ``type`` ADDED, MODIFIED or DELETED."""
+    """One change seen by a watch: ``kind`` is node or pod, ``type`` ADDED, MODIFIED or DELETED. ``node`` is the
+    node the change is about: the node itself, or the node a pod is bound to (was, when it is DELETED); '' for a
+    pod not yet bound and for a deployment. A consumer that keeps state per node reads only that node again."""
 
     kind: Literal["node", "pod", "deployment"]
     type: Literal["ADDED", "MODIFIED", "DELETED"]
     name: str
     namespace: str = ""
     revision: str = ""
+    node: str = ""
 
 
 SERVICE_ACCOUNT_USER = "system:serviceaccount:"

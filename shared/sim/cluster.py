@@ -158,13 +158,15 @@ class SimCluster:
         return None if found is None else _node_info(found)
 
     async def pods(self, node: str | None = None, namespace: str | None = None) -> list[PodInfo]:
-        """Pods in creation order, on ``node`` and in ``namespace`` when given."""
+        """Pods in creation order, on ``node`` and in ``namespace`` when given. One node's pods come from the
+        state's index by node (``ClusterState.pods_by_node``), built once per state read: a reader that keeps the
+        state (``SharedSimCluster``) answers each node's pods without looking at the rest of the fleet's."""
         state = await self._read()
-        return [
-            _pod_info(p)
-            for p in sorted(state.pods.values(), key=lambda p: p.created_seq)
-            if (node is None or p.node == node) and (namespace is None or p.namespace == namespace)
-        ]
+        if node is not None:
+            found: list[SimPod] = state.pods_by_node().get(node, [])
+        else:
+            found = sorted(state.pods.values(), key=lambda p: p.created_seq)
+        return [_pod_info(p) for p in found if namespace is None or p.namespace == namespace]
 
     async def gpu_holders(self, node: str) -> dict[int, list[str]]:
         """GPU index on ``node`` -> the pods holding it (``namespace/name``): the simulation's stand-in for the
@@ -459,7 +461,13 @@ def _create_step(
 
 
 def _fields(change: ClusterChange) -> dict[FieldT, EncodableT]:
-    return {"kind": change.kind, "type": change.type, "name": change.name, "namespace": change.namespace}
+    return {
+        "kind": change.kind,
+        "type": change.type,
+        "name": change.name,
+        "namespace": change.namespace,
+        "node": change.node,
+    }
 
 
 def stream_id(revision: int, seq: int) -> str:
@@ -482,6 +490,7 @@ def change_from(revision: str, fields: Mapping[bytes | str, bytes | str]) -> Clu
         name=values["name"],
         namespace=values.get("namespace", ""),
         revision=revision,
+        node=values.get("node", ""),
     )
 
 

@@ -117,7 +117,7 @@ class SimPod(msgspec.Struct, kw_only=True):
         return f"10.{(seq >> 16) & 0xFF}.{(seq >> 8) & 0xFF}.{seq & 0xFF}"
 
 
-class ClusterState(msgspec.Struct, kw_only=True):
+class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     """The whole simulated cluster. An operation that refuses (raises) does so before it changes anything.
 
     After ``reconcile(now)``: each deployment has exactly ``replicas`` pods that are not Terminating; no node holds
@@ -133,6 +133,18 @@ class ClusterState(msgspec.Struct, kw_only=True):
     revision: int = 0
 
     # -- reading ------------------------------------------------------------------------------------------------
+    def pods_by_node(self) -> dict[str, list[SimPod]]:
+        """Node name -> the pods bound to it, oldest first ('' : the Pending ones). Built once per state and kept
+        with it (not stored): for a state that is read, not changed, as every state ``SimCluster`` reads is (an
+        operation on this state does not update it)."""
+        index: dict[str, list[SimPod]] | None = self.__dict__.get("_pods_by_node")
+        if index is None:
+            index = {}
+            for pod in sorted(self.pods.values(), key=lambda p: p.created_seq):
+                index.setdefault(pod.node, []).append(pod)
+            self.__dict__["_pods_by_node"] = index
+        return index
+
     def node(self, name: str) -> SimNode:
         try:
             return self.nodes[name]
@@ -180,7 +192,7 @@ class ClusterState(msgspec.Struct, kw_only=True):
     def as_added(self) -> list[ClusterChange]:
         """ADDED for every node, deployment and pod: what a watch that began before the cluster existed has seen."""
         return [
-            *(ClusterChange("node", "ADDED", n) for n in self.nodes),
+            *(ClusterChange("node", "ADDED", n, node=n) for n in self.nodes),
             *(ClusterChange("deployment", "ADDED", d.name, d.namespace) for d in self.deployments.values()),
             *(_pod_change("ADDED", p) for p in self.pods.values()),
         ]
@@ -198,7 +210,7 @@ class ClusterState(msgspec.Struct, kw_only=True):
         if target.schedulable == schedulable:
             return []
         target.schedulable = schedulable
-        return [ClusterChange("node", "MODIFIED", node)]
+        return [ClusterChange("node", "MODIFIED", node, node=node)]
 
     def set_labels(self, node: str, labels: Mapping[str, str | None]) -> list[ClusterChange]:
         """Set labels; a value of None removes the label. One change when anything differs, none otherwise."""
@@ -475,7 +487,7 @@ def from_spec(spec: SimSpec) -> ClusterState:
 
 
 def _pod_change(type_: ChangeType, pod: SimPod) -> ClusterChange:
-    return ClusterChange("pod", type_, pod.name, pod.namespace)
+    return ClusterChange("pod", type_, pod.name, pod.namespace, node=pod.node)
 
 
 def _merge(target: dict[str, str], update: Mapping[str, str | None], node: str) -> list[ClusterChange]:
@@ -486,4 +498,4 @@ def _merge(target: dict[str, str], update: Mapping[str, str | None], node: str) 
         elif target.get(key) != value:
             target[key] = value
             changed = True
-    return [ClusterChange("node", "MODIFIED", node)] if changed else []
+    return [ClusterChange("node", "MODIFIED", node, node=node)] if changed else []
