@@ -324,7 +324,7 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
         changes: list[ClusterChange] = []
         if target.ready:
             target.ready = False
-            changes.append(ClusterChange("node", "MODIFIED", node))
+            changes.append(ClusterChange("node", "MODIFIED", node, node=node))
         killed = sorted((p for p in self.pods.values() if p.node == node), key=lambda p: p.created_seq)
         for pod in killed:
             del self.pods[pod.key]
