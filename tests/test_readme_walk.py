@@ -117,7 +117,7 @@ def status_shape(lines: list[str], where: str) -> dict[str, Any]:
     headers = [[c.strip() for c in t.strip("┃").split("┃")] for t in text if t.startswith("┃")]
     assert headers == [
         ["node", "schedulable", "driver", "upgrade", "pods", "sessions", "GPUs (health util mem MIG)"],
-        ["deployment", "replicas", "desired", "model", "why"],
+        ["deployment", "replicas", "desired", "model", "why", "requests landed"],
         ["session", "pod", "node", "gen", "bytes", "tokens", "last checkpoint", "restored+verified"],
     ], f"{where}: {headers}"
     rows = [[c.strip() for c in t.strip("│").split("│")] for t in text if t.startswith("│")]
@@ -131,8 +131,10 @@ def status_shape(lines: list[str], where: str) -> dict[str, Any]:
                 nodes[current] = {"pods": int(cells[4]), "sessions": int(cells[5]), "gpus": []}
             assert re.fullmatch(r"\d:(ok|UNHEALTHY) (\d+%|\?) \d+M/79\.6G", cells[6]), f"{where}: {cells}"
             nodes[current]["gpus"].append(cells[6].split()[0])
-        elif len(cells) == 5:
+        elif len(cells) == 6:
             assert cells[0] == "llm/llama" and re.fullmatch(r"\d+", cells[1]), f"{where}: {cells}"
+            landed = r"-|holder \d+, prefetched \d+, cold \d+(, [a-z ]+ \d+)*"
+            assert re.fullmatch(landed, cells[5]), f"{where}: {cells[5]!r} is not {landed!r}"
         else:
             assert len(cells) == 8, f"{where}: {cells}"
             for cell, pattern in zip(cells, SESSION_CELLS, strict=True):

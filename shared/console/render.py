@@ -93,9 +93,8 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40, max_nodes: int 
             "\n".join(gpus) or "-",
         )
     deployments = Table(title="deployments", title_justify="left")
-    routed = any(dep.landed for dep in status.deployments)
-    for column in ("deployment", "replicas", "desired", "model", "why", *(("requests landed",) if routed else ())):
-        deployments.add_column(column)
+    for column in ("deployment", "replicas", "desired", "model", "why", "requests landed"):
+        deployments.add_column(column)  # the same columns whether or not a router has picked yet (scripts read them)
     for dep in status.deployments:
         desired = str(dep.desired) + (f" (scaler {dep.scaler_desired})" if dep.scaler_desired is not None else "")
         model = dep.serving_version or "-"
@@ -104,10 +103,7 @@ def status_tables(status: MeshStatus, *, max_sessions: int = 40, max_nodes: int 
         elif r is not None:
             model += f" (rollout {r.from_version} -> {r.to_version} {r.phase})"
         why = f"by {dep.scaler_signal}: {dep.why}" if dep.scaler_signal else dep.why
-        row = [f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, model, why]
-        if routed:
-            row.append(_landed(dep.landed))
-        deployments.add_row(*row)
+        deployments.add_row(f"{dep.namespace}/{dep.name}", str(dep.replicas), desired, model, why, _landed(dep.landed))
     total = status.sessions_total if status.sessions_total is not None else len(status.sessions)
     moving = f", {status.sessions_moving} moving" if status.sessions_moving else ""
     sessions = Table(title=f"sessions ({total}{moving})", title_justify="left")
