@@ -51,9 +51,9 @@ async def one_size(url: str, label: str, sessions_n: int, folder: Path) -> dict[
     from shared.host.devservers import RedisServer
     from shared.host.runner import start_service
     from shared.kv.agent import KvAgent
-    from shared.kv.endpoint import report_event
     from shared.kv.filestore import FileStore
     from shared.kv.presets import LLAMA_3_8B
+    from shared.kv.reports import report_event
     from shared.plumbing.configsync import redis_client
     from shared.plumbing.settings import NatsSettings, RedisSettings, Settings
     from shared.wiring import Wiring

@@ -24,9 +24,9 @@ from shared.contract.checkpoint import (
 )
 from shared.host.runner import RunningService, start_service
 from shared.kv.agent import KvAgent
-from shared.kv.endpoint import report_event
 from shared.kv.filestore import FileStore
 from shared.kv.manifest import CheckpointManifest, ChunkRef, lost_pack
+from shared.kv.reports import report_event
 from shared.plumbing.bus import Bus
 from shared.plumbing.settings import Settings
 from shared.wiring import Wiring

@@ -23,7 +23,8 @@ import msgspec
 from shared.contract.base import Event
 from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
 from shared.contract.registry import codec
-from shared.kv.endpoint import connect_bus, final_save_command, record_report
+from shared.kv.endpoint import connect_bus
+from shared.kv.reports import final_save_command, record_report
 from shared.plumbing.errors import SettingsError
 
 

@@ -10,6 +10,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.contract.requests import InferenceRequest
 from shared.kv.engines import SessionCheck
@@ -111,3 +112,39 @@ class WorkloadStats:
                 "restored session differs from its reference run",
                 extra={"session": session_id, "checkpoint": checkpoint_id, "detail": check.detail},
             )
+
+    def as_status(self) -> dict[str, Any]:
+        """The counters as ``/healthz`` and ``gpuwarden status`` show them (``SimWorkload.status``)."""
+        return {
+            "requests": self.requests,
+            "served": self.served,
+            "restored": self.restored,
+            "prefetched": self.prefetched,
+            "started_fresh": self.started_fresh,
+            "recomputed": self.recomputed,
+            "preemptions": self.preemptions,
+            "ended": self.ended,
+            "ended_at_max_len": self.ended_at_max_len,
+            "expired": self.expired,
+            "lost": self.lost,
+            "lost_sessions": list(self.lost_sessions),
+            "pods_killed": self.pods_killed,
+            "continued_after_kill": self.continued_after_kill,
+            "tokens_recomputed_after_kill": self.tokens_recomputed_after_kill,
+            "prestop_saves": self.prestop_saves,
+            "restore_checks": {
+                "verified": self.restore_verified,
+                "failed": self.restore_check_failed,
+                "unchecked": self.restore_unchecked,
+            },
+        }
+
+    def rollouts(self) -> dict[str, Any]:
+        """What model rollouts did to the sessions."""
+        return {
+            "ended_by_rollout": self.ended_by_rollout,
+            "refused_retired": self.refused_retired,
+            "restore_refused_version": self.restore_refused_version,
+            "mixed_versions": self.mixed_versions,
+            "served_by_version": dict(self.served_by_version),
+        }

@@ -61,6 +61,7 @@ from shared.sim.gateway import GatewayRouting
 from shared.sim.pods import PodLink, PodModels, PodRuntime, pod_gpu
 from shared.sim.sessions import RETIRED_KEPT, SESSION_IDLE_S, Preempted, SessionLocks, WorkloadStats, is_close
 from shared.sim.spec import DeploymentSpec, SimSpec
+from shared.sim.workreport import WorkloadReport
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class PodSessions:
         return await self.workload.prefetch(self.pod, session_id)
 
 
-class SimWorkload:
+class SimWorkload(WorkloadReport):
     """Every pod of the spec's deployments, played on the simulated cluster: the pods follow the cluster
     (``reconcile``), each request runs on its session's pod (``on_request``), and sessions move, are preempted,
     recomputed and end as on real inference servers."""
@@ -688,72 +689,3 @@ class SimWorkload:
                 if runtime.gone:
                     return SessionCheck(None, f"pod {runtime.info.name} is gone")
                 return await runtime.engine_of(session_id).check(session_id)
-
-    # -- for tests and status -------------------------------------------------------------------------------------
-    def session_blocks(self, session_id: str) -> list[Any] | None:
-        home = self.home.get(session_id)
-        runtime = self.runtimes.get(home) if home else None
-        if runtime is None or session_id not in runtime.agent.sessions():
-            return None
-        return runtime.agent.blocks(session_id)
-
-    def status(self) -> dict[str, Any]:
-        stats = self.stats
-        return {
-            "simulated": True,
-            "pods": {
-                name: {
-                    "node": r.info.node,
-                    "sessions": len(r.agent.sessions()),
-                    "stopping": r.stopping,
-                    "kv_blocks": {"capacity": r.pool.capacity, "used": r.pool.used, "peak": r.pool.peak},
-                }
-                for name, r in self.runtimes.items()
-            },
-            "requests": stats.requests,
-            "served": stats.served,
-            "restored": stats.restored,
-            "prefetched": stats.prefetched,
-            "started_fresh": stats.started_fresh,
-            "recomputed": stats.recomputed,
-            "preemptions": stats.preemptions,
-            "ended": stats.ended,
-            "ended_at_max_len": stats.ended_at_max_len,
-            "expired": stats.expired,
-            "lost": stats.lost,
-            "lost_sessions": list(stats.lost_sessions),
-            "pods_killed": stats.pods_killed,
-            "continued_after_kill": stats.continued_after_kill,
-            "tokens_recomputed_after_kill": stats.tokens_recomputed_after_kill,
-            "prestop_saves": stats.prestop_saves,
-            "restore_checks": {
-                "verified": stats.restore_verified,
-                "failed": stats.restore_check_failed,
-                "unchecked": stats.restore_unchecked,
-            },
-            "engines": {f"{ns}/{name}@{v}": e.layout.model_id for (ns, name, v), e in self.engines.items()},
-            "rollouts": {
-                "ended_by_rollout": stats.ended_by_rollout,
-                "refused_retired": stats.refused_retired,
-                "restore_refused_version": stats.restore_refused_version,
-                "mixed_versions": stats.mixed_versions,
-                "served_by_version": dict(stats.served_by_version),
-            },
-            "tracked": self.tracked(),
-            "gateway": self.gateway.status() if self.gateway is not None else None,
-        }
-
-    def tracked(self) -> dict[str, int]:
-        """How many entries each of the workload's own structures holds: bounded by the live sessions and pods."""
-        return {
-            "runtimes": len(self.runtimes),
-            "home": len(self.home),
-            "versions": len(self.versions),
-            "preempted": len(self.preempted),
-            "killed": len(self.killed),
-            "last_request": len(self.last_request),
-            "locks": len(self._locks),
-            "tasks": len(self._tasks),
-            "lost_sessions": len(self.stats.lost_sessions),
-            "conversations": sum(e.tracked() for e in self.engines.values()),
-        }

@@ -10,8 +10,8 @@ from shared.contract.checkpoint import LocateCheckpoint, SaveSessions, SaveSessi
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.registry import codec
 from shared.kv.agent import SaveReport
-from shared.kv.endpoint import report_event
 from shared.kv.manifest import CheckpointManifest, checkpoint_order, new_checkpoint_id, seal_manifest
+from shared.kv.reports import report_event
 from tests.faults.conftest import Mesh, Pod, expected
 from tests.helpers import eventually
 

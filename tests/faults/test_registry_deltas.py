@@ -14,6 +14,7 @@ from shared.contract.checkpoint import AgentSessions, CommittedCheckpoint, SaveS
 from shared.contract.sessions import FleetQuery, FleetSummary, SessionsPage, SessionsQuery
 from shared.contract.subjects import Subjects
 from shared.kv import endpoint as endpoint_module
+from shared.kv import reports as reports_module
 from shared.kv.manifest import new_checkpoint_id
 from tests.faults.conftest import Mesh, expected
 from tests.helpers import eventually
@@ -94,7 +95,7 @@ async def _sessions_are(mesh: Mesh, node: str, want: set[str]) -> bool:
 
 async def test_long_announcements_and_reports_go_in_parts(mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(endpoint_module, "ANNOUNCE_PART", 3)
-    monkeypatch.setattr(endpoint_module, "REPORT_PART", 4)
+    monkeypatch.setattr(reports_module, "REPORT_PART", 4)
     names = [f"s{i}" for i in range(10)]
     pod = await mesh.add_pod("llama-1", "node-1", names)
     assert await mesh.sessions_on("node-1") == set(names)  # the full announcement came in four parts
