@@ -3,9 +3,13 @@ and gives every figure it promises (no timing is asserted: the figures are the b
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+
 import redis.asyncio as aioredis
 
 from bench import scale_sessions
+from bench.fleetkit import FleetBench
 from tests.conftest import Servers
 
 KEYS = {
@@ -58,3 +62,18 @@ async def test_the_session_figures_at_a_tiny_size(servers: Servers, root: str) -
     assert out["checkpoint_replicas"] == 2 and out["periodic_saves"] > 0
     assert out["checker_problems"] == 0, out["checker_first_problems"]
     assert out["checker_checkpoints"] >= 120  # every session saved at least once, each checkpoint read back
+
+
+async def test_the_session_bench_is_what_the_fleet_upgrade_asks_of_it(tmp_path: Path) -> None:
+    """``bench.fleetkit.FleetBench`` is what the rolling upgrade (``bench.scale_upgrade``) reads of the benchmark
+    hosting the pods: the one benchmark that hosts them has every attribute and coroutine it names, so the kit and
+    its user cannot drift apart unnoticed (constructing the bench connects to nothing)."""
+    bench = scale_sessions.SessionBench("nats://127.0.0.1:1", "redis://127.0.0.1:1", tmp_path, replicas=1)
+    try:
+        for name in FleetBench.__annotations__:
+            assert hasattr(bench, name), f"SessionBench lacks {name!r} that FleetBench names"
+        for name in ("add_pod", "leave", "lost"):
+            assert inspect.iscoroutinefunction(getattr(bench, name)), name
+        assert callable(bench.mesh)
+    finally:
+        await bench.redis.aclose()
