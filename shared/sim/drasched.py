@@ -356,7 +356,9 @@ def allocate(
                 (s, d)
                 for s in by_node[name]
                 for d in s.devices
-                if (s.driver, s.pool, d.name) not in taken | used and _eligible(request, s.driver, d, classes)
+                if (s.driver, s.pool, d.name) not in taken
+                and (s.driver, s.pool, d.name) not in used
+                and _eligible(request, s.driver, d, classes)
             ]
             found[request.name].append(f"{name}: {len(fits)}")
             need = len(fits) if request.all_devices else request.count

@@ -28,6 +28,7 @@ the spec, unless ``kv_blocks`` sets it outright. Either way the pool must hold o
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -205,8 +206,13 @@ class ClaimSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def request(self, count: int) -> DeviceRequest:
         """What a pod of the deployment asks the scheduler for."""
-        selectors = tuple(Selector.parse(e) for e in self.selectors)
-        return DeviceRequest("gpus", self.device_class, selectors, count=count, tolerates=self.tolerates)
+        return DeviceRequest("gpus", self.device_class, _parsed(self.selectors), count=count, tolerates=self.tolerates)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(expressions: tuple[str, ...]) -> tuple[Selector, ...]:
+    """Selectors parsed once (every reconcile of the simulated cluster asks again for a pod still Pending)."""
+    return tuple(Selector.parse(e) for e in expressions)
 
 
 class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
