@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 
 from services.router.config import RouterSettings
 from services.router.config import load as load_router_settings
-from services.router.deletioncost import DELETION_COST, rounded
+from services.router.deletioncost import rounded
 from services.router.extproc import SERVICE_NAME
 from services.router.handover import Handovers
 from services.router.picker import EndpointPicker, RequestFacts
 from services.router.prefetch import Prefetcher
 from services.router.service import RouterService
+from shared.contract.annotations import POD_DELETION_COST_ANNOTATION as DELETION_COST
 from shared.contract.load import PodLoad
 from shared.contract.permissions import may_publish, may_subscribe, service_permissions
 from shared.contract.sessions import SessionLocation
@@ -703,3 +704,26 @@ def test_a_session_forgotten_with_its_pod_remembers_that_pod_and_a_preempted_one
     a = picker.pods[pod_name("a")]
     assert picker.sessions["gone"].holder is None and picker.sessions["gone"].was is a
     assert picker.sessions["pre"].holder is None and picker.sessions["pre"].was is None
+
+
+async def test_a_handover_asked_again_keeps_its_waiters_and_one_handed_elsewhere_wakes_them() -> None:
+    """The prefetcher asks the same handover again while the old holder finishes leaving: the requests already
+    waiting go on waiting and are woken by the location (they were left on a replaced event before, and answered
+    503). A handover to another pod wakes the old waiters, who pick again."""
+    handovers = Handovers(wait_s=5.0)
+    handovers.start("s-1", "llama-a", 0.0)
+    first = handovers.moving("s-1", 0.0)
+    assert first is not None
+    waiting = asyncio.ensure_future(handovers.wait(first, 5.0))
+    await asyncio.sleep(0)
+    handovers.start("s-1", "llama-a", 1.0)
+    handovers.on_location("s-1")
+    assert await waiting is True and handovers.timed_out == 0
+    handovers.start("s-1", "llama-a", 2.0)
+    second = handovers.moving("s-1", 2.0)
+    assert second is not None
+    woken = asyncio.ensure_future(handovers.wait(second, 5.0))
+    await asyncio.sleep(0)
+    handovers.start("s-1", "llama-b", 2.5)
+    moved = handovers.moving("s-1", 2.5)
+    assert await woken is True and moved is not None and moved.pod == "llama-b"

@@ -19,11 +19,12 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from shared.contract.annotations import POD_DELETION_COST_ANNOTATION as DELETION_COST
 from shared.contract.subjects import Subjects
 from shared.plumbing.settings import Settings
 from shared.ports.cluster import ClusterChange, ClusterError, ClusterPort, EvictionOutcome
 from shared.sim.cluster import SimCluster
-from shared.sim.clusterstate import DELETION_COST, ClusterState, from_spec, object_key
+from shared.sim.clusterstate import ClusterState, from_spec, object_key
 from shared.sim.spec import DeploymentSpec, GpuSpec, NodeSpec, SimSpec, SpecError, load_spec
 from tests.helpers import eventually
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from shared.contract.annotations import POD_DELETION_COST_ANNOTATION
 from shared.ports.cluster import ClusterPort
 
 from .picker import EndpointPicker
 
 log = logging.getLogger(__name__)
 
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 TOKENS_PER_UNIT = 4096
 MAX_WRITES_PER_S = 10
 SIGNIFICANT_BITS = 3
@@ -83,7 +83,9 @@ class DeletionCosts:
             if index and index % MAX_WRITES_PER_S == 0:
                 await asyncio.sleep(1.0)
             try:
-                await self.cluster.set_pod_annotations(self.picker.namespace, name, {DELETION_COST: str(cost)})
+                await self.cluster.set_pod_annotations(
+                    self.picker.namespace, name, {POD_DELETION_COST_ANNOTATION: str(cost)}
+                )
             except Exception as exc:  # tried again at the next round
                 self.failures += 1
                 log.warning("deletion cost not written", extra={"pod": name, "error": str(exc)[:200]})

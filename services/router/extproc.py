@@ -143,27 +143,27 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
 
     async def _pick_handing_over(self, facts: RequestFacts) -> Pick:
         """The pick, held while the session is being moved (handover.py): a request of a session handed to a pod
-        whose new location is not heard yet waits for it, then goes to its new holder; past the bound, 503."""
+        whose new location is not heard yet waits for it, then goes to its new holder; past the bound set by the
+        first handover it met, 503. Woken early (the handover given up, or handed elsewhere) it picks again: any
+        pick but another handover is its answer, a handover nobody else started is started by it."""
         now = self.clock()
         pick = self.picker.pick(facts, now)
-        if pick.outcome not in HANDED_OVER or pick.status != 200:
-            return pick
-        handover = self.handovers.moving(facts.session, now)
-        if handover is None:
-            self.handovers.start(facts.session, pick.first_pod, now)
-            return pick
-        if await self.handovers.wait(handover, handover.since + self.handovers.wait_s - now):
+        deadline: float | None = None
+        while pick.outcome in HANDED_OVER and pick.status == 200:
+            handover = self.handovers.moving(facts.session, now)
+            if handover is None:
+                self.handovers.start(facts.session, pick.first_pod, now)
+                return pick
+            if deadline is None:
+                deadline = handover.since + self.handovers.wait_s
+            if not await self.handovers.wait(handover, deadline - now):
+                if self.handovers.moving(facts.session, self.clock()) is handover:
+                    self.handovers.forget(facts.session)
+                reason = f"session {facts.session} is being moved to {handover.pod}; its new holder is not known yet"
+                return self.picker.count(Pick(Outcome.HANDOVER_TIMEOUT, status=503, reason=reason))
             now = self.clock()
             pick = self.picker.pick(facts, now)
-            if pick.outcome is Outcome.HOLDER:
-                return pick
-            if pick.outcome in HANDED_OVER and pick.status == 200 and self.handovers.moving(facts.session, now) is None:
-                self.handovers.start(facts.session, pick.first_pod, now)  # given up, or placed nowhere: afresh
-                return pick
-        elif self.handovers.moving(facts.session, self.clock()) is handover:
-            self.handovers.forget(facts.session)
-        reason = f"session {facts.session} is being moved to {handover.pod}; its new holder is not known yet"
-        return self.picker.count(Pick(Outcome.HANDOVER_TIMEOUT, status=503, reason=reason))
+        return pick
 
     async def _pick(self, exchange: _Exchange, with_body: bool) -> tuple[Pick, bool]:
         headers = exchange.headers or {}

@@ -60,7 +60,13 @@ class Handovers:
         """The router handed ``session`` to ``pod`` while no live pod held it."""
         if not self.wait_s:
             return
-        self._pending.pop(session, None)
+        current = self._pending.pop(session, None)
+        if current is not None and current.pod == pod:  # the same handover asked again: its waiters keep waiting
+            current.since = now
+            self._pending[session] = current
+            return
+        if current is not None:  # handed to another pod: the old waiters pick again
+            current.heard.set()
         self._pending[session] = Handover(pod, now)
         self.started += 1
         while len(self._pending) > self.max_pending:
@@ -68,9 +74,7 @@ class Handovers:
 
     def on_location(self, session: str) -> None:
         """A newer location of ``session`` was heard: its handover is over, its waiters pick again."""
-        handover = self._pending.pop(session, None)
-        if handover is not None:
-            handover.heard.set()
+        self.forget(session)
 
     def given_up(self, sessions: list[str], pod: str) -> None:
         """The sessions' handover to ``pod`` will not happen (its prefetch failed or went unanswered): their next
@@ -81,7 +85,8 @@ class Handovers:
                 self.forget(session)
 
     def forget(self, session: str) -> None:
-        """The handover timed out: the next request hands the session over afresh."""
+        """The handover is over (timed out, given up, or its location heard): its waiters pick again, and the next
+        request of a session still unheld hands it over afresh."""
         handover = self._pending.pop(session, None)
         if handover is not None:
             handover.heard.set()

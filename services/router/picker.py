@@ -76,13 +76,13 @@ class Placement:
     holder: PodIncarnation | None
     sequence: int
     foreign: bool = False
+    """The session belongs to another deployment: never routed within this pool."""
     tokens: int = 0
     """Tokens of its newest checkpoint (the location's ``token_count``): its size, to spread prefetches."""
     was: PodIncarnation | None = None
     """While no pod holds it because the registry forgot it with its pod (``forgotten``): that pod (its sessions are
     prefetched when the router sees it stop serving, even after the registry let them go). Not for a session its
     engine dropped (``dropped``: preempted), which restores on its next request."""
-    """The session belongs to another deployment: never routed within this pool."""
 
 
 @dataclass(frozen=True, slots=True)

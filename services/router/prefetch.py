@@ -102,8 +102,10 @@ class Prefetcher:
         self.deadline_s = deadline_s
         self.activity = Activity(max_sessions)
         self.stats = PrefetchStats()
-        self.prefetched: set[str] = set()
-        """Sessions a prefetch brought, whose next request has not come yet (counted ``prefetched`` when it does)."""
+        self.prefetched: OrderedDict[str, None] = OrderedDict()
+        """Sessions a prefetch brought, whose next request has not come yet (counted ``prefetched`` when it does);
+        at most ``max_sessions``, the oldest forgotten first (a session that ends never sends that request)."""
+        self.max_sessions = max_sessions
         self._tasks: set[asyncio.Task[None]] = set()
 
     def saw_request(self, session: str, now: float) -> None:
@@ -112,10 +114,7 @@ class Prefetcher:
 
     def took_request(self, session: str) -> bool:
         """Whether this request is the first of ``session`` since a prefetch brought it (and forget that)."""
-        if session in self.prefetched:
-            self.prefetched.discard(session)
-            return True
-        return False
+        return self.prefetched.pop(session, False) is None
 
     def serving(self) -> dict[str, PodIncarnation]:
         """The pool's serving pods now, by name (``snapshot`` before a listing, compared after it)."""
@@ -196,7 +195,9 @@ class Prefetcher:
             self.stats.prefetched += len(answer.restored)
             self.stats.held += len(answer.held)
             self.stats.failed += len(answer.failed)
-            self.prefetched.update(answer.restored)
+            self.prefetched.update(dict.fromkeys(answer.restored))
+            while len(self.prefetched) > self.max_sessions:
+                self.prefetched.popitem(last=False)
             if answer.failed:
                 self.handovers.given_up(list(answer.failed), pod)
                 log.info("prefetch failed for some sessions", extra={"pod": pod, "failed": len(answer.failed)})

@@ -349,7 +349,7 @@ def _run_mesh(
     if secure is not None:  # how the CLI connects: as the admin (``state.command_env``)
         state["secure"] = as_user("admin")
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    extra = {"sim": ["--rate", str(args.rate), "--sessions", str(getattr(args, "sessions", 10))]}
+    extra = {"sim": ["--rate", str(args.rate), "--sessions", str(args.sessions)]}
 
     def record() -> None:
         pids = {label: p.pid for label, p in procs.items()}

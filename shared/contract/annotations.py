@@ -39,3 +39,6 @@ annotation set gets no second drain); removed when the node is schedulable again
 
 MIG_DRAIN_ANNOTATION = "gpuwarden.io/mig-drain-id"
 """The drain the MIG controller asked before changing the node's MIG layout; removed once its verdict is used."""
+
+POD_DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+"""On a pod: the ReplicaSet controller removes the lowest cost first on scale-in (the router writes it)."""

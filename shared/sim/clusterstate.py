@@ -18,6 +18,7 @@ from typing import Literal
 
 import msgspec
 
+from shared.contract.annotations import POD_DELETION_COST_ANNOTATION
 from shared.ports.cluster import (
     ClusterChange,
     ClusterConflict,
@@ -30,10 +31,6 @@ from shared.sim.drasched import Unschedulable, allocate
 from shared.sim.spec import ClaimSpec, SimSpec
 
 ChangeType = Literal["ADDED", "MODIFIED", "DELETED"]
-
-
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-"""The annotation by which the ReplicaSet controller removes the cheapest pods first on scale-in."""
 
 
 def object_key(namespace: str, name: str) -> str:
@@ -94,7 +91,7 @@ class SimPod(msgspec.Struct, kw_only=True):
         """``controller.kubernetes.io/pod-deletion-cost`` as the ReplicaSet controller reads it (0 when absent or
         not an integer)."""
         try:
-            return int(self.annotations.get(DELETION_COST, "0"))
+            return int(self.annotations.get(POD_DELETION_COST_ANNOTATION, "0"))
         except ValueError:
             return 0
 

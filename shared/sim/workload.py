@@ -492,7 +492,8 @@ class SimWorkload(WorkloadReport):
             deployment = self.deployments[(agent.namespace, agent.deployment)]
             engine = await asyncio.to_thread(engine_for, deployment, version)
             engine = self.engines.setdefault(key, engine)
-        engines.setdefault(version, engine.for_pod(agent))
+        if version not in engines:  # a pod's engine may start a process (vLLM): never made only to be dropped
+            engines[version] = engine.for_pod(agent)
         return engine.layout
 
     def expire_idle(self) -> int:
