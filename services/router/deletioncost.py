@@ -39,11 +39,18 @@ def rounded(value: float, bits: int = SIGNIFICANT_BITS) -> int:
     return ((whole + (1 << (shift - 1))) >> shift) << shift
 
 
-def costs(picker: EndpointPicker) -> dict[str, int]:
-    """Each current pod of the pool: its sessions plus their tokens over 4,096, rounded."""
+YIELD_EVERY = 10_000
+"""Placements summed between two yields to the event loop: the walk never holds up the router's picks for long."""
+
+
+async def costs(picker: EndpointPicker) -> dict[str, int]:
+    """Each current pod of the pool: its sessions plus their tokens over 4,096, rounded. A walk of the sessions the
+    router knows, every ``GPUWARDEN_ROUTER_DELETION_COST_S``, yielding to the picks every ``YIELD_EVERY``."""
     sessions: dict[str, int] = {}
     tokens: dict[str, int] = {}
-    for placement in picker.sessions.values():
+    for index, placement in enumerate(list(picker.sessions.values())):
+        if index and index % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
         holder = placement.holder
         if holder is None or not holder.current:
             continue
@@ -74,7 +81,7 @@ class DeletionCosts:
 
     async def write_once(self) -> int:
         """Write the costs that changed since they were last written; returns how many were written."""
-        wanted = costs(self.picker)
+        wanted = await costs(self.picker)
         for name in [n for n in self.written if n not in wanted]:
             del self.written[name]  # the pod is gone
         changed = [(name, cost) for name, cost in sorted(wanted.items()) if self.written.get(name) != cost]
