@@ -20,16 +20,11 @@ from typing import Any
 import pytest
 
 from shared.console.process import alive
+from tests.meshkit import gpuwarden, up_detached
 
 pytestmark = pytest.mark.timeout(420)
 
 NEW_DRIVER = "560.35.03"
-
-
-def gpuwarden(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def status(env: dict[str, str]) -> dict[str, Any]:
@@ -88,7 +83,7 @@ def one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: st
 
 def test_up_drain_upgrade_status_down(home_env: dict[str, str]) -> None:
     env = home_env
-    up = gpuwarden(env, "up", "--detach", "--rate", "3", timeout=150)
+    up = up_detached(env, "--rate", "3")
     assert up.returncode == 0, up.stdout + up.stderr
     assert "gpuwarden is running (SIMULATED GPUs and cluster)" in up.stdout
     state = json.loads((Path(env["GPUWARDEN_HOME"]) / "run.json").read_text())
@@ -217,6 +212,15 @@ def test_user_errors_are_one_line(home_env: dict[str, str]) -> None:
         one_line_error(gpuwarden(env, "up", "--detach", "--redis-port", str(port)), 1, "taken", "--redis-port")
 
 
+def test_a_mesh_not_ready_in_time_names_what_it_waited_for_and_leaves_nothing(home_env: dict[str, str]) -> None:
+    """``up --detach`` whose ready window runs out: one line naming the window and what did not answer, and the
+    half-started mesh stopped again (a loaded machine then knows which flag to give and which log to read)."""
+    failed = gpuwarden(home_env, "up", "--detach", "--ready-timeout", "0.5", timeout=120)
+    one_line_error(failed, 1, "not ready within 0.5s (--ready-timeout)", "still waiting for", "stopped it again")
+    down = gpuwarden(home_env, "down")
+    assert down.stdout.startswith("nothing to stop"), down.stdout + down.stderr
+
+
 def test_a_missing_server_binary_is_one_line(
     home_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -243,7 +247,7 @@ def test_a_restarted_service_keeps_its_port_however_busy_the_machine(home_env: d
     import urllib.request
 
     env = home_env
-    up = gpuwarden(env, "up", "--detach", "--nodes", "node-1", "--rate", "1", timeout=150)
+    up = up_detached(env, "--nodes", "node-1", "--rate", "1")
     assert up.returncode == 0, up.stdout + up.stderr
     home = Path(env["GPUWARDEN_HOME"])
     state = json.loads((home / "run.json").read_text())
@@ -283,7 +287,7 @@ def test_a_hollow_fleet_up_drain_down(home_env: dict[str, str]) -> None:
     """``up --nodes 24 --hollow``: one process per node-scoped service for all 24 nodes (not 72); every hollow node
     answers ok; a node's drain runs through them as through the default mesh."""
     env = dict(home_env, GPUWARDEN_SIM_SPEC=str(Path(__file__).resolve().parents[1] / "deploy" / "sim" / "fleet.yaml"))
-    up = gpuwarden(env, "up", "--detach", "--nodes", "24", "--hollow", "--rate", "3", timeout=180)
+    up = up_detached(env, "--nodes", "24", "--hollow", "--rate", "3")
     assert up.returncode == 0, up.stdout + up.stderr
     assert "driver@hollow" in up.stdout and "driver@node-1" not in up.stdout
     state = json.loads((Path(env["GPUWARDEN_HOME"]) / "run.json").read_text())
@@ -323,7 +327,7 @@ def test_a_secured_mesh_runs_everyone_under_their_own_identity(home_env: dict[st
     drain moves a node's sessions to a pod that reads them from the old holder's bucket, and nobody is refused."""
     env = dict(home_env, GPUWARDEN_CHECKPOINT_STORE="nats://ck")
     one_line_error(gpuwarden(dict(env, GPUWARDEN_NATS_URL="nats://127.0.0.1:1"), "up", "--secure"), 1, "--secure")
-    up = gpuwarden(env, "up", "--detach", "--secure", "--rate", "2", timeout=150)
+    up = up_detached(env, "--secure", "--rate", "2")
     assert up.returncode == 0, up.stdout + up.stderr
     assert "secured: every service and pod under its own identity" in up.stdout
     state = json.loads((Path(env["GPUWARDEN_HOME"]) / "run.json").read_text())

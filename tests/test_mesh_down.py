@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,14 +17,9 @@ import pytest
 
 from shared.console.process import alive
 from shared.host.runner import close_promptly
+from tests.meshkit import gpuwarden, up_detached
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def gpuwarden(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 @pytest.mark.timeout(300)
@@ -34,7 +27,7 @@ def test_down_stops_every_process_and_returns(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
     env.update(GPUWARDEN_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
     try:
-        up = gpuwarden(env, "up", "--detach", timeout=180)
+        up = up_detached(env)
         assert up.returncode == 0, up.stdout + up.stderr
         state = json.loads((tmp_path / "home" / "run.json").read_text())
         pids = {label: int(pid) for label, pid in state["pids"].items()} | {"run": int(state["pid"])}

@@ -30,6 +30,7 @@ import yaml
 
 from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
+from tests.meshkit import gpuwarden, up_detached
 from tests.promkit import ROOT, RULES, promql
 from tools import metricsdoc
 
@@ -55,12 +56,6 @@ NEVER_IN_A_HEALTHY_MESH = (
     "GpuwardenDriverUpgradeFailed",
     "GpuwardenDependencyUnreachable",
 )
-
-
-def gpuwarden(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:
@@ -98,7 +93,7 @@ def mesh(tmp_path: Path) -> Iterator[tuple[dict[str, str], dict[str, str]]]:
     # The upgrade's passes come sooner, and the pods hold synthetic blocks (no model to load): the test is shorter.
     env.update(GPUWARDEN_DRIVER_RECONCILE_S="2", GPUWARDEN_SIM_SPEC=str(ROOT / "deploy" / "sim" / "synthetic.yaml"))
     try:
-        up = gpuwarden(env, "up", "--detach", "--rate", "3", timeout=150)
+        up = up_detached(env, "--rate", "3")
         assert up.returncode == 0, up.stdout + up.stderr
         state = json.loads((tmp_path / "home" / "run.json").read_text())
         addresses = {label: url.split("//", 1)[1].split("/", 1)[0] for label, url in state["services"].items()}

@@ -525,6 +525,19 @@ def ready_timeout(nodes: str) -> float:
     return 90.0 + 0.2 * max(0, count - 100)
 
 
+def _end_session(proc: subprocess.Popen[bytes], path: Path) -> None:
+    """End what is left of a detached run and everything it started (its session's process group): a run stopped
+    before it wrote its state file is not found by ``stop``. SIGTERM, ``STOP_WAIT_S``, then SIGKILL to the group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(STOP_WAIT_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    path.unlink(missing_ok=True)
+
+
 def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``gpuwarden up`` (without ``--detach``) in a session of its own, wait until every process it lists
     answers ``/readyz``, print where things are."""
@@ -550,6 +563,7 @@ def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
     timeout = args.ready_timeout if args.ready_timeout is not None else ready_timeout(str(args.nodes))
     deadline = time.monotonic() + timeout
     state: dict[str, Any] = {}
+    waiting = ["the run's state file"]
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise CommandError(f"the mesh did not start: {_last_words(log)} (log: {log})")
@@ -561,7 +575,11 @@ def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
         time.sleep(0.3)
     else:
         stop(env, quiet=True)
-        raise CommandError(f"the mesh was not ready within {timeout:g}s (log: {log}); stopped it again")
+        _end_session(proc, path)
+        raise CommandError(
+            f"the mesh was not ready within {timeout:g}s (--ready-timeout), still waiting for "
+            f"{', '.join(waiting)} (log: {log}); stopped it again"
+        )
     print(banner(state, base))
     print(f"  pid {proc.pid}; `gpuwarden down` stops everything", flush=True)
     return 0
