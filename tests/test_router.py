@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from shared.plumbing.settings import HostPort, Settings
 from shared.ports.cluster import PodInfo
 from shared.wiring import Wiring
 from tests.fake_kube_api import FakeKubeApi
+from tests.fake_kube_api import node as kube_node
 from tests.fake_kube_api import pod as kube_pod
 from tests.helpers import eventually
 from tests.rbackit import allowed, shipped_rules
@@ -457,6 +458,44 @@ async def test_only_ready_pods_of_the_pool_within_the_gateways_subset_are_picked
     assert mesh.picker.picks["no-endpoint"] >= 2
 
 
+async def test_a_cordoned_nodes_pods_get_new_sessions_last_and_keep_their_own(
+    api: FakeKubeApi, settings: Settings, bus: Bus
+) -> None:
+    """Over gRPC, the nodes from the Kubernetes API as the router's RBAC allows: a and b on node-1, c on node-2.
+    Cordoning node-1 (a drain begins) puts a and b last for a request of no session, though they are the least
+    loaded; a session a holds still goes to a; uncordoned, the order is the loads' again. A node is read when a
+    pool pod is first seen on it and when it changes, not per listing."""
+    api.add("nodes", kube_node("node-1"))
+    api.add("nodes", kube_node("node-2"))
+    api.update("pods", NS, pod_name("c"), lambda obj: obj["spec"].__setitem__("nodeName", "node-2"))
+    await bus.ensure_streams()
+    mesh = await start_router(api, settings, bus)
+    try:
+        for suffix, used in (("a", 10), ("b", 20), ("c", 50)):
+            await mesh.load(suffix, used)
+        await mesh.located("s-on-a", 1, "a")
+
+        async def first(expected: str, session: str | None = None) -> bool:
+            return (await route(mesh.stub, session)).endpoints[0] == endpoint(expected)
+
+        await eventually(lambda: first("a"), timeout=5)
+        reads = mesh.service.pods_follower.node_reads if mesh.service.pods_follower else -1
+        assert reads == 2, reads  # node-1 and node-2, once each
+
+        def cordon(unschedulable: bool) -> Callable[[dict[str, Any]], None]:
+            return lambda obj: obj["spec"].__setitem__("unschedulable", unschedulable)
+
+        api.update("nodes", "", "node-1", cordon(True))
+        await eventually(lambda: first("c"), timeout=5)
+        assert (await route(mesh.stub)).endpoints == (endpoint("c"), endpoint("a"), endpoint("b"))
+        assert await first("a", "s-on-a")
+        api.update("nodes", "", "node-1", cordon(False))
+        await eventually(lambda: first("a"), timeout=5)
+    finally:
+        await mesh.channel.close()
+        await mesh.running.stop(grace=1)
+
+
 async def test_grpc_health_says_serving(mesh: Mesh) -> None:
     stub = health_pb2_grpc.HealthStub(mesh.channel)
     for name in ("", SERVICE_NAME):
@@ -506,7 +545,7 @@ def _picker() -> EndpointPicker:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["load", "pick", "relist"]),
+            st.sampled_from(["load", "pick", "relist", "cordon"]),
             st.sampled_from(list(PODS)),
             st.integers(min_value=0, max_value=100),
             st.floats(min_value=0, max_value=40),
@@ -516,8 +555,8 @@ def _picker() -> EndpointPicker:
 )
 def test_the_kept_order_of_pods_by_load_picks_as_a_full_sort_does(steps: list[tuple[str, str, int, float]]) -> None:
     """The pool's pick reads the pods kept in order (each load report moves one); asked with every endpoint as the
-    gateway's subset, the picker sorts them all afresh: both answer the same, as loads come, go stale and pods
-    are listed again."""
+    gateway's subset, the picker sorts them all afresh: both answer the same, as loads come, go stale, pods are
+    listed again and their nodes cordoned (shedding included)."""
     picker, now = _picker(), 0.0
     picker.load_stale_s = 15.0
     picker.shed_at = 0.95
@@ -531,10 +570,21 @@ def test_the_kept_order_of_pods_by_load_picks_as_a_full_sort_does(steps: list[tu
                 ),
                 now,
             )
-        elif action == "relist":
+        elif action in ("relist", "cordon"):  # each pod on a node of its own; "cordon": the step's pod's node
             picker.set_pods(
-                PodInfo(name=pod_name(s), namespace=NS, node="n", deployment=DEP, phase="Running", uid=s, ip=PODS[s])
-                for s in PODS
+                (
+                    PodInfo(
+                        name=pod_name(s),
+                        namespace=NS,
+                        node=f"n-{s}",
+                        deployment=DEP,
+                        phase="Running",
+                        uid=s,
+                        ip=PODS[s],
+                    )
+                    for s in PODS
+                ),
+                cordoned={f"n-{suffix}"} if action == "cordon" else (),
             )
         kept = picker.pick(RequestFacts(), now)
         sorted_afresh = picker.pick(RequestFacts(subset=every), now)
@@ -660,6 +710,48 @@ def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_a
     plan = prefetcher.assign(moving, 100.0)
     assert plan == {pod_name("b"): ["big"], pod_name("c"): ["mid", "small"]}  # b: 0.10 + 0.45 > c's 0.40 + ...
     assert not handovers.moving("idle", 100.0)
+
+
+def test_a_prefetch_never_goes_to_a_pod_on_a_cordoned_node_and_new_sessions_go_there_last() -> None:
+    """a and b on node-1, being drained (cordoned), c on node-2: when a leaves, its active sessions all go to c,
+    though b is the least pressed (b would hand them on when its turn comes); a request for no session goes to c
+    first and b last, and a session b holds still goes to b. Once no pod stays, nothing is prefetched."""
+    picker = _picker()
+    nodes = {"a": "node-1", "b": "node-1", "c": "node-2"}
+
+    def listing(*suffixes: str) -> list[PodInfo]:
+        return [
+            PodInfo(name=pod_name(s), namespace=NS, node=nodes[s], deployment=DEP, phase="Running", uid=s, ip=PODS[s])
+            for s in suffixes
+        ]
+
+    picker.set_pods(listing("a", "b", "c"), cordoned={"node-1"})
+    for suffix, used in (("b", 5), ("c", 60)):
+        picker.on_load(
+            PodLoad(pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=used, blocks_total=100, window_s=5),
+            100.0,
+        )
+    for index, (sid, suffix) in enumerate((("s1", "a"), ("s2", "a"), ("held-by-b", "b"))):
+        picker.on_location(
+            SessionLocation(
+                session_id=sid,
+                sequence=index + 1,
+                reason="placed",
+                held=True,
+                pod=pod_name(suffix),
+                namespace=NS,
+                deployment=DEP,
+                token_count=16,
+            )
+        )
+    fresh = picker.pick(RequestFacts(), 100.0)
+    assert fresh.endpoints == (endpoint("c"), endpoint("b"), endpoint("a")), fresh  # a: no load report, leaving
+    assert picker.pick(RequestFacts(session="held-by-b"), 100.0).endpoints[0] == endpoint("b")
+    prefetcher = Prefetcher(picker, Handovers(10.0), _never_asked, 30.0, lambda: 100.0)
+    assert prefetcher.assign([("s1", 16), ("s2", 16)], 100.0) == {pod_name("c"): ["s1", "s2"]}
+    picker.set_pods(listing("a", "b", "c"), cordoned={"node-1", "node-2"})
+    assert prefetcher.assign([("s1", 16)], 100.0) == {}
+    assert picker.pick(RequestFacts(), 100.0).endpoints[0] == endpoint("b")  # all leaving: still served
 
 
 async def _never_asked(command: object, timeout: float) -> object:

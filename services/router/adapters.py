@@ -9,13 +9,13 @@ the newest per session whatever order they come in. Nothing here asks the checkp
 any other event or creates a consumer (docs/security.md: the router's user).
 
 Pods: the pool's namespace is listed once per change the cluster's watch reports (changes that come together are
-one listing) and every ``pods_resync_s`` besides: the level the picker is set to, never a replay of changes.
+one listing) and every ``pods_resync_s`` besides: the level the picker is set to, never a replay of changes. The
+nodes the pool's pods are on are read as they change (a cordoned node's pods are ``leaving``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -98,7 +98,9 @@ async def follow_reconnects(bus: Bus, reread: Callable[[], Awaitable[int]], poll
 
 
 class PodFollower:
-    """The pool's pods from the cluster port into the picker, level-triggered."""
+    """The pool's pods from the cluster port into the picker, level-triggered, and whether their nodes are cordoned
+    (a pod on a cordoned node is ``leaving``). A node is read when a pool pod is first seen on it, when the watch
+    reports a change of it, and at every resync: what changes, never the whole cluster."""
 
     def __init__(
         self,
@@ -115,25 +117,54 @@ class PodFollower:
         self.resync_s = resync_s
         self.changed = asyncio.Event()
         self.listings = 0
+        self.node_reads = 0
+        self.cordoned: set[str] = set()
+        self._nodes: set[str] = set()
+        """The nodes the pool's pods are on, as last listed (a change of one of them wakes the listing)."""
+        self._nodes_changed: set[str] = set()
 
-    async def list_once(self) -> None:
+    async def list_once(self, every_node: bool = False) -> None:
+        """List the pool's pods; read the nodes new to the pool, those the watch said changed (all of the pool's
+        with ``every_node``); set the picker; prefetch for the pods that stopped serving."""
+        changed, self._nodes_changed = self._nodes_changed, set()
         pods = await self.cluster.pods(namespace=self.picker.namespace)
+        nodes = {p.node for p in pods if p.node and p.deployment == self.picker.deployment}
+        try:
+            for name in sorted(nodes if every_node else (nodes - self._nodes) | (changed & nodes)):
+                node = await self.cluster.node(name)
+                self.node_reads += 1
+                if node is not None and not node.schedulable:
+                    self.cordoned.add(name)
+                else:
+                    self.cordoned.discard(name)
+        except BaseException:
+            self._nodes_changed |= changed  # read again on the next listing
+            raise
+        self._nodes = nodes
+        self.cordoned &= nodes
         before = self.prefetcher.serving() if self.prefetcher is not None else {}
-        self.picker.set_pods(pods)
+        self.picker.set_pods(pods, self.cordoned)
         self.listings += 1
         if self.prefetcher is not None and self.clock is not None:  # pods that stopped serving: their sessions
             self.prefetcher.on_listing(before, self.clock())
 
     async def watch(self) -> None:
-        """Wake the listing loop on each change of a pod of the pool's namespace (a loop for ``ctx.spawn``)."""
+        """Wake the listing loop on each change of a pod of the pool's namespace or of a node one of the pool's
+        pods is on (a loop for ``ctx.spawn``)."""
         async for change in self.cluster.watch():
             if change.kind == "pod" and change.namespace in ("", self.picker.namespace):
                 self.changed.set()
+            elif change.kind == "node" and change.name in self._nodes:
+                self._nodes_changed.add(change.name)
+                self.changed.set()
 
     async def relist(self) -> None:
-        """List on each wake-up, or every ``resync_s`` (a loop for ``ctx.spawn``)."""
+        """List on each wake-up, or every ``resync_s`` with every node read again (a loop for ``ctx.spawn``)."""
         while True:
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(self.changed.wait(), self.resync_s)
+                every_node = False
+            except TimeoutError:
+                every_node = True
             self.changed.clear()
-            await self.list_once()
+            await self.list_once(every_node)

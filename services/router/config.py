@@ -84,7 +84,8 @@ class RouterSettings:
     pods_resync_s: float = setting(
         "GPUWARDEN_ROUTER_PODS_RESYNC_S",
         30.0,
-        "router: seconds between two listings of the pool's pods when the cluster's watch says nothing",
+        "router: seconds between two listings of the pool's pods (and readings of their nodes) when the cluster's "
+        "watch says nothing",
         parse=seconds(minimum=0.1, maximum=3600),
     )
     handover_wait_s: float = setting(

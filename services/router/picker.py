@@ -19,7 +19,7 @@ late event cannot bring it back), and goes out the same way.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -52,6 +52,9 @@ class PodIncarnation:
     endpoint: str = ""
     """``ip:port`` of its model server ('' while it has no IP)."""
     ready: bool = False
+    leaving: bool = False
+    """Its node is cordoned (a drain, a driver upgrade, a GPU fault being handled): it still serves the sessions it
+    holds, but is the last choice for any other request and never a prefetch's target (it would hand them on)."""
     current: bool = True
     """False once another incarnation replaced it or it left the cluster: nothing is credited to it any more."""
     blocks_used: int = 0
@@ -109,6 +112,12 @@ class Pick:
     """The pod of ``endpoints[0]`` ('' when none)."""
 
 
+UNKNOWN = 1
+"""In a pod's rank class (``EndpointPicker._rank_key``): no fresh load report."""
+LEAVING = 2
+"""In a pod's rank class: its node is cordoned."""
+
+
 def incarnation_of(pod: PodInfo) -> str:
     """The identity a restart or a replacement changes: the UID (the name where the cluster gives none) and the
     container restarts."""
@@ -143,9 +152,10 @@ class EndpointPicker:
         """Whether an event naming ``namespace``/``deployment`` is about this pool (an event naming neither is)."""
         return (not namespace or namespace == self.namespace) and (not deployment or deployment == self.deployment)
 
-    def set_pods(self, listed: Iterable[PodInfo]) -> None:
-        """The pool's pods as the cluster lists them now (level-triggered: the whole listing, any number of times).
-        A pod of another deployment in ``listed`` is ignored. Idempotent."""
+    def set_pods(self, listed: Iterable[PodInfo], cordoned: Collection[str] = ()) -> None:
+        """The pool's pods as the cluster lists them now (level-triggered: the whole listing, any number of times),
+        and which of their nodes are cordoned (their pods are ``leaving``). A pod of another deployment in
+        ``listed`` is ignored. Idempotent."""
         seen: set[str] = set()
         for pod in listed:
             if pod.namespace != self.namespace or pod.deployment != self.deployment:
@@ -163,6 +173,7 @@ class EndpointPicker:
             if ":" in pod.ip:
                 known.endpoint = f"[{pod.ip}]:{self.target_port}"
             known.ready = pod.phase == "Running" and pod.ready
+            known.leaving = pod.node in cordoned
         for name in [n for n, p in self.pods.items() if n not in seen and p.identity is not None]:
             self.pods.pop(name).current = False
         self._order = None
@@ -181,7 +192,7 @@ class EndpointPicker:
         del self._order[bisect.bisect_left(self._order, old)]
         new = self._keys[pod.name] = self._rank_key(pod, now)
         bisect.insort(self._order, new)
-        if new[0] == 0:
+        if not new[0] & UNKNOWN:
             self._oldest_load = now if self._oldest_load is None else min(self._oldest_load, now)
 
     def on_location(self, location: SessionLocation) -> bool:
@@ -212,9 +223,22 @@ class EndpointPicker:
 
     # -- picking --------------------------------------------------------------------------------------------------
     def _rank_key(self, pod: PodIncarnation, now: float) -> tuple[int, float, str]:
-        """Least loaded first; pods with no fresh report after those with one; by name among equals."""
+        """Least loaded first; pods with no fresh report after those with one; pods on a cordoned node after all
+        the others (whatever they take they hand on soon); by name among equals. The first element is the class:
+        ``UNKNOWN`` set for no fresh report, ``LEAVING`` set for a cordoned node."""
         used = pod.utilisation(now, self.load_stale_s)
-        return (1, 0.0, pod.name) if used is None else (0, used, pod.name)
+        rank = LEAVING if pod.leaving else 0
+        return (rank | UNKNOWN, 0.0, pod.name) if used is None else (rank, used, pod.name)
+
+    def _all_full(self, order: list[tuple[int, float, str]]) -> bool:
+        """Every pod of ``order`` (kept sorted, not empty) has a fresh load at ``shed_at`` or above: no pod's load
+        is unknown, and the least full of the pods staying and of those leaving (each class's head) are full."""
+        staying_end = bisect.bisect_left(order, (UNKNOWN, -1.0, ""))
+        leaving_at = bisect.bisect_left(order, (LEAVING, -1.0, ""))
+        if staying_end < leaving_at or order[-1][0] & UNKNOWN:
+            return False
+        heads = [order[i] for i in (0, leaving_at) if i < len(order)]
+        return all(used >= self.shed_at for _, used, _ in heads)
 
     def _ranked(self, now: float) -> list[tuple[int, float, str]]:
         """``_order``, built again when it is missing or a load it ranks went stale (rare: a pod that stopped
@@ -246,18 +270,13 @@ class EndpointPicker:
             if facts.subset is not None:
                 reason = "none of the gateway's candidate endpoints is a ready pod of the pool"
             return self._count(Pick(Outcome.NO_ENDPOINT, status=503, reason=reason))
-        loads = {id(p): p.utilisation(now, self.load_stale_s) for p in candidates}
-
-        def by_load(pod: PodIncarnation) -> tuple[int, float, str]:
-            used = loads[id(pod)]
-            return (1, 0.0, pod.name) if used is None else (0, used, pod.name)
-
-        ranked = sorted(candidates, key=by_load)
+        keys = {id(p): self._rank_key(p, now) for p in candidates}
+        ranked = sorted(candidates, key=lambda p: keys[id(p)])
         outcome, holder, refused = self._holder(facts, candidates)
         if holder is not None:
             ranked.remove(holder)
             ranked.insert(0, holder)
-        elif all((used := loads[id(p)]) is not None and used >= self.shed_at for p in candidates):
+        elif all(not keys[id(p)][0] & UNKNOWN and keys[id(p)][1] >= self.shed_at for p in candidates):
             return self._count(
                 Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
             )
@@ -270,7 +289,7 @@ class EndpointPicker:
         if not order:
             return self._count(Pick(Outcome.NO_ENDPOINT, status=503, reason="no ready endpoint in the pool"))
         outcome, holder, refused = self._holder(facts, None)
-        if holder is None and order[-1][0] == 0 and order[0][1] >= self.shed_at:  # all known, the least full
+        if holder is None and self._all_full(order):
             return self._count(
                 Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
             )

@@ -6,7 +6,8 @@ terminating, gone, or replaced by another incarnation: a drain, a scale-in, a ro
 held (or held last, where the registry let them go before the listing showed the pod leave) that had a request
 within ``prefetch_s`` (``GPUWARDEN_ROUTER_PREFETCH_S``: the conversations still going on; older ones restore on
 demand) are each given their next pod: the serving pod with the least KV pressure, counting what this round
-already gave it (each session's blocks, from its tokens). Each pod is sent one
+already gave it (each session's blocks, from its tokens), and never one on a cordoned node (``leaving``: the rest
+of a drained node's pods, which would hand the session on once more). Each pod is sent one
 ``kv.session.prefetch.command`` (``cmd.kvagent.<pod>.prefetch``, up to 1,000 sessions a command), answered by
 ``kv.session.prefetched``; its KV agent restores through the pod's own restore path, which never takes a session
 from a holder the cluster still lists (``LocateCheckpoint.prefetch``): a holder still terminating (its last save
@@ -149,11 +150,13 @@ class Prefetcher:
         return len(moving)
 
     def assign(self, moving: list[tuple[str, int]], now: float) -> dict[str, list[str]]:
-        """Each session to the serving pod with the least KV pressure, counting what this round already gave it."""
+        """Each session to the serving pod with the least KV pressure, counting what this round already gave it;
+        never to a pod that is ``leaving`` (on a cordoned node: a drain's other pods), which would hand it on
+        again (no pod staying: nothing is prefetched, the sessions restore on their next request)."""
         heap: list[tuple[float, str]] = []
         totals: dict[str, int] = {}
         for name, pod in self.picker.pods.items():
-            if not pod.serves:
+            if not pod.serves or pod.leaving:
                 continue
             used = pod.utilisation(now, self.picker.load_stale_s)
             totals[name] = max(pod.blocks_total, 1) if used is not None else 1_000

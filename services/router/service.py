@@ -39,6 +39,7 @@ class RouterService:
         self.servicer: ExternalProcessorServicer | None = None
         self.handovers: Handovers | None = None
         self.prefetcher: Prefetcher | None = None
+        self.pods_follower: PodFollower | None = None
         self.metrics: RouterMetrics | None = None
         self.port = 0
 
@@ -82,9 +83,9 @@ class RouterService:
         )
         ctx.on_stop(prefetcher.close)
         metrics = self.metrics = RouterMetrics(ctx.telemetry.registry, settings.deployment)
-        cluster = await ctx.backends.cluster(watch_kinds=("pod",))
+        cluster = await ctx.backends.cluster(watch_kinds=("pod", "node"))
         ctx.on_stop(cluster.close)
-        pods = PodFollower(cluster, picker, settings.pods_resync_s, prefetcher, self.clock)
+        pods = self.pods_follower = PodFollower(cluster, picker, settings.pods_resync_s, prefetcher, self.clock)
         try:
             await pods.list_once()
         except Exception as exc:  # the listing loop tries again; until then no endpoint can serve (503)
