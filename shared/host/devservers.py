@@ -246,6 +246,11 @@ class NatsCluster:
         for server in self.servers:
             server.start()
         self.wait_for_meta_leader()
+        for server in self.servers:  # a route port taken shows after the client port listens: two can elect a leader
+            if server.proc is not None and server.proc.poll() is not None:
+                tail = _log_tail(server.store / "server.log")
+                error = PortTaken if "address already in use" in tail.lower() else RuntimeError
+                raise error(f"nats-server {server.name} exited with {server.proc.returncode}: {tail.strip()}")
         return self
 
     @property
