@@ -42,7 +42,7 @@ import multiprocessing
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -261,6 +261,8 @@ class MoveSizes:
     settle_s: float = 30.0
     prefetch_s: float = 30.0
     nodes: str = ""
+    spec: str = ""
+    """The simulation spec (``GPUWARDEN_SIM_SPEC``; '' the embedded default)."""
 
 
 QUICK_MOVES = MoveSizes(sessions=8, rate=6.0, warm_s=8.0, settle_s=6.0, nodes="2")
@@ -277,6 +279,25 @@ def _pool_sessions_by_node(simulation: dict[str, Any], deployment: str) -> dict[
     for name, pod in (simulation.get("pods") or {}).items():
         if name.startswith(f"{deployment}-") and not pod.get("stopping") and pod.get("node"):
             found[pod["node"]] = found.get(pod["node"], 0) + int(pod.get("sessions") or 0)
+    return found
+
+
+def _first_tokens(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The time to first token between two readings of the simulation (``shared.sim.sessions.FirstTokens``):
+    p50 of the first requests of moved sessions on their new pod, p50 of every other request, and their ratio."""
+    from shared.sim.sessions import quantile
+
+    found: dict[str, Any] = {}
+    now, then = after.get("first_token") or {}, before.get("first_token") or {}
+    for kind, name in (("moved", "moved"), ("stayed", "unmoved")):
+        later = [int(c) for c in now.get(kind) or []]
+        earlier = [int(c) for c in then.get(kind) or []] or [0] * len(later)
+        counts = [a - b for a, b in zip(later, earlier, strict=True)]
+        p50 = quantile(counts, 0.5)
+        found[f"{name}_first_tokens"] = sum(counts)
+        found[f"{name}_first_token_p50_ms"] = None if p50 is None else round(p50 * 1000, 1)
+    moved, unmoved = found["moved_first_token_p50_ms"], found["unmoved_first_token_p50_ms"]
+    found["moved_first_token_vs_unmoved_p50"] = round(moved / unmoved, 3) if moved and unmoved else None
     return found
 
 
@@ -306,6 +327,8 @@ async def _moves(sizes: MoveSizes, home: Path, nats_url: str, redis_url: str) ->
     )
     for inherited in ("GPUWARDEN_SIM_SPEC", "GPUWARDEN_CHECKPOINT_STORE", "GPUWARDEN_NODE", "GPUWARDEN_HTTP_ADDR"):
         env.pop(inherited, None)
+    if sizes.spec:
+        env["GPUWARDEN_SIM_SPEC"] = sizes.spec  # made absolute by measure_moves
     argv = [sys.executable, "-m", "shared.cli", "run", "--rate", str(sizes.rate), "--sessions", str(sizes.sessions)]
     if sizes.nodes:
         argv += ["--nodes", sizes.nodes]
@@ -356,6 +379,7 @@ async def _moves(sizes: MoveSizes, home: Path, nats_url: str, redis_url: str) ->
         "cold_restores_on_request": delta(after_router, router, "landed", pool, "cold"),
         "handover_waits": delta(after_router, router, "handovers", "waited"),
         "handover_timeouts": delta(after_router, router, "handovers", "timed_out"),
+        **_first_tokens(after_sim, simulation),
         "sessions_restored": delta(after_sim, simulation, "restored"),
         "sessions_recomputed": delta(after_sim, simulation, "recomputed"),
         "sessions_lost": delta(after_sim, simulation, "lost"),
@@ -370,6 +394,8 @@ def measure_moves(sizes: MoveSizes, keep: Path | None = None) -> dict[str, Any]:
 
     from shared.host.devservers import NatsServer, RedisServer
 
+    if sizes.spec:  # the run's working directory is its home
+        sizes = replace(sizes, spec=str(Path(sizes.spec).resolve()))
     home = keep or Path(tempfile.mkdtemp(prefix="gw-router-moves-"))
     nats, redis = NatsServer().start(), RedisServer().start()
     try:
@@ -393,6 +419,12 @@ MOVE_TARGETS = (
         "requests_to_non_holder", "<=", 0, "requests of a live session sent to a pod not holding it, across a drain"
     ),
     Target("sessions_lost", "<=", 0, "sessions whose context was lost across the drain"),
+    Target(
+        "moved_first_token_vs_unmoved_p50",
+        "<=",
+        1.5,
+        "first token of a moved session's first request on its new pod against every other request, p50",
+    ),
 )
 
 

@@ -34,7 +34,10 @@ def test_bench_router_measures_a_drain_through_the_whole_mesh_at_a_tiny_size() -
         "cold_restores_on_request",
         "sessions_recomputed",
         "sessions_lost",
+        "moved_first_tokens",
+        "unmoved_first_tokens",
     ):
         assert isinstance(moves[key], int), key
+    assert moves["unmoved_first_tokens"] > 0 and moves["unmoved_first_token_p50_ms"] > 0  # measured, never 0
     assert moves["drain_ok"] and moves["requests_served"] > 0
     assert moves["requests_to_non_holder"] == 0 and moves["sessions_lost"] == 0

@@ -22,7 +22,7 @@ from shared.ports.cluster import EvictionOutcome
 from shared.sim.blockpool import BlockPool, PoolTooSmall
 from shared.sim.conversations import Conversations
 from shared.sim.engines import verify_blocks
-from shared.sim.sessions import is_close
+from shared.sim.sessions import FIRST_TOKEN_BUCKETS_S, FirstTokens, is_close, quantile
 from shared.sim.spec import (
     TINY_LLAMA,
     DeploymentSpec,
@@ -137,7 +137,8 @@ def quiet(workload: SimWorkload) -> bool:
     tracked = workload.tracked()
     return (
         all(not r.agent.sessions() and r.pool.used == 0 and not len(r.pool) for r in workload.runtimes.values())
-        and tracked["home"] == tracked["preempted"] == tracked["last_request"] == tracked["locks"] == 0
+        and tracked["home"] == tracked["preempted"] == tracked["last_request"] == tracked["served_on"] == 0
+        and tracked["locks"] == 0
     )
 
 
@@ -318,6 +319,7 @@ async def test_structures_stay_bounded_after_many_sessions_and_a_pod_deletion(
             "preempted": 0,
             "killed": 0,
             "last_request": 0,
+            "served_on": 0,
             "locks": 0,
             "tasks": 2,  # the cluster watch and the reconcile loop; finished preStop tasks are gone
             "lost_sessions": 0,
@@ -335,6 +337,35 @@ def test_the_synthetic_spec_compose_runs_is_the_default_world_without_torch() ->
     (deployment,) = spec.deployments
     assert deployment.model.engine == "synthetic" and deployment.model.block_bytes == 2 * 2**20
     assert (deployment.kv_blocks, deployment.model.max_model_len) == (128, 1024)
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "deploy" / "sim").glob("*.yaml"))
+)
+def test_every_shipped_spec_parses_and_its_pools_can_serve(name: str) -> None:
+    shipped = Path(__file__).resolve().parents[1] / "deploy" / "sim" / name
+    spec = parse_spec(shipped.read_bytes(), str(shipped))  # capacity checked against every node's GPUs
+    assert spec.deployments and spec.nodes
+
+
+def test_first_tokens_are_counted_apart_for_moved_sessions_and_their_median_read_from_the_buckets() -> None:
+    """The buckets of ``FirstTokens`` and their quantile as ``histogram_quantile`` reads them: linear within the
+    bucket, the open last bucket its lower bound, nothing counted no figure (never 0)."""
+    waited = FirstTokens()
+    for seconds in (0.003, 0.004, 0.015, 0.015):
+        waited.add(False, seconds)
+    waited.add(True, 0.3)
+    waited.add(True, 90.0)
+    status = waited.as_status()
+    assert status["buckets_s"] == list(FIRST_TOKEN_BUCKETS_S)
+    assert sum(status["stayed"]) == 4 and sum(status["moved"]) == 2
+    assert status["stayed"][0] == 2 and status["stayed"][2] == 2  # <= 5 ms twice, in (10, 20] ms twice
+    assert quantile(status["stayed"], 0.5) == pytest.approx(0.005)  # the second of four: the first bucket's top
+    assert quantile(status["stayed"], 0.75) == pytest.approx(0.015)  # half-way into (10, 20] ms
+    assert quantile(status["moved"], 0.5) == pytest.approx(0.5)  # rank 1 of 2: all of the (0.2, 0.5] bucket
+    assert quantile(status["moved"], 0.25) == pytest.approx(0.35)  # rank 0.5: half-way into it
+    assert quantile(status["moved"], 1.0) == FIRST_TOKEN_BUCKETS_S[-1]
+    assert quantile([0] * len(status["moved"]), 0.5) is None
 
 
 def test_a_real_model_without_torch_is_one_clear_error() -> None:

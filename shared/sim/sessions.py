@@ -1,10 +1,11 @@
 """What the simulated workload keeps per session: when one ends (``is_close``), what a preempted one is recomputed
 to (``Preempted``), one request of a session at a time (``SessionLocks``), and the workload's counters
-(``WorkloadStats``)."""
+(``WorkloadStats``) with the time to first token its requests waited (``FirstTokens``)."""
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 from collections import deque
@@ -69,6 +70,45 @@ class SessionLocks:
         return len(self._locks)
 
 
+FIRST_TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+"""Upper bounds of ``FirstTokens``' buckets (the last bucket has none)."""
+
+
+@dataclass
+class FirstTokens:
+    """The time to first token of every request served, as its user waits for it: from the request's making to
+    its first token (the bus, the router's pick and a handover wait, a restore on demand, the engine). Counted in
+    fixed buckets (``FIRST_TOKEN_BUCKETS_S``), apart for a session's first request on a pod other than the one that
+    served it last (``moved``: a drain, an upgrade, a scale-in, a kill moved it) and for every other request
+    (``stayed``); buckets, so that a run's figure is the difference of two readings (``quantile``)."""
+
+    moved: list[int] = field(default_factory=lambda: [0] * (len(FIRST_TOKEN_BUCKETS_S) + 1))
+    stayed: list[int] = field(default_factory=lambda: [0] * (len(FIRST_TOKEN_BUCKETS_S) + 1))
+
+    def add(self, moved: bool, seconds: float) -> None:
+        (self.moved if moved else self.stayed)[bisect.bisect_left(FIRST_TOKEN_BUCKETS_S, seconds)] += 1
+
+    def as_status(self) -> dict[str, Any]:
+        return {"buckets_s": list(FIRST_TOKEN_BUCKETS_S), "moved": list(self.moved), "stayed": list(self.stayed)}
+
+
+def quantile(counts: list[int], q: float) -> float | None:
+    """The ``q`` quantile of ``FirstTokens`` bucket counts, interpolated within its bucket (as Prometheus'
+    ``histogram_quantile`` does; the open last bucket answers its lower bound); None when nothing was counted."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, seen = q * total, 0
+    for index, count in enumerate(counts):
+        if count and seen + count >= rank:
+            if index >= len(FIRST_TOKEN_BUCKETS_S):
+                return FIRST_TOKEN_BUCKETS_S[-1]
+            low = FIRST_TOKEN_BUCKETS_S[index - 1] if index else 0.0
+            return low + (FIRST_TOKEN_BUCKETS_S[index] - low) * (rank - seen) / count
+        seen += count
+    return FIRST_TOKEN_BUCKETS_S[-1]
+
+
 @dataclass
 class WorkloadStats:
     requests: int = 0
@@ -99,6 +139,7 @@ class WorkloadStats:
     mixed_versions: int = 0
     served_by_version: dict[str, int] = field(default_factory=dict)
     lost_sessions: deque[str] = field(default_factory=lambda: deque(maxlen=LOST_SESSIONS_KEPT))
+    first_tokens: FirstTokens = field(default_factory=FirstTokens)
 
     def count_check(self, session_id: str, check: SessionCheck, checkpoint_id: str) -> None:
         """A restored session's check against its reference run; one that differs is logged as an error."""
@@ -137,6 +178,7 @@ class WorkloadStats:
                 "failed": self.restore_check_failed,
                 "unchecked": self.restore_unchecked,
             },
+            "first_token": self.first_tokens.as_status(),
         }
 
     def rollouts(self) -> dict[str, Any]:

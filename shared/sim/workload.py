@@ -143,6 +143,8 @@ class SimWorkload(WorkloadReport):
         """Sessions whose pod was killed (no preStop) and that have not gone on yet, with that pod: counted as
         continued (and their recomputed tokens) or lost when their next request brings them to another pod."""
         self.last_request: dict[str, float] = {}
+        self.served_on: dict[str, str] = {}
+        """The pod that served each live session's last request (its next one elsewhere has ``moved``)."""
         self.stats = WorkloadStats()
         self._locks = SessionLocks()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -373,8 +375,12 @@ class SimWorkload(WorkloadReport):
                 blocks = math.ceil(tokens / runtime.agent.layout.block_tokens)
                 self._preempt(runtime, runtime.pool.reserve(sid, blocks))
                 await engine.serve(sid, request.prompt_tokens, request.max_new_tokens)
-            if runtime.load is not None:  # the engines prefill and decode in one step: its end is the first token
-                runtime.load.first_token(time.time() - request.occurred_at.timestamp())
+            waited = time.time() - request.occurred_at.timestamp()  # prefill and decode are one step: its first token
+            if runtime.load is not None:
+                runtime.load.first_token(waited)
+            was = self.served_on.get(sid)
+            self.served_on[sid] = runtime.info.name
+            self.stats.first_tokens.add(was is not None and was != runtime.info.name, waited)
             runtime.served += 1
             self.stats.served += 1
             self.stats.served_by_version[version] = self.stats.served_by_version.get(version, 0) + 1
@@ -419,6 +425,7 @@ class SimWorkload(WorkloadReport):
         self.home.pop(session_id, None)
         self.versions.pop(session_id, None)
         self.last_request.pop(session_id, None)
+        self.served_on.pop(session_id, None)
         self.killed.pop(session_id, None)
         return held
 

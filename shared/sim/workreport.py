@@ -21,6 +21,7 @@ class WorkloadReport:
     preempted: dict[str, Preempted]
     killed: dict[str, str]
     last_request: dict[str, float]
+    served_on: dict[str, str]
     engines: dict[tuple[str, str, str], DeploymentEngine]
     gateway: GatewayRouting | None
     stats: WorkloadStats
@@ -63,6 +64,7 @@ class WorkloadReport:
             "preempted": len(self.preempted),
             "killed": len(self.killed),
             "last_request": len(self.last_request),
+            "served_on": len(self.served_on),
             "locks": len(self._locks),
             "tasks": len(self._tasks),
             "lost_sessions": len(self.stats.lost_sessions),
