@@ -10,7 +10,11 @@ count them: ``sessions_moved`` (the pool's sessions on the node when it was drai
 their next pod by the router's prefetch), ``requests_to_non_holder`` (the simulated gateway: a request of a live
 session sent to a pod that does not hold it), ``cold_restores_on_request`` (requests of a known session with no
 live holder, so restored or recomputed on the pod they reached: moved sessions not prefetched, and preempted
-ones), ``sessions_recomputed``, ``sessions_lost``, and the handovers waited for.
+ones), ``sessions_recomputed``, ``sessions_lost``, the handovers waited for, and the time to first token of the
+moved sessions' first requests on their new pod against every other request's (``moved_first_token_vs_unmoved_p50``,
+from the simulation's buckets). The full run (``MoveSizes()``) is the issue's size: 3,000 conversations on the three
+pods of ``deploy/sim/routing.yaml``, a node holding about 1,000 drained; then the same with the prefetch off (the
+peer, ``without_prefetch``) and a scale-in of the pool from 4 to 2 pods (``SCALE_IN``, figures ``scale_in_*``).
 
 The router (``services/router``: its ``ExternalProcessorServicer`` and ``RouterServer``, what ``python -m
 services.router`` serves, without the bus around it) runs in a child process, its memory set as the bus and the
@@ -70,6 +74,7 @@ from shared.sim.gateway import GatewayClient
 
 NAMESPACE, DEPLOYMENT = "llm", "llama"
 TARGET_PORT = 8000
+ROUTING_SPEC = str(Path(__file__).resolve().parents[1] / "deploy" / "sim" / "routing.yaml")
 
 
 @dataclass(frozen=True)
@@ -253,19 +258,25 @@ class MoveSizes:
     simulated gateway asking the router for every request of its pool) with ``sessions`` open conversations per
     deployment at ``rate`` requests a second; after ``warm_s`` the node whose pool pods hold the most sessions is
     drained, and ``settle_s`` of traffic follow its verdict. ``prefetch``: the router's GPUWARDEN_ROUTER_PREFETCH_S
-    (0: off)."""
+    (0: off). The defaults are the issue's size: a node of ``deploy/sim/routing.yaml`` holding about 1,000 live
+    sessions (each has a request about every minute, within the prefetch window)."""
 
-    sessions: int = 1_000
-    rate: float = 60.0
-    warm_s: float = 60.0
-    settle_s: float = 30.0
-    prefetch_s: float = 30.0
+    sessions: int = 3_000
+    rate: float = 50.0
+    warm_s: float = 90.0
+    settle_s: float = 90.0
+    prefetch_s: float = 120.0
     nodes: str = ""
-    spec: str = ""
+    spec: str = ROUTING_SPEC
     """The simulation spec (``GPUWARDEN_SIM_SPEC``; '' the embedded default)."""
+    scale_in: tuple[int, int] | None = None
+    """Instead of a drain, a scale-in of the pool from ``[0]`` to ``[1]`` replicas (``gpuwarden sim scale``, as
+    ``kubectl scale``: the ReplicaSet removes the pods of lowest deletion cost, the router's, first)."""
 
 
-QUICK_MOVES = MoveSizes(sessions=8, rate=6.0, warm_s=8.0, settle_s=6.0, nodes="2")
+QUICK_MOVES = MoveSizes(sessions=8, rate=6.0, warm_s=8.0, settle_s=6.0, nodes="2", prefetch_s=30.0, spec="")
+SCALE_IN = MoveSizes(sessions=2_000, scale_in=(4, 2))
+"""The issue's scale-in: four pods of 500 conversations, two removed (1,000 sessions moved)."""
 
 
 def _snapshot(services: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -280,6 +291,16 @@ def _pool_sessions_by_node(simulation: dict[str, Any], deployment: str) -> dict[
         if name.startswith(f"{deployment}-") and not pod.get("stopping") and pod.get("node"):
             found[pod["node"]] = found.get(pod["node"], 0) + int(pod.get("sessions") or 0)
     return found
+
+
+def _scaled(env: dict[str, str], home: Path, pool: str, replicas: int) -> list[str]:
+    """``gpuwarden sim scale POOL REPLICAS``; the pods it chose to remove (Terminating)."""
+    from bench.soak import cli
+
+    done = cli(env, home, "sim", "scale", pool, str(replicas))
+    if done.returncode != 0:
+        raise RuntimeError(f"sim scale {pool} {replicas}: {(done.stdout + done.stderr).strip()[-300:]}")
+    return sorted(name for name, phase in json.loads(done.stdout)["pods"].items() if phase == "Terminating")
 
 
 def _first_tokens(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -336,21 +357,32 @@ async def _moves(sizes: MoveSizes, home: Path, nats_url: str, redis_url: str) ->
     try:
         state = await wait_ready(home, proc, timeout=300)
         services = {label: url for label, url in state["services"].items()}
+        _, first = await asyncio.to_thread(_snapshot, services)
+        pool = str((first.get("routing") or {}).get("pool") or "llm/llama")
+        if sizes.scale_in is not None:
+            await asyncio.to_thread(_scaled, env, home, pool, sizes.scale_in[0])
         await asyncio.sleep(sizes.warm_s)
         simulation, router = await asyncio.to_thread(_snapshot, services)
-        pool = str((router.get("routing") or {}).get("pool") or "llm/llama")
-        on = _pool_sessions_by_node(simulation, pool.partition("/")[2])
+        deployment = pool.partition("/")[2]
+        on = _pool_sessions_by_node(simulation, deployment)
         if not on:
             raise RuntimeError(f"no pod of {pool} holds a session after {sizes.warm_s:.0f}s; see {home / 'logs'}")
-        node = max(on, key=lambda n: on[n])
         started = time.monotonic()
-        done = await asyncio.to_thread(
-            cli, env, home, "drain", node, "--json", "--timeout", "180", "--requested-by", "bench.router"
-        )
-        try:
-            outcome = json.loads(done.stdout)
-        except ValueError:
-            outcome = {"ok": False, "reason": (done.stdout + done.stderr).strip()[-300:]}
+        if sizes.scale_in is not None:
+            leaving = await asyncio.to_thread(_scaled, env, home, pool, sizes.scale_in[1])
+            node = ",".join(leaving)
+            moved = sum(int((simulation["pods"].get(name) or {}).get("sessions") or 0) for name in leaving)
+            outcome: dict[str, Any] = {"ok": bool(leaving)}
+        else:
+            node = max(on, key=lambda n: on[n])
+            moved = on[node]
+            done = await asyncio.to_thread(
+                cli, env, home, "drain", node, "--json", "--timeout", "180", "--requested-by", "bench.router"
+            )
+            try:
+                outcome = json.loads(done.stdout)
+            except ValueError:
+                outcome = {"ok": False, "reason": (done.stdout + done.stderr).strip()[-300:]}
         drain_s = time.monotonic() - started
         await asyncio.sleep(sizes.settle_s)
         after_sim, after_router = await asyncio.to_thread(_snapshot, services)
@@ -366,10 +398,10 @@ async def _moves(sizes: MoveSizes, home: Path, nats_url: str, redis_url: str) ->
         return int(now or 0) - int(then or 0)
 
     return {
-        "drained_node": node,
+        "drained_node" if sizes.scale_in is None else "scaled_in_pods": node,
         "drain_ok": bool(outcome.get("ok")),
         "drain_s": round(drain_s, 2),
-        "sessions_moved": on[node],
+        "sessions_moved": moved,
         "prefetched": delta(after_router, router, "prefetch", "prefetched"),
         "prefetch_held_elsewhere_asked_again": delta(after_router, router, "prefetch", "asked_again"),
         "prefetch_failed": delta(after_router, router, "prefetch", "failed")
@@ -397,6 +429,7 @@ def measure_moves(sizes: MoveSizes, keep: Path | None = None) -> dict[str, Any]:
     if sizes.spec:  # the run's working directory is its home
         sizes = replace(sizes, spec=str(Path(sizes.spec).resolve()))
     home = keep or Path(tempfile.mkdtemp(prefix="gw-router-moves-"))
+    home.mkdir(parents=True, exist_ok=True)
     nats, redis = NatsServer().start(), RedisServer().start()
     try:
         return asyncio.run(_moves(sizes, home, nats.url, redis.url))
@@ -411,6 +444,13 @@ TARGETS = (
     Target("router_pick_p99_ms", "<=", 2.0, "ext_proc pick p99, 1,000 requests/s, 100,000 sessions on 2,000 pods"),
     Target("router_vs_noop_p99", "<=", 2.0, "the router's p99 against a no-op ext_proc server's, same run"),
     Target("router_not_holder", "<=", 0, "answers whose first endpoint is not the session's holder"),
+)
+
+
+SCALE_IN_TARGETS = (
+    Target("scale_in_sessions_recomputed", "<=", 0, "sessions computed again across a scale-in from 4 to 2 pods"),
+    Target("scale_in_requests_to_non_holder", "<=", 0, "requests of a live session sent to a non-holder, scale-in"),
+    Target("scale_in_sessions_lost", "<=", 0, "sessions whose context was lost across the scale-in"),
 )
 
 
@@ -434,8 +474,12 @@ def run(
     quick: bool = False,
     quiet: bool = False,
     moves: MoveSizes | None = None,
+    without_prefetch: bool = False,
+    scale_in: MoveSizes | None = None,
 ) -> dict[str, Any]:
-    """The pick's latency; with ``moves``, a drain under load through the whole mesh besides (``measure_moves``)."""
+    """The pick's latency; with ``moves``, a drain under load through the whole mesh besides (``measure_moves``),
+    the same with the router's prefetch off (``without_prefetch``: the peer, its figures under that key) and a
+    scale-in (``scale_in``: its figures prefixed ``scale_in_``)."""
     options = BenchOptions(name="router", quick=quick, nats_url=None, out=out or default_out("router"))
     results = measure(sizes)
     params: dict[str, Any] = asdict(sizes)
@@ -444,6 +488,12 @@ def run(
         results.update(measure_moves(moves))
         params["moves"] = asdict(moves)
         targets = (*TARGETS, *MOVE_TARGETS)
+        if without_prefetch:
+            results["without_prefetch"] = measure_moves(replace(moves, prefetch_s=0.0))
+    if scale_in is not None:
+        results.update({f"scale_in_{key}": value for key, value in measure_moves(scale_in).items()})
+        params["scale_in"] = asdict(scale_in)
+        targets = (*targets, *SCALE_IN_TARGETS)
     if quiet:
         report = build_report(options, results, targets, params, machine_info())
         write_report(report, options.out)
@@ -454,8 +504,10 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     options = parse_args("router", __doc__ or "", argv)
     logging.basicConfig(level=logging.WARNING)
-    sizes, moves = (QUICK, QUICK_MOVES) if options.quick else (Sizes(), MoveSizes())
-    report = run(sizes, options.out, options.quick, moves=moves)
+    if options.quick:
+        report = run(QUICK, options.out, True, moves=QUICK_MOVES)
+    else:
+        report = run(Sizes(), options.out, False, moves=MoveSizes(), without_prefetch=True, scale_in=SCALE_IN)
     return exit_code(options, report)
 
 

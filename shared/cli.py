@@ -347,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("node", type=_id_arg("node"), help="the simulated node to label")
     lab.add_argument("labels", nargs="+", metavar="KEY=VALUE|KEY-", help="labels to set (KEY=VALUE) or remove (KEY-)")
     lab.set_defaults(func=sim.cmd_sim_label)
+    sc = simsub.add_parser(
+        "scale", help="set a simulated deployment's replicas, as `kubectl scale` (scale-in: lowest deletion cost first)"
+    )
+    sc.add_argument("deployment", type=_deployment_arg, help="the simulated deployment (NAMESPACE/NAME)")
+    sc.add_argument("replicas", type=_number(int, 0), help="the replicas it should have (0 or more)")
+    sc.set_defaults(func=sim.cmd_sim_scale)
 
     p = sub.add_parser("fault", help="inject a SIMULATED fault (the same as `gpuwarden sim fault`)")
     add_fault_arguments(p)

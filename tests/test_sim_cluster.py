@@ -652,6 +652,43 @@ async def test_sim_label_sets_and_removes_labels_of_a_simulated_node(
     await cluster.close()
 
 
+async def test_sim_scale_sets_a_deployments_replicas_and_scales_in_by_deletion_cost(
+    settings: Settings, subjects: Subjects, redis_client: aioredis.Redis
+) -> None:
+    """``gpuwarden sim scale`` in a process of its own, as ``kubectl scale``: up to 3, then in to 1 removing the pods
+    of lowest deletion cost (the router's annotation); an unknown deployment or a negative count is refused."""
+    import subprocess
+
+    spec = SimSpec(
+        nodes=[NodeSpec(name=n, gpus=[GpuSpec(count=1)]) for n in ("node-a", "node-b", "node-c")],
+        deployments=[DeploymentSpec(name="llama", namespace="llm", replicas=2)],
+    )
+    cluster = await SimCluster.create(redis_client, subjects, spec)
+    env = dict(os.environ, GPUWARDEN_REDIS_URL=settings.redis.url, GPUWARDEN_ROOT=subjects.root)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "shared.cli", "sim", "scale", *args], env=env, capture_output=True, text=True
+        )
+
+    up = await asyncio.to_thread(cli, "llm/llama", "3")
+    assert up.returncode == 0, up.stderr
+    pods = json.loads(up.stdout)["pods"]
+    assert len(pods) == 3 and set(pods.values()) == {"Running"} and json.loads(up.stdout)["replicas"] == 3
+    cheap, *costly = sorted(pods)
+    for name in costly:
+        await cluster.set_pod_annotations("llm", name, {DELETION_COST: "100"})
+    down = await asyncio.to_thread(cli, "llm/llama", "2")
+    assert down.returncode == 0, down.stderr
+    assert json.loads(down.stdout)["pods"] == {cheap: "Terminating", costly[0]: "Running", costly[1]: "Running"}
+    missing = await asyncio.to_thread(cli, "llm/other", "1")
+    assert missing.returncode == 1 and "no simulated deployment 'llm/other'" in missing.stderr
+    assert "llm/llama" in missing.stderr
+    negative = await asyncio.to_thread(cli, "llm/llama", "-1")
+    assert negative.returncode == 2 and "replicas" in negative.stderr
+    await cluster.close()
+
+
 async def test_a_lost_node_is_not_ready_for_good_and_its_pods_die_and_come_back_elsewhere(
     redis_client: aioredis.Redis, subjects: Subjects
 ) -> None:

@@ -1,5 +1,5 @@
-"""``gpuwarden sim run|fault|label`` (and ``fault``): the SIMULATED cluster driven as a person drives a real one:
-the simulation started, a fault injected, a node labelled."""
+"""``gpuwarden sim run|fault|label|scale`` (and ``fault``): the SIMULATED cluster driven as a person drives a real
+one: the simulation started, a fault injected, a node labelled, a deployment scaled."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import re
 import sys
 
-from shared.console.state import REDIS_ONLY, UsageError, command_env, command_settings
+from shared.console.state import REDIS_ONLY, CommandError, UsageError, command_env, command_settings
 from shared.contract.subjects import Subjects
 
 
@@ -69,6 +69,34 @@ def cmd_sim_label(args: argparse.Namespace) -> int:
         finally:
             await cluster.close()
         print(json.dumps(dict(node.labels) if node else {}, indent=2, sort_keys=True))
+        return 0
+
+    return asyncio.run(main())
+
+
+def cmd_sim_scale(args: argparse.Namespace) -> int:
+    """Set a SIMULATED deployment's replicas, as ``kubectl scale deployment`` does a real one's: its ReplicaSet
+    removes the pods with the lowest ``controller.kubernetes.io/pod-deletion-cost`` first (the router's), each
+    through its preStop save. Prints the deployment's replicas and its pods' phases after the change."""
+    from shared.plumbing.configsync import redis_client
+    from shared.sim.cluster import SimCluster
+
+    namespace, _, name = str(args.deployment).partition("/")
+    settings = command_settings(REDIS_ONLY)
+
+    async def main() -> int:
+        cluster = SimCluster(redis_client(settings.redis), Subjects(settings.root), owns_client=True)
+        try:
+            known = await cluster.deployments()
+            if not any((d.namespace, d.name) == (namespace, name) for d in known):
+                names = ", ".join(f"{d.namespace}/{d.name}" for d in known) or "none: is the simulation running?"
+                raise CommandError(f"sim scale: no simulated deployment {args.deployment!r} (deployments: {names})")
+            await cluster.scale(namespace, name, int(args.replicas))
+            await cluster.tick()  # its ReplicaSet acts at once: pods made, or chosen to go (Terminating)
+            pods = {p.name: p.phase for p in await cluster.pods(namespace=namespace) if p.deployment == name}
+        finally:
+            await cluster.close()
+        print(json.dumps({"deployment": args.deployment, "replicas": int(args.replicas), "pods": pods}, indent=2))
         return 0
 
     return asyncio.run(main())
