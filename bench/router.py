@@ -409,6 +409,8 @@ async def _moves(sizes: MoveSizes, home: Path, nats_url: str, redis_url: str) ->
         "requests_to_non_holder": delta(after_sim, simulation, "gateway", "landed", "to_non_holder"),
         "requests_to_prefetched": delta(after_router, router, "landed", pool, "prefetched"),
         "cold_restores_on_request": delta(after_router, router, "landed", pool, "cold"),
+        "cold_holder_gone": delta(after_router, router, "routing", "picks", "holder-gone"),
+        "cold_unplaced": delta(after_router, router, "routing", "picks", "unplaced"),
         "handover_waits": delta(after_router, router, "handovers", "waited"),
         "handover_timeouts": delta(after_router, router, "handovers", "timed_out"),
         **_first_tokens(after_sim, simulation),

@@ -242,8 +242,9 @@ def test_a_missing_server_binary_is_one_line(
 
 
 def test_a_restarted_service_keeps_its_port_however_busy_the_machine(home_env: dict[str, str]) -> None:
-    """``up`` binds each process's HTTP port itself and holds it: a service killed with SIGKILL comes back on the
-    same URL, and another program that grabs free ports meanwhile (a busy machine) cannot take it."""
+    """``up`` binds each process's HTTP port itself and holds it, and holds the router's gRPC port reserved: a
+    service killed with SIGKILL comes back on the same URL, the router on the same gRPC port, and another program
+    that grabs free ports meanwhile (a busy machine) cannot take either."""
     import urllib.request
 
     env = home_env
@@ -251,34 +252,40 @@ def test_a_restarted_service_keeps_its_port_however_busy_the_machine(home_env: d
     assert up.returncode == 0, up.stdout + up.stderr
     home = Path(env["GPUWARDEN_HOME"])
     state = json.loads((home / "run.json").read_text())
-    url = state["services"]["metrics@node-1"]
-    port = int(url.split(":")[2].split("/")[0])
-    victim = state["pids"]["metrics@node-1"]
-    os.kill(victim, signal.SIGKILL)
-    until(lambda: not alive(victim), 10, "the killed service gone")
-    with socket.socket() as squatter:  # what any other program does on a busy machine: take a port that looks free
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as every asyncio server does
-        try:
-            squatter.bind(("127.0.0.1", port))
-            squatter.listen()
-            took = True
-        except OSError:
-            took = False
-        assert not took, f"port {port} of metrics@node-1 was free for anyone while the service was down"
+    with urllib.request.urlopen(state["services"]["router"], timeout=5) as answer:
+        router_grpc = int(json.loads(answer.read())["grpc"].rsplit(":", 1)[1])
+    for label, port in (
+        ("metrics@node-1", int(state["services"]["metrics@node-1"].split(":")[2].split("/")[0])),
+        ("router", router_grpc),
+    ):
+        url = state["services"][label]
+        victim = state["pids"][label]
+        os.kill(victim, signal.SIGKILL)
+        until(lambda victim=victim: not alive(victim), 10, "the killed service gone")
+        with socket.socket() as squatter:  # what any other program does on a busy machine: take a port that looks free
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as every asyncio server does
+            try:
+                squatter.bind(("127.0.0.1", port))
+                squatter.listen()
+                took = True
+            except OSError:
+                took = False
+            assert not took, f"port {port} of {label} was free for anyone while the service was down"
 
-    def answers() -> bool:
-        now = json.loads((home / "run.json").read_text())
-        if now["pids"]["metrics@node-1"] == victim or now["services"]["metrics@node-1"] != url:
-            return False
-        try:
-            with urllib.request.urlopen(url.removesuffix("/healthz") + "/readyz", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
+        def answers(label: str = label, url: str = url, victim: int = victim) -> bool:
+            now = json.loads((home / "run.json").read_text())
+            if now["pids"][label] == victim or now["services"][label] != url:
+                return False
+            try:
+                with urllib.request.urlopen(url.removesuffix("/healthz") + "/readyz", timeout=2) as answer:
+                    return bool(answer.status == 200)
+            except OSError:
+                return False
 
-    until(answers, 90, "metrics@node-1 answering again on its own port")
-    log = (home / "logs" / "metrics-node-1.log").read_text(errors="replace")
-    assert "address already in use" not in log.lower()
+        until(answers, 90, f"{label} answering again on its own port")
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        log = (home / "logs" / f"{label.replace('@', '-')}.log").read_text(errors="replace").lower()
+        assert "address already in use" not in log and "failed to bind" not in log
     down = gpuwarden(env, "down", timeout=90)
     assert down.returncode == 0, down.stderr
 

@@ -15,6 +15,7 @@ from shared.plumbing.settings import (
     host_port,
     matching,
     number,
+    on_off,
     seconds,
     setting,
     settings_from_env,
@@ -31,6 +32,14 @@ class RouterSettings:
         "router: gRPC listen address of the endpoint picker (Envoy ext_proc and grpc.health.v1); port 0 takes a "
         "free port",
         parse=host_port("0.0.0.0:9002"),
+    )
+    share_port: bool = setting(
+        "GPUWARDEN_ROUTER_SHARE_PORT",
+        False,
+        "router: listen with SO_REUSEPORT, so that a port its launcher holds reserved (gpuwarden up keeps the "
+        "router's port bound for the whole run: a restarted router finds it free) can be bound; off: a port any "
+        "other socket holds is an error",
+        parse=on_off(),
     )
     pool: str = setting(
         "GPUWARDEN_ROUTER_POOL",

@@ -259,7 +259,7 @@ class RouterServer:
         self.settings = settings
         self.serving = serving
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if settings.share_port else 0)])
         pb_grpc.add_ExternalProcessorServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._health_task: asyncio.Task[None] | None = None

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -231,13 +231,25 @@ def _start_servers(
         raise CommandError(str(exc)) from None
 
 
-def _router_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Where the router listens (``GPUWARDEN_ROUTER_ADDR``, else a free port of loopback) and its pool
-    (``GPUWARDEN_ROUTER_POOL``, else with the simulation its spec's first deployment), and, with the simulation,
-    the same for its gateway: the simulated requests of that pool go through the router."""
-    from shared.host.devservers import free_port
+def reserved_port() -> socket.socket:
+    """A port of loopback held for the run: bound with SO_REUSEPORT and never listening, so that no other process
+    can take it (an unrelated bind is refused) while a process told to share it (``GPUWARDEN_ROUTER_SHARE_PORT``)
+    binds and listens there, as often as it is started again."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
-    found = {"GPUWARDEN_ROUTER_ADDR": env.get("GPUWARDEN_ROUTER_ADDR") or f"127.0.0.1:{free_port()}"}
+
+def _router_env(env: Mapping[str, str], reserve: Callable[[], socket.socket]) -> dict[str, str]:
+    """Where the router listens (``GPUWARDEN_ROUTER_ADDR``, else a port of loopback ``reserve`` holds for the run)
+    and its pool (``GPUWARDEN_ROUTER_POOL``, else with the simulation its spec's first deployment), and, with the
+    simulation, the same for its gateway: the simulated requests of that pool go through the router."""
+    if env.get("GPUWARDEN_ROUTER_ADDR"):
+        found = {"GPUWARDEN_ROUTER_ADDR": env["GPUWARDEN_ROUTER_ADDR"]}
+    else:
+        port = reserve().getsockname()[1]
+        found = {"GPUWARDEN_ROUTER_ADDR": f"127.0.0.1:{port}", "GPUWARDEN_ROUTER_SHARE_PORT": "on"}
     pool = env.get("GPUWARDEN_ROUTER_POOL", "")
     if env.get("GPUWARDEN_BACKEND") == "sim":
         from shared.sim.spec import load_spec
@@ -274,10 +286,15 @@ def _run_mesh(
     from shared.host.hollow import node_list
 
     checkpoints = f"file://{base / 'checkpoints'}"
-    router = _router_env(env)
+    listeners: dict[str, socket.socket] = {}
+
+    def reserve_router_port() -> socket.socket:
+        sock = listeners["router-reserved"] = reserved_port()
+        return sock
+
+    router = _router_env(env, reserve_router_port)
     claims = _claims(env)
     plan: list[tuple[str, str, dict[str, str]]] = []
-    listeners: dict[str, socket.socket] = {}
     subjects = Subjects(env["GPUWARDEN_ROOT"])
 
     def http(label: str) -> dict[str, str]:
