@@ -668,18 +668,20 @@ def test_the_router_manifests_agree_with_each_other_with_the_example_pool_and_wi
     assert {8000} == {p["containerPort"] for c in served["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
 
 
-def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_and_only_they() -> None:
-    """The prefetch's choice, without transport: the sessions of pod a with a recent request go to b and c by KV
-    pressure (the largest first, each counted where it went); an idle one and another pod's are left alone."""
-    picker = _picker()
-    for suffix, used in (("b", 10), ("c", 40)):
+def loaded(picker: EndpointPicker, used: dict[str, int], now: float) -> None:
+    """A load report of each pod (by suffix): ``used`` blocks of 100."""
+    for suffix, blocks in used.items():
         picker.on_load(
-            PodLoad(pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=used, blocks_total=100, window_s=5),
-            100.0,
+            PodLoad(
+                pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=blocks, blocks_total=100, window_s=5
+            ),
+            now,
         )
-    for index, (sid, suffix, tokens) in enumerate(
-        (("big", "a", 16 * 45), ("mid", "a", 16 * 10), ("small", "a", 16), ("idle", "a", 16), ("other", "b", 16))
-    ):
+
+
+def held(picker: EndpointPicker, sessions: Iterable[tuple[str, str, int]]) -> None:
+    """Each (session, pod suffix, tokens) held there, in order (sequence 1, 2, ...)."""
+    for index, (sid, suffix, tokens) in enumerate(sessions):
         picker.on_location(
             SessionLocation(
                 session_id=sid,
@@ -692,6 +694,17 @@ def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_a
                 token_count=tokens,
             )
         )
+
+
+def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_and_only_they() -> None:
+    """The prefetch's choice, without transport: the sessions of pod a with a recent request go to b and c by KV
+    pressure (the largest first, each counted where it went); an idle one and another pod's are left alone."""
+    picker = _picker()
+    loaded(picker, {"b": 10, "c": 40}, 100.0)
+    held(
+        picker,
+        (("big", "a", 16 * 45), ("mid", "a", 16 * 10), ("small", "a", 16), ("idle", "a", 16), ("other", "b", 16)),
+    )
     handovers = Handovers(10.0)
     prefetcher = Prefetcher(picker, handovers, _never_asked, 30.0, lambda: 100.0)
     prefetcher.saw_request("idle", 10.0)  # 90 s ago: restored on demand
@@ -726,24 +739,8 @@ def test_a_prefetch_never_goes_to_a_pod_on_a_cordoned_node_and_new_sessions_go_t
         ]
 
     picker.set_pods(listing("a", "b", "c"), cordoned={"node-1"})
-    for suffix, used in (("b", 5), ("c", 60)):
-        picker.on_load(
-            PodLoad(pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=used, blocks_total=100, window_s=5),
-            100.0,
-        )
-    for index, (sid, suffix) in enumerate((("s1", "a"), ("s2", "a"), ("held-by-b", "b"))):
-        picker.on_location(
-            SessionLocation(
-                session_id=sid,
-                sequence=index + 1,
-                reason="placed",
-                held=True,
-                pod=pod_name(suffix),
-                namespace=NS,
-                deployment=DEP,
-                token_count=16,
-            )
-        )
+    loaded(picker, {"b": 5, "c": 60}, 100.0)
+    held(picker, (("s1", "a", 16), ("s2", "a", 16), ("held-by-b", "b", 16)))
     fresh = picker.pick(RequestFacts(), 100.0)
     assert fresh.endpoints == (endpoint("c"), endpoint("b"), endpoint("a")), fresh  # a: no load report, leaving
     assert picker.pick(RequestFacts(session="held-by-b"), 100.0).endpoints[0] == endpoint("b")
