@@ -242,10 +242,16 @@ async def get_json(url: str, timeout: float = 2.0) -> Any:
     return await asyncio.to_thread(_get_json_blocking, url, timeout)
 
 
-async def _health(url: str) -> str:
+async def _health_body(url: str) -> Any:
+    """A process's ``/healthz`` body; None when it does not answer."""
     try:
-        body = await get_json(url, timeout=2.0)
+        return await get_json(url, timeout=2.0)
     except Exception:
+        return None
+
+
+def _health(body: Any) -> str:
+    if body is None:
         return "unreachable"
     return str(body.get("status", "ok")) if isinstance(body, dict) else "ok"
 
@@ -299,16 +305,15 @@ async def take(
             await samples.wait_for(uuids, wait_s - (time.monotonic() - began))
         return stored
 
-    routed = asyncio.ensure_future(_landed(mesh))
-    stored, counted, models, found_drains, health, simulation = await asyncio.gather(
+    stored, counted, models, found_drains, bodies = await asyncio.gather(
         stored_then_samples(),
         _sessions(mesh, pods, node=node, pod=pod, deployment=deployment, limit=max_sessions),
         read_model_versions(mesh),
         newest_drains(mesh.bus, [info.name for info in infos]),
-        asyncio.gather(*map(_health, mesh.services.values())),
-        _simulation(mesh),
+        asyncio.gather(*map(_health_body, mesh.services.values())),
     )
-    landed = await routed
+    health_of = dict(zip(mesh.services, bodies, strict=True))  # each process asked once
+    landed, simulation = _landed(health_of.get("router")), _simulation(health_of.get("sim"))
     by_node, by_pod, by_deployment, sessions, total, moving, error = counted
     pods_on: dict[str, list[PodInfo]] = {}
     pods_of: dict[tuple[str, str], list[PodInfo]] = {}
@@ -364,7 +369,7 @@ async def take(
         deployments=views,
         sessions=sessions,
         drains=drain_views(infos, pods_on, by_node, found_drains),
-        services=dict(zip(mesh.services, health, strict=True)),
+        services={label: _health(body) for label, body in health_of.items()},
         simulation=simulation,
         sessions_total=total,
         sessions_moving=moving,
@@ -436,34 +441,26 @@ async def _sessions(
     return by_node, dict(summary.by_pod), by_deployment, sessions, total, moving, ""
 
 
-async def _landed(mesh: MeshClient) -> dict[str, dict[str, int]]:
+def _landed(body: Any) -> dict[str, dict[str, int]]:
     """Per deployment the router picks for, where its requests were sent, from the ``router`` process's health
-    (empty when none runs or it does not answer)."""
-    router_url = mesh.services.get("router")
-    if not router_url:
+    body (empty when none runs or it does not answer)."""
+    found = body.get("landed") if isinstance(body, dict) else None
+    if not isinstance(found, dict):
         return {}
-    with contextlib.suppress(Exception):
-        body = await get_json(router_url, timeout=2.0)
-        found = body.get("landed") if isinstance(body, dict) else None
-        if isinstance(found, dict):
-            return {
-                str(pool): {str(k): int(v) for k, v in counts.items()}
-                for pool, counts in found.items()
-                if isinstance(counts, dict)
-            }
+    with contextlib.suppress(TypeError, ValueError, AttributeError):
+        return {
+            str(pool): {str(k): int(v) for k, v in counts.items()}
+            for pool, counts in found.items()
+            if isinstance(counts, dict)
+        }
     return {}
 
 
-async def _simulation(mesh: MeshClient) -> dict[str, Any] | None:
-    """The simulated workload's own counters, from the ``sim`` process's health (None when none runs)."""
-    sim_url = mesh.services.get("sim")
-    if not sim_url:
-        return None
-    with contextlib.suppress(Exception):
-        body = await get_json(sim_url, timeout=2.0)
-        sim = body.get("simulation") if isinstance(body, dict) else None
-        if isinstance(sim, dict):
-            return {k: v for k, v in sim.items() if k not in ("pods", "tracked")}
+def _simulation(body: Any) -> dict[str, Any] | None:
+    """The simulated workload's own counters, from the ``sim`` process's health body (None when none runs)."""
+    sim = body.get("simulation") if isinstance(body, dict) else None
+    if isinstance(sim, dict):
+        return {k: v for k, v in sim.items() if k not in ("pods", "tracked")}
     return None
 
 
