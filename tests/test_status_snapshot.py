@@ -254,11 +254,16 @@ async def test_status_reads_how_each_session_got_to_its_pod_from_its_newest_rest
         return SessionsPage(sessions=records)
 
     await bus.serve(subjects.command("checkpoint", "sessions"), page, (SessionsQuery,))
-    await bus.publish(SessionRestored(session_id="s-here", checkpoint_id="c-1", pod="p-2", node="n-2", generation=2))
+    await bus.publish(
+        SessionRestored(
+            session_id="s-here", checkpoint_id="c-1", pod="p-2", node="n-2", generation=2, tokens_recomputed=12
+        )
+    )
     await bus.publish(SessionRestored(session_id="s-moved", checkpoint_id="c-2", pod="p-2", node="n-2", generation=2))
 
     views = {v.id: v for v in await read_sessions(MeshClient(settings, bus, redis_client, None))}
     assert (views["s-here"].verified_after_restore, views["s-here"].restored_generation) == (True, None)
-    assert views["s-here"].restored_from == "c-1"
+    assert views["s-here"].restored_from == "c-1" and views["s-here"].tokens_recomputed == 12
+    assert views["s-moved"].tokens_recomputed is None and views["s-fresh"].tokens_recomputed is None
     assert (views["s-moved"].verified_after_restore, views["s-moved"].restored_generation) == (None, 2)
     assert (views["s-fresh"].verified_after_restore, views["s-fresh"].restored_generation) == (None, None)

@@ -139,6 +139,10 @@ class SessionView(msgspec.Struct, kw_only=True):
     """True: the pod holding it now restored it and every digest checked out; None: it did not come from a
     checkpoint on this pod (started or recomputed here)."""
     restored_from: str = ""
+    tokens_recomputed: int | None = None
+    """With ``verified_after_restore``: the tokens after that checkpoint its pod computed again (a pod lost without
+    a final save: what its journal or last checkpoint did not hold); None when not restored here, or when the pod
+    did not know the conversation's length."""
     restored_generation: int | None = None
     """The generation under which it was last restored and verified, when that is not the generation it is held
     under now (it was restored on an earlier pod, then taken by this one without a restore); else None."""
@@ -589,6 +593,7 @@ async def read_sessions(
         if event.pod == view.pod and event.generation == view.generation:
             view.verified_after_restore = True
             view.restored_from = event.checkpoint_id
+            view.tokens_recomputed = event.tokens_recomputed
         else:
             view.restored_generation = event.generation
     return sorted(out, key=lambda v: (v.node, v.pod, v.id))
