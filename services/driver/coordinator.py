@@ -81,6 +81,7 @@ from .upgrade import (
     PodView,
     after_install,
     after_validation,
+    counted,
     desired_version,
     install_attempt,
     next_step,
@@ -308,8 +309,8 @@ class UpgradeCoordinator:
         """Keep ``view`` as its node's, the counts, the sets of nodes in flight and waiting, and the status too."""
         self._forget(view.name)
         self._views[view.name] = view
-        for i, counted in enumerate(_counted(view)):
-            self._tally[i] += counted
+        for i, count in enumerate(counted(view)):
+            self._tally[i] += count
         if view.state in IN_PROGRESS or view.state == "upgrade-failed" or not view.installed_version:
             self._in_flight.add(view.name)
         if view.state == "upgrade-required":
@@ -319,8 +320,8 @@ class UpgradeCoordinator:
     def _forget(self, name: str) -> None:
         old = self._views.pop(name, None)
         if old is not None:
-            for i, counted in enumerate(_counted(old)):
-                self._tally[i] -= counted
+            for i, count in enumerate(counted(old)):
+                self._tally[i] -= count
         self._in_flight.discard(name)
         self._waiting.discard(name)
         self.states.pop(name, None)
@@ -608,15 +609,6 @@ class UpgradeCoordinator:
 
 
 _STATES: frozenset[str] = frozenset(get_args(UpgradeState))
-
-
-def _counted(view: NodeView) -> tuple[int, int, int]:
-    """What ``view`` adds to ``ClusterView``'s in_progress, unavailable and failed."""
-    return (
-        int(view.state in IN_PROGRESS),
-        int(not view.schedulable or not view.ready),
-        int(view.state == "upgrade-failed"),
-    )
 
 
 _WATCH_END_S = 5.0

@@ -157,12 +157,21 @@ class ClusterView:
 
     @classmethod
     def of(cls, nodes: Sequence[NodeView]) -> ClusterView:
-        return cls(
-            total=len(nodes),
-            in_progress=sum(1 for n in nodes if n.state in IN_PROGRESS),
-            unavailable=sum(1 for n in nodes if not n.schedulable or not n.ready),
-            failed=sum(1 for n in nodes if n.state == "upgrade-failed"),
-        )
+        tally = [0, 0, 0]
+        for node in nodes:
+            for i, count in enumerate(counted(node)):
+                tally[i] += count
+        return cls(total=len(nodes), in_progress=tally[0], unavailable=tally[1], failed=tally[2])
+
+
+def counted(node: NodeView) -> tuple[int, int, int]:
+    """What one node adds to ``ClusterView``'s ``in_progress``, ``unavailable`` and ``failed`` (a view kept node by
+    node adds and takes these as its nodes change)."""
+    return (
+        int(node.state in IN_PROGRESS),
+        int(not node.schedulable or not node.ready),
+        int(node.state == "upgrade-failed"),
+    )
 
 
 ActionKind = Literal[
