@@ -143,6 +143,15 @@ class Fleet:
         for sid in sessions:
             assert verify_blocks(sid, self.workload.session_blocks(sid) or []), sid
 
+    async def busiest_node(self) -> tuple[str, list[str]]:
+        """The node whose sessions the registry counts most, and those sessions."""
+        on = {
+            n.name: [s.session_id for s in await self.checkpoint.registry.sessions_on_node(n.name)]
+            for n in self.spec.nodes
+        }
+        node = max(on, key=lambda n: len(on[n]))
+        return node, sorted(on[node])
+
     async def one_verdict_each(self, drain_ids: list[str]) -> None:
         """Every drain has a verdict in the stream, and only one: copies sent again (a redelivered request is
         answered with the recorded verdict) all say the same."""

@@ -255,12 +255,6 @@ async def keep_talking(f: Fleet, sessions: list[str], until: asyncio.Future[obje
         await asyncio.wait([until], timeout=1.0)
 
 
-async def busiest_node(f: Fleet) -> tuple[str, list[str]]:
-    on = {n.name: [s.session_id for s in await f.checkpoint.registry.sessions_on_node(n.name)] for n in f.spec.nodes}
-    node = max(on, key=lambda n: len(on[n]))
-    return node, sorted(on[node])
-
-
 # -- NATS: a request, and the CLI, fail over ----------------------------------------------------------------------
 async def test_nats_a_request_in_flight_when_its_server_dies_is_answered_through_another(
     nats_cluster: NatsCluster, cluster_settings: Settings
@@ -312,7 +306,7 @@ async def test_nats_the_cli_fails_over_when_its_server_dies_mid_drain(
     )
     async with fleet(settings, tmp_path, drivers=False) as f:
         sessions = await f.begin(8)
-        node, moving = await busiest_node(f)
+        node, moving = await f.busiest_node()
         f.store.gate.clear()  # the drain waits at the store until the server is gone
         cli = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", "drain", node, "--json", "--drain-id", "cli-failover"],
@@ -378,7 +372,7 @@ async def test_nats_a_leader_killed_mid_drain_leaves_one_verdict_and_every_sessi
 ) -> None:
     async with fleet(cluster_settings, tmp_path, drivers=False) as f:
         sessions = await f.begin(12)
-        node, moving = await busiest_node(f)
+        node, moving = await f.busiest_node()
         drain_id = f"{kind}-leader-drain"
         f.store.gate.clear()
         draining = asyncio.ensure_future(

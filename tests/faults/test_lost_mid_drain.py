@@ -19,16 +19,10 @@ from shared.clients.drains import DrainClient, RecordReader
 from shared.plumbing.configsync import redis_client
 from shared.plumbing.settings import Settings
 from shared.sim.faults import LoseNodeFault, apply_fault
-from tests.faults.fleet import Fleet, fleet
+from tests.faults.fleet import fleet
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.timeout(300)
-
-
-async def _busiest(f: Fleet) -> tuple[str, list[str]]:
-    on = {n.name: [s.session_id for s in await f.checkpoint.registry.sessions_on_node(n.name)] for n in f.spec.nodes}
-    node = max(on, key=lambda n: len(on[n]))
-    return node, sorted(on[node])
 
 
 async def test_a_node_lost_mid_drain_gets_one_verdict_and_its_sessions_go_on_elsewhere(
@@ -42,7 +36,7 @@ async def test_a_node_lost_mid_drain_gets_one_verdict_and_its_sessions_go_on_els
             await drains.ask(drain_id, n.name, "checkpoint before the scenario (test)", 20.0)
         await f.one_verdict_each(saved)
         await f.talk(sessions)  # a turn past those checkpoints: what a loss now costs is recomputed
-        node, moving = await _busiest(f)
+        node, moving = await f.busiest_node()
         assert moving, "no session on the busiest node"
         before = {sid: await f.checkpoint.registry.where(sid) for sid in moving}
         assert all(b.checkpoint_id for b in before.values()), before
