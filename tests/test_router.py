@@ -622,6 +622,69 @@ def test_the_newest_location_wins_whatever_order_they_arrive_in(
         assert (want.outcome, want.endpoints) == (got.outcome, got.endpoints)
 
 
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["s1", "s2", "s3", "s4", "s5"]),
+            st.sampled_from([None, "a", "b", "c", "other"]),
+            st.integers(min_value=0, max_value=9000),
+            st.sampled_from(["", "", "", "restart-a", "late"]),
+        ),
+        max_size=40,
+    )
+)
+def test_the_pods_kept_totals_are_what_a_walk_of_the_sessions_finds(
+    steps: list[tuple[str, str | None, int, str]],
+) -> None:
+    """The deletion cost reads each pod's sessions and tokens from totals kept as locations come (no walk): after
+    any sequence of moves, forgets, another deployment's sessions, late locations, sessions pushed out past
+    ``max_sessions`` and a pod restarted (a new incarnation credited with nothing), they equal a walk."""
+    picker = _picker()
+    picker.max_sessions = 4
+    sequence, restarts = 0, 0
+    for sid, pod, tokens, event in steps:
+        sequence += 1
+        if event == "restart-a":
+            restarts += 1
+            picker.set_pods(
+                PodInfo(
+                    name=pod_name(s),
+                    namespace=NS,
+                    node="n",
+                    deployment=DEP,
+                    phase="Running",
+                    uid=s,
+                    ip=PODS[s],
+                    restarts=restarts if s == "a" else 0,
+                )
+                for s in PODS
+            )
+        picker.on_location(
+            SessionLocation(
+                session_id=sid,
+                sequence=sequence - 5 if event == "late" else sequence,
+                reason="placed" if pod else "forgotten",
+                held=pod is not None,
+                pod=pod_name(pod) if pod in PODS else ("elsewhere-1" if pod else ""),
+                namespace=NS,
+                deployment="other" if pod == "other" else DEP,
+                token_count=tokens,
+            )
+        )
+    walked: dict[str, tuple[int, int]] = {}
+    for placement in picker.sessions.values():
+        holder = placement.holder
+        if holder is not None and holder.current:
+            count, summed = walked.get(holder.name, (0, 0))
+            walked[holder.name] = (count + 1, summed + placement.tokens)
+    kept = {
+        name: (pod.held_sessions, pod.held_tokens)
+        for name, pod in picker.pods.items()
+        if pod.current and (pod.held_sessions or pod.held_tokens)
+    }
+    assert kept == walked
+
+
 def test_memory_stays_bounded_by_max_sessions() -> None:
     picker = _picker()
     picker.max_sessions = 1000

@@ -6,9 +6,10 @@ one), from what the router knows of where sessions are.
 The value is rounded to its 3 most significant bits (8, 9, 10, 12, 14, 16, 20, ...), so that a session more or
 less does not rewrite it; it is written only when it changed, every ``interval_s``
 (``GPUWARDEN_ROUTER_DELETION_COST_S``, 10 s) at most, at most ``MAX_WRITES_PER_S`` pods a second (one merge patch
-of the pod's annotations each: the API server is not flooded when a pool of 2,000 pods changes at once). What was
-written is kept in memory: a router that restarts writes each pod once again. A write that fails is tried at the
-next round.
+of the pod's annotations each: the API server is not flooded when a pool of 2,000 pods changes at once). The
+sessions and tokens of each pod are the picker's totals, kept as locations change: a round reads the pool's pods,
+not its sessions. What was written is kept in memory: a router that restarts writes each pod once again. A write
+that fails is tried at the next round.
 """
 
 from __future__ import annotations
@@ -39,25 +40,11 @@ def rounded(value: float, bits: int = SIGNIFICANT_BITS) -> int:
     return ((whole + (1 << (shift - 1))) >> shift) << shift
 
 
-YIELD_EVERY = 10_000
-"""Placements summed between two yields to the event loop: the walk never holds up the router's picks for long."""
-
-
-async def costs(picker: EndpointPicker) -> dict[str, int]:
-    """Each current pod of the pool: its sessions plus their tokens over 4,096, rounded. A walk of the sessions the
-    router knows, every ``GPUWARDEN_ROUTER_DELETION_COST_S``, yielding to the picks every ``YIELD_EVERY``."""
-    sessions: dict[str, int] = {}
-    tokens: dict[str, int] = {}
-    for index, placement in enumerate(list(picker.sessions.values())):
-        if index and index % YIELD_EVERY == 0:
-            await asyncio.sleep(0)
-        holder = placement.holder
-        if holder is None or not holder.current:
-            continue
-        sessions[holder.name] = sessions.get(holder.name, 0) + 1
-        tokens[holder.name] = tokens.get(holder.name, 0) + placement.tokens
+def costs(picker: EndpointPicker) -> dict[str, int]:
+    """Each current pod of the pool: its sessions plus their tokens over 4,096, rounded, from the totals the picker
+    keeps per incarnation as locations change (a read of the pool's pods, never a walk of its sessions)."""
     return {
-        name: rounded(sessions.get(name, 0) + tokens.get(name, 0) / TOKENS_PER_UNIT)
+        name: rounded(pod.held_sessions + pod.held_tokens / TOKENS_PER_UNIT)
         for name, pod in picker.pods.items()
         if pod.current and pod.identity is not None
     }
@@ -81,7 +68,7 @@ class DeletionCosts:
 
     async def write_once(self) -> int:
         """Write the costs that changed since they were last written; returns how many were written."""
-        wanted = await costs(self.picker)
+        wanted = costs(self.picker)
         for name in [n for n in self.written if n not in wanted]:
             del self.written[name]  # the pod is gone
         changed = [(name, cost) for name, cost in sorted(wanted.items()) if self.written.get(name) != cost]

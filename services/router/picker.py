@@ -60,6 +60,10 @@ class PodIncarnation:
     blocks_used: int = 0
     blocks_total: int = 0
     load_at: float | None = None
+    held_sessions: int = 0
+    """Sessions the router credits to this incarnation now, and their tokens (``held_tokens``): kept as locations
+    change (``EndpointPicker.on_location``), so that what evacuating the pod costs is read without a walk."""
+    held_tokens: int = 0
 
     @property
     def serves(self) -> bool:
@@ -116,6 +120,13 @@ UNKNOWN = 1
 """In a pod's rank class (``EndpointPicker._rank_key``): no fresh load report."""
 LEAVING = 2
 """In a pod's rank class: its node is cordoned."""
+
+
+def _credit(placement: Placement, sign: int) -> None:
+    """Add (``sign`` 1) or take (-1) a placement's session and tokens to or from its holder's totals."""
+    if placement.holder is not None:
+        placement.holder.held_sessions += sign
+        placement.holder.held_tokens += sign * placement.tokens
 
 
 def incarnation_of(pod: PodInfo) -> str:
@@ -216,9 +227,11 @@ class EndpointPicker:
             placement = Placement(None, location.sequence, tokens=location.token_count, was=was)
         if known is not None:
             del self.sessions[location.session_id]  # re-inserted last: the dict's order is the order of change
+            _credit(known, -1)
         self.sessions[location.session_id] = placement
+        _credit(placement, 1)
         while len(self.sessions) > self.max_sessions:
-            del self.sessions[next(iter(self.sessions))]
+            _credit(self.sessions.pop(next(iter(self.sessions))), -1)
         return True
 
     # -- picking --------------------------------------------------------------------------------------------------
