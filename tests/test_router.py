@@ -293,12 +293,14 @@ async def test_a_session_being_moved_waits_for_its_new_holder_never_racing_to_an
     for suffix, used in (("b", 1), ("c", 60)):  # now b is: a second request balanced again would go there
         await mesh.load(suffix, used)
     await eventually(lambda: mesh.picker.pods[pod_name("c")].blocks_used == 60, timeout=5)
+    picks = sum(mesh.picker.picks.values())
     second = asyncio.ensure_future(route(mesh.stub, "s1"))
     await eventually(lambda: handovers.waited == 1, timeout=5)
     assert not second.done()
     await mesh.located("s1", 2, "c")  # c claimed it
     assert (await second).endpoints[0] == endpoint("c")
     assert handovers.heard_in_time == 1 and mesh.picker.picks["handover-timeout"] == 0
+    assert sum(mesh.picker.picks.values()) == picks + 1  # a request that waited and picked again counts once
 
 
 async def test_past_the_handover_wait_a_request_is_answered_503_and_the_retry_hands_over_afresh(

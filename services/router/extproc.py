@@ -147,13 +147,13 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
         first handover it met, 503. Woken early (the handover given up, or handed elsewhere) it picks again: any
         pick but another handover is its answer, a handover nobody else started is started by it."""
         now = self.clock()
-        pick = self.picker.pick(facts, now)
+        pick = self.picker.pick(facts, now, count=False)  # counted once, when it is the answer
         deadline: float | None = None
         while pick.outcome in HANDED_OVER and pick.status == 200:
             handover = self.handovers.moving(facts.session, now)
             if handover is None:
                 self.handovers.start(facts.session, pick.first_pod, now)
-                return pick
+                return self.picker.count(pick)
             if deadline is None:
                 deadline = handover.since + self.handovers.wait_s
             if not await self.handovers.wait(handover, deadline - now):
@@ -162,8 +162,8 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
                 reason = f"session {facts.session} is being moved to {handover.pod}; its new holder is not known yet"
                 return self.picker.count(Pick(Outcome.HANDOVER_TIMEOUT, status=503, reason=reason))
             now = self.clock()
-            pick = self.picker.pick(facts, now)
-        return pick
+            pick = self.picker.pick(facts, now, count=False)
+        return self.picker.count(pick)
 
     async def _pick(self, exchange: _Exchange, with_body: bool) -> tuple[Pick, bool]:
         headers = exchange.headers or {}

@@ -265,14 +265,21 @@ class EndpointPicker:
             self._oldest_load = min(fresh) if fresh else None
         return self._order
 
-    def pick(self, facts: RequestFacts, now: float) -> Pick:
+    def pick(self, facts: RequestFacts, now: float, *, count: bool = True) -> Pick:
         """The endpoints for one request: the session's holder first when it can serve, then the least loaded pods
-        (by KV-cache utilisation; pods with no fresh report after those with one); within ``facts.subset`` when
-        the gateway gave one. 503 when no endpoint can serve; 429 when no holder can take it and every candidate
-        is at ``shed_at`` or above. Changes nothing but the counters (and the kept order of the pods by load).
+        (by KV-cache utilisation; pods with no fresh report after those with one, pods on a cordoned node last);
+        within ``facts.subset`` when the gateway gave one. 503 when no endpoint can serve; 429 when no holder can
+        take it and every candidate is at ``shed_at`` or above. Changes nothing but the counters (and the kept order
+        of the pods by load); ``count`` False leaves the counters too (a request that will pick again: the handover
+        wait counts its last pick only, ``count``).
 
         Without a subset the pick reads the head of the pods kept in order (``_ranked``): its cost does not grow
         with the pool (2,000 pods: bench/router.py)."""
+        chosen = self._choose(facts, now)
+        return self._count(chosen) if count else chosen
+
+    def _choose(self, facts: RequestFacts, now: float) -> Pick:
+        """``pick``'s answer, not counted."""
         if facts.subset is None:
             return self._pick_in_pool(facts, now)
         candidates = [p for p in self.pods.values() if p.serves]
@@ -282,7 +289,7 @@ class EndpointPicker:
             reason = "no ready endpoint in the pool"
             if facts.subset is not None:
                 reason = "none of the gateway's candidate endpoints is a ready pod of the pool"
-            return self._count(Pick(Outcome.NO_ENDPOINT, status=503, reason=reason))
+            return Pick(Outcome.NO_ENDPOINT, status=503, reason=reason)
         keys = {id(p): self._rank_key(p, now) for p in candidates}
         ranked = sorted(candidates, key=lambda p: keys[id(p)])
         outcome, holder, refused = self._holder(facts, candidates)
@@ -290,22 +297,18 @@ class EndpointPicker:
             ranked.remove(holder)
             ranked.insert(0, holder)
         elif all(not keys[id(p)][0] & UNKNOWN and keys[id(p)][1] >= self.shed_at for p in candidates):
-            return self._count(
-                Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
-            )
+            return Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
         endpoints = tuple(p.endpoint for p in ranked[: 1 + self.fallbacks])
-        return self._count(Pick(outcome, endpoints, refused_session=refused, first_pod=ranked[0].name))
+        return Pick(outcome, endpoints, refused_session=refused, first_pod=ranked[0].name)
 
     def _pick_in_pool(self, facts: RequestFacts, now: float) -> Pick:
         """``pick`` among every serving pod of the pool, from the kept order (the same answer as a full sort)."""
         order = self._ranked(now)
         if not order:
-            return self._count(Pick(Outcome.NO_ENDPOINT, status=503, reason="no ready endpoint in the pool"))
+            return Pick(Outcome.NO_ENDPOINT, status=503, reason="no ready endpoint in the pool")
         outcome, holder, refused = self._holder(facts, None)
         if holder is None and self._all_full(order):
-            return self._count(
-                Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
-            )
+            return Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
         chosen = [holder] if holder is not None else []
         for _, _, name in order:
             if len(chosen) > self.fallbacks:
@@ -314,7 +317,7 @@ class EndpointPicker:
             if pod is not holder:
                 chosen.append(pod)
         endpoints = tuple(p.endpoint for p in chosen[: 1 + self.fallbacks])
-        return self._count(Pick(outcome, endpoints, refused_session=refused, first_pod=chosen[0].name))
+        return Pick(outcome, endpoints, refused_session=refused, first_pod=chosen[0].name)
 
     def _holder(
         self, facts: RequestFacts, candidates: list[PodIncarnation] | None
