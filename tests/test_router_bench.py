@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -41,3 +42,13 @@ def test_bench_router_measures_a_drain_through_the_whole_mesh_at_a_tiny_size() -
     assert moves["unmoved_first_tokens"] > 0 and moves["unmoved_first_token_p50_ms"] > 0  # measured, never 0
     assert moves["drain_ok"] and moves["requests_served"] > 0
     assert moves["requests_to_non_holder"] == 0 and moves["sessions_lost"] == 0
+
+
+def test_bench_router_measures_a_scale_in_through_the_whole_mesh_at_a_tiny_size() -> None:
+    """The issue's scale-in at a tiny size: the routing spec's pool scaled 3 -> 2 with ``gpuwarden sim scale``
+    under 8 conversations; the pod removed is named, nothing lost, no request to a non-holder."""
+    sizes = dataclasses.replace(bench_router.QUICK_MOVES, nodes="", spec=bench_router.ROUTING_SPEC, scale_in=(3, 2))
+    moves = bench_router.measure_moves(sizes)
+    assert moves["drain_ok"] and moves["scaled_in_pods"].startswith("llama-"), moves
+    assert moves["sessions_lost"] == 0 and moves["requests_to_non_holder"] == 0 and moves["requests_served"] > 0
+    assert isinstance(moves["sessions_recomputed"], int) and isinstance(moves["moved_first_tokens"], int)
