@@ -127,9 +127,9 @@ class PodFollower:
         """List the pool's pods; read the nodes new to the pool, those the watch said changed (all of the pool's
         with ``every_node``); set the picker; prefetch for the pods that stopped serving."""
         changed, self._nodes_changed = self._nodes_changed, set()
-        pods = await self.cluster.pods(namespace=self.picker.namespace)
-        nodes = {p.node for p in pods if p.node and p.deployment == self.picker.deployment}
         try:
+            pods = await self.cluster.pods(namespace=self.picker.namespace)
+            nodes = {p.node for p in pods if p.node and p.deployment == self.picker.deployment}
             for name in sorted(nodes if every_node else (nodes - self._nodes) | (changed & nodes)):
                 node = await self.cluster.node(name)
                 self.node_reads += 1
