@@ -419,8 +419,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, format="gpuwarden: %(name)s: %(message)s")  # no clients' chatter
+    from shared.plumbing.configsync import command_timeouts
+
     try:
-        return int(args.func(args))
+        with command_timeouts():  # a busy machine's slow Redis is not a gone one (services run in their own processes)
+            return int(args.func(args))
     except (UsageError, SettingsError) as exc:
         print(f"gpuwarden {args.command}: {exc}", file=sys.stderr)
         return 2

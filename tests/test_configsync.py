@@ -100,3 +100,25 @@ async def test_redis_down_keeps_last_good_config_then_catches_up(
     finally:
         await watcher.stop()
         await client.aclose()
+
+
+def test_a_command_waits_longer_for_redis_than_a_service_does() -> None:
+    """A service's client times out after ``SERVICE_TIMEOUT_S`` (it must fall back quickly); what ``gpuwarden``'s
+    commands make within ``command_timeouts`` waits ``COMMAND_TIMEOUT_S`` (a busy machine's Redis is slow, not
+    gone); a timeout given is kept."""
+    from shared.plumbing import configsync
+    from shared.plumbing.settings import RedisSettings
+
+    settings = RedisSettings(url="redis://127.0.0.1:1/0")
+
+    def timeouts() -> tuple[float, float]:
+        kwargs = configsync.redis_client(settings).connection_pool.connection_kwargs
+        return kwargs["socket_timeout"], kwargs["socket_connect_timeout"]
+
+    assert timeouts() == (configsync.SERVICE_TIMEOUT_S,) * 2
+
+    with configsync.command_timeouts():
+        assert timeouts() == (configsync.COMMAND_TIMEOUT_S,) * 2
+        given = configsync.redis_client(settings, timeout=0.5).connection_pool.connection_kwargs["socket_timeout"]
+        assert given == 0.5
+    assert timeouts() == (configsync.SERVICE_TIMEOUT_S,) * 2  # within the command only

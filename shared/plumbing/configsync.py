@@ -16,7 +16,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,22 @@ class _SharedPool:
 
 
 _SHARED: contextvars.ContextVar[_SharedPool | None] = contextvars.ContextVar("gpuwarden_redis_pool", default=None)
+SERVICE_TIMEOUT_S = 2.0
+"""A service's Redis timeout: it must notice quickly that Redis is gone and fall back."""
+COMMAND_TIMEOUT_S = 10.0
+"""A person's command's (``gpuwarden drain``, ``status``...): a busy machine's Redis answering in 3 s is slow, not
+gone; a Redis that refuses is said at once whatever the timeout."""
+_TIMEOUT: contextvars.ContextVar[float] = contextvars.ContextVar("gpuwarden_redis_timeout", default=SERVICE_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def command_timeouts() -> Iterator[None]:
+    """Clients made within (a ``gpuwarden`` command, and what it runs) wait ``COMMAND_TIMEOUT_S`` for Redis."""
+    token = _TIMEOUT.set(COMMAND_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        _TIMEOUT.reset(token)
 
 
 def share_redis_pool(settings: RedisSettings, max_connections: int) -> aioredis.Redis:
@@ -108,9 +124,14 @@ DEFAULT_CONNECTIONS = 256
 
 
 def redis_client(
-    settings: RedisSettings, timeout: float = 2.0, *, reconnects: int = RECONNECTS, max_connections: int | None = None
+    settings: RedisSettings,
+    timeout: float | None = None,
+    *,
+    reconnects: int = RECONNECTS,
+    max_connections: int | None = None,
 ) -> aioredis.Redis:
-    """A client with short timeouts: a service must notice quickly that Redis is gone and fall back.
+    """A client with short timeouts: a service must notice quickly that Redis is gone and fall back
+    (``SERVICE_TIMEOUT_S``; a command's clients wait ``COMMAND_TIMEOUT_S``, ``command_timeouts``).
 
     A command that finds its connection dead (Redis restarted since the connection was last used) connects again
     and is sent again, up to ``reconnects`` times with a short backoff, so a Redis that came back costs no caller
@@ -130,6 +151,8 @@ def redis_client(
     shared = _SHARED.get()
     if shared is not None and shared.settings == settings and reconnects == RECONNECTS and max_connections is None:
         return aioredis.Redis(connection_pool=shared.client.connection_pool)
+    if timeout is None:
+        timeout = _TIMEOUT.get()
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
