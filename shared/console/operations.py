@@ -427,6 +427,10 @@ def node_done(n: NodeUpgrade, version: str) -> bool:
     return n.version == version and n.state in ("", "upgrade-done")
 
 
+SLOW_READ_S = 2.0
+"""A read of the upgrade's progress unanswered this long is said to be waited for (``follow_upgrade``)."""
+
+
 async def follow_upgrade(
     mesh: MeshClient,
     version: str,
@@ -437,12 +441,19 @@ async def follow_upgrade(
     """Until every node runs ``version`` and is done (True), one fails, or ``timeout`` passes (False, why).
 
     A Redis that does not answer for a while (paused, restarting, failing over) while the upgrade carries on is
-    waited for, not a failure: ``waiting`` hears why, once per outage, and the reads go on until ``timeout``."""
+    waited for, not a failure: ``waiting`` hears why, once per outage (a read unanswered for ``SLOW_READ_S`` is
+    one: the command's clients wait longer than that before they give up), and the reads go on until
+    ``timeout``."""
     end = time.monotonic() + timeout
     outage = ""
     while True:
         try:
-            nodes = await upgrade_progress(mesh, version)
+            read = asyncio.ensure_future(upgrade_progress(mesh, version))
+            answered, _ = await asyncio.wait({read}, timeout=SLOW_READ_S)
+            if not answered and not outage and waiting is not None:
+                outage = f"no answer within {SLOW_READ_S:g} s"
+                waiting(f"waiting for Redis ({outage}); the upgrade carries on without this command")
+            nodes = await read
         except Exception as exc:
             if not redis_unreachable(exc):
                 raise
