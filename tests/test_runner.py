@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +24,8 @@ from services.driver.service import DriverService
 from services.metrics.service import MetricsService
 from services.scaler.config import ScalerSettings
 from services.scaler.service import ScalerService
-from shared.contract.configdocs import DriverPolicy
+from shared.console import events
+from shared.contract.configdocs import CheckpointPolicy, DriverPolicy
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.subjects import Subjects
 from shared.host.runner import ServiceContext, start_service
@@ -321,3 +324,40 @@ async def test_the_wiring_hands_simulated_ports_for_backend_sim(settings: Settin
     real = Wiring(replace(settings, backend="real"), subjects)
     assert not real.simulated and real.pod_owners() is None and await real.exporter_url() is None
     assert real.gpus().simulated is False
+
+
+async def test_an_events_source_names_a_node_only_for_a_node_scoped_service(
+    settings: Settings, bus: Bus, tmp_path: Path
+) -> None:
+    """Both run on node-1: the driver (node-scoped) speaks as ``driver/node-1``; the checkpoint service, which
+    answers for the whole cluster, as ``checkpoint`` alone (the events table's source column read
+    ``checkpoint/node-1`` for verdicts about node-2, issue #35)."""
+    checkpoint = CheckpointService(CheckpointSettings(store=f"file://{tmp_path}"))
+    running = [
+        await start_service(DriverService(), settings, Wiring),
+        await start_service(checkpoint, settings, Wiring),
+    ]
+    client = redis_client(settings.redis)
+    try:
+        store = ConfigStore(client, bus.subjects)
+        await store.write("driver", DriverPolicy(desired_version="560.35.03"), 0, "t")
+        await store.write("checkpoint", CheckpointPolicy(periodic_interval_s=30.0), 0, "t")
+        mesh = SimpleNamespace(bus=bus, subjects=bus.subjects)
+
+        async def applied() -> dict[str, str]:
+            found = await events.stored(mesh, ["config.applied"], 20)  # type: ignore[arg-type]
+            return {e.service: e.source for e in found if e.name in ("driver", "checkpoint")}  # type: ignore[attr-defined]
+
+        sources = await eventually(lambda: _has_both(applied()), interval=0.2)
+        assert sources == {"driver": "driver/node-1", "checkpoint": "checkpoint"}
+        shown = [events.line(events.row(e), 200) for e in await events.stored(mesh, ["config.applied"], 20)]  # type: ignore[arg-type]
+        assert any("  checkpoint  " in text for text in shown) and not any("checkpoint/node-1" in t for t in shown)
+    finally:
+        await client.aclose()
+        for r in running:
+            await r.stop(grace=1)
+
+
+async def _has_both(found: Awaitable[dict[str, str]]) -> dict[str, str] | None:
+    got = await found
+    return got if len(got) == 2 else None
