@@ -63,6 +63,7 @@ test: install
 faults: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/faults $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m long --ignore=tests/faults tests $(PYTEST_ARGS)
+	$(BIN)/python -m tools.fences
 
 check: install format lint types layers rules
 	$(BIN)/python -m tools.schemas --check
