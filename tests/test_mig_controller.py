@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from services.device.config import DeviceSettings, load, parse_plugin_config
+from services.device.dra.slices import DRIVER_NAME, MIG_CHANGING_TAINT
 from services.device.gen import deviceplugin_pb2 as pb
 from services.device.mig import CONFIG_LABEL, REASON_ANNOTATION, STATE_LABEL, MigController
 from services.device.mig_plan import LayoutRefused, MigStep, layout, plan
@@ -43,6 +46,7 @@ from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore, VersionedConfig
 from shared.plumbing.errors import InvalidConfig, SettingsError
 from shared.plumbing.settings import Settings
+from shared.ports.cluster import ResourceSlice
 from shared.ports.gpu import GpuError, MigProfile
 from shared.sim.cluster import SimCluster
 from shared.sim.faults import FaultError, MigChangeFault, apply_fault, fault_cli, parse_fault
@@ -811,6 +815,69 @@ async def test_a_layout_change_commits_every_session_before_the_first_mig_change
     assert len((await gpus.devices())[0].mig_instances) == 7
     assert await node_state(cluster) == ("success", None)
     assert await drain_annotation(cluster) is None and len(requests) == 1
+
+
+async def test_with_the_dra_driver_a_layout_change_takes_no_device_out_of_the_slice_before_its_sessions_are_saved(
+    settings: Settings,
+    subjects: Subjects,
+    redis_client: aioredis.Redis,
+    cluster: SimCluster,
+    checkpointing: Checkpointing,
+) -> None:
+    """The same layout change with the device service a DRA driver: every ResourceSlice it writes is noted with
+    what was committed at that moment. Until the drain committed every session, GPU 0 stays offered whole and
+    untainted; the slice that first marks it changing (``gpuwarden.io/mig-changing``) or leaves it out comes only
+    after; the last slice offers its 7 MIG devices in its place, none tainted."""
+    sessions = [*await checkpointing.add_pod("llama-1", 3), *await checkpointing.add_pod("llama-2", 2)]
+    written: list[tuple[dict[str, bool], dict[str, tuple[str, ...]]]] = []
+    publish = cluster.publish_resource_slice
+
+    async def noted(resource_slice: ResourceSlice) -> bool:
+        devices = {d.name: tuple(t.key for t in d.taints) for d in resource_slice.devices}
+        written.append((await checkpointing.committed(), devices))
+        return await publish(resource_slice)
+
+    cluster.publish_resource_slice = noted  # type: ignore[method-assign]
+    gpus = SimGpus(redis_client, subjects, parse_spec(SPEC, "spec.yaml"), "node-1", poll_s=0.02)
+    await gpus.attach()
+    await ConfigStore(redis_client, subjects).write("mig", LAYOUTS, 0, "test")
+    folder = Path(tempfile.mkdtemp(prefix="gw-migdra-", dir="/tmp"))  # short: unix sockets fit in 107 bytes
+    device_settings = DeviceSettings(
+        api="dra",
+        plugin_dir=folder / "device-plugins",
+        dra_plugin_dir=folder / "plugins" / DRIVER_NAME,
+        dra_registry_dir=folder / "plugins_registry",
+        kubelet_poll_s=0.05,
+        cdi_dir=folder / "cdi",
+        inventory_s=0.1,
+        mig_step_timeout_s=30.0,
+        mig_reconcile_s=30.0,
+        mig_drain_timeout_s=60.0,
+    )
+    try:
+        async with device_service(settings, DeviceService(device_settings, gpus=gpus, cluster=cluster)) as running:
+            await eventually(lambda: written)
+            assert await checkpointing.committed() == dict.fromkeys(sessions, False)
+            await cluster.set_node_labels("node-1", {CONFIG_LABEL: "first-1g"})
+            await eventually(lambda: running.ctx.health()["mig"]["state"] == "success", timeout=30)
+
+            def settled() -> dict[str, tuple[str, ...]] | None:
+                final = written[-1][1]
+                mig = [name for name in final if name.startswith("gpu-0-mig-")]
+                return final if len(mig) == 7 and not any(final.values()) else None
+
+            final = await eventually(settled)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    first_committed, first_devices = written[0]
+    assert first_devices["gpu-0"] == () and not any(first_committed.values())
+    taken = [i for i, (_, devices) in enumerate(written) if devices.get("gpu-0") != ()]
+    assert taken, "the slice never marked GPU 0 changing nor took it out"
+    for committed, _ in written[taken[0] :]:
+        assert committed == dict.fromkeys(sessions, True)
+    assert any(MIG_CHANGING_TAINT in keys for _, devices in written for keys in devices.values())
+    assert "gpu-0" not in final and set(final) >= {"gpu-1", "gpu-2"}  # its 7 MIG devices in its place
 
 
 async def test_a_drain_that_fails_leaves_the_gpus_unchanged_and_names_the_sessions_not_saved(
