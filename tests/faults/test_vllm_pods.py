@@ -7,7 +7,12 @@ finds the store and the registry consistent. Long: each vLLM engine takes tens o
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,11 +24,14 @@ from shared.sim.faults import KillPodFault, apply_fault
 from shared.sim.spec import load_spec
 from shared.sim.vllmpods import VllmPod
 from tests.helpers import eventually
+from tests.meshkit import gpuwarden, up_detached
 from tests.workloadkit import Mesh, check_store, mesh, spec_of, turn
 
 pytestmark = [pytest.mark.long, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1500)]
 
-MODEL = load_spec(str(Path(__file__).resolve().parents[2] / "deploy" / "sim" / "vllm.yaml")).deployments[0].model
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = load_spec(str(ROOT / "deploy" / "sim" / "vllm.yaml")).deployments[0].model
+NEW_DRIVER = "560.35.03"
 SESSIONS = 4
 
 
@@ -77,3 +85,74 @@ async def test_a_vllm_pod_killed_mid_decode_loses_no_session(
             check = await w.check_session(sid)
             assert check.verified is True, (sid, check.detail)
         await check_store(w, settings, subjects, min_checkpoints=SESSIONS)
+
+
+def _status(env: dict[str, str]) -> dict[str, Any]:
+    done = gpuwarden(env, "status", "--json", "--sample", "0", timeout=120)
+    assert done.returncode == 0, done.stderr
+    found: dict[str, Any] = json.loads(done.stdout)
+    return found
+
+
+def _until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(2)  # a poll with its deadline: each look is a `gpuwarden status` process
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def test_a_rolling_driver_upgrade_of_a_mesh_serving_with_vllm_loses_no_session(tmp_path: Path) -> None:
+    """``GPUWARDEN_SIM_SPEC=deploy/sim/vllm.yaml gpuwarden up`` (3 nodes, 2 pods each serving with a vLLM engine of
+    its own) with traffic, then ``gpuwarden upgrade-driver --max-parallel 1 --wait``, as a user runs them: every node
+    is drained, upgraded and uncordoned; each evicted pod's sessions were saved out of vLLM's paged cache by the
+    connector (the drain's save, then its preStop) and restored into another pod's vLLM engine, whose continuation
+    is checked against the conversation replayed in vLLM; none lost."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
+    env.update(
+        GPUWARDEN_HOME=str(tmp_path / "home"),
+        GPUWARDEN_SIM_SPEC=str(ROOT / "deploy" / "sim" / "vllm.yaml"),
+        PYTHONPATH=str(ROOT),
+    )
+    try:
+        up = up_detached(env, "--rate", "2", "--sessions", "6")
+        assert up.returncode == 0, up.stdout + up.stderr
+
+        def serving() -> dict[str, Any] | None:
+            now = _status(env)
+            held = [s for s in now["sessions"] if s["state"] == "held"]
+            return now if len(held) >= 3 and now["simulation"]["served"] >= 6 else None
+
+        before = _until(serving, 900, "vLLM pods serving at least 3 held sessions")
+        nodes_with_pods = {s["node"] for s in before["sessions"] if s["state"] == "held"}
+
+        command = ("upgrade-driver", NEW_DRIVER, "--max-parallel", "1", "--wait", "--timeout", "1200", "--json")
+        upgrade = gpuwarden(env, *command, timeout=1260)
+        assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+        assert json.loads(upgrade.stdout)["ok"]
+
+        def checked() -> dict[str, Any] | None:
+            now = _status(env)
+            checks = now["simulation"]["restore_checks"]
+            return now if checks["verified"] >= 1 and now["simulation"]["restored"] >= 1 else None
+
+        after = _until(checked, 900, "a session restored into another vLLM engine and checked against vLLM")
+        assert [(n["driver_version"], n["upgrade_state"], n["schedulable"]) for n in after["nodes"]] == [
+            (NEW_DRIVER, "upgrade-done", True)
+        ] * 3
+        sim = after["simulation"]
+        assert sim["lost"] == 0 and sim["lost_sessions"] == [], sim
+        assert sim["restore_checks"]["failed"] == 0, sim
+        assert sim["prestop_saves"] >= len(nodes_with_pods), sim  # every pod evicted said its last save
+        assert all(engine.startswith("gpuwarden/tiny-llama-vllm") for engine in sim["engines"].values()), sim
+        print(  # what the upgrade did, for the record (pytest -s shows it)
+            "vllm upgrade:",
+            json.dumps({k: sim[k] for k in ("served", "restored", "prestop_saves", "restore_checks", "lost")}),
+            f"held before: {len(before['sessions'])} on {sorted(nodes_with_pods)}",
+        )
+        drained = gpuwarden(env, "events", "--kind", "node.drain.completed", "--limit", "50", "--json")
+        assert {json.loads(line)["node"] for line in drained.stdout.splitlines()} >= nodes_with_pods
+    finally:
+        gpuwarden(env, "down", timeout=120)
