@@ -12,6 +12,8 @@ from typing import Any
 
 import grpc
 
+from services.device.config import DeviceSettings
+from services.device.dra.slices import DRIVER_NAME
 from services.device.gen import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from services.device.gen import pluginregistration_pb2 as reg_pb
 from services.device.gen import pluginregistration_pb2_grpc as reg_grpc
@@ -75,3 +77,15 @@ class FakeDraKubelet:
 
     async def unprepare(self, *claims: tuple[str, str, str], version: str = "v1") -> Any:
         return await self.call("NodeUnprepareResources", list(claims), version)
+
+
+def dra_settings(folder: Path, **more: Any) -> DeviceSettings:
+    return DeviceSettings(
+        api="dra",
+        plugin_dir=folder / "device-plugins",
+        dra_plugin_dir=folder / "plugins" / DRIVER_NAME,
+        dra_registry_dir=folder / "plugins_registry",
+        kubelet_poll_s=0.05,
+        cdi_dir=folder / "cdi",
+        **more,
+    )

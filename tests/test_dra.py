@@ -24,7 +24,7 @@ import yaml
 from kubernetes.client import V1DeviceClass, V1ResourceClaimTemplate, V1ResourceSlice
 
 from services.device.cdi import spec_problems
-from services.device.config import DeviceSettings, load
+from services.device.config import load
 from services.device.dra.claims import CLAIM_KIND, cdi_device_id, spec_path
 from services.device.dra.driver import DraDriver
 from services.device.dra.slices import DRIVER_NAME, LOST_TAINT, MIG_CHANGING_TAINT, XID_TAINT, node_slice, semver
@@ -43,7 +43,7 @@ from shared.sim.gpus import SimGpus
 from shared.sim.gpustate import mig_placement
 from shared.sim.spec import SimSpec, parse_spec
 from shared.wiring import Wiring
-from tests.fake_dra_kubelet import FakeDraKubelet
+from tests.fake_dra_kubelet import FakeDraKubelet, dra_settings
 from tests.fake_kube_api import FakeKubeApi
 from tests.helpers import eventually
 from tests.rbackit import allowed, shipped_rules
@@ -281,18 +281,6 @@ async def test_the_device_service_publishes_its_nodes_slice_in_dra_mode(
 async def _slice(cluster: SimCluster, name: str, generation: int = 1) -> Any:
     stored = (await cluster.resources.slices()).get(name)
     return stored if stored is not None and stored.generation == generation else None
-
-
-def dra_settings(folder: Path, **more: Any) -> DeviceSettings:
-    return DeviceSettings(
-        api="dra",
-        plugin_dir=folder / "device-plugins",
-        dra_plugin_dir=folder / "plugins" / DRIVER_NAME,
-        dra_registry_dir=folder / "plugins_registry",
-        kubelet_poll_s=0.05,
-        cdi_dir=folder / "cdi",
-        **more,
-    )
 
 
 async def test_xids_and_a_lost_gpu_become_taints_on_exactly_that_gpus_devices(

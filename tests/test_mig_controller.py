@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from services.device.config import DeviceSettings, load, parse_plugin_config
-from services.device.dra.slices import DRIVER_NAME, MIG_CHANGING_TAINT
+from services.device.dra.slices import MIG_CHANGING_TAINT
 from services.device.gen import deviceplugin_pb2 as pb
 from services.device.mig import CONFIG_LABEL, REASON_ANNOTATION, STATE_LABEL, MigController
 from services.device.mig_plan import LayoutRefused, MigStep, layout, plan
@@ -53,6 +53,7 @@ from shared.sim.faults import FaultError, MigChangeFault, apply_fault, fault_cli
 from shared.sim.gpus import SimGpus
 from shared.sim.spec import parse_spec
 from shared.wiring import Wiring
+from tests.fake_dra_kubelet import dra_settings
 from tests.fake_kubelet import FakeKubelet, listed, plugin_stub, read
 from tests.helpers import eventually
 from tests.kvkit import LAYOUT, block_content
@@ -842,13 +843,8 @@ async def test_with_the_dra_driver_a_layout_change_takes_no_device_out_of_the_sl
     await gpus.attach()
     await ConfigStore(redis_client, subjects).write("mig", LAYOUTS, 0, "test")
     folder = Path(tempfile.mkdtemp(prefix="gw-migdra-", dir="/tmp"))  # short: unix sockets fit in 107 bytes
-    device_settings = DeviceSettings(
-        api="dra",
-        plugin_dir=folder / "device-plugins",
-        dra_plugin_dir=folder / "plugins" / DRIVER_NAME,
-        dra_registry_dir=folder / "plugins_registry",
-        kubelet_poll_s=0.05,
-        cdi_dir=folder / "cdi",
+    device_settings = dra_settings(
+        folder,
         inventory_s=0.1,
         mig_step_timeout_s=30.0,
         mig_reconcile_s=30.0,
