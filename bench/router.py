@@ -293,14 +293,36 @@ def _pool_sessions_by_node(simulation: dict[str, Any], deployment: str) -> dict[
     return found
 
 
-def _scaled(env: dict[str, str], home: Path, pool: str, replicas: int) -> list[str]:
-    """``gpuwarden sim scale POOL REPLICAS``; the pods it chose to remove (Terminating)."""
+def _scale(env: dict[str, str], home: Path, pool: str, replicas: int) -> dict[str, str]:
+    """``gpuwarden sim scale POOL REPLICAS``: the pool's pods and their phases after it (the same count again
+    changes nothing, so it also reads them)."""
     from bench.soak import cli
 
     done = cli(env, home, "sim", "scale", pool, str(replicas))
     if done.returncode != 0:
         raise RuntimeError(f"sim scale {pool} {replicas}: {(done.stdout + done.stderr).strip()[-300:]}")
-    return sorted(name for name, phase in json.loads(done.stdout)["pods"].items() if phase == "Terminating")
+    return {str(name): str(phase) for name, phase in json.loads(done.stdout)["pods"].items()}
+
+
+def _scaled_to(env: dict[str, str], home: Path, pool: str, replicas: int, timeout_s: float = 120.0) -> None:
+    """The pool scaled to ``replicas`` with every one of them Running (a pod still Pending would be the one a
+    scale-in removes, and nothing would move)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        phases = _scale(env, home, pool, replicas)
+        if sum(1 for phase in phases.values() if phase == "Running") >= replicas:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{pool}: not {replicas} pods Running after {timeout_s:g}s: {phases}")
+        time.sleep(1.0)
+
+
+def _scaled_in(env: dict[str, str], home: Path, pool: str, scale: tuple[int, int]) -> list[str]:
+    """The pool scaled in from ``scale[0]`` to ``scale[1]`` replicas: the pods it removed, those Running before that
+    are Terminating now or already gone (a preStop that ended at once)."""
+    before = [name for name, phase in _scale(env, home, pool, scale[0]).items() if phase == "Running"]
+    after = _scale(env, home, pool, scale[1])
+    return sorted(name for name in before if after.get(name, "Terminating") == "Terminating")
 
 
 def _first_tokens(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -360,7 +382,7 @@ async def _moves(sizes: MoveSizes, home: Path, nats_url: str, redis_url: str) ->
         _, first = await asyncio.to_thread(_snapshot, services)
         pool = str((first.get("routing") or {}).get("pool") or "llm/llama")
         if sizes.scale_in is not None:
-            await asyncio.to_thread(_scaled, env, home, pool, sizes.scale_in[0])
+            await asyncio.to_thread(_scaled_to, env, home, pool, sizes.scale_in[0])
         await asyncio.sleep(sizes.warm_s)
         simulation, router = await asyncio.to_thread(_snapshot, services)
         deployment = pool.partition("/")[2]
@@ -369,7 +391,7 @@ async def _moves(sizes: MoveSizes, home: Path, nats_url: str, redis_url: str) ->
             raise RuntimeError(f"no pod of {pool} holds a session after {sizes.warm_s:.0f}s; see {home / 'logs'}")
         started = time.monotonic()
         if sizes.scale_in is not None:
-            leaving = await asyncio.to_thread(_scaled, env, home, pool, sizes.scale_in[1])
+            leaving = await asyncio.to_thread(_scaled_in, env, home, pool, sizes.scale_in)
             node = ",".join(leaving)
             moved = sum(int((simulation["pods"].get(name) or {}).get("sessions") or 0) for name in leaving)
             outcome: dict[str, Any] = {"ok": bool(leaving)}
