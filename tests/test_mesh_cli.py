@@ -20,29 +20,11 @@ from typing import Any
 import pytest
 
 from shared.console.process import alive
-from tests.meshkit import gpuwarden, up_detached
+from tests.meshkit import gpuwarden, status, until, up_detached
 
 pytestmark = pytest.mark.timeout(420)
 
 NEW_DRIVER = "560.35.03"
-
-
-def status(env: dict[str, str]) -> dict[str, Any]:
-    done = gpuwarden(env, "status", "--json", "--sample", "3")
-    assert done.returncode == 0, done.stderr
-    found: dict[str, Any] = json.loads(done.stdout)
-    return found
-
-
-def until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
 
 
 def read_until(proc: subprocess.Popen[str], text: str, timeout: float) -> str:

@@ -30,7 +30,7 @@ import yaml
 
 from services.scaler.gen import externalscaler_pb2 as pb
 from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
-from tests.meshkit import gpuwarden, up_detached
+from tests.meshkit import gpuwarden, until, up_detached
 from tests.promkit import ROOT, RULES, promql
 from tools import metricsdoc
 
@@ -141,17 +141,6 @@ def prometheus(tmp_path: Path, mesh: tuple[dict[str, str], dict[str, str]]) -> I
         proc.wait(10)
 
 
-def until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(1.0)
-    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
-
-
 def ask_like_keda(scaler_health_url: str) -> None:
     """One ``GetMetrics`` for the simulation's deployment on every signal: the scaler watches it from then on."""
     grpc_address = get_json(scaler_health_url)["grpc"].replace("0.0.0.0", "127.0.0.1")
@@ -179,9 +168,9 @@ def test_every_panel_and_recording_rule_returns_data_from_a_running_mesh(
 ) -> None:
     env, addresses = mesh
     started = time.time()
-    until(lambda: _ready(prometheus), 60, "Prometheus ready")
+    until(lambda: _ready(prometheus), 60, "Prometheus ready", every=1.0)
     ask_like_keda(f"http://{addresses['scaler']}/healthz")
-    targets = until(lambda: _all_up(prometheus, len(addresses)), 60, "every process scraped")
+    targets = until(lambda: _all_up(prometheus, len(addresses)), 60, "every process scraped", every=1.0)
     assert {t["labels"]["job"] for t in targets} >= {"gpuwarden-scaler", "gpuwarden-checkpoint", "gpuwarden-sim"}
 
     upgrade = gpuwarden(
@@ -204,7 +193,7 @@ def test_every_panel_and_recording_rule_returns_data_from_a_running_mesh(
         return not missing
 
     try:
-        until(answered, 90, "every query answered with data")
+        until(answered, 90, "every query answered with data", every=1.0)
     except AssertionError as exc:
         raise AssertionError(f"no data for: {json.dumps(missing, indent=1)}") from exc
 

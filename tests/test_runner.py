@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ from services.metrics.service import MetricsService
 from services.scaler.config import ScalerSettings
 from services.scaler.service import ScalerService
 from shared.console import events
+from shared.contract.config import ConfigApplied
 from shared.contract.configdocs import CheckpointPolicy, DriverPolicy
 from shared.contract.node import DrainCompleted, DrainRequested
 from shared.contract.subjects import Subjects
@@ -342,22 +342,18 @@ async def test_an_events_source_names_a_node_only_for_a_node_scoped_service(
         store = ConfigStore(client, bus.subjects)
         await store.write("driver", DriverPolicy(desired_version="560.35.03"), 0, "t")
         await store.write("checkpoint", CheckpointPolicy(periodic_interval_s=30.0), 0, "t")
-        mesh = SimpleNamespace(bus=bus, subjects=bus.subjects)
+        mesh = SimpleNamespace(bus=bus, subjects=bus.subjects)  # what the events table reads of a command's mesh
 
-        async def applied() -> dict[str, str]:
-            found = await events.stored(mesh, ["config.applied"], 20)  # type: ignore[arg-type]
-            return {e.service: e.source for e in found if e.name in ("driver", "checkpoint")}  # type: ignore[attr-defined]
+        async def announced() -> list[ConfigApplied] | None:
+            stored = await events.stored(mesh, ["config.applied"], 20)  # type: ignore[arg-type]
+            found = [e for e in stored if isinstance(e, ConfigApplied) and e.name in ("driver", "checkpoint")]
+            return found if {e.service for e in found} == {"driver", "checkpoint"} else None
 
-        sources = await eventually(lambda: _has_both(applied()), interval=0.2)
-        assert sources == {"driver": "driver/node-1", "checkpoint": "checkpoint"}
-        shown = [events.line(events.row(e), 200) for e in await events.stored(mesh, ["config.applied"], 20)]  # type: ignore[arg-type]
+        found = await eventually(announced, interval=0.2)
+        assert {e.service: e.source for e in found} == {"driver": "driver/node-1", "checkpoint": "checkpoint"}
+        shown = [events.line(events.row(e), 200) for e in found]
         assert any("  checkpoint  " in text for text in shown) and not any("checkpoint/node-1" in t for t in shown)
     finally:
         await client.aclose()
         for r in running:
             await r.stop(grace=1)
-
-
-async def _has_both(found: Awaitable[dict[str, str]]) -> dict[str, str] | None:
-    got = await found
-    return got if len(got) == 2 else None

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from shared.sim.faults import KillPodFault, apply_fault
 from shared.sim.spec import load_spec
 from shared.sim.vllmpods import VllmPod
 from tests.helpers import eventually
-from tests.meshkit import gpuwarden, up_detached
+from tests.meshkit import gpuwarden, status, until, up_detached
 from tests.workloadkit import Mesh, check_store, mesh, spec_of, turn
 
 pytestmark = [pytest.mark.long, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1500)]
@@ -87,23 +85,6 @@ async def test_a_vllm_pod_killed_mid_decode_loses_no_session(
         await check_store(w, settings, subjects, min_checkpoints=SESSIONS)
 
 
-def _status(env: dict[str, str]) -> dict[str, Any]:
-    done = gpuwarden(env, "status", "--json", "--sample", "0", timeout=120)
-    assert done.returncode == 0, done.stderr
-    found: dict[str, Any] = json.loads(done.stdout)
-    return found
-
-
-def _until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(2)  # a poll with its deadline: each look is a `gpuwarden status` process
-    raise AssertionError(f"not within {timeout}s: {what}")
-
-
 def test_a_rolling_driver_upgrade_of_a_mesh_serving_with_vllm_loses_no_session(tmp_path: Path) -> None:
     """``GPUWARDEN_SIM_SPEC=deploy/sim/vllm.yaml gpuwarden up`` (3 nodes, 2 pods each serving with a vLLM engine of
     its own) with traffic, then ``gpuwarden upgrade-driver --max-parallel 1 --wait``, as a user runs them: every node
@@ -121,11 +102,11 @@ def test_a_rolling_driver_upgrade_of_a_mesh_serving_with_vllm_loses_no_session(t
         assert up.returncode == 0, up.stdout + up.stderr
 
         def serving() -> dict[str, Any] | None:
-            now = _status(env)
+            now = status(env, sample=0)
             held = [s for s in now["sessions"] if s["state"] == "held"]
             return now if len(held) >= 3 and now["simulation"]["served"] >= 6 else None
 
-        before = _until(serving, 900, "vLLM pods serving at least 3 held sessions")
+        before = until(serving, 900, "vLLM pods serving at least 3 held sessions", every=2.0)
         nodes_with_pods = {s["node"] for s in before["sessions"] if s["state"] == "held"}
 
         command = ("upgrade-driver", NEW_DRIVER, "--max-parallel", "1", "--wait", "--timeout", "1200", "--json")
@@ -134,11 +115,11 @@ def test_a_rolling_driver_upgrade_of_a_mesh_serving_with_vllm_loses_no_session(t
         assert json.loads(upgrade.stdout)["ok"]
 
         def checked() -> dict[str, Any] | None:
-            now = _status(env)
+            now = status(env, sample=0)
             checks = now["simulation"]["restore_checks"]
             return now if checks["verified"] >= 1 and now["simulation"]["restored"] >= 1 else None
 
-        after = _until(checked, 900, "a session restored into another vLLM engine and checked against vLLM")
+        after = until(checked, 900, "a session restored into another vLLM engine and checked against vLLM", every=2.0)
         assert [(n["driver_version"], n["upgrade_state"], n["schedulable"]) for n in after["nodes"]] == [
             (NEW_DRIVER, "upgrade-done", True)
         ] * 3
