@@ -31,7 +31,7 @@ class UpgradeCollector(Collector):
         )
         since = GaugeMetricFamily(
             "gpuwarden_driver_upgrade_state_since_timestamp_seconds",
-            "When each node in an upgrade state entered it (seconds since the epoch)",
+            "When each node entered its upgrade state, upgrade-done included (seconds since the epoch)",
             labels=["node", "state"],
         )
         if leading:

@@ -406,7 +406,8 @@ def next_step(node: NodeView, policy: DriverPolicy, cluster: ClusterView, now: f
         case "validation-required":
             return Action("validate", node.name, "uncordon-required", f"validating {target}", version=target)
         case "uncordon-required":
-            done = {key: None for key in UPGRADE_ANNOTATIONS}
+            # the upgrade's annotations are cleared; when it was done stays (the state's age, for the dashboards)
+            done = {key: None for key in UPGRADE_ANNOTATIONS} | _enter(now)
             if node.annotations.get(UPGRADE_WAS_CORDONED_ANNOTATION) == "true":
                 return Action("set_state", node.name, "upgrade-done", "stays cordoned: it was before the upgrade", done)
             return Action("uncordon", node.name, "upgrade-done", "uncordoned", done)
