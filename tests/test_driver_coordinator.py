@@ -132,7 +132,8 @@ class Harness:
 
     async def start_agent(self, node: str, gpus: GpuPort | None = None) -> DriverAgent:
         agent_bus = await Bus.connect(self.settings.nats, self.subjects, f"driver/{node}")
-        agent = DriverAgent(node, gpus or self.gpus(node))
+        # the agent reads its node through a view of its own (the coordinator's reads are the ones counted)
+        agent = DriverAgent(node, gpus or self.gpus(node), SimCluster(self.client, self.subjects))
         await agent.serve(agent_bus)
         self.agents[node] = (agent, agent_bus)
         return agent

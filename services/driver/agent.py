@@ -6,6 +6,12 @@ GPUs in the simulation). The coordinator, on whichever node it leads, reaches a 
 request/reply client that waits no longer than its timeout: a silent node costs one timeout in a pass, and the
 policy's timeouts turn it into ``upgrade-failed`` with the reason.
 
+An install happens only where the upgrade put the node for it: before it starts one, the agent reads its node and
+installs only while the node is in ``pod-restart-required`` (cordoned, its pods' sessions saved and moved) under
+the command's attempt. A command sent again once the node moved on (a replay, a duplicate that arrives late, a
+coordinator that lost its lead) is refused with the reason, never run: it would install a driver under running
+pods, or put an older one back.
+
 An install can take minutes, so it is not one long request: the agent runs it in the background and answers
 within the command's ``wait_s``, ``running`` until it has finished. Asking again joins it; once it has finished
 the same attempt is answered from memory. A validation or version read that hangs (a wedged driver) is waited for
@@ -30,10 +36,12 @@ from shared.contract.driver import (
     ValidateDriver,
 )
 from shared.plumbing.bus import Bus
-from shared.plumbing.errors import PermanentError
+from shared.plumbing.errors import PermanentError, TemporaryError
+from shared.ports.cluster import ClusterPort
 from shared.ports.gpu import DriverValidation, DriverVersions, GpuError, GpuPort
 
 from .ports import AgentUnreachable, InstallStatus
+from .upgrade import NodeView, install_attempt
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +107,15 @@ class _Install:
 
 
 class DriverAgent:
-    """Answers driver commands for one node with that node's GPU port. Idempotent per command: see the module
-    docstring. Commands naming another node are refused (dead-lettered, answered with the reason)."""
+    """Answers driver commands for one node with that node's GPU port, reading the node's upgrade state from
+    ``cluster`` before it starts an install. Idempotent per command: see the module docstring. Commands naming
+    another node, and installs the node's upgrade state does not call for, are refused (dead-lettered, answered
+    with the reason)."""
 
-    def __init__(self, node: str, gpus: GpuPort, *, owns_port: bool = False) -> None:
+    def __init__(self, node: str, gpus: GpuPort, cluster: ClusterPort, *, owns_port: bool = False) -> None:
         self.node = node
         self.gpus = gpus
+        self.cluster = cluster
         self.owns_port = owns_port
         self.install: _Install | None = None
         self._versions: _OneAtATime[DriverVersions] = _OneAtATime("reading the driver versions")
@@ -126,10 +137,12 @@ class DriverAgent:
     # -- commands -------------------------------------------------------------------------------------------------
     async def on_install(self, command: InstallDriver) -> DriverAgentAnswer:
         """Start the install, or join the one of the same version that runs (whatever its attempt), or answer a
-        finished attempt from memory; a running install of another version is left alone and answered as such."""
+        finished attempt from memory; a running install of another version is left alone and answered as such.
+        A new install starts only when the node's upgrade state calls for this attempt (``_called_for``)."""
         self._own(command.node)
         current = self.install
         if current is None or (current.outcome != "running" and current.attempt != command.attempt):
+            await self._called_for(command)
             current = self.install = _Install(command.version, command.attempt)
             current.task = asyncio.create_task(self._installing(current, command.timeout_s))
             log.info(
@@ -198,6 +211,28 @@ class DriverAgent:
         except (_Busy, GpuError) as exc:
             return self._answer("versions", "failed", str(exc))
         return self._answer("versions", "ok", driver_version=versions.driver, cuda_version=versions.cuda)
+
+    async def _called_for(self, command: InstallDriver) -> None:
+        """Raise ``PermanentError`` unless the node is in ``pod-restart-required`` under ``command.attempt`` (the
+        node and when it entered the state: ``upgrade.install_attempt``); ``TemporaryError`` when the node cannot
+        be read now (the coordinator asks again on its next pass)."""
+        try:
+            info = await self.cluster.node(self.node)
+        except Exception as exc:
+            raise TemporaryError(f"cannot read node {self.node}'s upgrade state: {exc}") from exc
+        if info is None:
+            raise PermanentError(f"node {self.node} is not in the cluster: no install")
+        view = NodeView(name=info.name, labels=info.labels, annotations=info.annotations)
+        if view.state != "pod-restart-required":
+            raise PermanentError(
+                f"install of {command.version} (attempt {command.attempt}) refused: node {self.node} is in "
+                f"{view.state or 'no upgrade state'}, not pod-restart-required"
+            )
+        if install_attempt(view) != command.attempt:
+            raise PermanentError(
+                f"install of {command.version} (attempt {command.attempt}) refused: the node's current attempt is "
+                f"{install_attempt(view)}"
+            )
 
     def _own(self, node: str) -> None:
         if node != self.node:

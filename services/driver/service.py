@@ -64,7 +64,12 @@ class DriverService:
     async def start(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         s = ctx.subjects
-        agent = self.agent = DriverAgent(ctx.node, self.gpu or ctx.backends.gpus(), owns_port=self.gpu is None)
+        cluster = self.cluster
+        if cluster is None:  # the coordinator follows the cluster's changes; the agent only reads its own node
+            opened = cluster = await ctx.backends.cluster(watch_kinds=None if self.settings.coordinate else ())
+            ctx.on_stop(lambda: asyncio.wait_for(opened.close(), CLOSE_TIMEOUT_S))
+        gpus = self.gpu or ctx.backends.gpus()
+        agent = self.agent = DriverAgent(ctx.node, gpus, cluster, owns_port=self.gpu is None)
         ctx.on_stop(agent.close)  # stops what the agent runs, and closes its port if it opened it
         await agent.serve(ctx.bus)
         ctx.status["install"] = agent.status
@@ -82,10 +87,6 @@ class DriverService:
         if self.settings.coordinate:
             client = open_redis(ctx.settings.redis)
             ctx.on_stop(client.aclose)
-            cluster = self.cluster
-            if cluster is None:
-                opened = cluster = await ctx.backends.cluster()
-                ctx.on_stop(lambda: asyncio.wait_for(opened.close(), CLOSE_TIMEOUT_S))
             holder = f"{ctx.node or 'driver'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.coordinator = UpgradeCoordinator(
                 cluster,
