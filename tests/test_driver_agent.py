@@ -17,10 +17,10 @@ from services.driver.agent import BusNodeDriver, DriverAgent
 from services.driver.config import load
 from services.driver.ports import AgentUnreachable, InstallStatus
 from shared.contract.annotations import UPGRADE_SINCE_ANNOTATION, UPGRADE_STATE_LABEL
-from shared.contract.registry import codec
 from shared.contract.deadletter import DeadLetter
 from shared.contract.driver import DriverAgentAnswer, InstallDriver
 from shared.contract.permissions import USERS, nats_auth_config, user_name
+from shared.contract.registry import codec
 from shared.contract.subjects import Subjects
 from shared.host.devservers import NatsServer
 from shared.plumbing.bus import Bus

@@ -130,8 +130,19 @@ class DeviceService:
         )
 
     async def on_cordon(self, event: NodeCordoned | NodeUncordoned) -> None:
-        """Idempotent: the latest cordon event sets the state."""
-        self.cordoned = isinstance(event, NodeCordoned)
+        """Idempotent: an event only wakes it; the node as the cluster says it now sets the state, so one heard
+        again, late or replayed, changes nothing. A node that cannot be read keeps the state last read (the next
+        event reads again)."""
+        try:
+            node = await (await self._cluster_port()).node(event.node)
+        except Exception as exc:
+            log.warning(
+                "node unreadable; its cordon state is the last read", extra={"node": event.node, "error": str(exc)}
+            )
+            return
+        if node is None:
+            return
+        self.cordoned = not node.schedulable
         if self.ctx is not None:
             self.ctx.status["node_cordoned"] = self.cordoned
 

@@ -97,6 +97,7 @@ class MetricsService:
         self.pod_owners = owners
         self.clock = clock
         self.gpus: dict[str, list[str]] = {}
+        self.inventory_at: dict[str, float] = {}  # node -> when its device service published the list kept
         self.aggregator = Aggregator(self.settings.window_s, self.settings.stale_after_s, self._owner)
         self.counters = CounterWatch()
         self.owners: Mapping[tuple[str, str], str] = {}
@@ -142,7 +143,13 @@ class MetricsService:
         }
 
     async def on_inventory(self, event: DeviceInventory) -> None:
-        """Idempotent: replaces the node's GPU list with the one in the event."""
+        """Idempotent: replaces the node's GPU list with the one in the event, unless the node's device service
+        published the list kept later (one heard again, late or replayed, changes nothing). Both come from that
+        node's own clock."""
+        published = event.occurred_at.timestamp()
+        if published <= self.inventory_at.get(event.node, float("-inf")):
+            return
+        self.inventory_at[event.node] = published
         self.gpus[event.node] = [g.uuid for g in event.gpus]
 
     async def on_sample(self, event: GpuSample) -> None:

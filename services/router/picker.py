@@ -60,6 +60,8 @@ class PodIncarnation:
     blocks_used: int = 0
     blocks_total: int = 0
     load_at: float | None = None
+    load_sent_at: float = 0.0
+    """When the pod sent the load report kept (its own clock: compared only with its own earlier reports)."""
     held_sessions: int = 0
     """Sessions the router credits to this incarnation now, and their tokens (``held_tokens``): kept as locations
     change (``EndpointPicker.on_location``), so that what evacuating the pod costs is read without a walk."""
@@ -190,13 +192,19 @@ class EndpointPicker:
         self._order = None
 
     def on_load(self, load: PodLoad, now: float) -> None:
-        """A pod's load report (telemetry: the newest wins; a report for a pod not listed yet is kept for it)."""
+        """A pod's load report (telemetry: the newest wins; a report for a pod not listed yet is kept for it). One
+        the pod sent no later than the report kept (a duplicate, a replay, a report overtaken) changes nothing, not
+        even how fresh the pod's load reads."""
         if not self._ours(load.namespace, load.deployment):
             return
         pod = self.pods.get(load.pod)
         if pod is None:
             pod = self.pods[load.pod] = PodIncarnation(load.pod)
+        sent_at = load.occurred_at.timestamp()
+        if pod.load_at is not None and sent_at <= pod.load_sent_at:
+            return
         pod.blocks_used, pod.blocks_total, pod.load_at = load.blocks_used, load.blocks_total, now
+        pod.load_sent_at = sent_at
         old = self._keys.get(pod.name)
         if self._order is None or old is None:
             return

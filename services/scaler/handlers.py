@@ -85,6 +85,8 @@ class LoadView:
     blocks_total: int
     ttft_p90_s: float | None
     received_at: float
+    sent_at: float = 0.0
+    """When the pod sent it (its own clock: compared only with its own earlier reports)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,10 @@ class ScalerCore:
         self.loads: dict[Deployment, dict[str, LoadView]] = {}
         self.load_reports = 0  # load reports taken so far
         self.awaiting_verdict: dict[str, tuple[str, float]] = {}  # drain id -> (node, deadline): no verdict yet
+        self.over: dict[str, None] = {}
+        """Drains whose verdict and rollouts whose end (``drain:<id>``, ``rollout:<id>``) were heard, oldest first
+        (at most ``VERDICT_WAITS_KEPT``): their request or ``preparing`` heard again (a replay, a duplicate that
+        arrives late) holds nothing."""
         self.unavailable = 0  # answers without a decision (UNAVAILABLE: KEDA's fallback counts these)
         self.decisions_by_signal: dict[str, int] = {}  # decision changes announced, by the signal that set them
         self.decisions_published = 0
@@ -284,6 +290,8 @@ class ScalerCore:
         """Idempotent: a drain is in flight from its request until its verdict (keyed by drain id), or until its
         deadline plus the pods' grace period has passed, should the verdict never come."""
         match event:
+            case DrainRequested() if f"drain:{event.drain_id}" in self.over:
+                return
             case DrainRequested():
                 expires = event.occurred_at.timestamp() + event.deadline_s + event.grace_period_s
                 if expires > self.clock():
@@ -295,16 +303,23 @@ class ScalerCore:
                     while len(self.awaiting_verdict) > VERDICT_WAITS_KEPT:
                         del self.awaiting_verdict[next(iter(self.awaiting_verdict))]
             case DrainCompleted() | DrainFailed():
+                self._ended(f"drain:{event.drain_id}")
                 self.drains_in_flight.pop(event.drain_id, None)
                 self._drain_expiry.pop(event.drain_id, None)
                 self.awaiting_verdict.pop(event.drain_id, None)
         self._evaluate_all()
 
     async def on_load(self, event: PodLoad) -> None:
-        """Idempotent: keeps each pod's newest report, stamped with the scaler's clock on arrival. The decision
-        takes it at the next refresh (load changes in seconds; the refresh reads the queues as often)."""
+        """Idempotent: keeps each pod's newest report, stamped with the scaler's clock on arrival; one the pod sent
+        no later than the report kept (a duplicate, a replay, a report overtaken) changes nothing, not even how
+        fresh the pod's load reads. The decision takes it at the next refresh (load changes in seconds; the
+        refresh reads the queues as often)."""
         pods = self.loads.setdefault((event.namespace, event.deployment), {})
-        pods[event.pod] = LoadView(event.blocks_used, event.blocks_total, event.ttft_p90_s, self.clock())
+        sent_at = event.occurred_at.timestamp()
+        known = pods.get(event.pod)
+        if known is not None and sent_at <= known.sent_at:
+            return
+        pods[event.pod] = LoadView(event.blocks_used, event.blocks_total, event.ttft_p90_s, self.clock(), sent_at)
         self.load_reports += 1
 
     def load(self, deployment: Deployment, now: float, stale_after_s: float) -> DeploymentLoad:
@@ -324,12 +339,22 @@ class ScalerCore:
         (or ``ROLLOUT_HOLD_MAX_S`` has passed, should that never be heard)."""
         key = (event.namespace, event.deployment)
         if event.phase == "preparing":
+            if event.rollout_id and f"rollout:{event.rollout_id}" in self.over:
+                return
             expires = event.occurred_at.timestamp() + ROLLOUT_HOLD_MAX_S
             if expires > self.clock():
                 self.rollouts[key] = (event.rollout_id, expires)
-        elif key in self.rollouts and self.rollouts[key][0] in (event.rollout_id, ""):
-            del self.rollouts[key]
+        else:
+            if event.rollout_id:
+                self._ended(f"rollout:{event.rollout_id}")
+            if key in self.rollouts and self.rollouts[key][0] in (event.rollout_id, ""):
+                del self.rollouts[key]
         self._evaluate_deployment(key)
+
+    def _ended(self, what: str) -> None:
+        self.over[what] = None
+        while len(self.over) > VERDICT_WAITS_KEPT:
+            del self.over[next(iter(self.over))]
 
     def _rollout(self, deployment: Deployment, now: float) -> str:
         held = self.rollouts.get(deployment)
