@@ -15,12 +15,21 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from bench.common import Counting
+from services.checkpoint.config import CheckpointSettings
+from services.checkpoint.service import CheckpointService
+from shared.contract.subjects import Subjects
+from shared.host.runner import start_service
 from shared.kv.agent import KvAgent
+from shared.kv.endpoint import AgentEndpoint
 from shared.kv.manifest import seal_manifest
 from shared.kv.objstore import NatsObjectStore
 from shared.kv.objstore.family import PodBuckets, pack_owner
 from shared.kv.store import ManifestCorrupt
 from shared.kv.stores import open_store
+from shared.plumbing.bus import Bus
+from shared.plumbing.settings import Settings
+from shared.wiring import Wiring
 from tests.kvkit import LAYOUT, block_content, fill
 
 
@@ -113,3 +122,28 @@ async def test_the_single_bucket_of_earlier_versions_still_restores(nc: Client, 
     assert await service.checkpoints("s1") == [after.committed[0].checkpoint_id, before.committed[0].checkpoint_id]
     mixed = await make_agent(open_store(f"nats://{root}", nc, pod="llama-3"), "llama-3").restore("s1")
     assert {pack_owner(p) for p in mixed.manifest.packs} == {"", "llama-2"} and len(mixed.blocks) == 3
+
+
+async def test_the_checkpoint_service_makes_a_pods_bucket_when_it_first_hears_the_pod(
+    nc: Client, root: str, settings: Settings, subjects: Subjects, bus: Bus
+) -> None:
+    """A pod may not create a stream on a secured server (tests/faults/test_attacks_secured.py): its bucket is
+    there, with the family's configuration, once its first announcement is answered, and made once however often
+    the pod announces (the cost follows new pods)."""
+    store = Counting(open_store(f"nats://{root}", nc))
+    running = await start_service(CheckpointService(CheckpointSettings(gc_interval_s=0), store=store), settings, Wiring)
+    bucket = f"OBJ_{root}-llama-1"
+    agent_bus = await Bus.connect(settings.nats, subjects, "agent/llama-1")
+    endpoint = AgentEndpoint(make_agent(open_store(f"nats://{root}", nc, pod="llama-1"), "llama-1"), agent_bus)
+    try:
+        assert "error" in json.loads((await nc.request(f"$JS.API.STREAM.INFO.{bucket}", b"")).data)
+        await endpoint.start()  # its first announcement, answered
+        info = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{bucket}", b"")).data)
+        assert info["config"]["subjects"] == [f"$O.{root}-llama-1.C.>", f"$O.{root}-llama-1.M.>"], info
+        for _ in range(3):
+            await endpoint.announce()
+        assert store.calls["provision"] == 1
+    finally:
+        await endpoint.stop()
+        await agent_bus.close(grace=0.5)
+        await running.stop(grace=1)

@@ -250,8 +250,9 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
         if kind != "deadletter" and ROUTES[kind].delivery.name == "JETSTREAM":
             assert not may_publish(perms, concrete(subjects, kind, pod="llama-1")), kind
     # the checkpoint store nats://ck: its own pod's bucket to write, every bucket to read, no consumer anywhere
-    assert may_publish(perms, "$O.ck-llama-1.C.abc") and may_publish(perms, "$JS.API.STREAM.CREATE.OBJ_ck-llama-1")
-    assert may_publish(perms, "$JS.API.STREAM.PURGE.OBJ_ck-llama-1")
+    assert may_publish(perms, "$O.ck-llama-1.C.abc") and may_publish(perms, "$JS.API.STREAM.PURGE.OBJ_ck-llama-1")
+    for stream in ("OBJ_ck-llama-1", "OBJ_ck-llama-2", "OBJIDX_ck"):  # no stream created, not even its own bucket
+        assert not may_publish(perms, f"$JS.API.STREAM.CREATE.{stream}"), stream
     for other in ("$O.ck-llama-2.C.abc", "$O.ck.C.abc", "$O.other.C.abc", "$JS.API.STREAM.PURGE.OBJ_ck-llama-2"):
         assert not may_publish(perms, other), other
     assert not may_publish(perms, "$JS.API.STREAM.CREATE.OBJ_ck") and not may_publish(
@@ -273,8 +274,11 @@ def test_a_kv_agent_speaks_only_as_its_pod(subjects: Subjects) -> None:
         assert may_publish(custodian, f"$JS.API.DIRECT.GET.OBJ_{bucket}")
         assert not may_publish(custodian, f"$O.{bucket}.C.abc")  # it writes no checkpoint
     assert may_publish(custodian, "$JS.API.STREAM.PURGE.OBJIDX_ck") and may_publish(custodian, "$JS.API.STREAM.NAMES")
+    for stream in ("OBJ_ck-llama-1", "OBJIDX_ck"):  # it makes each pod's bucket, and the index
+        assert may_publish(custodian, f"$JS.API.STREAM.CREATE.{stream}")
     for spec in subjects.streams:
         assert not may_publish(custodian, f"$JS.API.STREAM.PURGE.{spec.name}")
+        assert not may_publish(custodian, f"$JS.API.STREAM.CREATE.{spec.name}")
         assert not may_publish(custodian, f"$JS.API.DIRECT.GET.{spec.name}")
     assert may_publish(custodian, f"$JS.API.CONSUMER.MSG.NEXT.{subjects.events_stream.name}.{drains}")
     assert "deny" not in service_permissions(subjects, "driver", bucket="ck")["publish"]

@@ -24,6 +24,8 @@ class Announcements:
         repeat of the last one applied changes nothing). Sessions held under a generation that moved on are
         stale copies: ignored, and named in the answer so the pod drops them. ``resync`` when the registry does
         not have what a delta builds on."""
+        if not event.leaving:  # the pod's bucket exists before it is told its announcement was applied
+            await self.replica.provision(event.pod)
         applied = await self.replica.registry.apply_announcement(event)
         await self.replica.publish_locations(applied.changes)
         for sid in applied.retired:

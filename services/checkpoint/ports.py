@@ -109,7 +109,8 @@ class FleetCounts:
 
 class Store(Protocol):
     """The checkpoint store, as far as the service reads and deletes in it (``shared.kv.store.CheckpointStore``):
-    agents write; the service verifies, lists and collects."""
+    agents write; the service verifies, lists and collects. A store that keeps a bucket per pod also has
+    ``provision(pod)``, which the service calls when it first hears a pod (``Replica.provision``)."""
 
     url: str
 

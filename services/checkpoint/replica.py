@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.sessions import SessionLocation
 from shared.host.runner import ServiceContext
+from shared.kv.store import StoreError
 
 from .config import CheckpointSettings
 from .metrics import CheckpointMetrics
 from .ports import Cluster, Leases, Registry, Store
 
 log = logging.getLogger(__name__)
+
+PROVISIONED_KEPT = 100_000
+"""Pods a replica remembers having made a bucket for (a pod forgotten is made sure of again: one request)."""
 
 
 @dataclass
@@ -32,10 +36,29 @@ class Replica:
     cluster: Cluster
     metrics: CheckpointMetrics
     owner: str
+    provisioned: dict[str, None] = field(default_factory=dict)
+    """Pods whose bucket this replica made sure of, oldest first (at most ``PROVISIONED_KEPT``)."""
 
     def policy(self) -> CheckpointPolicy:
         current = self.ctx.config.current("checkpoint")
         return current.doc if current and isinstance(current.doc, CheckpointPolicy) else CheckpointPolicy()
+
+    async def provision(self, pod: str) -> None:
+        """Make sure ``pod`` has its bucket, where the store keeps one per pod (``nats://<bucket>``: pods may not
+        create streams, see ``PodBuckets.provision``): once per pod and replica, when the pod is first heard, so the
+        cost follows new pods, not announcements. A store that cannot make it now is logged and asked again at the
+        pod's next announcement; the pod's saves fail meanwhile, and its sessions' last checkpoints stand."""
+        make = getattr(self.store, "provision", None)
+        if make is None or pod in self.provisioned:
+            return
+        try:
+            await make(pod)
+        except StoreError as exc:
+            log.warning("pod's checkpoint bucket not made; asked again", extra={"pod": pod, "error": str(exc)})
+            return
+        self.provisioned[pod] = None
+        while len(self.provisioned) > PROVISIONED_KEPT:
+            del self.provisioned[next(iter(self.provisioned))]
 
     async def publish_locations(self, locations: Sequence[SessionLocation]) -> None:
         """Publish what the registry changed. Never fails the change itself (it is recorded): a location not

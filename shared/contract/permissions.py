@@ -391,9 +391,11 @@ def checkpoint_store_reader(subjects: Subjects, bucket: str) -> dict[str, list[s
 
 
 def checkpoint_store_writer(subjects: Subjects, bucket: str, pod: str) -> dict[str, list[str]]:
-    """An agent's rights on the family ``bucket``: create, write, purge and delete in its own pod's bucket only;
-    name its own checkpoints in the index (entries ending with its owner token, no purge there); read every bucket
-    (``checkpoint_store_reader``); look up none of the installation's own streams but the dead letters'."""
+    """An agent's rights on the family ``bucket``: write, purge and delete in its own pod's bucket only; name its own
+    checkpoints in the index (entries ending with its owner token, no purge there); read every bucket
+    (``checkpoint_store_reader``); look up none of the installation's own streams but the dead letters'. It creates
+    no stream, not even its own bucket: a stream's configuration names its subjects, and a pod creating its bucket
+    could claim another pod's. The checkpoint service creates each pod's bucket when it first hears the pod."""
     owner = bucket_owner(pod)
     own = pod_bucket(bucket, owner)
     stream = f"OBJ_{own}"
@@ -401,7 +403,6 @@ def checkpoint_store_writer(subjects: Subjects, bucket: str, pod: str) -> dict[s
     allow = [
         f"$O.{own}.>",
         f"$O.{bucket}.{INDEX_TOKEN}.*.*.{owner}",
-        f"{JS_API}.STREAM.CREATE.{stream}",
         f"{JS_API}.STREAM.PURGE.{stream}",
         f"{JS_API}.STREAM.MSG.DELETE.{stream}",
         *reader["allow"],
@@ -413,18 +414,20 @@ def checkpoint_store_writer(subjects: Subjects, bucket: str, pod: str) -> dict[s
 
 def checkpoint_store_custodian(subjects: Subjects, bucket: str) -> dict[str, list[str]]:
     """The checkpoint service's rights on the family ``bucket``: read every bucket, list the streams (to find
-    every pod's bucket), purge in any bucket (retention, refused saves, orphans), create the index stream, and index
-    the manifests of the single bucket of earlier versions that have no index entry yet. It purges none of the
-    installation's own streams."""
+    every pod's bucket), create each pod's bucket (when it first hears the pod) and the index stream, purge in any
+    bucket (retention, refused saves, orphans), and index the manifests of the single bucket of earlier versions
+    that have no index entry yet. It creates and purges none of the installation's own streams. A stream name is one
+    subject token, so "any bucket of the family" is any stream but those."""
     reader = checkpoint_store_reader(subjects, bucket)
     allow = [
         *reader["allow"],
         f"{JS_API}.STREAM.NAMES",
         f"{JS_API}.STREAM.PURGE.*",
-        f"{JS_API}.STREAM.CREATE.{index_stream(bucket)}",
+        f"{JS_API}.STREAM.CREATE.*",
         f"$O.{bucket}.C.index.>",  # indexing the single bucket's manifests (shared.kv.objstore.codec.INDEX_TOKEN)
     ]
-    return {"allow": allow, "deny": [*reader["deny"], *_contract_stream_denials(subjects, "STREAM.PURGE")]}
+    denied = _contract_stream_denials(subjects, "STREAM.PURGE", "STREAM.CREATE")
+    return {"allow": allow, "deny": [*reader["deny"], *denied]}
 
 
 def agent_permissions(

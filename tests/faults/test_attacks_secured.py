@@ -7,6 +7,7 @@ registry, the checkpoints, the consumers) and leaves the service serving; the fa
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -336,9 +337,10 @@ async def _refused_now(mesh: SecuredMesh, token: Secret | None) -> bool:
 
 
 async def test_a_pods_checkpoints_are_its_own_to_write_and_everyones_to_read(mesh: SecuredMesh) -> None:
-    """On ``nats://<bucket>`` each pod writes into a bucket of its own: another pod reads its checkpoints (a restore
-    after a move) but can neither delete nor overwrite them, nor name a checkpoint as its; it writes and deletes its
-    own; the checkpoint service reads and deletes in every pod's bucket."""
+    """On ``nats://<bucket>`` each pod writes into a bucket of its own, which the checkpoint service made (no pod may
+    create a stream: its configuration could claim another pod's subjects): another pod reads its checkpoints (a
+    restore after a move) but can neither delete nor overwrite them, nor name a checkpoint as its, nor create any
+    bucket; it writes and deletes its own; the checkpoint service reads and deletes in every pod's bucket."""
     bucket = bucket_of(mesh.subjects)
     custodian_bus = await mesh.connect(mesh.as_user("checkpoint"), "checkpoint")
     custodian = PodBuckets(custodian_bus.nc, bucket)
@@ -346,6 +348,7 @@ async def test_a_pods_checkpoints_are_its_own_to_write_and_everyones_to_read(mes
     buses: dict[str, Bus] = {}
     stores: dict[str, PodBuckets] = {}
     for name in ("llama-1", "llama-2"):
+        await custodian.provision(name)  # and each pod's bucket, when it first hears the pod
         token = await mesh.cluster.issue_token("llm", name)
         buses[name] = await mesh.connect(mesh.as_token(token, name), f"agent/{name}")
         stores[name] = PodBuckets(buses[name].nc, bucket, pod=name)
@@ -363,6 +366,7 @@ async def test_a_pods_checkpoints_are_its_own_to_write_and_everyones_to_read(mes
     assert [bytes(b) for b in restored.blocks] == [a.tobytes() for a in originals]
 
     nc = buses["llama-2"].nc
+    own_bucket, unborn = pod_bucket(bucket, bucket_owner("llama-2")), pod_bucket(bucket, bucket_owner("llama-3"))
     attempts = {
         f"$JS.API.STREAM.PURGE.OBJ_{victim}": b"{}",
         f"$JS.API.STREAM.MSG.DELETE.OBJ_{victim}": b'{"seq": 1}',
@@ -376,6 +380,11 @@ async def test_a_pods_checkpoints_are_its_own_to_write_and_everyones_to_read(mes
         f"$JS.API.DIRECT.GET.{mesh.subjects.events_stream.name}": b'{"seq": 1}',  # reads are the buckets' only
         f"$JS.API.STREAM.INFO.{mesh.subjects.requests_stream.name}": b"{}",
         f"$JS.API.CONSUMER.CREATE.OBJ_{victim}": b"{}",  # no consumer anywhere
+        # no stream either: its own bucket made again claiming the subjects of a pod not heard yet, or another
+        f"$JS.API.STREAM.CREATE.OBJ_{own_bucket}": json.dumps(
+            {"name": f"OBJ_{own_bucket}", "subjects": [f"$O.{unborn}.>"]}
+        ).encode(),
+        f"$JS.API.STREAM.CREATE.OBJ_{unborn}": b"{}",
     }
     for subject, body in attempts.items():
         await nc.publish(subject, body, reply=nc.new_inbox())
@@ -397,6 +406,9 @@ async def test_a_pods_checkpoints_are_its_own_to_write_and_everyones_to_read(mes
     await custodian.delete_pack(next(iter(manifest.packs)))
     assert await custodian.checkpoints("v1") == [newer.checkpoint_id]
     assert not await custodian.pack_sizes(manifest.packs)
+    await custodian.provision("llama-3")  # the pod llama-2 tried to get ahead of: its bucket, on its own subjects
+    info = await custodian_bus.nc.request(f"$JS.API.STREAM.INFO.OBJ_{unborn}", b"", timeout=5)
+    assert json.loads(info.data)["config"]["subjects"] == [f"$O.{unborn}.C.>", f"$O.{unborn}.M.>"]
     await mesh.check(min_checkpoints=0)
 
 

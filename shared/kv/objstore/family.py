@@ -18,8 +18,10 @@ or of one checkpoint), then read from the bucket the entry names; it must say it
 
 Every read is a JetStream direct get (``$JS.API.DIRECT.GET.<stream>``): no consumer, so a pod needs no right to
 pull from any consumer (see ``shared.contract.permissions``, where the rights are). A store opened with ``pod``
-writes (``open_pack``, ``commit_manifests``) into that pod's bucket, created on first use; one opened without (the
-checkpoint service) reads, lists and deletes in every bucket of the family, found by listing the streams.
+writes (``open_pack``, ``commit_manifests``) into that pod's bucket, created on first use where the pod's user may
+(a trusted setup; on a secured server it may not); one opened without (the checkpoint service) reads, lists and
+deletes in every bucket of the family, found by listing the streams, and makes each pod's bucket when it first
+hears the pod (``provision``).
 """
 
 from __future__ import annotations
@@ -262,6 +264,19 @@ class PodBuckets:
             store.reindex = own or name == self.bucket
             self._buckets[name] = store
         return store
+
+    async def provision(self, pod: str) -> None:
+        """Make ``pod``'s bucket when it does not exist yet, with the family's configuration: what the checkpoint
+        service does when it first hears a pod, so that no pod needs the right to create a stream (a stream's
+        configuration names its subjects: a pod creating its own bucket could claim another pod's). Idempotent;
+        raises ``StoreError`` when the server refuses or does not answer."""
+        name = pod_bucket(self.bucket, bucket_owner(pod))
+        store = self._buckets.get(name)
+        if store is None or not store.create:
+            store = DirectObjectStore(self.nc, name, replicas=self.replicas, create=True, **self._tunables)
+            store.reindex = name == self.bucket
+            self._buckets[name] = store
+        await store.ensure()
 
     def _own(self) -> DirectObjectStore:
         if not self.owner:
