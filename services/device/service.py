@@ -133,12 +133,11 @@ class DeviceService:
         """Idempotent: an event only wakes it; the node as the cluster says it now sets the state, so one heard
         again, late or replayed, changes nothing. A node that cannot be read keeps the state last read (the next
         event reads again)."""
+        name = self.ctx.node if self.ctx is not None and self.ctx.node else event.node  # this service's node
         try:
-            node = await (await self._cluster_port()).node(event.node)
+            node = await (await self._cluster_port()).node(name)
         except Exception as exc:
-            log.warning(
-                "node unreadable; its cordon state is the last read", extra={"node": event.node, "error": str(exc)}
-            )
+            log.warning("node unreadable; its cordon state is the last read", extra={"node": name, "error": str(exc)})
             return
         if node is None:
             return
