@@ -228,10 +228,11 @@ class DriverAgent:
                 f"install of {command.version} (attempt {command.attempt}) refused: node {self.node} is in "
                 f"{view.state or 'no upgrade state'}, not pod-restart-required"
             )
-        if install_attempt(view) != command.attempt:
+        current = install_attempt(view)
+        if current != command.attempt:
             raise PermanentError(
                 f"install of {command.version} (attempt {command.attempt}) refused: the node's current attempt is "
-                f"{install_attempt(view)}"
+                f"{current}"
             )
 
     def _own(self, node: str) -> None:

@@ -270,12 +270,8 @@ class PodBuckets:
         service does when it first hears a pod, so that no pod needs the right to create a stream (a stream's
         configuration names its subjects: a pod creating its own bucket could claim another pod's). Idempotent;
         raises ``StoreError`` when the server refuses or does not answer."""
-        name = pod_bucket(self.bucket, bucket_owner(pod))
-        store = self._buckets.get(name)
-        if store is None or not store.create:
-            store = DirectObjectStore(self.nc, name, replicas=self.replicas, create=True, **self._tunables)
-            store.reindex = name == self.bucket
-            self._buckets[name] = store
+        store = self._store(pod_bucket(self.bucket, bucket_owner(pod)))
+        store.create = True  # the one bucket this store makes rather than only reads
         await store.ensure()
 
     def _own(self) -> DirectObjectStore:
