@@ -10,6 +10,7 @@ from nats.js import api as js_api
 
 from services.scaler.config import ScalerSettings, ScalerTls
 from services.scaler.gen import externalscaler_pb2 as pb
+from services.scaler.gen import externalscaler_pb2_grpc as pb_grpc
 from services.scaler.service import ScalerService
 from shared.host.runner import RunningService, start_service
 from shared.plumbing.bus import Bus
@@ -67,3 +68,12 @@ async def serving_consumer(bus: Bus, namespace: str = NS, deployment: str = DEP)
             ack_policy=js_api.AckPolicy.EXPLICIT,
         ),
     )
+
+
+async def value(stub: pb_grpc.ExternalScalerStub, so: pb.ScaledObjectRef) -> float:
+    """The one metric value GetMetrics answers for ``so`` (as KEDA reads it: integer and float agree)."""
+    reply = await stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=so, metricName="s0-gpuwarden-llm-chat"))
+    assert len(reply.metricValues) == 1
+    metric = reply.metricValues[0]
+    assert metric.metricValue == int(metric.metricValueFloat)
+    return float(metric.metricValueFloat)

@@ -42,7 +42,7 @@ from tests.fake_kube_api import FakeKubeApi
 from tests.fake_kube_api import pod as kube_pod
 from tests.helpers import eventually
 from tests.rbackit import allowed, shipped_rules
-from tests.scalerkit import DEP, NS, ShiftedClock, StaticPlacement, ref, serving_consumer, start_scaler
+from tests.scalerkit import DEP, NS, ShiftedClock, StaticPlacement, ref, serving_consumer, start_scaler, value
 
 
 @dataclass
@@ -63,14 +63,6 @@ async def scaler(settings: Settings) -> AsyncIterator[Harness]:
     yield Harness(service, running, placement, pb_grpc.ExternalScalerStub(channel), channel, clock)
     await channel.close()
     await running.stop(grace=1)
-
-
-async def value(stub: pb_grpc.ExternalScalerStub, so: pb.ScaledObjectRef) -> float:
-    reply = await stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=so, metricName="s0-gpuwarden-llm-chat"))
-    assert len(reply.metricValues) == 1
-    metric = reply.metricValues[0]
-    assert metric.metricValue == int(metric.metricValueFloat)
-    return float(metric.metricValueFloat)
 
 
 async def fill(bus: Bus, n: int, namespace: str = NS, deployment: str = DEP) -> None:

@@ -52,8 +52,7 @@ from shared.sim.workload import SimWorkload
 from shared.wiring import Wiring
 from tests.faults.test_replay import Sent, Wire, kind_of, replay, source_of
 from tests.helpers import eventually
-from tests.scalerkit import DEP, NS, ref, serving_consumer, start_scaler
-from tests.test_scaler import value
+from tests.scalerkit import DEP, NS, ref, serving_consumer, start_scaler, value
 
 SMALL_MODEL = ModelShape(layers=2, kv_heads=2, head_dim=64, block_tokens=16)
 SPEC = SimSpec(
