@@ -68,7 +68,9 @@ FAILED_SESSIONS_SHOWN = 5
 FAILED_PASS_WAIT_S = 1.0
 """The least a reconcile pass that failed (cluster, GPUs or the drain's record not answering) waits before the
 next, unless woken."""
-STOP_REPORT_S = 2.0
+STOP_REPORT_S = 4.0
+"""The most a stop waits to report the layout ``failed``: under the 5s the service runner gives its tasks once
+cancelled (a busy node's cluster and bus may take seconds to answer)."""
 
 
 class StepFailed(RuntimeError):
@@ -217,8 +219,7 @@ class MigController:
         except asyncio.CancelledError:
             if self._drain is not None:
                 reason = f"interrupted: the device service stopped while waiting for drain {self._drain.drain_id}"
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._report_stopped(reason), STOP_REPORT_S)
+                await _on_stop(self._report_stopped(reason), reason)
             raise
 
     def _until_drain_timeout(self) -> float:
@@ -386,8 +387,7 @@ class MigController:
         except asyncio.CancelledError:
             reason = "interrupted: the device service stopped while applying the layout"
             self._failed = (key, self.clock(), reason)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._finish(info, name, ("failed", reason), planned), STOP_REPORT_S)
+            await _on_stop(self._finish(info, name, ("failed", reason), planned), reason)
             raise
         if outcome[0] == "failed":
             self._failed = (key, self.clock(), outcome[1])
@@ -470,6 +470,15 @@ class MigController:
             )
         except Exception as exc:
             log.warning("cannot publish the MIG config state", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+
+async def _on_stop(report: Awaitable[None], reason: str) -> None:
+    """A stop's last report, given ``STOP_REPORT_S``; one that fails or is late is logged (the node keeps its last
+    state, and the restarted controller decides afresh)."""
+    try:
+        await asyncio.wait_for(report, STOP_REPORT_S)
+    except Exception as exc:
+        log.warning("cannot report the stop", extra={"reason": reason, "error": f"{type(exc).__name__}: {exc}"})
 
 
 async def start_mig_controller(
