@@ -138,7 +138,7 @@ class CrashBench:
             kv_journal = KvJournal(agent, self.sizes.journal_s) if journal else None
             if kv_journal is not None:
                 kv_journal.start()
-            tasks.append(asyncio.create_task(self._periodic(agent, result)))
+            tasks.append(asyncio.create_task(self._periodic(agent, result, kv_journal)))
             decoding = asyncio.create_task(self._decode(agent, talks, caches, result))
             await asyncio.sleep(segment)
             decoding.cancel()  # the kill: the step under way finishes in its thread, unseen
@@ -181,10 +181,17 @@ class CrashBench:
                 result.decoded += 1
                 result.produced_tokens += 1
 
-    async def _periodic(self, agent: Any, result: Run) -> None:
+    async def _periodic(self, agent: Any, result: Run, kv_journal: Any) -> None:
+        """The checkpoint service's periodic saves, as the pod's endpoint runs them (``shared.kv.endpoint``): the
+        tail blocks left to the journal's bound while it keeps up."""
+        from shared.contract.checkpoint import PERIODIC_REASON
+        from shared.kv.journal import journal_covers
+
         while True:
             await asyncio.sleep(self.sizes.periodic_s)
-            report = await agent.save(reason="periodic", changed_only=True)
+            report = await agent.save(
+                reason=PERIODIC_REASON, changed_only=True, full_blocks_only=journal_covers(kv_journal)
+            )
             result.bytes_written += report.bytes_written
             result.periodic_saves += 1
 

@@ -11,9 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shared.contract.checkpoint import PERIODIC_REASON, SaveSessions, SaveSessionsReport
 from shared.kv.agent import KvAgent, SaveReport
+from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
-from shared.kv.journal import JOURNAL_REASON, KvJournal, journal_settings
+from shared.kv.journal import JOURNAL_REASON, KvJournal, journal_covers, journal_settings
+from shared.plumbing.bus import Bus
 from shared.plumbing.errors import SettingsError
 from tests.kvkit import LAYOUT, block_content, make_agent, small_disk
 
@@ -38,6 +41,10 @@ def decode(agent: KvAgent, session_id: str, tokens: int) -> list[np.ndarray]:
         agent.set_tokens(session_id, position + 1)
     arrays = [block_content(session_id, i, BLOCK) for i in range(-(-tokens // BT))]
     return arrays
+
+
+def written(report: SaveSessionsReport) -> int:
+    return sum(c.bytes_written for c in report.committed)
 
 
 @pytest.fixture
@@ -94,6 +101,45 @@ async def test_a_periodic_save_after_the_journal_writes_only_the_tail(store: Fil
     assert [m.token_count for m in periodic.committed] == [3 * BT + 4]
     assert periodic.bytes_written == BLOCK  # the tail; the full blocks are the journal's
     assert (await agent.save(["s1"], reason="periodic", changed_only=True)).unchanged == 1
+
+
+async def test_while_the_journal_keeps_up_a_pods_periodic_saves_leave_the_tail_to_it(
+    store: FileStore, bus: Bus
+) -> None:
+    """The checkpoint service's periodic save, as the pod's endpoint answers it: with the journal running it writes
+    only the full blocks the journal has not flushed yet (never the tail block, which would be written again at
+    every period); with the journal paused (a slow store) or off, the whole session, tail included; a drain's save
+    always the whole session."""
+    agent = make_agent(store)
+    endpoint = AgentEndpoint(agent, bus, journal_s=3600.0)  # a journal that never flushes by itself here
+    journal = endpoint.journal
+    assert journal is not None and not journal_covers(journal)
+    journal.start()
+    try:
+        assert journal_covers(journal)
+        periodic = SaveSessions(pod="llama-1", reason=PERIODIC_REASON, changed_only=True)
+        decode(agent, "s1", 3 * BT + 4)
+        first = await endpoint.on_save(periodic)
+        assert [c.token_count for c in first.committed] == [3 * BT]  # the journal had not flushed them yet
+        assert written(first) == 3 * BLOCK
+        decode(agent, "s1", 3 * BT + 9)
+        tail_only = await endpoint.on_save(periodic)
+        assert not tail_only.committed and not tail_only.failed
+        rewrite = await endpoint.on_save(SaveSessions(pod="llama-1", reason=PERIODIC_REASON, rewrite=["s1"]))
+        assert [c.token_count for c in rewrite.committed] == [3 * BT + 9]  # a pack lost: the whole session again
+
+        decode(agent, "s1", 3 * BT + 12)
+        journal.paused_until = journal.clock() + 60  # the store did not keep up
+        assert not journal_covers(journal)
+        paused = await endpoint.on_save(periodic)
+        assert [c.token_count for c in paused.committed] == [3 * BT + 12]  # the tail block too
+        journal.paused_until = 0.0
+        decode(agent, "s1", 3 * BT + 14)
+        drained = await endpoint.on_save(SaveSessions(pod="llama-1", reason="drain"))
+        assert [c.token_count for c in drained.committed] == [3 * BT + 14]
+    finally:
+        await journal.stop()
+    assert not journal_covers(journal) and not journal_covers(None)
 
 
 async def test_the_journal_runs_behind_the_engine_and_stops_cleanly(store: FileStore) -> None:

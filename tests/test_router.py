@@ -881,3 +881,57 @@ async def test_a_handover_asked_again_keeps_its_waiters_and_one_handed_elsewhere
     handovers.start("s-1", "llama-b", 2.5)
     moved = handovers.moving("s-1", 2.5)
     assert await woken is True and moved is not None and moved.pod == "llama-b"
+
+
+def test_two_first_requests_of_a_new_session_go_to_one_pod_until_its_location_is_heard() -> None:
+    """A brand-new session's first request goes to the least loaded pod; a second one that comes before the pod's
+    claim is heard (the loads having changed meanwhile) goes to the same pod, not to the now least loaded one. Its
+    location then decides; past ``first_pick_s``, or with that pod gone, the session is balanced again."""
+    picker = _picker()
+    picker.first_pick_s = 10.0
+
+    def load(suffix: str, used: int, now: float) -> None:
+        picker.on_load(
+            PodLoad(pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=used, blocks_total=100, window_s=5),
+            now,
+        )
+
+    for suffix, used in (("a", 10), ("b", 50), ("c", 90)):
+        load(suffix, used, 0.0)
+    first = picker.pick(RequestFacts(session="new-1"), 0.0)
+    assert first.endpoints[0] == endpoint("a") and first.outcome.value == "unknown-session"
+    load("a", 95, 1.0)  # a filled up before the session's claim was heard: balancing alone would say b
+    assert picker.pick(RequestFacts(session="other"), 1.0).endpoints[0] == endpoint("b")
+    again = picker.pick(RequestFacts(session="new-1"), 1.0)
+    assert again.endpoints[0] == endpoint("a") and again.outcome.value == "unknown-session"
+    assert picker.pick(RequestFacts(session="new-1", subset=frozenset({endpoint("a"), endpoint("c")})), 1.0).endpoints[
+        0
+    ] == endpoint("a")
+    assert picker.status()["new_sessions_pending"] == 2
+
+    picker.on_location(
+        SessionLocation(
+            session_id="new-1", sequence=1, reason="placed", held=True, pod=pod_name("c"), namespace=NS, deployment=DEP
+        )
+    )  # the claim that won names the holder, whichever it is
+    held = picker.pick(RequestFacts(session="new-1"), 2.0)
+    assert held.endpoints[0] == endpoint("c") and held.outcome.value == "holder"
+    assert picker.status()["new_sessions_pending"] == 1
+
+    late = picker.pick(RequestFacts(session="other"), 12.0)  # past first_pick_s: balanced (b), remembered afresh
+    assert late.endpoints[0] == endpoint("b")
+    load("b", 99, 12.5)
+    picker.set_pods(  # b leaves the pool: its pending sessions are balanced
+        PodInfo(name=pod_name(s), namespace=NS, node="n", deployment=DEP, phase="Running", uid=s, ip=PODS[s])
+        for s in ("a", "c")
+    )
+    assert picker.pick(RequestFacts(session="other"), 13.0).endpoints[0] != endpoint("b")
+
+
+def test_the_memory_of_first_picks_is_bounded() -> None:
+    picker = _picker()
+    picker.max_first_picks = 100
+    for i in range(1_000):
+        picker.pick(RequestFacts(session=f"s-{i}"), float(i) / 1_000)
+    assert picker.status()["new_sessions_pending"] == 100
+    assert "s-999" in picker._first_picks and "s-0" not in picker._first_picks

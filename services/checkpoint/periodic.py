@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Sequence
 
+from shared.contract.checkpoint import PERIODIC_REASON
 from shared.plumbing.errors import TemporaryError
 
 from .replica import Replica
@@ -126,7 +127,7 @@ class PeriodicSaves:
                 # started): a delay is not carried into the next interval
                 self._due[pod] = periodic_slot(pod, interval_s, time.time() + interval_s / 2)
                 outcome = await self.saves.command(
-                    pod, max(1.0, min(interval_s, 60.0) * 0.8), "periodic", changed_only=True
+                    pod, max(1.0, min(interval_s, 60.0) * 0.8), PERIODIC_REASON, changed_only=True
                 )
         except TemporaryError as exc:
             log.warning("periodic checkpoint not taken", extra={"pod": pod, "error": str(exc)})

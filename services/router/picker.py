@@ -14,6 +14,11 @@ the cluster has not shown yet is credited to the incarnation the pod has when it
 Memory is bounded: a session's entry is one small record, kept until ``max_sessions`` newer changes push it out
 (the least recently changed first); a session that is no longer held keeps only its sequence (so that an older,
 late event cannot bring it back), and goes out the same way.
+
+A session the router has never heard of is sent to the least loaded pod, and that choice is remembered for
+``first_pick_s`` (until its location is heard, which names the pod that claimed it): two requests of a brand-new
+session arriving together go to the same pod, rather than to two pods of which one would be refused the claim. The
+memory holds at most ``max_first_picks`` sessions (the oldest forgotten first: a forgotten one is only balanced).
 """
 
 from __future__ import annotations
@@ -148,6 +153,8 @@ class EndpointPicker:
     shed_at: float = 0.99
     load_stale_s: float = 15.0
     max_sessions: int = 1_000_000
+    first_pick_s: float = 10.0
+    max_first_picks: int = 100_000
     pods: dict[str, PodIncarnation] = field(default_factory=dict)
     sessions: dict[str, Placement] = field(default_factory=dict)
     picks: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in Outcome})
@@ -159,6 +166,8 @@ class EndpointPicker:
     _oldest_load: float | None = field(default=None, repr=False)
     """No fresh load in ``_order`` was reported before this: once it is older than ``load_stale_s``, the order is
     built again (the loads gone stale count as unknown)."""
+    _first_picks: dict[str, tuple[PodIncarnation, float]] = field(default_factory=dict, repr=False)
+    """Sessions never heard of, by when their first request was sent, with the pod it went to (oldest first)."""
 
     # -- knowledge ------------------------------------------------------------------------------------------------
     def _ours(self, namespace: str, deployment: str) -> bool:
@@ -233,6 +242,7 @@ class EndpointPicker:
             if known is not None:
                 was = (known.holder or known.was) if location.reason == "forgotten" else known.was
             placement = Placement(None, location.sequence, tokens=location.token_count, was=was)
+        self._first_picks.pop(location.session_id, None)  # its holder is known now (or that nothing holds it)
         if known is not None:
             del self.sessions[location.session_id]  # re-inserted last: the dict's order is the order of change
             _credit(known, -1)
@@ -277,14 +287,35 @@ class EndpointPicker:
         """The endpoints for one request: the session's holder first when it can serve, then the least loaded pods
         (by KV-cache utilisation; pods with no fresh report after those with one, pods on a cordoned node last);
         within ``facts.subset`` when the gateway gave one. 503 when no endpoint can serve; 429 when no holder can
-        take it and every candidate is at ``shed_at`` or above. Changes nothing but the counters (and the kept order
-        of the pods by load); ``count`` False leaves the counters too (a request that will pick again: the handover
-        wait counts its last pick only, ``count``).
+        take it and every candidate is at ``shed_at`` or above. A session never heard of goes first where its
+        first request went, within ``first_pick_s`` (module doc). Changes nothing but the counters, the kept order
+        of the pods by load and those first picks; ``count`` False leaves the counters (a request that will pick
+        again: the handover wait counts its last pick only, ``count``).
 
         Without a subset the pick reads the head of the pods kept in order (``_ranked``): its cost does not grow
         with the pool (2,000 pods: bench/router.py)."""
         chosen = self._choose(facts, now)
+        if chosen.outcome is Outcome.UNKNOWN_SESSION and chosen.first_pod:
+            self._remember_first(facts.session, self.pods[chosen.first_pod], now)
         return self._count(chosen) if count else chosen
+
+    def _remember_first(self, session: str, pod: PodIncarnation, now: float) -> None:
+        """Keep (or renew) the pod a session never heard of was sent to; forget those past ``first_pick_s`` and the
+        oldest beyond ``max_first_picks``. Amortised O(1): the dict is in order of time."""
+        self._first_picks.pop(session, None)
+        self._first_picks[session] = (pod, now)
+        while self._first_picks:
+            name, (_, at) = next(iter(self._first_picks.items()))
+            if now - at <= self.first_pick_s and len(self._first_picks) <= self.max_first_picks:
+                break
+            del self._first_picks[name]
+
+    def _first_pick(self, session: str, now: float) -> PodIncarnation | None:
+        """Where the session's first request went, when that was within ``first_pick_s``."""
+        kept = self._first_picks.get(session)
+        if kept is None or now - kept[1] > self.first_pick_s:
+            return None
+        return kept[0]
 
     def _choose(self, facts: RequestFacts, now: float) -> Pick:
         """``pick``'s answer, not counted."""
@@ -300,7 +331,7 @@ class EndpointPicker:
             return Pick(Outcome.NO_ENDPOINT, status=503, reason=reason)
         keys = {id(p): self._rank_key(p, now) for p in candidates}
         ranked = sorted(candidates, key=lambda p: keys[id(p)])
-        outcome, holder, refused = self._holder(facts, candidates)
+        outcome, holder, refused = self._holder(facts, candidates, now)
         if holder is not None:
             ranked.remove(holder)
             ranked.insert(0, holder)
@@ -314,7 +345,7 @@ class EndpointPicker:
         order = self._ranked(now)
         if not order:
             return Pick(Outcome.NO_ENDPOINT, status=503, reason="no ready endpoint in the pool")
-        outcome, holder, refused = self._holder(facts, None)
+        outcome, holder, refused = self._holder(facts, None, now)
         if holder is None and self._all_full(order):
             return Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
         chosen = [holder] if holder is not None else []
@@ -328,14 +359,18 @@ class EndpointPicker:
         return Pick(outcome, endpoints, refused_session=refused, first_pod=chosen[0].name)
 
     def _holder(
-        self, facts: RequestFacts, candidates: list[PodIncarnation] | None
+        self, facts: RequestFacts, candidates: list[PodIncarnation] | None, now: float
     ) -> tuple[Outcome, PodIncarnation | None, str]:
+        """The pod to put first (the session's holder, or where a new session's first request went) and why."""
         if facts.session_problem:
             return Outcome.REFUSED_SESSION, None, facts.session_problem
         if not facts.session:
             return Outcome.NO_SESSION, None, ""
         placement = self.sessions.get(facts.session)
         if placement is None:
+            first = self._first_pick(facts.session, now)
+            if first is not None and (first.serves if candidates is None else (first.current and first in candidates)):
+                return Outcome.UNKNOWN_SESSION, first, ""
             return Outcome.UNKNOWN_SESSION, None, ""
         if placement.foreign:
             return Outcome.REFUSED_SESSION, None, f"session {facts.session} belongs to another deployment"
@@ -360,5 +395,6 @@ class EndpointPicker:
             "pool": f"{self.namespace}/{self.deployment}",
             "pods_serving": sum(1 for p in self.pods.values() if p.serves),
             "sessions_known": len(self.sessions),
+            "new_sessions_pending": len(self._first_picks),
             "picks": dict(self.picks),
         }

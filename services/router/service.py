@@ -53,6 +53,7 @@ class RouterService:
             shed_at=settings.shed_at,
             load_stale_s=settings.load_stale_s,
             max_sessions=settings.max_sessions,
+            first_pick_s=settings.handover_wait_s,
         )
         handovers = self.handovers = Handovers(settings.handover_wait_s)
 

@@ -23,6 +23,11 @@ from shared.contract.base import (
 from shared.contract.node import SessionFailure
 
 
+PERIODIC_REASON = "periodic"
+"""The reason of the checkpoint service's periodic saves (``SaveSessions.reason``): a pod whose KV journal keeps its
+sessions' full blocks leaves their tail blocks out of these (``shared.kv.journal.journal_covers``)."""
+
+
 class CheckpointSaved(Event, frozen=True, kw_only=True, tag="checkpoint.saved"):
     """A session's checkpoint is committed: its manifest is visible and every chunk digest was verified."""
 
@@ -118,6 +123,8 @@ class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.comman
     drain_id: OptDrainId = ""
     deadline_s: float = 20.0
     reason: str = "drain"
+    """Why it saves (``drain``, ``periodic``: ``PERIODIC_REASON``, ``prestop``, ...): said by the checkpoints it
+    commits."""
     generations: dict[SessionId, int] = msgspec.field(default_factory=dict)
     changed_only: bool = False
     """Save only sessions with something new since their last checkpoint (periodic saves): a session whose

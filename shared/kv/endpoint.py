@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from shared.contract.checkpoint import (
+    PERIODIC_REASON,
     AgentSessions,
     AnnouncementAck,
     CheckpointLocation,
@@ -33,7 +34,7 @@ from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, Se
 from shared.contract.sessions import PrefetchSessions, SessionsPrefetched
 from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent, RestoredSession, SaveReport
-from shared.kv.journal import JOURNAL_REASON, KvJournal
+from shared.kv.journal import JOURNAL_REASON, KvJournal, journal_covers
 from shared.kv.manifest import KvLayout
 from shared.kv.reports import final_save_command, record_report, report_event, report_parts
 from shared.kv.store import CheckpointNotFound, ChunkCorrupt
@@ -274,6 +275,8 @@ class AgentEndpoint:
                 )
 
         ids = list(command.generations) if command.generations else (command.session_ids or None)
+        # a periodic save leaves the tail blocks to the journal's bound while the journal keeps up (journal.py)
+        tails_out = command.reason == PERIODIC_REASON and not command.rewrite and journal_covers(self.journal)
         report = await self.agent.save(
             ids,
             command.deadline_s,
@@ -282,6 +285,7 @@ class AgentEndpoint:
             generations=command.generations or None,
             changed_only=command.changed_only,
             rewrite=command.rewrite,
+            full_blocks_only=tails_out,
         )
         log.info(
             "saved",

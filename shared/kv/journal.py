@@ -13,11 +13,13 @@ restore then takes the newest recorded checkpoint (journal entry, periodic or dr
 generation and sequence) and the engine recomputes only what came after it.
 
 Bounded cost: the engine never waits for the journal (the engine's calls only add a session id to a set); a
-flush writes only blocks no checkpoint of the session holds yet (the tail block is left to periodic and final
-saves); a flush that fails or overruns its deadline (a slow or full store) pauses the journal for ``backoff_s``
-with a warning, and the failures go on the record road (the checkpoint service publishes them as
-``checkpoint.failed``), so the session falls back to its periodic checkpoints meanwhile instead of piling up
-writes.
+flush writes only blocks no checkpoint of the session holds yet (the tail block is left to the final saves: a
+drain's, the preStop hook's). While it keeps up, the periodic saves leave the tail block out too
+(``journal_covers``): a tail is at most the one block the journal's bound gives up anyway, and writing it again
+at every period would write much of the KV twice at a short period. A flush that fails or overruns its deadline
+(a slow or full store) pauses the journal for ``backoff_s`` with a warning, and the failures go on the record road
+(the checkpoint service publishes them as ``checkpoint.failed``), so the session falls back to its periodic
+checkpoints (whole again, tail blocks included) meanwhile instead of piling up writes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ DOCUMENTED = documented(JournalSettings)
 
 def journal_settings(env: Mapping[str, str] | None = None) -> JournalSettings:
     return settings_from_env(JournalSettings, env)
+
+
+def journal_covers(journal: KvJournal | None) -> bool:
+    """Whether a periodic save leaves each session's tail block out (``KvAgent.save(full_blocks_only=True)``: it
+    writes only full blocks the journal has not flushed yet): only while a journal runs and keeps up. A paused
+    journal (a slow or failing store) leaves the periodic saves whole, tail blocks included, as without one."""
+    return journal is not None and journal.covers
 
 
 Recorder = Callable[[SaveReport], Awaitable[object]]
@@ -112,6 +121,11 @@ class KvJournal:
     @property
     def paused(self) -> bool:
         return self.clock() < self.paused_until
+
+    @property
+    def covers(self) -> bool:
+        """Running and not paused: the sessions' full blocks are being journaled now."""
+        return self._task is not None and not self._task.done() and not self.paused
 
     def start(self) -> None:
         if self._task is None or self._task.done():
