@@ -22,7 +22,6 @@ from shared.contract.base import (
 )
 from shared.contract.node import SessionFailure
 
-
 PERIODIC_REASON = "periodic"
 """The reason of the checkpoint service's periodic saves (``SaveSessions.reason``): a pod whose KV journal keeps its
 sessions' full blocks leaves their tail blocks out of these (``shared.kv.journal.journal_covers``)."""

@@ -129,9 +129,9 @@ class Tries:
         self._current = await self._inner.__anext__()
         return self._current
 
-    def _again(self, exc: Exception) -> bool:
+    def _again(self, exc: BaseException) -> bool:
         policy, attempt = self.policy, self._current
-        if not isinstance(exc, policy.on) or attempt is None:
+        if not isinstance(exc, Exception) or not isinstance(exc, policy.on) or attempt is None:
             return False
         if (policy.only is not None and not policy.only(exc)) or (self._when is not None and not self._when(exc)):
             return False
