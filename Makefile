@@ -49,8 +49,8 @@ run: install
 
 # Everything but the fault scenarios marked `long` (they run in `make faults`), to keep within its time budget, in
 # TEST_WORKERS parallel workers (pytest-xdist): most tests wait on servers, disks and timeouts rather than on a CPU,
-# so three workers on 2 cores take ~5 min where one takes ~12. Every test has a subject root and Redis prefix of its
-# own; tests that kill or restart a server start their own. `make test TEST_WORKERS=0` runs them in one process.
+# so three workers on 2 cores take ~8-9 min. Every test has a subject root and Redis prefix of its own; tests that
+# kill or restart a server start their own. `make test TEST_WORKERS=0` runs them in one process.
 # Tests marked with an xdist_group run in one worker (--dist loadgroup): the vLLM engines' tests share one pair.
 TEST_WORKERS ?= 3
 test: install

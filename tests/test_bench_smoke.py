@@ -176,6 +176,7 @@ def test_bench_resume_compares_resume_recompute_and_the_floor_on_a_tiny_model(tm
 VLLM_RESUME_KEYS = tuple(f"vllm_{figure}_{size}" for size in ("1k", "4k") for figure in ("resume_s", "recompute_s"))
 
 
+@pytest.mark.long  # 60-90 s: `make faults` runs it; `make test` has the vLLM connector in test_kv_vllm/test_sim_vllm
 @pytest.mark.xdist_group("vllm")  # beside tests/test_kv_vllm.py's engines, never at the same time
 def test_bench_resume_has_its_vllm_case_on_a_tiny_model(tmp_path: Path) -> None:
     """The vLLM case at a tiny size (``bench/resume_vllm.py``, which ``bench.resume`` runs): two vLLM engines (CPU
