@@ -784,3 +784,63 @@ async def test_an_upgrade_fed_by_the_watch_completes_with_the_same_verdicts(make
         assert await watched.pass_reading() == (0, set())  # done: idle again
     finally:
         await watched.close()
+
+
+async def test_running_a_node_moves_through_its_states_as_fast_as_they_go_not_one_per_interval(
+    make_harness: MakeHarness,
+) -> None:
+    """``run`` with an hour between passes: the node is still upgraded, every state in order, since what each
+    step waits for makes a prompt pass (its drain's verdict as the service hears it, its pods' evictions through
+    the watch, its install and validation asked again soon). A change that only echoes the coordinator's own
+    write (the revision its view holds) wakes nothing."""
+    h = await make_harness(two_nodes(), POLICY)
+    coordinator = h.coordinator
+    published = h.publish
+
+    async def publish_and_verdict(event: Event) -> None:
+        await published(event)
+        if isinstance(event, DrainRequested):  # the checkpoint service's verdict, heard by the driver service
+            asyncio.get_running_loop().call_later(0.05, coordinator.note_verdict, event.node)
+
+    coordinator.publish = publish_and_verdict
+    coordinator.drains = type(coordinator.drains)(
+        lambda event: coordinator.publish(event), "driver", h.verdicts, lambda: coordinator.clock()
+    )
+
+    async def kubelet() -> None:
+        while True:
+            await h.kubelet()
+            await asyncio.sleep(0.1)
+
+    tasks = [asyncio.create_task(coordinator.run(3600.0)), asyncio.create_task(kubelet())]
+    try:
+
+        async def upgraded() -> bool:
+            return (await h.states()).get("node-1") == "upgrade-done"
+
+        await eventually(upgraded, timeout=60)
+        assert h.history("node-1") == list(ORDER)
+        assert (await h.gpus("node-1").versions()).driver == NEW
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    coordinator._dirty.clear()
+    view = coordinator._views["node-1"]
+    coordinator.note_change(ClusterChange("node", "MODIFIED", "node-1", revision=view.revision, node="node-1"))
+    assert "node-1" not in coordinator.changed()  # its own write, read back already
+    coordinator.note_change(ClusterChange("node", "MODIFIED", "node-1", revision="other", node="node-1"))
+    assert "node-1" in coordinator.changed()
+
+
+async def test_an_install_not_finished_is_asked_again_sooner_then_less_often() -> None:
+    """``check_soon``: after 0.5 s, then twice as long each time, never past the pass interval."""
+    coordinator = UpgradeCoordinator.__new__(UpgradeCoordinator)
+    now = [1000.0]
+    coordinator.clock = lambda: now[0]
+    coordinator._soon, coordinator._asked_soon, coordinator.interval_s = {}, set(), 3.0
+    waits = []
+    for _ in range(5):
+        coordinator.check_soon("node-1")
+        waits.append(coordinator._soon["node-1"][1] - now[0])
+    assert waits == [0.5, 1.0, 2.0, 3.0, 3.0]
