@@ -22,7 +22,7 @@ from services.driver.agent import DriverAgent, bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
 from services.driver.gauges import UpgradeCollector
 from services.driver.lease import RedisLeaderLease
-from services.driver.ports import NodeDriver, NodeDrivers, StaleLeader
+from services.driver.ports import LeaseUnavailable, NodeDriver, NodeDrivers, StaleLeader
 from services.driver.upgrade import ORDER
 from shared.clients.drains import RecordReader
 from shared.contract.annotations import (
@@ -844,3 +844,28 @@ async def test_an_install_not_finished_is_asked_again_sooner_then_less_often() -
         coordinator.check_soon("node-1")
         waits.append(coordinator._soon["node-1"][1] - now[0])
     assert waits == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+async def test_a_pass_that_keeps_failing_is_tried_once_an_interval_never_in_a_busy_loop(
+    make_harness: MakeHarness,
+) -> None:
+    """The lease's store does not answer (Redis gone, as at a shutdown): each pass fails at once, and ``run`` tries
+    again after the interval, however many installs it had meant to ask again soon; it stops when cancelled."""
+    h = await make_harness(two_nodes(), POLICY)
+    coordinator = h.coordinator
+    tries = [0]
+
+    class Unavailable:
+        holder = "down"
+
+        async def acquire(self, floor: Callable[[], Awaitable[int]]) -> int | None:
+            tries[0] += 1
+            raise LeaseUnavailable("the lease's store does not answer")
+
+    coordinator.lease = Unavailable()  # type: ignore[assignment]
+    coordinator._soon["node-1"] = (0.5, 0.0)  # an install it meant to ask again long ago
+    task = asyncio.create_task(coordinator.run(0.5))
+    await asyncio.sleep(1.3)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled() and 2 <= tries[0] <= 4, tries  # at 0, 0.5 and 1.0 s: a busy loop tries thousands

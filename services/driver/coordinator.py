@@ -106,6 +106,8 @@ _MAX_STEPS_PER_NODE = 12
 WAKE_GATHER_S = 0.2
 """A prompt pass waits this long after the first wake, so that a burst of changes (a node's pods evicted one by
 one) makes one pass."""
+MIN_GAP_S = 0.05
+"""The least time between two passes."""
 POLL_SLACK_S = 0.05
 """A pass this close to the interval's end reads every node in flight (a timer's wake may come a little early)."""
 CHECK_SOON_S = 0.5
@@ -198,21 +200,31 @@ class UpgradeCoordinator:
         self.interval_s = interval_s
         try:
             while True:
+                now = self.clock()
+                poll = now + POLL_SLACK_S >= self._polled_at + interval_s
+                if poll:
+                    self._polled_at = now  # tried, whatever comes of it: a failing pass waits the interval
+                prompt = True
                 try:
-                    now = self.clock()
-                    await self.reconcile_once(poll_in_flight=now + POLL_SLACK_S >= self._polled_at + interval_s)
+                    await self.reconcile_once(poll_in_flight=poll)
                 except StaleLeader as exc:
                     log.warning("no longer the upgrade coordinator", extra={"error": str(exc)})
-                    self.token = 0
+                    self.token, prompt = 0, False
                 except (ClusterError, GpuError, LeaseUnavailable) as exc:
                     log.warning("upgrade pass interrupted; retrying", extra={"error": str(exc)})
+                    prompt = False
                 if self.token and (follower is None or follower.done()):  # where the pass's read left the cluster
                     follower = asyncio.create_task(self.follow_cluster(), name="driver-upgrade-watch")
                 elif not self.token and follower is not None:
                     await _cancelled(follower)
                     follower = None
+                if not self.token:
+                    self._soon.clear()  # a standby asks no agent
+                # a pass that failed, or a standby's, waits the interval (a wake still cuts it short); a leader's
+                # next pass comes when an install or validation is due again, and never at once (no busy loop)
+                wait = self._until_next(interval_s) if prompt and self.token else interval_s
                 try:
-                    await asyncio.wait_for(wake.wait(), timeout=self._until_next(interval_s))
+                    await asyncio.wait_for(wake.wait(), timeout=max(MIN_GAP_S, wait))
                     await asyncio.sleep(WAKE_GATHER_S)
                 except TimeoutError:
                     pass
@@ -322,8 +334,10 @@ class UpgradeCoordinator:
         why = self._why_full(policy, now)
         self._policy_seen = policy
         due = {node for node, (_, at) in self._soon.items() if at <= now}
+        for node in due:  # not due again unless asked again (a pass that fails never makes a busy loop)
+            self._soon[node] = (self._soon[node][0], now + (self.interval_s or RESYNC_S))
         self._asked_soon = set()
-        if why or poll_in_flight:
+        if why:
             self._polled_at = now
         if why:
             self._dirty.clear()  # before the read: what changes during it is read again next pass
@@ -342,6 +356,7 @@ class UpgradeCoordinator:
         read = list(await asyncio.gather(*(self._view(info) for info in infos)))
         for name in gone:
             self._forget(name)
+            self._soon.pop(name, None)
         for view in read:
             self._put(view)
         if why:
