@@ -868,7 +868,7 @@ async def test_a_handover_asked_again_keeps_its_waiters_and_one_handed_elsewhere
     handovers.start("s-1", "llama-a", 0.0)
     first = handovers.moving("s-1", 0.0)
     assert first is not None
-    waiting = asyncio.ensure_future(handovers.wait(first, 5.0))
+    waiting = asyncio.ensure_future(handovers.wait(first, 5.0, lambda: 0.0))
     await asyncio.sleep(0)
     handovers.start("s-1", "llama-a", 1.0)
     handovers.on_location("s-1")
@@ -876,11 +876,40 @@ async def test_a_handover_asked_again_keeps_its_waiters_and_one_handed_elsewhere
     handovers.start("s-1", "llama-a", 2.0)
     second = handovers.moving("s-1", 2.0)
     assert second is not None
-    woken = asyncio.ensure_future(handovers.wait(second, 5.0))
+    woken = asyncio.ensure_future(handovers.wait(second, 7.0, lambda: 2.0))
     await asyncio.sleep(0)
     handovers.start("s-1", "llama-b", 2.5)
     moved = handovers.moving("s-1", 2.5)
     assert await woken is True and moved is not None and moved.pod == "llama-b"
+
+
+async def test_a_request_waits_on_while_its_handover_is_renewed_and_times_out_once_it_is_not() -> None:
+    """The old holder still holds the session (its last save under way): the prefetcher asks again and renews the
+    handover, so a request already waiting goes on waiting past its first bound (a retry elsewhere would be refused
+    the claim too) and is woken by the new holder's location. Once nobody renews it, the bound ends the wait."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    def clock() -> float:
+        return loop.time() - started
+
+    handovers = Handovers(wait_s=0.3)
+    handovers.start("s-1", "llama-b", clock())
+    handover = handovers.moving("s-1", clock())
+    assert handover is not None
+    waiting = asyncio.ensure_future(handovers.wait(handover, handover.since + handovers.wait_s, clock))
+    for _ in range(4):  # 0.6 s of renewals: twice the bound
+        await asyncio.sleep(0.15)
+        handovers.start("s-1", "llama-b", clock())
+        assert not waiting.done()
+    handovers.on_location("s-1")  # llama-b claimed it
+    assert await waiting is True and handovers.renewed_waits >= 1 and handovers.timed_out == 0
+
+    handovers.start("s-2", "llama-b", clock())
+    lone = handovers.moving("s-2", clock())
+    assert lone is not None
+    assert await handovers.wait(lone, lone.since + handovers.wait_s, clock) is False  # not renewed: the bound holds
+    assert handovers.timed_out == 1
 
 
 def test_two_first_requests_of_a_new_session_go_to_one_pod_until_its_location_is_heard() -> None:

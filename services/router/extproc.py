@@ -143,9 +143,10 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
 
     async def _pick_handing_over(self, facts: RequestFacts) -> Pick:
         """The pick, held while the session is being moved (handover.py): a request of a session handed to a pod
-        whose new location is not heard yet waits for it, then goes to its new holder; past the bound set by the
-        first handover it met, 503. Woken early (the handover given up, or handed elsewhere) it picks again: any
-        pick but another handover is its answer, a handover nobody else started is started by it."""
+        whose new location is not heard yet waits for it, then goes to its new holder; past the bound (from the
+        handover's last renewal: ``Handovers.wait``), 503. Woken early (the handover given up, or handed
+        elsewhere) it picks again: any pick but another handover is its answer, a handover nobody else started is
+        started by it."""
         now = self.clock()
         pick = self.picker.pick(facts, now, count=False)  # counted once, when it is the answer
         deadline: float | None = None
@@ -156,7 +157,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
                 return self.picker.count(pick)
             if deadline is None:
                 deadline = handover.since + self.handovers.wait_s
-            if not await self.handovers.wait(handover, deadline - now):
+            if not await self.handovers.wait(handover, deadline, self.clock):
                 if self.handovers.moving(facts.session, self.clock()) is handover:
                     self.handovers.forget(facts.session)
                 reason = f"session {facts.session} is being moved to {handover.pod}; its new holder is not known yet"

@@ -10,6 +10,13 @@ another pod, which would race the first for the session: its claim refused while
 for the newer location, and is then picked again (its new holder first). Past the bound it is answered 503 (the
 gateway's client retries) and the handover is forgotten, so the retry hands the session over afresh.
 
+The bound runs from the handover's last renewal. The prefetcher renews a handover each time it asks its pod again
+because the old holder still holds the session (terminating, its last save under way): then no pod can take the
+session yet, a retry elsewhere would be refused the claim too, and a request that gave up would only race the
+prefetch with a cold restore of its own. So a waiting request goes on waiting while the handover is renewed, and
+gets ``wait_s`` from the session's release, however long the old holder took to save it (the prefetcher stops
+renewing at its own deadline).
+
 Kept in memory, bounded: one entry per session in handover (at most ``max_pending``, the oldest forgotten first),
 an entry older than ``wait_s`` counts for nothing and is dropped when next looked at. Waiting changes nothing the
 router knows; a location naming a holder wakes the session's waiters.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -42,6 +50,8 @@ class Handovers:
         self.waited = 0
         self.heard_in_time = 0
         self.timed_out = 0
+        self.renewed_waits = 0
+        """Waits carried past their first bound because the old holder still held the session."""
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -91,16 +101,23 @@ class Handovers:
         if handover is not None:
             handover.heard.set()
 
-    async def wait(self, handover: Handover, timeout_s: float) -> bool:
-        """Wait until the session's next location is heard (True) or ``timeout_s`` passes (False)."""
+    async def wait(self, handover: Handover, deadline: float, clock: Callable[[], float]) -> bool:
+        """Wait until the session's next location is heard (True) or ``deadline`` passes (False), the deadline
+        moved on to ``wait_s`` after each renewal of the handover while it is still the session's (module doc)."""
         self.waited += 1
-        try:
-            await asyncio.wait_for(handover.heard.wait(), max(0.0, timeout_s))
-        except TimeoutError:
-            self.timed_out += 1
-            return False
-        self.heard_in_time += 1
-        return True
+        while True:
+            try:
+                await asyncio.wait_for(handover.heard.wait(), max(0.0, deadline - clock()))
+            except TimeoutError:
+                renewed = handover.since + self.wait_s
+                if renewed > deadline and not handover.heard.is_set() and renewed > clock():
+                    self.renewed_waits += 1
+                    deadline = renewed
+                    continue
+                self.timed_out += 1
+                return False
+            self.heard_in_time += 1
+            return True
 
     def status(self) -> dict[str, int]:
         return {
@@ -109,4 +126,5 @@ class Handovers:
             "waited": self.waited,
             "heard_in_time": self.heard_in_time,
             "timed_out": self.timed_out,
+            "renewed_waits": self.renewed_waits,
         }
