@@ -488,11 +488,11 @@ async def test_a_cordoned_nodes_pods_get_new_sessions_last_and_keep_their_own(
             return lambda obj: obj["spec"].__setitem__("unschedulable", unschedulable)
 
         api.update("nodes", "", "node-1", cordon(True))
-        await eventually(lambda: first("c"), timeout=5)
+        await eventually(lambda: first("c"), timeout=15)  # the watch's event, then the node read (a busy machine)
         assert (await route(mesh.stub)).endpoints == (endpoint("c"), endpoint("a"), endpoint("b"))
         assert await first("a", "s-on-a")
         api.update("nodes", "", "node-1", cordon(False))
-        await eventually(lambda: first("a"), timeout=5)
+        await eventually(lambda: first("a"), timeout=15)
     finally:
         await mesh.channel.close()
         await mesh.running.stop(grace=1)
@@ -887,29 +887,27 @@ async def test_a_request_waits_on_while_its_handover_is_renewed_and_times_out_on
     """The old holder still holds the session (its last save under way): the prefetcher asks again and renews the
     handover, so a request already waiting goes on waiting past its first bound (a retry elsewhere would be refused
     the claim too) and is woken by the new holder's location. Once nobody renews it, the bound ends the wait."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-
-    def clock() -> float:
-        return loop.time() - started
-
-    handovers = Handovers(wait_s=0.3)
-    handovers.start("s-1", "llama-b", clock())
-    handover = handovers.moving("s-1", clock())
+    now = [0.0]
+    handovers = Handovers(wait_s=5.0)
+    handovers.start("s-1", "llama-b", now[0])
+    handover = handovers.moving("s-1", now[0])
     assert handover is not None
-    waiting = asyncio.ensure_future(handovers.wait(handover, handover.since + handovers.wait_s, clock))
-    for _ in range(4):  # 0.6 s of renewals: twice the bound
-        await asyncio.sleep(0.15)
-        handovers.start("s-1", "llama-b", clock())
-        assert not waiting.done()
+    # a request whose bound ends 0.05 s from now (as one that met the handover near the end of it)
+    waiting = asyncio.ensure_future(handovers.wait(handover, 0.05, lambda: now[0]))
+    await asyncio.sleep(0)
+    now[0] = 0.01
+    handovers.start("s-1", "llama-b", now[0])  # asked again: the old holder still holds it (renewed at 0.01)
+    await eventually(lambda: handovers.renewed_waits == 1)  # past 0.05: waits on, to 5.01
+    assert not waiting.done()
     handovers.on_location("s-1")  # llama-b claimed it
-    assert await waiting is True and handovers.renewed_waits >= 1 and handovers.timed_out == 0
+    assert await waiting is True and handovers.timed_out == 0
 
-    handovers.start("s-2", "llama-b", clock())
-    lone = handovers.moving("s-2", clock())
+    quick = Handovers(wait_s=0.05)
+    quick.start("s-2", "llama-b", 0.0)
+    lone = quick.moving("s-2", 0.0)
     assert lone is not None
-    assert await handovers.wait(lone, lone.since + handovers.wait_s, clock) is False  # not renewed: the bound holds
-    assert handovers.timed_out == 1
+    assert await quick.wait(lone, 0.05, lambda: 0.0) is False  # not renewed: the bound holds
+    assert quick.timed_out == 1 and quick.renewed_waits == 0
 
 
 def test_two_first_requests_of_a_new_session_go_to_one_pod_until_its_location_is_heard() -> None:
