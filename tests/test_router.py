@@ -31,7 +31,7 @@ from services.router.service import RouterService
 from shared.contract.annotations import POD_DELETION_COST_ANNOTATION as DELETION_COST
 from shared.contract.load import PodLoad
 from shared.contract.permissions import may_publish, may_subscribe, service_permissions
-from shared.contract.sessions import SessionLocation
+from shared.contract.sessions import PrefetchSessions, SessionLocation, SessionsPrefetched
 from shared.contract.subjects import Subjects
 from shared.host.runner import RunningService, start_service
 from shared.plumbing.bus import Bus
@@ -908,6 +908,35 @@ async def test_a_request_waits_on_while_its_handover_is_renewed_and_times_out_on
     assert lone is not None
     assert await quick.wait(lone, 0.05, lambda: 0.0) is False  # not renewed: the bound holds
     assert quick.timed_out == 1 and quick.renewed_waits == 0
+
+
+async def test_a_prefetch_still_restoring_keeps_its_sessions_handovers_alive_until_its_pod_answers() -> None:
+    """A pod restoring hundreds of sessions answers once all are done: meanwhile the prefetcher renews their
+    handovers, so a request of one restored late waits for it instead of timing out and restoring it cold
+    elsewhere. Once the answer is in, nothing renews them any more."""
+    now = [0.0]
+    handovers = Handovers(wait_s=0.2)
+    answered = asyncio.Event()
+
+    async def slow_ask(command: PrefetchSessions, timeout: float) -> SessionsPrefetched:
+        await answered.wait()
+        return SessionsPrefetched(pod=command.pod, restored=list(command.session_ids))
+
+    prefetcher = Prefetcher(_picker(), handovers, slow_ask, 30.0, lambda: now[0])
+    b = pod_name("b")
+    for session in ("s1", "s2"):
+        handovers.start(session, b, now[0])
+    handovers.start("s3", pod_name("c"), now[0])  # handed to another pod: not this prefetch's to renew
+    asking = asyncio.ensure_future(prefetcher._prefetch(b, ["s1", "s2", "s3"]))
+    now[0] = 1.0  # five bounds on, the pod still restoring
+    await eventually(lambda: prefetcher.stats.renewed >= 2)
+    assert handovers.moving("s1", now[0]) is not None and handovers.moving("s2", now[0]) is not None
+    assert handovers.moving("s3", now[0]) is None
+    answered.set()
+    await asking
+    renewed = prefetcher.stats.renewed
+    await asyncio.sleep(0.25)
+    assert prefetcher.stats.renewed == renewed and prefetcher.stats.prefetched == 3
 
 
 def test_two_first_requests_of_a_new_session_go_to_one_pod_until_its_location_is_heard() -> None:

@@ -10,12 +10,12 @@ another pod, which would race the first for the session: its claim refused while
 for the newer location, and is then picked again (its new holder first). Past the bound it is answered 503 (the
 gateway's client retries) and the handover is forgotten, so the retry hands the session over afresh.
 
-The bound runs from the handover's last renewal. The prefetcher renews a handover each time it asks its pod again
-because the old holder still holds the session (terminating, its last save under way): then no pod can take the
-session yet, a retry elsewhere would be refused the claim too, and a request that gave up would only race the
-prefetch with a cold restore of its own. So a waiting request goes on waiting while the handover is renewed, and
-gets ``wait_s`` from the session's release, however long the old holder took to save it (the prefetcher stops
-renewing at its own deadline).
+The bound runs from the handover's last renewal. The prefetcher renews a handover while its pod is restoring the
+session (every half bound until the pod answers), and each time it asks its pod again because the old holder
+still holds the session (terminating, its last save under way). In both cases no other pod could do better: a
+retry elsewhere would be refused the claim, or race the prefetch with a cold restore of its own. So a waiting
+request goes on waiting while the handover is renewed, and gets ``wait_s`` from the last sign of progress (the
+prefetcher stops renewing at its own deadline).
 
 Kept in memory, bounded: one entry per session in handover (at most ``max_pending``, the oldest forgotten first),
 an entry older than ``wait_s`` counts for nothing and is dropped when next looked at. Waiting changes nothing the
@@ -85,6 +85,19 @@ class Handovers:
     def on_location(self, session: str) -> None:
         """A newer location of ``session`` was heard: its handover is over, its waiters pick again."""
         self.forget(session)
+
+    def renew(self, sessions: list[str], pod: str, now: float) -> int:
+        """The sessions' handovers to ``pod`` are still under way (its prefetch is restoring them): their bound runs
+        from ``now``, their waiters wait on. Sessions no longer in handover to ``pod`` are left alone. Returns how
+        many were renewed."""
+        renewed = 0
+        for session in sessions:
+            handover = self._pending.get(session)
+            if handover is not None and handover.pod == pod and not handover.heard.is_set():
+                handover.since = now
+                self._pending.move_to_end(session)
+                renewed += 1
+        return renewed
 
     def given_up(self, sessions: list[str], pod: str) -> None:
         """The sessions' handover to ``pod`` will not happen (its prefetch failed or went unanswered): their next

@@ -57,6 +57,8 @@ class PrefetchStats:
     asked_again: int = 0
     failed: int = 0
     unanswered: int = 0
+    renewed: int = 0
+    """Handovers renewed while their pod was still restoring them."""
 
 
 class Activity:
@@ -183,6 +185,7 @@ class Prefetcher:
             command = PrefetchSessions(
                 pod=pod, namespace=namespace, deployment=deployment, session_ids=remaining, deadline_s=left_s
             )
+            renewing = asyncio.ensure_future(self._renew_while_asked(remaining, pod))
             try:
                 answer = await self.ask(command, left_s + 5.0)
             except Exception as exc:  # no agent answers (the pod is starting or gone): restored on demand
@@ -190,6 +193,8 @@ class Prefetcher:
                 self.handovers.given_up(remaining, pod)
                 log.info("prefetch unanswered", extra={"pod": pod, "sessions": len(remaining), "error": str(exc)})
                 return
+            finally:
+                renewing.cancel()
             if not isinstance(answer, SessionsPrefetched):
                 self.stats.failed += len(remaining)
                 self.handovers.given_up(remaining, pod)
@@ -214,6 +219,17 @@ class Prefetcher:
             else:
                 self.handovers.given_up(remaining, pod)
                 return
+
+    async def _renew_while_asked(self, sessions: list[str], pod: str) -> None:
+        """While ``pod`` restores ``sessions`` (its answer comes when all are done: hundreds take seconds), their
+        handovers are renewed every half bound, so that a request of one restored late waits for it rather than
+        giving up and restoring it cold elsewhere (handover.py). Cancelled when the answer comes."""
+        period = self.handovers.wait_s / 2
+        if period <= 0:
+            return
+        while True:
+            await asyncio.sleep(period)
+            self.stats.renewed += self.handovers.renew(sessions, pod, self.clock())
 
     def status(self) -> dict[str, object]:
         return {
