@@ -6,6 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import router as bench_router
 
 
@@ -44,6 +46,7 @@ def test_bench_router_measures_a_drain_through_the_whole_mesh_at_a_tiny_size() -
     assert moves["requests_to_non_holder"] == 0 and moves["sessions_lost"] == 0
 
 
+@pytest.mark.long  # 45 s of a whole mesh: `make faults` runs it; make test keeps the drain's (the same measure_moves)
 def test_bench_router_measures_a_scale_in_through_the_whole_mesh_at_a_tiny_size() -> None:
     """The issue's scale-in at a tiny size: the routing spec's pool scaled 3 -> 2 with ``gpuwarden sim scale``
     under 8 conversations; the pod removed is named, nothing lost, no request to a non-holder."""
