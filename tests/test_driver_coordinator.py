@@ -22,6 +22,7 @@ from services.driver.agent import DriverAgent, bus_node_drivers
 from services.driver.coordinator import UpgradeCoordinator
 from services.driver.gauges import UpgradeCollector
 from services.driver.lease import RedisLeaderLease
+from services.driver.pace import PassPace
 from services.driver.ports import LeaseUnavailable, NodeDriver, NodeDrivers, StaleLeader
 from services.driver.upgrade import ORDER
 from shared.clients.drains import RecordReader
@@ -825,7 +826,7 @@ async def test_running_a_node_moves_through_its_states_as_fast_as_they_go_not_on
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    coordinator._dirty.clear()
+    coordinator.pace.take_changed()
     view = coordinator._views["node-1"]
     coordinator.note_change(ClusterChange("node", "MODIFIED", "node-1", revision=view.revision, node="node-1"))
     assert "node-1" not in coordinator.changed()  # its own write, read back already
@@ -833,17 +834,21 @@ async def test_running_a_node_moves_through_its_states_as_fast_as_they_go_not_on
     assert "node-1" in coordinator.changed()
 
 
-async def test_an_install_not_finished_is_asked_again_sooner_then_less_often() -> None:
-    """``check_soon``: after 0.5 s, then twice as long each time, never past the pass interval."""
-    coordinator = UpgradeCoordinator.__new__(UpgradeCoordinator)
+def test_an_install_not_finished_is_asked_again_sooner_then_less_often() -> None:
+    """``PassPace.soon``: after 0.5 s, then twice as long each time, never past the pass interval; the next pass
+    comes then, and a node it read and did not ask again waits on nothing."""
     now = [1000.0]
-    coordinator.clock = lambda: now[0]
-    coordinator._soon, coordinator._asked_soon, coordinator.interval_s = {}, set(), 3.0
+    pace = PassPace(lambda: now[0], interval_s=3.0)
+    pace.poll_due()  # the pass reading every node in flight, at 1000
     waits = []
     for _ in range(5):
-        coordinator.check_soon("node-1")
-        waits.append(coordinator._soon["node-1"][1] - now[0])
+        pace.soon("node-1")
+        waits.append(pace.until_next())
     assert waits == [0.5, 1.0, 2.0, 3.0, 3.0]
+    now[0] += 3.0
+    assert pace.begin() == {"node-1"} and pace.begin() == set()  # due once, then pushed back
+    pace.settle(["node-1"])
+    assert pace.until_next() == 0.0  # only the interval's pass is due now (1000 + 3)
 
 
 async def test_a_pass_that_keeps_failing_is_tried_once_an_interval_never_in_a_busy_loop(
@@ -863,7 +868,8 @@ async def test_a_pass_that_keeps_failing_is_tried_once_an_interval_never_in_a_bu
             raise LeaseUnavailable("the lease's store does not answer")
 
     coordinator.lease = Unavailable()  # type: ignore[assignment]
-    coordinator._soon["node-1"] = (0.5, 0.0)  # an install it meant to ask again long ago
+    coordinator.pace.soon("node-1")  # an install it meant to ask again long ago
+    h.clock = lambda: time.time() + 3600
     task = asyncio.create_task(coordinator.run(0.5))
     await asyncio.sleep(1.3)
     task.cancel()

@@ -16,14 +16,11 @@ watch feeds the view (before ``follow_cluster`` runs, or after it failed), on a 
 changed, after a pass that failed midway, and every ``resync_s``: what the watch could not say (a driver installed
 on a node by hand, a change the watch lost) is found then. Idle, a pass reads nothing.
 
-A step waits for a pass no longer than it must. A pass runs every ``interval_s`` and also promptly (``WAKE_GATHER_S``
-after the first of a burst) when what a node in flight waits for happens: its node or pods changed in the cluster
-(the watch; a change whose revision the kept view already holds, this coordinator's own write read back, is not
-one), its drain's verdict came, or an install or validation it polls is due again (``CHECK_SOON_S``, doubling up to
-``interval_s`` while it stays unfinished). Such a prompt pass reads only those nodes; the in-flight nodes are all
-read again by a pass at most every ``interval_s``, as before. So a node moves through its states as fast as its
-drain, evictions and install go, rather than one state per interval, and what a pass costs still follows the
-changes.
+A step waits for a pass no longer than it must: besides every ``interval_s``, a pass comes promptly when what a
+node in flight waits for happens (its node or pods changed in the watch, its drain's verdict came, its install or
+validation is due again), and reads only those nodes (``services.driver.pace``). A watched change whose revision
+the kept view already holds (this coordinator's own write, read back) is passed over. So a node moves through its
+states as fast as its drain, evictions and install go, and what a pass costs still follows the changes.
 
 Nothing is remembered between passes that the cluster (or the node's agent) does not hold, except that view (read
 whole again at start), the eviction backoff and which drains this process has published; so a coordinator killed
@@ -72,6 +69,7 @@ from shared.plumbing.retries import CLUSTER_REWATCH
 from shared.ports.cluster import ClusterChange, ClusterConflict, ClusterError, ClusterPort, NodeInfo
 from shared.ports.gpu import GpuError
 
+from .pace import PassPace
 from .ports import (
     AgentUnreachable,
     InstallStatus,
@@ -103,16 +101,6 @@ log = logging.getLogger(__name__)
 Publish = Callable[[Event], Awaitable[None]]
 Clock = Callable[[], float]
 _MAX_STEPS_PER_NODE = 12
-WAKE_GATHER_S = 0.2
-"""A prompt pass waits this long after the first wake, so that a burst of changes (a node's pods evicted one by
-one) makes one pass."""
-MIN_GAP_S = 0.05
-"""The least time between two passes."""
-POLL_SLACK_S = 0.05
-"""A pass this close to the interval's end reads every node in flight (a timer's wake may come a little early)."""
-CHECK_SOON_S = 0.5
-"""An install or validation not finished is asked again after this, then after twice as long each time, up to the
-pass interval."""
 _DRAIN_DEADLINE_S = 25.0
 RESYNC_S = 300.0
 """Seconds between full passes (every node read) while the watch feeds the view: ``GPUWARDEN_DRIVER_RESYNC_S``."""
@@ -172,22 +160,14 @@ class UpgradeCoordinator:
         """True while ``follow_cluster``'s watch feeds the view: only then may a pass read less than every node."""
         self.last_pass = PassStats(full=True, nodes_read=0, why="no pass yet")
         self._views: dict[str, NodeView] = {}
-        self._dirty: set[str] = set()
+        self.pace = PassPace(clock)
+        """What changed since the last pass, what is due again, and when the next pass comes."""
         self._in_flight: set[str] = set()
         self._waiting: set[str] = set()
         self._tally = [0, 0, 0]  # in_progress, unavailable, failed: ClusterView's counts, kept as views change
         self._resync_due = True
         self._resync_at = 0.0
         self._policy_seen: DriverPolicy | None = None
-        self._wake: asyncio.Event | None = None
-        """Set by a change a node in flight waits for (``note_change``, ``note_verdict``): ``run`` passes promptly."""
-        self._soon: dict[str, tuple[float, float]] = {}
-        """Nodes whose unfinished install or validation is asked again soon: node -> (its delay, when)."""
-        self._asked_soon: set[str] = set()
-        self._polled_at = 0.0
-        """When a pass last read every node in flight."""
-        self.interval_s: float | None = None
-        """The pass interval ``run`` keeps (None until it runs): the longest an install is left unasked."""
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     async def run(self, interval_s: float, wake: asyncio.Event | None = None) -> None:
@@ -195,18 +175,16 @@ class UpgradeCoordinator:
         ``note_change``) or a node's install or validation is due again (module doc), with ``follow_cluster``
         feeding the view while this coordinator leads (a standby watches nothing: a hollow host's thousand driver
         instances are one watcher)."""
-        wake = self._wake = wake or asyncio.Event()
+        pace = self.pace
+        pace.interval_s = interval_s
+        if wake is not None:
+            pace.wake = wake
         follower: asyncio.Task[None] | None = None
-        self.interval_s = interval_s
         try:
             while True:
-                now = self.clock()
-                poll = now + POLL_SLACK_S >= self._polled_at + interval_s
-                if poll:
-                    self._polled_at = now  # tried, whatever comes of it: a failing pass waits the interval
                 prompt = True
                 try:
-                    await self.reconcile_once(poll_in_flight=poll)
+                    await self.reconcile_once(poll_in_flight=pace.poll_due())
                 except StaleLeader as exc:
                     log.warning("no longer the upgrade coordinator", extra={"error": str(exc)})
                     self.token, prompt = 0, False
@@ -219,16 +197,10 @@ class UpgradeCoordinator:
                     await _cancelled(follower)
                     follower = None
                 if not self.token:
-                    self._soon.clear()  # a standby asks no agent
+                    pace.standby()
                 # a pass that failed, or a standby's, waits the interval (a wake still cuts it short); a leader's
                 # next pass comes when an install or validation is due again, and never at once (no busy loop)
-                wait = self._until_next(interval_s) if prompt and self.token else interval_s
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout=max(MIN_GAP_S, wait))
-                    await asyncio.sleep(WAKE_GATHER_S)
-                except TimeoutError:
-                    pass
-                wake.clear()
+                await pace.wait(prompt and bool(self.token))
         finally:
             if follower is not None:
                 await _cancelled(follower)
@@ -265,13 +237,6 @@ class UpgradeCoordinator:
             raise ended
         log.info("cluster watch ended; watching again", extra={"error": str(ended)})
 
-    def _until_next(self, interval_s: float) -> float:
-        """Seconds until the next pass is due by time: the interval's, or an install or validation asked soon."""
-        due = self._polled_at + interval_s
-        if self._soon:
-            due = min(due, min(at for _, at in self._soon.values()))
-        return max(0.0, min(interval_s, due - self.clock()))
-
     def note_change(self, change: ClusterChange) -> None:
         """The node ``change`` is about is read again by the next pass, which comes at once when that node's
         upgrade is in flight; a change the kept view already holds (its revision: this coordinator's own write,
@@ -281,33 +246,17 @@ class UpgradeCoordinator:
             kept = self._views.get(change.node)
             if change.kind == "node" and change.revision and kept is not None and kept.revision == change.revision:
                 return
-            self._dirty.add(change.node)
-            if change.node in self._in_flight:
-                self._prompt()
+            self.pace.mark(change.node, prompt=change.node in self._in_flight)
         elif change.kind == "pod" and change.type == "DELETED":
             self._resync_due = True
 
-    def _prompt(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    def check_soon(self, node: str) -> None:
-        """The node's install or validation is not finished: ask again after ``CHECK_SOON_S``, then twice as long
-        each time it is still not, up to the pass interval."""
-        delay = self._soon.get(node, (CHECK_SOON_S / 2, 0.0))[0] * 2
-        if self.interval_s is not None:
-            delay = min(delay, self.interval_s)
-        self._soon[node] = (delay, self.clock() + delay)
-        self._asked_soon.add(node)
-
     def changed(self) -> frozenset[str]:
         """The nodes the next pass reads because they changed (the watch or a verdict said so)."""
-        return frozenset(self._dirty)
+        return self.pace.changed()
 
     def note_verdict(self, node: str) -> None:
-        """A drain verdict was heard for ``node``: the next pass reads it (and its verdict) again."""
-        self._dirty.add(node)
-        self._prompt()
+        """A drain verdict was heard for ``node``: the next pass reads it (and its verdict) again, at once."""
+        self.pace.mark(node, prompt=True)
 
     async def reconcile_once(self, poll_in_flight: bool = True) -> bool:
         """One pass; False when another coordinator leads. Raises ``StaleLeader`` when the lease was lost mid-pass.
@@ -333,20 +282,15 @@ class UpgradeCoordinator:
         now = self.clock()
         why = self._why_full(policy, now)
         self._policy_seen = policy
-        due = {node for node, (_, at) in self._soon.items() if at <= now}
-        for node in due:  # not due again unless asked again (a pass that fails never makes a busy loop)
-            self._soon[node] = (self._soon[node][0], now + (self.interval_s or RESYNC_S))
-        self._asked_soon = set()
+        due = self.pace.begin()
+        changed = self.pace.take_changed()  # before the read: what changes during it is read again next pass
         if why:
-            self._polled_at = now
-        if why:
-            self._dirty.clear()  # before the read: what changes during it is read again next pass
+            self.pace.polled()
             self._resync_due = False
             infos = await self.cluster.nodes()
             gone: list[str] = sorted(set(self._views) - {info.name for info in infos})
         else:
-            names = sorted(self._dirty | due | (self._in_flight if poll_in_flight else set()))
-            self._dirty.clear()
+            names = sorted(changed | due | (self._in_flight if poll_in_flight else set()))
             found = await asyncio.gather(*(self.cluster.node(name) for name in names))
             infos = [info for info in found if info is not None]
             gone = [name for name, info in zip(names, found, strict=True) if info is None]
@@ -356,7 +300,7 @@ class UpgradeCoordinator:
         read = list(await asyncio.gather(*(self._view(info) for info in infos)))
         for name in gone:
             self._forget(name)
-            self._soon.pop(name, None)
+            self.pace.forget(name)
         for view in read:
             self._put(view)
         if why:
@@ -367,9 +311,7 @@ class UpgradeCoordinator:
             current = self._views.get(looked_at[index].name)
             if current is not None:
                 await self._advance(current, policy)
-        read_names = {v.name for v in read}
-        for node in [n for n in self._soon if n in read_names and n not in self._asked_soon]:
-            del self._soon[node]  # read, and no longer waiting on its agent
+        self.pace.settle(v.name for v in read)  # read, and not asked again: no longer waiting on its agent
 
     def _why_full(self, policy: DriverPolicy, now: float) -> str:
         """Why this pass reads every node ('' when it reads only what changed or is in flight)."""
@@ -658,7 +600,7 @@ class UpgradeCoordinator:
         outcome = after_install(view, policy, status.progress, status.reason, self.clock())
         if outcome.kind == "wait":
             log.info("driver install not finished", extra={"node": view.name, "reason": outcome.why})
-            self.check_soon(view.name)
+            self.pace.soon(view.name)
             return
         if status.progress == "installed":
             await self.publish(DriverInstalled(node=view.name, version=action.version))
@@ -682,7 +624,7 @@ class UpgradeCoordinator:
         if outcome.kind == "wait":
             if view.state != "upgrade-failed":
                 log.info("driver validation not passing yet", extra={"node": view.name, "reason": reason})
-                self.check_soon(view.name)
+                self.pace.soon(view.name)
             return
         if outcome.state == "uncordon-required" and view.state == "upgrade-failed":
             log.warning("driver upgrade failure RECOVERED by a later validation", extra={"node": view.name})
