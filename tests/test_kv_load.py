@@ -106,8 +106,16 @@ async def test_run_publishes_on_the_bus_every_interval(bus: Bus) -> None:
         heard.append(event)
 
     await bus.subscribe(bus.subjects.pattern("kv.pod.load", pod="chat-7"), on_load, accepts=(PodLoad,))
+    versions = {"2": None, "1": None}  # the agent's layouts: the version it serves and one its sessions still run on
     reporter = LoadReporter(
-        bus.publish, lambda: (5, 8), pod="chat-7", node="node-2", namespace="llm", deployment="chat", interval_s=0.1
+        bus.publish,
+        lambda: (5, 8),
+        pod="chat-7",
+        node="node-2",
+        namespace="llm",
+        deployment="chat",
+        interval_s=0.1,
+        versions=versions.keys,
     )
     task = asyncio.create_task(reporter.run())
     try:
@@ -115,6 +123,7 @@ async def test_run_publishes_on_the_bus_every_interval(bus: Bus) -> None:
     finally:
         task.cancel()
     assert {(e.pod, e.node, e.blocks_used, e.blocks_total) for e in heard} == {("chat-7", "node-2", 5, 8)}
+    assert all(e.model_versions == ["1", "2"] for e in heard)
     assert heard[0].source == "test"
 
 

@@ -733,19 +733,29 @@ def test_the_router_manifests_agree_with_each_other_with_the_example_pool_and_wi
     assert {8000} == {p["containerPort"] for c in served["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
 
 
-def loaded(picker: EndpointPicker, used: dict[str, int], now: float) -> None:
-    """A load report of each pod (by suffix): ``used`` blocks of 100."""
+def loaded(
+    picker: EndpointPicker, used: dict[str, int], now: float, versions: dict[str, list[str]] | None = None
+) -> None:
+    """A load report of each pod (by suffix): ``used`` blocks of 100, and the model versions it holds when
+    ``versions`` names it."""
     for suffix, blocks in used.items():
         picker.on_load(
             PodLoad(
-                pod=pod_name(suffix), namespace=NS, deployment=DEP, blocks_used=blocks, blocks_total=100, window_s=5
+                pod=pod_name(suffix),
+                namespace=NS,
+                deployment=DEP,
+                blocks_used=blocks,
+                blocks_total=100,
+                window_s=5,
+                model_versions=(versions or {}).get(suffix),
             ),
             now,
         )
 
 
-def held(picker: EndpointPicker, sessions: Iterable[tuple[str, str, int]]) -> None:
-    """Each (session, pod suffix, tokens) held there, in order (sequence 1, 2, ...)."""
+def held(picker: EndpointPicker, sessions: Iterable[tuple[str, str, int]], version: str = "") -> None:
+    """Each (session, pod suffix, tokens) held there, in order (sequence 1, 2, ...), its checkpoint of model
+    ``version``."""
     for index, (sid, suffix, tokens) in enumerate(sessions):
         picker.on_location(
             SessionLocation(
@@ -757,8 +767,67 @@ def held(picker: EndpointPicker, sessions: Iterable[tuple[str, str, int]]) -> No
                 namespace=NS,
                 deployment=DEP,
                 token_count=tokens,
+                model_version=version,
             )
         )
+
+
+def test_a_session_moves_only_to_a_pod_holding_its_model_version() -> None:
+    """After a rollout pod a holds sessions pinned to version 1 and pod c has dropped it (it serves 2 only): when
+    a leaves, its sessions are prefetched to b (versions 1 and 2) though c is less pressed, and a request of one
+    that was not prefetched goes first to b too. A version no pod holds is prefetched nowhere (counted) and its
+    request is balanced as before, counted unserved. A session not saved since it was placed (its version not
+    known) goes to a pod holding every version its holder held. A pod that does not say its versions takes any."""
+    picker = _picker()
+    loaded(picker, {"a": 50, "b": 60, "c": 5}, 100.0, versions={"a": ["1", "2"], "b": ["1", "2"], "c": ["2"]})
+    held(picker, (("old-1", "a", 32), ("old-2", "a", 16)), version="1")
+    held(picker, (("new", "a", 16),), version="2")
+    picker.on_location(  # not saved since it was placed: its version is not known, a's are 1 and 2
+        SessionLocation(
+            session_id="unsaved",
+            sequence=8,
+            reason="placed",
+            held=True,
+            pod=pod_name("a"),
+            namespace=NS,
+            deployment=DEP,
+        )
+    )
+    picker.on_location(
+        SessionLocation(
+            session_id="ancient",
+            sequence=9,
+            reason="placed",
+            held=True,
+            pod=pod_name("a"),
+            namespace=NS,
+            deployment=DEP,
+            token_count=16,
+            model_version="0",
+        )
+    )
+    prefetcher = Prefetcher(picker, Handovers(10.0), _never_asked, 30.0, lambda: 100.0)
+    for sid in ("old-1", "old-2", "new", "ancient", "unsaved"):
+        prefetcher.saw_request(sid, 99.0)
+    picker.set_pods(  # a leaves
+        PodInfo(name=pod_name(s), namespace=NS, node="n", deployment=DEP, phase="Running", uid=s, ip=PODS[s])
+        for s in ("b", "c")
+    )
+    moving = [(sid, p.tokens, p.needs()) for sid, p in picker.sessions.items()]
+    assert prefetcher.assign(moving, 100.0) == {pod_name("b"): ["old-1", "old-2", "unsaved"], pod_name("c"): ["new"]}
+    assert prefetcher.stats.no_version == 1  # "ancient": no pod holds version 0
+
+    first = picker.pick(RequestFacts(session="old-2"), 100.0)
+    assert first.endpoints[:2] == (endpoint("b"), endpoint("c")) and not first.version_unserved, first
+    assert picker.pick(RequestFacts(session="new"), 100.0).endpoints[0] == endpoint("c")  # the least loaded
+    within = picker.pick(RequestFacts(session="old-2", subset=frozenset({endpoint("b"), endpoint("c")})), 100.0)
+    assert within.endpoints == (endpoint("b"), endpoint("c")), within
+    unserved = picker.pick(RequestFacts(session="ancient"), 100.0)
+    assert unserved.endpoints[0] == endpoint("c") and unserved.version_unserved
+    assert picker.status()["version_unserved"] == 1
+
+    loaded(picker, {"c": 6}, 101.0)  # c stops saying its versions (an older agent): it may take any
+    assert picker.pick(RequestFacts(session="old-2"), 101.0).endpoints[0] == endpoint("c")
 
 
 def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_and_only_they() -> None:
@@ -781,7 +850,7 @@ def test_a_leaving_pods_active_sessions_are_spread_over_the_least_pressed_pods_a
         for s in ("b", "c")
     )
     moving = [
-        (sid, placement.tokens)
+        (sid, placement.tokens, placement.needs())
         for sid, placement in picker.sessions.items()
         if sid in prefetcher.activity.since(70.0) and placement.holder is before[pod_name("a")]
     ]
@@ -810,9 +879,9 @@ def test_a_prefetch_never_goes_to_a_pod_on_a_cordoned_node_and_new_sessions_go_t
     assert fresh.endpoints == (endpoint("c"), endpoint("b"), endpoint("a")), fresh  # a: no load report, leaving
     assert picker.pick(RequestFacts(session="held-by-b"), 100.0).endpoints[0] == endpoint("b")
     prefetcher = Prefetcher(picker, Handovers(10.0), _never_asked, 30.0, lambda: 100.0)
-    assert prefetcher.assign([("s1", 16), ("s2", 16)], 100.0) == {pod_name("c"): ["s1", "s2"]}
+    assert prefetcher.assign([("s1", 16, frozenset()), ("s2", 16, frozenset())], 100.0) == {pod_name("c"): ["s1", "s2"]}
     picker.set_pods(listing("a", "b", "c"), cordoned={"node-1", "node-2"})
-    assert prefetcher.assign([("s1", 16)], 100.0) == {}
+    assert prefetcher.assign([("s1", 16, frozenset())], 100.0) == {}
     assert picker.pick(RequestFacts(), 100.0).endpoints[0] == endpoint("b")  # all leaving: still served
 
 

@@ -12,10 +12,13 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from shared.clients.rollouts import begin_rollout, deployment_key, read_models
 from shared.console import operations
 from shared.contract.sessions import PrefetchSessions, SessionsPrefetched
+from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.errors import SettingsError
 from shared.plumbing.settings import HostPort, Settings, settings_from_env
+from shared.ports.cluster import EvictionOutcome
 from shared.sim.gateway import GatewayClient, GatewaySettings, read_answer
 from tests.faults.fleet import Fleet, fleet
 from tests.helpers import eventually
@@ -91,6 +94,77 @@ async def test_a_drained_nodes_sessions_are_prefetched_on_other_pods_and_routed_
         assert router.prefetcher.stats.prefetched >= 1 and f.workload.stats.prefetched >= 1
         assert router.metrics.counts["prefetched"] >= 1
         assert gateway.landings.to_non_holder == 0
+
+
+async def test_after_a_rollout_a_pinned_session_moves_only_to_a_pod_that_holds_its_model_version(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Sessions begun on version 1 stay on it after the switch to version 2 (``finish``). A pod is replaced: the
+    new one serves version 2 only, and is the least loaded. When the busiest pod of version 1 is evicted, its
+    sessions are prefetched and routed only to the pod that still holds version 1 (the router reads each pod's
+    versions from its load reports and each checkpoint's version from its location), never first to the new pod,
+    where their checkpoints could not be restored."""
+    async with fleet(settings, tmp_path, drivers=False, routers=1) as f:
+        router = f.routers[0][0]
+        gateway = f.workload.gateway
+        assert router.picker is not None and router.prefetcher is not None and gateway is not None
+        runtimes = f.workload.runtimes
+        sessions: list[str] = []
+        for batch in range(3):  # three at a time, each batch once the router heard the pods' loads: spread
+            sessions += [f"chat-{batch}-{i}" for i in range(3)]
+            await f.talk(sessions)
+
+            def loads_heard() -> bool:
+                return all(router.picker.pods[r.info.name].blocks_used == r.pool.used for r in runtimes.values())
+
+            await eventually(loads_heard, timeout=30)
+        assert all(r.agent.sessions() for r in runtimes.values()), {n: r.agent.sessions() for n, r in runtimes.items()}
+        store = ConfigStore(f.client, f.subjects)
+        await begin_rollout(store, "llm", "llama", "2", from_version="1", prepare_timeout_s=20, by="test")
+
+        async def switched() -> bool:
+            _, doc = await read_models(store)
+            entry = doc.deployments.get(deployment_key("llm", "llama"))
+            return entry is not None and entry.serving_version == "2"
+
+        await eventually(switched, timeout=60)
+        await eventually(lambda: all(r.agent.layout.model_version == "2" for r in runtimes.values()), timeout=30)
+
+        async def evicted(name: str) -> None:
+            talking: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            talk = asyncio.ensure_future(keep_talking(f, sessions, talking))
+            try:
+                assert await f.cluster.evict("llm", name) is EvictionOutcome.EVICTED
+                await eventually(lambda: name not in runtimes and len(runtimes) == 3, timeout=60)
+            finally:
+                talking.set_result(None)
+                await talk
+
+        quietest = min(runtimes.values(), key=lambda r: (len(r.agent.sessions()), r.info.name)).info.name
+        await evicted(quietest)
+        await f.talk(sessions)
+        fresh = next(r for r in runtimes.values() if "1" not in r.agent.layouts)
+        olds = [r for r in runtimes.values() if "1" in r.agent.layouts]
+        assert len(olds) == 2 and list(fresh.agent.layouts) == ["2"], {
+            n: list(r.agent.layouts) for n, r in runtimes.items()
+        }
+        await eventually(lambda: router.picker.pods[fresh.info.name].versions == frozenset({"2"}), timeout=30)
+        await eventually(lambda: all(router.picker.pods[r.info.name].versions == frozenset({"1", "2"}) for r in olds))
+        await router_knows(f, sessions)
+
+        busiest, keeper = sorted(olds, key=lambda r: -len(r.agent.sessions()))
+        moving = set(busiest.agent.sessions())
+        assert moving
+        failed_before, wrong_before = router.prefetcher.stats.failed, gateway.landings.wrong_version
+        await evicted(busiest.info.name)
+        await f.talk(sessions)
+        assert moving <= set(keeper.agent.sessions()), (moving, keeper.agent.sessions())
+        assert not set(sessions) & set(runtimes[fresh.info.name].agent.sessions())
+        assert router.prefetcher.stats.failed == failed_before and router.prefetcher.stats.no_version == 0
+        assert router.prefetcher.stats.prefetched >= 1
+        assert gateway.landings.wrong_version == wrong_before == 0
+        assert f.workload.stats.restore_refused_version == 0 and f.workload.stats.mixed_versions == 0
+        f.sessions_intact(sessions)
 
 
 async def test_a_pod_prefetches_through_its_restore_path_never_from_a_holder_still_listed(

@@ -32,9 +32,14 @@ local function located(prefix, sid, reason, cid)
     cid = redis.call('ZREVRANGE', prefix .. ':kv:checkpoints:' .. sid, 0, 0)[1] or ''
   end
   local tokens = '0'
+  local version = ''
   if cid ~= '' then
     local summary = redis.call('GET', prefix .. ':kv:checkpoint:' .. cid)
-    if summary then tokens = string.format('%.0f', cjson.decode(summary)['token_count'] or 0) end
+    if summary then
+      local decoded = cjson.decode(summary)
+      tokens = string.format('%.0f', decoded['token_count'] or 0)
+      if type(decoded['model_version']) == 'string' then version = decoded['model_version'] end
+    end
   end
   if reason then
     local t = redis.call('TIME')
@@ -52,7 +57,7 @@ local function located(prefix, sid, reason, cid)
   end
   if cur[1] == prev then prev = '' end
   return {sid, reason, seq, cur[1] and '1' or '', cur[1] or '', cur[2] or '', ns, dep,
-    redis.call('GET', genkey) or '0', prev, cid, tokens}
+    redis.call('GET', genkey) or '0', prev, cid, tokens, version}
 end
 """
 
@@ -428,7 +433,7 @@ return cjson.encode({by_pod = by_pod, nodes = nodes, deployments = deployments, 
 
 def location_of(raw: list[Any]) -> SessionLocation:
     """A location record of ``LOCATED`` as the event a router reads."""
-    sid, reason, seq, held, pod, node, ns, dep, gen, prev, cid, tokens = (as_text(v) for v in raw)
+    sid, reason, seq, held, pod, node, ns, dep, gen, prev, cid, tokens, version = (as_text(v) for v in raw)
     return SessionLocation(
         session_id=sid,
         sequence=int(seq),
@@ -442,4 +447,5 @@ def location_of(raw: list[Any]) -> SessionLocation:
         token_count=int(tokens),
         checkpoint_id=cid,
         previous_pod=prev,
+        model_version=version,
     )

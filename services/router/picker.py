@@ -71,10 +71,17 @@ class PodIncarnation:
     """Sessions the router credits to this incarnation now, and their tokens (``held_tokens``): kept as locations
     change (``EndpointPicker.on_location``), so that what evacuating the pod costs is read without a walk."""
     held_tokens: int = 0
+    versions: frozenset[str] | None = None
+    """The model versions it can restore a session into, from its last load report; None: not said (any)."""
 
     @property
     def serves(self) -> bool:
         return self.current and self.ready and bool(self.endpoint)
+
+    def holds(self, versions: frozenset[str]) -> bool:
+        """Whether a session needing one of ``versions`` can surely be restored here (a checkpoint restores only
+        into the version that built it): the pod holds them all, or does not say what it holds. Empty: any."""
+        return not versions or self.versions is None or versions <= self.versions
 
     def utilisation(self, now: float, stale_s: float) -> float | None:
         """KV blocks used of its pool by a report younger than ``stale_s``; None when unknown (never idle)."""
@@ -93,6 +100,18 @@ class Placement:
     """The session belongs to another deployment: never routed within this pool."""
     tokens: int = 0
     """Tokens of its newest checkpoint (the location's ``token_count``): its size, to spread prefetches."""
+    version: str = ""
+    """The model version of its newest checkpoint ('' when not known): where it goes, that version must be held."""
+
+    def needs(self) -> frozenset[str]:
+        """The model versions a pod must hold to surely restore this session: its checkpoint's; where that is not
+        known (a session not saved since the location was heard), every version its holder held (it runs on one
+        of them); empty: any pod."""
+        if self.version:
+            return frozenset((self.version,))
+        holder = self.holder or self.was
+        return (holder.versions or frozenset()) if holder is not None else frozenset()
+
     was: PodIncarnation | None = None
     """While no pod holds it because the registry forgot it with its pod (``forgotten``): that pod (its sessions are
     prefetched when the router sees it stop serving, even after the registry let them go). Not for a session its
@@ -121,6 +140,8 @@ class Pick:
     refused_session: str = ""
     first_pod: str = ""
     """The pod of ``endpoints[0]`` ('' when none)."""
+    version_unserved: bool = False
+    """The session is to be restored and no candidate pod holds its model version."""
 
 
 UNKNOWN = 1
@@ -159,6 +180,9 @@ class EndpointPicker:
     sessions: dict[str, Placement] = field(default_factory=dict)
     picks: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in Outcome})
     ignored_locations: int = 0
+    version_unserved: int = 0
+    """Picks of a session to restore whose model version no candidate pod surely holds (it went to the least
+    loaded pod)."""
     _order: list[tuple[int, float, str]] | None = field(default=None, repr=False)
     """The serving pods by load, kept sorted (``_rank_key``): a pick reads its head, a load report moves one
     entry; None: to be built again (the pods changed, or a load it ranks went stale)."""
@@ -214,6 +238,9 @@ class EndpointPicker:
             return
         pod.blocks_used, pod.blocks_total, pod.load_at = load.blocks_used, load.blocks_total, now
         pod.load_sent_at = sent_at
+        versions = None if load.model_versions is None else frozenset(load.model_versions)
+        if versions != pod.versions:
+            pod.versions = versions
         old = self._keys.get(pod.name)
         if self._order is None or old is None:
             return
@@ -236,12 +263,16 @@ class EndpointPicker:
             holder = self.pods.get(location.pod)
             if holder is None:
                 holder = self.pods[location.pod] = PodIncarnation(location.pod)
-            placement = Placement(holder, location.sequence, tokens=location.token_count)
+            placement = Placement(
+                holder, location.sequence, tokens=location.token_count, version=location.model_version
+            )
         else:
             was = None  # the pod that held it, when the registry forgot it with its pod; never for a preemption
             if known is not None:
                 was = (known.holder or known.was) if location.reason == "forgotten" else known.was
-            placement = Placement(None, location.sequence, tokens=location.token_count, was=was)
+            placement = Placement(
+                None, location.sequence, tokens=location.token_count, version=location.model_version, was=was
+            )
         self._first_picks.pop(location.session_id, None)  # its holder is known now (or that nothing holds it)
         if known is not None:
             del self.sessions[location.session_id]  # re-inserted last: the dict's order is the order of change
@@ -286,14 +317,17 @@ class EndpointPicker:
     def pick(self, facts: RequestFacts, now: float, *, count: bool = True) -> Pick:
         """The endpoints for one request: the session's holder first when it can serve, then the least loaded pods
         (by KV-cache utilisation; pods with no fresh report after those with one, pods on a cordoned node last);
-        within ``facts.subset`` when the gateway gave one. 503 when no endpoint can serve; 429 when no holder can
-        take it and every candidate is at ``shed_at`` or above. A session never heard of goes first where its
+        within ``facts.subset`` when the gateway gave one. A session no serving pod holds goes first to the pods
+        holding its checkpoint's model version (a checkpoint restores only into it: ``Placement.needs``), the
+        others after them. 503 when no endpoint can serve; 429 when no holder can take it and every candidate is
+        at ``shed_at`` or above. A session never heard of goes first where its
         first request went, within ``first_pick_s`` (module doc). Changes nothing but the counters, the kept order
         of the pods by load and those first picks; ``count`` False leaves the counters (a request that will pick
         again: the handover wait counts its last pick only, ``count``).
 
         Without a subset the pick reads the head of the pods kept in order (``_ranked``): its cost does not grow
-        with the pool (2,000 pods: bench/router.py)."""
+        with the pool (2,000 pods: bench/router.py), but for a session to restore whose version few pods hold (a
+        rollout's pinned sessions), which walks the order until it finds them."""
         chosen = self._choose(facts, now)
         if chosen.outcome is Outcome.UNKNOWN_SESSION and chosen.first_pod:
             self._remember_first(facts.session, self.pods[chosen.first_pod], now)
@@ -332,13 +366,18 @@ class EndpointPicker:
         keys = {id(p): self._rank_key(p, now) for p in candidates}
         ranked = sorted(candidates, key=lambda p: keys[id(p)])
         outcome, holder, refused = self._holder(facts, candidates, now)
+        unserved = False
         if holder is not None:
             ranked.remove(holder)
             ranked.insert(0, holder)
         elif all(not keys[id(p)][0] & UNKNOWN and keys[id(p)][1] >= self.shed_at for p in candidates):
             return Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
+        elif needs := self._needs(facts.session, outcome):
+            holding = [p for p in ranked if p.holds(needs)]
+            unserved = not holding
+            ranked = holding + [p for p in ranked if not p.holds(needs)]
         endpoints = tuple(p.endpoint for p in ranked[: 1 + self.fallbacks])
-        return Pick(outcome, endpoints, refused_session=refused, first_pod=ranked[0].name)
+        return Pick(outcome, endpoints, refused_session=refused, first_pod=ranked[0].name, version_unserved=unserved)
 
     def _pick_in_pool(self, facts: RequestFacts, now: float) -> Pick:
         """``pick`` among every serving pod of the pool, from the kept order (the same answer as a full sort)."""
@@ -349,14 +388,29 @@ class EndpointPicker:
         if holder is None and self._all_full(order):
             return Pick(Outcome.SHED, status=429, reason="every pod's KV cache is full", refused_session=refused)
         chosen = [holder] if holder is not None else []
+        needs = self._needs(facts.session, outcome) if holder is None else frozenset()
+        others: list[PodIncarnation] = []  # pods that cannot restore the session's version: after those that can
         for _, _, name in order:
             if len(chosen) > self.fallbacks:
                 break
             pod = self.pods[name]
-            if pod is not holder:
-                chosen.append(pod)
+            if pod is holder:
+                continue
+            if needs and not pod.holds(needs):
+                if len(others) <= self.fallbacks:
+                    others.append(pod)
+                continue
+            chosen.append(pod)
+        unserved = bool(needs) and not chosen
+        chosen += others
         endpoints = tuple(p.endpoint for p in chosen[: 1 + self.fallbacks])
-        return Pick(outcome, endpoints, refused_session=refused, first_pod=chosen[0].name)
+        return Pick(outcome, endpoints, refused_session=refused, first_pod=chosen[0].name, version_unserved=unserved)
+
+    def _needs(self, session: str, outcome: Outcome) -> frozenset[str]:
+        """The model versions a pod must hold to restore a session that no serving pod holds (``Placement.needs``;
+        empty when any pod will do, or the session is not to be restored)."""
+        placement = self.sessions.get(session) if outcome in (Outcome.UNPLACED, Outcome.HOLDER_GONE) else None
+        return placement.needs() if placement is not None else frozenset()
 
     def _holder(
         self, facts: RequestFacts, candidates: list[PodIncarnation] | None, now: float
@@ -387,6 +441,7 @@ class EndpointPicker:
 
     def _count(self, pick: Pick) -> Pick:
         self.picks[pick.outcome.value] += 1
+        self.version_unserved += pick.version_unserved
         return pick
 
     # -- status ---------------------------------------------------------------------------------------------------
@@ -397,4 +452,5 @@ class EndpointPicker:
             "sessions_known": len(self.sessions),
             "new_sessions_pending": len(self._first_picks),
             "picks": dict(self.picks),
+            "version_unserved": self.version_unserved,
         }

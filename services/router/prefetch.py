@@ -5,8 +5,10 @@ The router notices a holder leaving when the pool's listing shows one of its pod
 terminating, gone, or replaced by another incarnation: a drain, a scale-in, a rollout, a restart). The sessions it
 held (or held last, where the registry let them go before the listing showed the pod leave) that had a request
 within ``prefetch_s`` (``GPUWARDEN_ROUTER_PREFETCH_S``: the conversations still going on; older ones restore on
-demand) are each given their next pod: the serving pod with the least KV pressure, counting what this round
-already gave it (each session's blocks, from its tokens), and never one on a cordoned node (``leaving``: the rest
+demand) are each given their next pod: the serving pod with the least KV pressure that holds the session's model
+version (a checkpoint restores only into the version that built it: after a rollout, a pinned session goes only to a
+pod that still holds its version; none: it restores on demand), counting what this round already gave it (each
+session's blocks, from its tokens), and never one on a cordoned node (``leaving``: the rest
 of a drained node's pods, which would hand the session on once more). Each pod is sent one
 ``kv.session.prefetch.command`` (``cmd.kvagent.<pod>.prefetch``, up to 1,000 sessions a command), answered by
 ``kv.session.prefetched``; its KV agent restores through the pod's own restore path, which never takes a session
@@ -44,6 +46,10 @@ RETRY_S = 0.5
 BLOCK_TOKENS = 16
 """Tokens per KV block assumed when spreading sessions by their size (the engines' usual block)."""
 
+Moving = tuple[str, int, frozenset[str]]
+"""A session whose holder left: its id, its tokens (its size) and the model versions a pod must hold to restore it
+(``Placement.needs``: its checkpoint's version, else those its holder held; empty: any)."""
+
 Ask = Callable[[PrefetchSessions, float], Awaitable[object]]
 """Sends one prefetch command and returns the answer (``Bus.request``)."""
 
@@ -59,6 +65,8 @@ class PrefetchStats:
     unanswered: int = 0
     renewed: int = 0
     """Handovers renewed while their pod was still restoring them."""
+    no_version: int = 0
+    """Sessions not prefetched because no staying pod holds their model version (they restore on demand)."""
 
 
 class Activity:
@@ -131,12 +139,12 @@ class Prefetcher:
         left = {id(p) for name, p in before.items() if not p.serves or self.picker.pods.get(name) is not p}
         if not left:
             return 0
-        moving: list[tuple[str, int]] = []
+        moving: list[Moving] = []
         for session in self.activity.since(now - self.prefetch_s):
             placement = self.picker.sessions.get(session)
             holder = None if placement is None else (placement.holder or placement.was)
             if placement is not None and holder is not None and id(holder) in left:
-                moving.append((session, placement.tokens))
+                moving.append((session, placement.tokens, placement.needs()))
         if not moving:
             return 0
         plan = self.assign(moving, now)
@@ -151,28 +159,53 @@ class Prefetcher:
         self.stats.rounds += 1
         return len(moving)
 
-    def assign(self, moving: list[tuple[str, int]], now: float) -> dict[str, list[str]]:
-        """Each session to the serving pod with the least KV pressure, counting what this round already gave it;
-        never to a pod that is ``leaving`` (on a cordoned node: a drain's other pods), which would hand it on
-        again (no pod staying: nothing is prefetched, the sessions restore on their next request)."""
-        heap: list[tuple[float, str]] = []
+    def assign(self, moving: list[Moving], now: float) -> dict[str, list[str]]:
+        """Each session to the serving pod with the least KV pressure that holds the session's model version (a
+        checkpoint restores only into the version that built it; where the session's is not known, a pod holding
+        every version its holder held, else any), counting what this round already gave each pod; never to a pod
+        that is ``leaving`` (on a cordoned node: a drain's other pods), which would hand it on again. A session of
+        a known version that no such pod holds is not prefetched (``no_version``): it restores on its next
+        request."""
+        pressure: dict[str, float] = {}
         totals: dict[str, int] = {}
         for name, pod in self.picker.pods.items():
             if not pod.serves or pod.leaving:
                 continue
             used = pod.utilisation(now, self.picker.load_stale_s)
             totals[name] = max(pod.blocks_total, 1) if used is not None else 1_000
-            heap.append((0.5 if used is None else used, name))
-        heapq.heapify(heap)
+            pressure[name] = 0.5 if used is None else used
+        heaps: dict[frozenset[str], list[tuple[float, str]]] = {}
+        """Per model version, the pods holding it by pressure; an entry whose pod another version's session made
+        more pressed since is stale, and pushed again with its pressure when it comes up."""
         plan: dict[str, list[str]] = {}
-        if not heap:
+        if not pressure:
             return plan
-        for session, tokens in sorted(moving, key=lambda m: -m[1]):  # the largest first: a better spread
-            pressure, name = heapq.heappop(heap)
+        for session, tokens, needs in sorted(moving, key=lambda m: -m[1]):  # the largest first: a better spread
+            heap = self._heap(heaps, pressure, needs)
+            if not heap and len(needs) > 1:  # its version is not known: any pod may hold it
+                heap = self._heap(heaps, pressure, frozenset())
+            if not heap:
+                self.stats.no_version += 1
+                continue
+            _, name = heapq.heappop(heap)
             plan.setdefault(name, []).append(session)
-            blocks = max(1, math.ceil(tokens / BLOCK_TOKENS))
-            heapq.heappush(heap, (pressure + blocks / totals[name], name))
+            pressure[name] += max(1, math.ceil(tokens / BLOCK_TOKENS)) / totals[name]
+            heapq.heappush(heap, (pressure[name], name))
         return plan
+
+    def _heap(
+        self, heaps: dict[frozenset[str], list[tuple[float, str]]], pressure: dict[str, float], needs: frozenset[str]
+    ) -> list[tuple[float, str]]:
+        """The pods holding ``needs`` by pressure, kept per ``needs`` for one round, its head fresh: an entry whose
+        pod a session of other needs made more pressed since is pushed again with its pressure when it comes up."""
+        heap = heaps.get(needs)
+        if heap is None:
+            heap = heaps[needs] = [(p, n) for n, p in pressure.items() if self.picker.pods[n].holds(needs)]
+            heapq.heapify(heap)
+        while heap and heap[0][0] != pressure[heap[0][1]]:
+            _, name = heapq.heappop(heap)
+            heapq.heappush(heap, (pressure[name], name))
+        return heap
 
     async def _prefetch(self, pod: str, sessions: list[str]) -> None:
         loop = asyncio.get_running_loop()
@@ -208,7 +241,10 @@ class Prefetcher:
                 self.prefetched.popitem(last=False)
             if answer.failed:
                 self.handovers.given_up(list(answer.failed), pod)
-                log.info("prefetch failed for some sessions", extra={"pod": pod, "failed": len(answer.failed)})
+                log.info(
+                    "prefetch failed for some sessions",
+                    extra={"pod": pod, "failed": len(answer.failed), "first": next(iter(answer.failed.items()))},
+                )
             remaining = answer.held_elsewhere
             if remaining and loop.time() + RETRY_S < deadline:
                 self.stats.asked_again += len(remaining)

@@ -91,6 +91,8 @@ OptNamespace = Annotated[str, msgspec.Meta(pattern=_anchored(_LABEL, True), desc
 OptCheckpointId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE, True), description=ID_RULES["checkpoint"][1])]
 OptDrainId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE, True), description=ID_RULES["drain"][1])]
 OptTakeId = Annotated[str, msgspec.Meta(pattern=_anchored(_OPAQUE, True), description=ID_RULES["take"][1])]
+OptModelVersion = Annotated[str, msgspec.Meta(max_length=256, description="a model version ('': not known)")]
+"""A model version as engines name it (a Hugging Face revision, a tag); '' where the sender does not know it."""
 
 
 def new_event_id() -> str:

@@ -13,6 +13,7 @@ from shared.contract.base import (
     OptCheckpointId,
     OptDeploymentName,
     OptDrainId,
+    OptModelVersion,
     OptNamespace,
     OptNodeName,
     OptPodName,
@@ -105,6 +106,8 @@ class CommittedCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
     token_count: int = 0
     generation: int = 0
     sequence: int = 0
+    model_version: OptModelVersion = ""
+    """The model version whose KV this is (the checkpoint restores only into it)."""
 
 
 class SaveSessions(Event, frozen=True, kw_only=True, tag="checkpoint.save.command"):

@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-from shared.contract.base import DeploymentName, Event, Namespace, OptNodeName, PodName
+from shared.contract.base import DeploymentName, Event, Namespace, OptModelVersion, OptNodeName, PodName
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -38,3 +38,6 @@ class PodLoad(Event, frozen=True, kw_only=True, tag="kv.pod.load"):
     ttft_p90_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     window_s: Annotated[float, msgspec.Meta(gt=0)]
     requests: NonNegative = 0
+    model_versions: Annotated[list[OptModelVersion], msgspec.Meta(max_length=16)] | None = None
+    """The model versions the pod can restore a session into now (weights loaded: the one it serves, and those its
+    sessions still run on); None: not said (an older pod), any."""

@@ -22,6 +22,7 @@ from shared.contract.base import (
     Event,
     OptCheckpointId,
     OptDeploymentName,
+    OptModelVersion,
     OptNamespace,
     OptNodeName,
     OptPodName,
@@ -69,6 +70,9 @@ class SessionLocation(Event, frozen=True, kw_only=True, tag="kv.session.location
     checkpoint_id: OptCheckpointId = ""
     """The checkpoint this change is about (saved, restored from), else the session's newest committed one."""
     previous_pod: OptPodName = ""
+    model_version: OptModelVersion = ""
+    """The model version of ``checkpoint_id`` (it restores only into a pod holding that version); '' when there is
+    no checkpoint or it did not say."""
 
     def supersedes(self, other: SessionLocation) -> bool:
         """Whether this location is newer than ``other`` (of the same session): the one rule a router needs."""

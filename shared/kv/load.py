@@ -18,7 +18,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from shared.contract.base import Event
 from shared.contract.load import PodLoad
@@ -56,11 +56,14 @@ class LoadReporter:
         interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
+        versions: Callable[[], Collection[str]] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, not {interval_s}")
         self.publish = publish
         self.pool = pool
+        self.versions = versions
+        """The model versions the pod can restore sessions into now (``KvAgent.layouts``); None: not said."""
         self.pod = pod
         self.node = node
         self.namespace = namespace
@@ -101,6 +104,7 @@ class LoadReporter:
             ttft_p90_s=p90(self._samples),
             window_s=max(now - self._window_started, 1e-3),
             requests=self._seen,
+            model_versions=None if self.versions is None else sorted(self.versions())[:16],
         )
         self._samples, self._seen, self._window_started = [], 0, now
         return event

@@ -29,6 +29,7 @@ def _committed(m: CheckpointManifest) -> CommittedCheckpoint:
         token_count=m.token_count,
         generation=m.generation,
         sequence=m.sequence,
+        model_version=m.layout.model_version,
     )
 
 

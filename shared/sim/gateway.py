@@ -205,6 +205,9 @@ class Landings:
     """Immediate answers by status (503, 429): the request is delivered again later."""
     fell_back: int = 0
     """Requests no router replica answered: routed by the workload's own choice (failing open)."""
+    wrong_version: int = 0
+    """Requests whose first endpoint was a serving pod that does not hold the session's model version (its
+    checkpoint could not be restored there): served by a later endpoint that does."""
 
 
 class GatewayRouting:
@@ -225,10 +228,13 @@ class GatewayRouting:
     def routes(self, namespace: str, deployment: str) -> bool:
         return namespace == self.namespace and deployment == self.deployment
 
-    async def choose(self, session_id: str, candidates: Sequence[PodRuntime]) -> PodRuntime | None:
+    async def choose(
+        self, session_id: str, candidates: Sequence[PodRuntime], serving: Sequence[PodRuntime] = ()
+    ) -> PodRuntime | None:
         """The first of the picker's endpoints that is one of ``candidates`` (the pods that may serve the session
-        now); None when no router replica answered. ``TemporaryError`` (the request is delivered again) when the
-        picker refused it (503, 429) or named no pod that can serve it."""
+        now: those holding its model version, of the pool's ``serving`` pods); None when no router replica
+        answered. ``TemporaryError`` (the request is delivered again) when the picker refused it (503, 429) or
+        named no pod that can serve it."""
         answer = await self.client.ask(session_id)
         if answer is None:
             self.landings.fell_back += 1
@@ -238,6 +244,9 @@ class GatewayRouting:
             delay = 1.0 if answer.status == 429 else 0.5
             raise TemporaryError(f"the endpoint picker answered {answer.status}: {answer.reason}", delay=delay)
         by_ip = {r.info.ip: r for r in candidates if r.info.ip}
+        first = answer.endpoints[0].rpartition(":")[0].strip("[]") if answer.endpoints else ""
+        if first and first not in by_ip and any(r.info.ip == first for r in serving):
+            self.landings.wrong_version += 1
         for position, endpoint in enumerate(answer.endpoints):
             chosen = by_ip.get(endpoint.rpartition(":")[0].strip("[]"))
             if chosen is None:
@@ -265,6 +274,7 @@ class GatewayRouting:
             "answered_by": dict(stats.by_replica),
             "landed": {"holder": landed.holder, "to_non_holder": landed.to_non_holder, "cold": landed.cold},
             "next_endpoint": landed.next_endpoint,
+            "wrong_version": landed.wrong_version,
             "no_usable_endpoint": landed.no_usable_endpoint,
             "refused": {str(k): v for k, v in landed.refused.items()},
             "fell_back": landed.fell_back,

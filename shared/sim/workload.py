@@ -307,6 +307,7 @@ class SimWorkload(WorkloadReport):
             namespace=pod.namespace,
             deployment=pod.deployment,
             interval_s=self.load_interval_s,
+            versions=lambda: agent.layouts.keys(),
         )
         self.runtimes[pod.name] = PodRuntime(pod, agent, endpoint, pool, engines, load, gpu_uuid, memory, link=link)
         await endpoint.start()  # asks for the serving version first: a pod started after a switch serves it
@@ -532,13 +533,15 @@ class SimWorkload(WorkloadReport):
         ]
         if not candidates:
             raise TemporaryError(f"no running pod of {request.namespace}/{request.deployment}", delay=0.5)
-        pinned = self.versions.get(request.session_id)
+        serving, pinned = candidates, self.versions.get(request.session_id)
         if pinned is not None:
             candidates = [r for r in candidates if pinned in r.agent.layouts]
             if not candidates:
                 self.retire(request.session_id, f"no pod serves its model version {pinned!r} any more")
                 return None
-        chosen = await self.gateway.choose(request.session_id, candidates) if self.gateway and routed else None
+        chosen = None
+        if self.gateway is not None and routed:
+            chosen = await self.gateway.choose(request.session_id, candidates, serving)
         if chosen is None and runtime is not None and not runtime.stopping:
             chosen = runtime  # no router answered: the session's home, as the workload knows it
         if chosen is None:

@@ -85,6 +85,8 @@ async def test_a_session_drained_and_restored_elsewhere_is_followed_in_order(mes
     assert (now.held, now.pod, now.node, now.namespace, now.deployment) == (True, "llama-b", "node-2", "llm", "llama")
     assert now.generation == b.agent.generation("s1") == 2
     assert now.checkpoint_id == saved.checkpoint_id and now.token_count == a.agent.tokens("s1") > 0
+    # with the model version that built it (a router sends it only to a pod holding that version)
+    assert now.model_version == saved.model_version == a.agent.layout.model_version != ""
     assert (now.sequence, now.reason) == (router.of("s1")[-1].sequence, "restored")
     status, body = await http_where(mesh, "/sessions/s1")
     assert status == 200 and body["pod"] == "llama-b" and body["node"] == "node-2" and body["generation"] == 2
