@@ -585,9 +585,11 @@ class AgentEndpoint:
         its tokens, the request carries them): the report then says how many of them the engine recomputes after
         the checkpoint (``tokens_recomputed``; unknown otherwise). When there is no checkpoint
         (``CheckpointNotFound``) or none is usable (``ChunkCorrupt``), the session is held fresh under the new
-        generation before the error is raised, so the caller may go on."""
+        generation before the error is raised, so the caller may go on. ``prefetch``: the router's prefetch, which
+        takes the session only from a holder the cluster no longer lists (``LocateCheckpoint.prefetch``: a holder
+        still terminating may be saving it); ``SessionHeld`` until then."""
         started = time.monotonic()
-        answer = await self._locate(session_id, timeout)
+        answer = await self._locate(session_id, timeout, prefetch)
         try:
             if not answer.found:
                 raise CheckpointNotFound(f"session {session_id!r}: no committed checkpoint")

@@ -342,13 +342,16 @@ class SimWorkload(WorkloadReport):
                 if self.end_session(sid):
                     self.stats.ended += 1
                 return
-            if sid in self.retired:
-                self.stats.refused_retired += 1
-                log.info("request refused: its session was ended", extra={"session": sid, "why": self.retired[sid]})
+            if self._refused_retired(sid):
                 return
             self.last_request[sid] = self.clock()
-            runtime = await self._runtime_for(request)
-            if runtime is None:
+        # routed outside the conversation's lock: a gateway's pick does not hold the pods up, and it may be waiting
+        # for a pod's prefetch of this very session (the router's handover wait), which takes the lock
+        runtime = await self._runtime_for(request)
+        if runtime is None:
+            return
+        async with self._locks.hold(sid):
+            if self._refused_retired(sid) or sid not in self.last_request:  # ended while it was routed
                 return
             model = self.deployments[(runtime.info.namespace, runtime.info.deployment)].model
             async with runtime.lock:
@@ -388,6 +391,14 @@ class SimWorkload(WorkloadReport):
             if self.served_log is not None:
                 self.served_log.append((sid, version))
             runtime.endpoint.sessions_changed()
+
+    def _refused_retired(self, sid: str) -> bool:
+        """A request of a session that was ended is refused (counted, logged)."""
+        if sid not in self.retired:
+            return False
+        self.stats.refused_retired += 1
+        log.info("request refused: its session was ended", extra={"session": sid, "why": self.retired[sid]})
+        return True
 
     def _preempt(self, runtime: PodRuntime, victims: list[str]) -> None:
         """The pool took these sessions' blocks (recompute preemption): the engine drops their KV and keeps their
