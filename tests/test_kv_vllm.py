@@ -39,6 +39,7 @@ from bench.vllm_engine import BLOCK_SIZE, VLLM_PYTHON, EngineProcess, build_mode
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
+from shared.contract.sessions import PrefetchSessions, SessionsPrefetched
 from shared.contract.subjects import Subjects
 from shared.host.runner import RunningService, start_service
 from shared.kv.agent import KvAgent
@@ -205,6 +206,35 @@ async def test_a_drained_conversation_goes_on_in_another_engine_token_for_token(
     keys, values = layer0_kv(mesh.model, turn1[: lay.block_tokens])  # [positions, heads, head_dim]
     np.testing.assert_allclose(block0[0, 0], keys.transpose(1, 0, 2), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(block0[0, 1], values.transpose(1, 0, 2), rtol=1e-4, atol=1e-5)
+
+
+async def test_the_routers_prefetch_restores_a_conversation_before_its_request_token_for_token(mesh: Mesh) -> None:
+    """The router's ``kv.session.prefetch.command`` to engine B (its worker's ``SessionHost``): the drained
+    conversation is restored into B's agent and claimed by B before its request comes; the request then loads the
+    blocks from that copy (not from the store again) and goes on bit for bit as the uninterrupted reference."""
+    turn1 = tokens(11, TURN1)
+    ref1 = await ask(mesh.a, turn1, REPLY1, session="vllm-pref-ref")
+    turn2 = turn1 + ref1["tokens"] + tokens(12, TURN2)
+    ref2 = await ask(mesh.a, turn2, REPLY2, session="vllm-pref-ref")
+    moved1 = await ask(mesh.a, turn1, REPLY1, session="vllm-pref")
+    assert moved1["tokens"] == ref1["tokens"]
+    verdict = await drain(mesh, "node-a", ["vllm-pref"])
+    assert isinstance(verdict, DrainCompleted), verdict
+
+    command = PrefetchSessions(pod="vllm-b", session_ids=["vllm-pref"], deadline_s=60)
+    answer = await mesh.bus.request(mesh.bus.subjects.for_event(command), command, 90)
+    assert isinstance(answer, SessionsPrefetched) and answer.restored == ["vllm-pref"], answer
+    again = await mesh.bus.request(mesh.bus.subjects.for_event(command), command, 90)
+    assert isinstance(again, SessionsPrefetched) and again.held == ["vllm-pref"], again
+    where = await mesh.service.registry.where("vllm-pref")
+    assert where.held and where.pod == "vllm-b"  # claimed before any request: the router routes it to B
+
+    moved2 = await ask(mesh.b, turn2, REPLY2, session="vllm-pref")
+    whole = (TURN1 + REPLY1 - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert moved2["cached"] == whole
+    assert moved2["tokens"] == ref2["tokens"] and moved2["logprobs"] == ref2["logprobs"]
+    log = mesh.b.log.read_text()
+    assert "session vllm-pref prefetched" in log and "session vllm-pref: loaded from its prefetched copy" in log
 
 
 def layer0_kv(model: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:

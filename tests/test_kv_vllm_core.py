@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import torch
 
-from shared.kv.agent import KvAgent
+from shared.kv.agent import KvAgent, RestoredSession
 from shared.kv.engines.vllm_core.config import ConfigError, ConnectorConfig, session_of
 from shared.kv.engines.vllm_core.layout import cache_dtype_name, files_digest, layer_index
 from shared.kv.engines.vllm_core.loop import AgentLoop
@@ -387,6 +387,53 @@ async def test_a_conversation_saved_on_one_engine_is_loaded_into_another(tmp_pat
             want = expected_position(conversation[p], p)
             got = [t[layer, kv, :, offset] for layer in range(LAYERS) for kv in (0, 1)]
             assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), f"position {p}"
+
+
+class _RestoringEndpoint:
+    """What ``SessionPort`` asks of the pod's ``AgentEndpoint`` to restore a session, over the agent alone (the
+    checkpoint service's part, the claim, is tested with it in tests/test_kv_vllm.py); each call recorded."""
+
+    def __init__(self, agent: KvAgent) -> None:
+        self.agent = agent
+        self.calls: list[tuple[str, bool]] = []
+
+    async def restore(self, session_id: str, timeout: float = 10.0, prefetch: bool = False) -> RestoredSession:
+        self.calls.append((session_id, prefetch))
+        return await self.agent.restore(session_id)
+
+
+async def test_a_prefetched_session_is_loaded_from_the_workers_copy_without_reading_the_store_again(
+    tmp_path: Path, engines: list[Engine]
+) -> None:
+    """The router's prefetch (``SessionPort.prefetch``, the engine's ``SessionHost``) restores the session into
+    engine B's agent before its request; the request's load then takes those blocks (no second restore) and they
+    land in the blocks vLLM allocated, position for position. A second prefetch finds it held."""
+    store = FileStore(str(tmp_path / "store"))
+    a = Engine(store, layout(), "kv_first_nhd", "pod-a", seed=5)
+    engines.append(a)
+    prompt = list(range(50, 61))
+    reply = a.turn("r1", "chat-9", prompt, generate=6)
+    b = Engine(store, layout(), "blocks_first_hnd", "pod-b", seed=6)
+    engines.append(b)
+    port = b.worker.port
+    endpoint = _RestoringEndpoint(b.agent)
+    port.endpoint = endpoint
+    assert b.loop.call(port.prefetch("chat-9"), 10) is True
+    assert b.agent.tokens("chat-9") == 16 and port.prefetched == {"chat-9"}
+    assert b.loop.call(port.prefetch("chat-9"), 10) is False  # held already
+    assert endpoint.calls == [("chat-9", True)]
+
+    conversation = prompt + reply + [4, 5]
+    b.turn("r2", "chat-9", conversation, generate=2)
+    assert b.loaded_tokens == 16 and not b.load_errors
+    assert endpoint.calls == [("chat-9", True)] and port.loaded_from_prefetch == 1 and not port.prefetched
+    for block_index, block in enumerate(b.agent.blocks("chat-9")[:4]):
+        t = b.cache.as_tensor(block)
+        for offset in range(BS):
+            position = block_index * BS + offset
+            want = expected_position(conversation[position], position)
+            got = [t[layer, kv, :, offset] for layer in range(LAYERS) for kv in (0, 1)]
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), f"position {position}"
 
 
 async def test_what_is_loaded_lands_in_the_blocks_vllm_allocated(tmp_path: Path, engines: list[Engine]) -> None:

@@ -84,12 +84,15 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 deployment=self.config.deployment,
                 layout=self.layout,
             )
+            port = SessionPort(agent)
             if self.bus is not None:
                 from shared.kv.endpoint import AgentEndpoint
 
-                self.endpoint = AgentEndpoint(agent, self.bus, announce_s=self.config.announce_s)
+                # the port restores the router's prefetches (the engine's SessionHost) through the endpoint
+                self.endpoint = AgentEndpoint(agent, self.bus, announce_s=self.config.announce_s, sessions=port)
+                port.endpoint = self.endpoint
                 self.loop.call(self.endpoint.start(), timeout=30)
-            self.worker = WorkerBook(agent, self.loop, SessionPort(agent, self.endpoint), self.config.save_on_finish)
+            self.worker = WorkerBook(agent, self.loop, port, self.config.save_on_finish)
         else:
             self.book = SchedulerBook(self.layout.block_tokens, self._lookup)
         log.info("gpuwarden KV connector ready (%s): %s", role.name, self.layout)

@@ -1,11 +1,14 @@
 """The worker side: step plans executed against the paged cache and the agent (``WorkerBook``), and sessions taken
-and restored through the checkpoint service or the agent alone (``SessionPort``)."""
+and restored through the checkpoint service or the agent alone (``SessionPort``), ahead of their request when the
+router asks (``SessionPort.prefetch``: the engine's ``SessionHost``)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +25,54 @@ log = logging.getLogger("vllm.gpuwarden.worker")  # under vLLM's logger: its han
 
 class SessionPort:
     """How a worker takes and restores sessions: through the checkpoint service (``AgentEndpoint``, which hands
-    out generations) or, without one, the agent alone (generation 0)."""
+    out generations) or, without one, the agent alone (generation 0).
+
+    It is also the engine's ``SessionHost`` (``shared.kv.endpoint``): the router's prefetch restores a session into
+    the agent (host memory: fetched from the store, verified, claimed under a new generation) before its request
+    comes; the request's load then takes the blocks from that copy (``restore``), so only the host-to-device copy
+    is left on its way to the first token. The two never run at once for one session (a lock each)."""
 
     def __init__(self, agent: KvAgent, endpoint: Any = None, claim_timeout_s: float = 10.0) -> None:
         self.agent = agent
         self.endpoint = endpoint
         self.claim_timeout_s = claim_timeout_s
+        self.prefetched: set[str] = set()
+        """Sessions a prefetch brought whose request has not loaded them yet."""
+        self.loaded_from_prefetch = 0
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, session: str) -> AsyncIterator[None]:
+        lock = self._locks.setdefault(session, asyncio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and self._locks.get(session) is lock:
+                del self._locks[session]
+
+    async def prefetch(self, session_id: str) -> bool:
+        """``SessionHost.prefetch``: restore the session's newest good checkpoint into the agent now, through the
+        checkpoint service as a prefetch (never taken from a holder the cluster still lists: ``SessionHeld`` until
+        then). True when brought (restored, or held fresh where there is no checkpoint: vLLM computes it); False
+        when the agent held it already."""
+        if self.endpoint is None:
+            raise RuntimeError("this worker has no checkpoint service to take sessions from")
+        from shared.kv.store import CheckpointNotFound
+
+        async with self._one_at_a_time(session_id):
+            if session_id in self.agent.sessions():
+                return False
+            try:
+                restored = await self.endpoint.restore(session_id, timeout=self.claim_timeout_s, prefetch=True)
+            except CheckpointNotFound:  # held fresh under its new generation: its request computes it
+                return True
+            self.prefetched.add(session_id)
+            log.info("session %s prefetched: %d tokens ready in host memory", session_id, restored.manifest.token_count)
+            return True
 
     async def claim(self, session: str) -> None:
+        self.prefetched.discard(session)
         if session in self.agent.sessions():
             return
         if self.endpoint is not None:
@@ -44,7 +87,17 @@ class SessionPort:
 
     async def restore(self, session: str) -> int:
         """Restore the session's newest good checkpoint into the agent; its token count (0: none usable, the
-        session is then held fresh)."""
+        session is then held fresh). A session a prefetch brought is taken from that copy, once."""
+        async with self._one_at_a_time(session):
+            if session in self.prefetched and session in self.agent.sessions():
+                self.prefetched.discard(session)
+                self.loaded_from_prefetch += 1
+                log.info("session %s: loaded from its prefetched copy", session)
+                return self.agent.tokens(session)
+            self.prefetched.discard(session)
+            return await self._restore(session)
+
+    async def _restore(self, session: str) -> int:
         try:
             if self.endpoint is not None:
                 restored = await self.endpoint.restore(session, timeout=self.claim_timeout_s)
@@ -60,6 +113,7 @@ class SessionPort:
         return restored.manifest.token_count
 
     def end(self, session: str) -> None:
+        self.prefetched.discard(session)
         if self.endpoint is not None:
             self.endpoint.end_session(session)
         else:
