@@ -30,6 +30,7 @@ from shared.host.runner import RunningService, start_service
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint
 from shared.kv.filestore import FileStore
+from shared.kv.store import CheckpointNotFound
 from shared.plumbing.bus import Bus
 from shared.plumbing.configsync import ConfigStore
 from shared.plumbing.settings import NatsSettings, Secret, Settings
@@ -100,14 +101,21 @@ class SecuredMesh:
         needle = f'permissions violation for {what} to "{subject}"'.lower()
         await eventually(lambda: any(needle in str(e).lower() for e in self.errors.get(who, [])), timeout=5)
 
-    async def add_pod(self, name: str, sessions: list[str], blocks: int = 2) -> Pod:
+    async def add_pod(
+        self, name: str, sessions: list[str], blocks: int = 2, *, journal_s: float = 0.0, prefetch: bool = False
+    ) -> Pod:
+        """The pod's KV agent under its own token, holding ``sessions`` (``blocks`` each); ``journal_s``: its KV
+        journal; ``prefetch``: it answers the router's prefetch commands (restoring into its agent)."""
         info = next(p for p in await self.cluster.pods() if p.name == name)
         token = await self.cluster.issue_token(info.namespace, name, audience="gpuwarden")
         bus = await self.connect(self.as_token(token, name), f"agent/{name}")
         agent = KvAgent(
             self.store, pod=name, node=info.node, namespace=info.namespace, deployment=info.deployment, layout=LAYOUT
         )
-        endpoint = AgentEndpoint(agent, bus, announce_s=30)
+        host = RestoringHost() if prefetch else None
+        endpoint = AgentEndpoint(agent, bus, announce_s=30, journal_s=journal_s, sessions=host)
+        if host is not None:
+            host.endpoint = endpoint
         pod = Pod(name, agent, endpoint, bus)
         for sid in sessions:
             await endpoint.start_session(sid)
@@ -145,6 +153,24 @@ class SecuredMesh:
         )
         assert found, "\n".join(found.problems)
         return found
+
+
+class RestoringHost:
+    """A pod's ``SessionHost`` with no engine beside the agent: a prefetched session is restored into the agent,
+    through the pod's own restore path as a prefetch."""
+
+    def __init__(self) -> None:
+        self.endpoint: AgentEndpoint | None = None
+
+    async def prefetch(self, session_id: str) -> bool:
+        assert self.endpoint is not None
+        if session_id in self.endpoint.agent.sessions():
+            return False
+        try:
+            await self.endpoint.restore(session_id, prefetch=True)
+        except CheckpointNotFound:  # held fresh: nothing to restore
+            pass
+        return True
 
 
 @pytest.fixture

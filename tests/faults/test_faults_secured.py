@@ -2,21 +2,27 @@
 by the auth callout again after the server comes back, each pod's agent with its own token, the checkpoint service
 under its own user. A drain caught by a NATS restart or by its checkpoint service's restart ends with exactly one
 verdict, every session of the drained pod committed and restored on another pod byte for byte, the fault checker
-clean (issue #30: the secured mesh is where faults run, not only attacks)."""
+clean (issue #30: the secured mesh is where faults run, not only attacks). A pod killed without warning goes on from
+its KV journal, and the router's prefetch moves a leaving pod's sessions, with every party under its own identity."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from services.auth.config import AuthSettings
 from services.auth.service import AuthService
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.service import CheckpointService
+from services.router.config import RouterSettings
+from services.router.service import RouterService
 from shared.contract.node import DrainCompleted, DrainFailed, DrainRequested
 from shared.contract.permissions import AUTH, user_name
 from shared.host.runner import start_service
 from shared.plumbing.consumer import ConsumerSpec, consume
-from shared.plumbing.settings import NatsSettings, Secret
+from shared.plumbing.settings import HostPort, NatsSettings, Secret
+from shared.sim.gateway import GatewayClient
 from shared.wiring import Wiring
 from tests.faults.secured import SecuredMesh, bucket_of
 from tests.faults.test_replay import Wire
@@ -142,3 +148,93 @@ async def test_clients_come_back_when_the_auth_callout_comes_back_after_the_serv
     assert not any(b.nc.is_closed for b in buses)
     await mesh.admin.publish(DrainRequested(node="node-1", drain_id="d-auth-back", deadline_s=25))
     await moved_and_restored(mesh, sessions, "d-auth-back", verdicts)
+
+
+def no_violations(mesh: SecuredMesh) -> None:
+    """No client of the mesh was refused anything by the server."""
+    refused = [str(e) for errors in mesh.errors.values() for e in errors if "permissions violation" in str(e)]
+    assert not refused, refused
+
+
+async def test_a_pod_killed_without_warning_goes_on_from_its_journal_on_the_secured_mesh(
+    secured_mesh: SecuredMesh,
+) -> None:
+    """The pod's KV journal records its entries as the pod itself (the record road its user may take); the pod is
+    then killed (no preStop, its agent gone): another pod, under its own token, restores each session's newest
+    journaled prefix, every block, and nothing else was refused on the way."""
+    mesh = secured_mesh
+    sessions = [f"jk{i}" for i in range(4)]
+    old = await mesh.add_pod("llama-1", sessions, journal_s=0.05)
+    for sid in sessions:
+        old.grow(sid, 3)  # five full blocks each: the journal writes them behind the engine
+
+    async def journaled() -> bool:
+        located = [await mesh.service.registry.where(sid) for sid in sessions]
+        return all(loc.token_count == 5 * LAYOUT.block_tokens for loc in located)
+
+    await eventually(journaled, timeout=30)
+    await old.endpoint.stop()  # killed: nothing saved at the end
+    await mesh.cluster.kill_pod("llm", "llama-1")
+    new = await mesh.add_pod("llama-2", [])
+    for sid in sessions:
+        restored = await new.endpoint.restore(sid)
+        assert restored.manifest.reason == "journal"
+        assert [bytes(b) for b in restored.blocks] == [
+            block_content(sid, i, LAYOUT.block_bytes).tobytes() for i in range(5)
+        ], sid
+    no_violations(mesh)
+    await mesh.check(min_checkpoints=len(sessions))
+
+
+@pytest.mark.timeout(120)
+async def test_the_routers_prefetch_moves_a_leaving_pods_sessions_on_the_secured_mesh(
+    secured_mesh: SecuredMesh,
+) -> None:
+    """The router under its own user (it reads locations, loads and the pool's pods; it asks pods to prefetch) and
+    the pods' agents under their tokens: when the drained pod leaves, the router asks the other pod to prefetch its
+    sessions, that pod restores each as itself, and the next request of each is sent there. Nobody is refused."""
+    mesh = secured_mesh
+    sessions = [f"rp{i}" for i in range(4)]
+    await mesh.add_pod("llama-1", sessions)
+    new = await mesh.add_pod("llama-2", [], prefetch=True)
+    settings = RouterSettings(
+        listen=HostPort("127.0.0.1", 0), pool="llm/llama", pods_resync_s=0.5, prefetch_s=60, deletion_cost_s=0
+    )
+    router = RouterService(settings)
+    running = await start_service(router, replace(mesh.settings, nats=mesh.as_user("router")), Wiring)
+    client = GatewayClient([HostPort("127.0.0.1", router.port)], timeout_s=15.0)
+    try:
+        picker, prefetcher = router.picker, router.prefetcher
+        assert picker is not None and prefetcher is not None
+        ip = {p.name: p.ip for p in await mesh.cluster.pods()}
+
+        def held_by(pod: str) -> bool:
+            return all(
+                (p := picker.sessions.get(s)) is not None and p.holder and p.holder.name == pod for s in sessions
+            )
+
+        await eventually(lambda: held_by("llama-1"), timeout=30)
+        for sid in sessions:  # a request each: the conversations the router will prefetch
+            answer = await client.ask(sid)
+            assert answer is not None and answer.endpoints[0] == f"{ip['llama-1']}:8000", answer
+        verdict = await mesh.drain("node-1", "d-router")
+        assert isinstance(verdict, DrainCompleted), verdict
+        await mesh.cluster.cordon("node-1")
+        await mesh.pods["llama-1"].endpoint.stop()
+        await mesh.cluster.kill_pod("llm", "llama-1")  # gone: the router sees it stop serving
+
+        await eventually(lambda: set(sessions) <= set(new.agent.sessions()), timeout=60)
+        await eventually(lambda: held_by("llama-2"), timeout=30)
+        for sid in sessions:
+            assert [bytes(b) for b in new.agent.blocks(sid)] == [
+                block_content(sid, i, LAYOUT.block_bytes).tobytes() for i in range(2)
+            ], sid
+            answer = await client.ask(sid)
+            assert answer is not None and answer.endpoints[0] == f"{ip['llama-2']}:8000", answer
+        assert prefetcher.stats.prefetched == len(sessions) and prefetcher.stats.failed == 0, prefetcher.stats
+        assert prefetcher.stats.unanswered == 0
+        no_violations(mesh)
+        await mesh.check(min_checkpoints=len(sessions), drains=["d-router"])
+    finally:
+        await client.close()
+        await running.stop(grace=1)
