@@ -24,6 +24,7 @@ memory holds at most ``max_first_picks`` sessions (the oldest forgotten first: a
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -257,22 +258,19 @@ class EndpointPicker:
         if known is not None and location.sequence <= known.sequence:
             self.ignored_locations += 1
             return False
+        version = sys.intern(location.model_version)  # one string per version, not one per session
         if not self._ours(location.namespace, location.deployment):
             placement = Placement(None, location.sequence, foreign=True)
         elif location.held and location.pod:
             holder = self.pods.get(location.pod)
             if holder is None:
                 holder = self.pods[location.pod] = PodIncarnation(location.pod)
-            placement = Placement(
-                holder, location.sequence, tokens=location.token_count, version=location.model_version
-            )
+            placement = Placement(holder, location.sequence, tokens=location.token_count, version=version)
         else:
             was = None  # the pod that held it, when the registry forgot it with its pod; never for a preemption
             if known is not None:
                 was = (known.holder or known.was) if location.reason == "forgotten" else known.was
-            placement = Placement(
-                None, location.sequence, tokens=location.token_count, version=location.model_version, was=was
-            )
+            placement = Placement(None, location.sequence, tokens=location.token_count, version=version, was=was)
         self._first_picks.pop(location.session_id, None)  # its holder is known now (or that nothing holds it)
         if known is not None:
             del self.sessions[location.session_id]  # re-inserted last: the dict's order is the order of change

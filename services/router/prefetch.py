@@ -174,9 +174,7 @@ class Prefetcher:
             used = pod.utilisation(now, self.picker.load_stale_s)
             totals[name] = max(pod.blocks_total, 1) if used is not None else 1_000
             pressure[name] = 0.5 if used is None else used
-        heaps: dict[frozenset[str], list[tuple[float, str]]] = {}
-        """Per model version, the pods holding it by pressure; an entry whose pod another version's session made
-        more pressed since is stale, and pushed again with its pressure when it comes up."""
+        heaps: dict[frozenset[str], list[tuple[float, str]]] = {}  # per model versions needed (``_heap``)
         plan: dict[str, list[str]] = {}
         if not pressure:
             return plan
