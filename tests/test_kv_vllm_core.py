@@ -363,6 +363,18 @@ def expected_kv(tokens: list[int], count: int) -> list[list[torch.Tensor]]:
     return [expected_position(tokens[p], p) for p in range(count)]
 
 
+def assert_blocks_hold(engine: Engine, session: str, conversation: list[int], blocks: int) -> None:
+    """The first ``blocks`` of the session's blocks in the engine's agent hold each position's K and V of
+    ``conversation``."""
+    for block_index, block in enumerate(engine.agent.blocks(session)[:blocks]):
+        t = engine.cache.as_tensor(block)
+        for offset in range(BS):
+            p = block_index * BS + offset
+            want = expected_position(conversation[p], p)
+            got = [t[layer, kv, :, offset] for layer in range(LAYERS) for kv in (0, 1)]
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), f"position {p}"
+
+
 async def test_a_conversation_saved_on_one_engine_is_loaded_into_another(tmp_path: Path, engines: list[Engine]) -> None:
     store = FileStore(str(tmp_path / "store"))
     a = Engine(store, layout(), "kv_first_nhd", "pod-a", seed=1)
@@ -380,13 +392,7 @@ async def test_a_conversation_saved_on_one_engine_is_loaded_into_another(tmp_pat
     conversation = prompt + reply + [7, 8, 9]  # the next turn: the whole conversation and a new user message
     b.turn("r2", "chat-1", conversation, generate=2)
     assert b.loaded_tokens == 16 and not b.load_errors
-    for block_index, block in enumerate(b.agent.blocks("chat-1")[:4]):
-        t = b.cache.as_tensor(block)
-        for offset in range(BS):
-            p = block_index * BS + offset
-            want = expected_position(conversation[p], p)
-            got = [t[layer, kv, :, offset] for layer in range(LAYERS) for kv in (0, 1)]
-            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), f"position {p}"
+    assert_blocks_hold(b, "chat-1", conversation, 4)
 
 
 class _RestoringEndpoint:
@@ -427,13 +433,7 @@ async def test_a_prefetched_session_is_loaded_from_the_workers_copy_without_read
     b.turn("r2", "chat-9", conversation, generate=2)
     assert b.loaded_tokens == 16 and not b.load_errors
     assert endpoint.calls == [("chat-9", True)] and port.loaded_from_prefetch == 1 and not port.prefetched
-    for block_index, block in enumerate(b.agent.blocks("chat-9")[:4]):
-        t = b.cache.as_tensor(block)
-        for offset in range(BS):
-            position = block_index * BS + offset
-            want = expected_position(conversation[position], position)
-            got = [t[layer, kv, :, offset] for layer in range(LAYERS) for kv in (0, 1)]
-            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), f"position {position}"
+    assert_blocks_hold(b, "chat-9", conversation, 4)
 
 
 async def test_what_is_loaded_lands_in_the_blocks_vllm_allocated(tmp_path: Path, engines: list[Engine]) -> None:

@@ -782,30 +782,8 @@ def test_a_session_moves_only_to_a_pod_holding_its_model_version() -> None:
     loaded(picker, {"a": 50, "b": 60, "c": 5}, 100.0, versions={"a": ["1", "2"], "b": ["1", "2"], "c": ["2"]})
     held(picker, (("old-1", "a", 32), ("old-2", "a", 16)), version="1")
     held(picker, (("new", "a", 16),), version="2")
-    picker.on_location(  # not saved since it was placed: its version is not known, a's are 1 and 2
-        SessionLocation(
-            session_id="unsaved",
-            sequence=8,
-            reason="placed",
-            held=True,
-            pod=pod_name("a"),
-            namespace=NS,
-            deployment=DEP,
-        )
-    )
-    picker.on_location(
-        SessionLocation(
-            session_id="ancient",
-            sequence=9,
-            reason="placed",
-            held=True,
-            pod=pod_name("a"),
-            namespace=NS,
-            deployment=DEP,
-            token_count=16,
-            model_version="0",
-        )
-    )
+    held(picker, (("unsaved", "a", 0),))  # not saved since it was placed: its version is not known, a's are 1 and 2
+    held(picker, (("ancient", "a", 16),), version="0")
     prefetcher = Prefetcher(picker, Handovers(10.0), _never_asked, 30.0, lambda: 100.0)
     for sid in ("old-1", "old-2", "new", "ancient", "unsaved"):
         prefetcher.saw_request(sid, 99.0)

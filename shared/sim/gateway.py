@@ -244,12 +244,12 @@ class GatewayRouting:
             delay = 1.0 if answer.status == 429 else 0.5
             raise TemporaryError(f"the endpoint picker answered {answer.status}: {answer.reason}", delay=delay)
         by_ip = {r.info.ip: r for r in candidates if r.info.ip}
-        first = answer.endpoints[0].rpartition(":")[0].strip("[]") if answer.endpoints else ""
-        if first and first not in by_ip and any(r.info.ip == first for r in serving):
-            self.landings.wrong_version += 1
         for position, endpoint in enumerate(answer.endpoints):
-            chosen = by_ip.get(endpoint.rpartition(":")[0].strip("[]"))
+            ip = endpoint.rpartition(":")[0].strip("[]")
+            chosen = by_ip.get(ip)
             if chosen is None:
+                if not position and any(r.info.ip == ip for r in serving):  # serving, not of the session's version
+                    self.landings.wrong_version += 1
                 continue
             if position:
                 self.landings.next_endpoint += 1

@@ -18,7 +18,7 @@ from shared.kv.agent import KvAgent
 from shared.kv.engines.vllm_core.loop import AgentLoop
 from shared.kv.engines.vllm_core.paged import PagedCache
 from shared.kv.engines.vllm_core.plan import FinishSpec, LoadSpec, StepPlan
-from shared.kv.store import StoreError
+from shared.kv.store import CheckpointNotFound, StoreError
 
 log = logging.getLogger("vllm.gpuwarden.worker")  # under vLLM's logger: its handlers print it
 
@@ -58,8 +58,6 @@ class SessionPort:
         when the agent held it already."""
         if self.endpoint is None:
             raise RuntimeError("this worker has no checkpoint service to take sessions from")
-        from shared.kv.store import CheckpointNotFound
-
         async with self._one_at_a_time(session_id):
             if session_id in self.agent.sessions():
                 return False
