@@ -66,6 +66,17 @@ class RegistryAudit:
         return int(gen), as_text(checkpoint or b"")
 
     @redis_may_be_down
+    async def takers(self, session_id: str) -> dict[int, str]:
+        """Who took each generation of the session on this registry's history (``kv:takes:<sid>``, as ``lua.TAKEN``
+        reads it): generation -> pod; generations taken without a take id are absent."""
+        out: dict[int, str] = {}
+        for raw in await self.client.hvals(self.keys.takes(session_id)):
+            pod, _, gen = as_text(raw).rpartition(" ")
+            if pod and gen.isdigit():
+                out[int(gen)] = pod
+        return out
+
+    @redis_may_be_down
     async def drain_state(self, drain_id: str) -> str:
         """The drain's recorded state (running, completed, failed), '' when no drain of that id was taken."""
         raw = await self.client.hget(self.keys.drain(drain_id), "state")

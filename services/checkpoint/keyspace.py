@@ -91,6 +91,9 @@ class RegistryKeys:
     def sealed(self, session_id: str) -> str:
         return self._key("sealed", session_id)
 
+    def takes(self, session_id: str) -> str:
+        return self._key("takes", session_id)
+
     # pods and nodes
     def onnode(self, node: str) -> str:
         return self._key("onnode", node)

@@ -1,7 +1,7 @@
 """The session registry's Redis scripts (Lua): each one atomic step of the registry, named for what it decides,
 with its arguments and its answer in the comment above it. ``registry.SessionRegistry`` loads and runs them; the
 key layout they share is listed in ``keyspace.py`` (the leases' own scripts are in ``leases.py``). Pieces shared by
-several scripts (``LOCATED``, ``MOVE``) are prepended to the scripts that use them."""
+several scripts (``LOCATED``, ``MOVE``, ``TAKEN``) are prepended to the scripts that use them."""
 
 from __future__ import annotations
 
@@ -93,20 +93,43 @@ local function drop(prefix, sid, pod)
 end
 """
 
+# The pods that took the session's generations on this registry's history (``kv:takes:<sid>``: kept a week after
+# the last take), as a table generation -> pod. A generation handed out twice (a claim one side of a Redis split
+# brain made that the surviving side never heard of) was taken by one pod here: a checkpoint, record or announcement
+# of that generation by any other pod is the discarded side's, fenced even after the surviving taker is gone from
+# the registry (evicted, its lease lapsed). A claim made without a take id (an older agent) leaves no entry.
+TAKEN = """
+local function takers(prefix, sid)
+  local out = {}
+  for _, given in ipairs(redis.call('HVALS', prefix .. ':kv:takes:' .. sid)) do
+    local sep = string.find(given, ' ', 1, true)
+    if sep then out[tonumber(string.sub(given, sep + 1))] = string.sub(given, 1, sep - 1) end
+  end
+  return out
+end
+-- another pod than ``pod`` took generation ``gen`` of the session here
+local function taken_by_another(prefix, sid, pod, gen)
+  local by = takers(prefix, sid)[gen]
+  return by ~= nil and by ~= pod
+end
+"""
+
 # One announcement (full or delta) applied atomically. ARGV = prefix, pod, node, ns, dep, now, ttl_ms, incarnation, seq,
 # full, part, parts, leaving, bytes, n_ended, n_dropped, the ended sessions, the dropped ones, then (sid, generation)
 # pairs. A session announced under an older generation than the newest handed out has moved on: stale, ignored and
 # returned. So is one announced under the current generation while another pod that is alive (its lease stands, it is
 # not leaving) holds the session under that same generation: only a claim the registry lost in a Redis failover hands
-# one generation out twice, and the pod placed first keeps it. A newer one than the registry knows (it lost its data)
-# raises the counter: never handed out again. An ended session whose newest generation the pod took (held now, or
-# dropped since, as after a preemption) leaves the registry and is returned as retired. A numbered delta that does not
-# follow what the registry applied last for the pod (another incarnation, a gap: writes lost), or a heartbeat whose
-# number is not the one applied last (the last delta was lost), is applied and answered ``resync``. Returns (stale,
-# retired, the locations that changed, resync).
+# one generation out twice, and the pod placed first keeps it; nor by a pod other than the one that took that generation
+# here (``TAKEN``: the surviving side's taker, even after it left the registry). A newer one than the registry knows (it
+# lost its data) raises the counter: never handed out again. An ended session whose newest generation the pod took (held
+# now, or dropped since, as after a preemption) leaves the registry and is returned as retired. A numbered delta that
+# does not follow what the registry applied last for the pod (another incarnation, a gap: writes lost), or a heartbeat
+# whose number is not the one applied last (the last delta was lost), is applied and answered ``resync``. Returns
+# (stale, retired, the locations that changed, resync).
 ANNOUNCE = (
     LOCATED
     + MOVE
+    + TAKEN
     + """
 local function held_by_another(prefix, sid, pod, gen)
   local cur = redis.call('HMGET', prefix .. ':kv:session:' .. sid, 'pod', 'generation')
@@ -165,7 +188,9 @@ for i = first_pair, #ARGV, 2 do
   fresh[sid] = true
   local genkey = prefix .. ':kv:generation:' .. sid
   local current = tonumber(redis.call('GET', genkey) or '0')
-  if gen < current or (gen == current and held_by_another(prefix, sid, pod, gen)) then
+  if gen < current or (gen == current and (held_by_another(prefix, sid, pod, gen)
+    or (redis.call('HGET', prefix .. ':kv:session:' .. sid, 'pod') ~= pod and taken_by_another(prefix, sid, pod, gen))))
+  then
     table.insert(stale, sid)
     -- out of the pod's index, unless the pod holds the session under a newer generation (it took it again since
     -- that announcement was made: a late or replayed one must not take it out of its holder's index)
@@ -266,11 +291,13 @@ return {gen, located(prefix, sid, 'placed', ''), '', '', ''}
 # outcome): 'recorded' (anew), 'duplicate' (recorded before: a report sent again or replayed changes nothing and is
 # answered as committed, whoever holds the session now), 'refused' (kept: it may be what someone else committed,
 # e.g. the seal of the holder's generation, which a restore may have taken), 'stale' (refused, and provably a save
-# nobody may take for committed: of the holder's generation by another pod, or of an older generation sorting
-# after the current generation's seal, i.e. saved after that claim by a pod that had lost the session; the same
-# two fences as ``REPAIR``). Only a 'stale' checkpoint may be deleted by the refusal.
+# nobody may take for committed: of the holder's generation by another pod, of a generation another pod took here
+# (``TAKEN``), or of an older generation sorting after the current generation's seal, i.e. saved after that claim
+# by a pod that had lost the session; the same fences as ``REPAIR``). Only a 'stale' checkpoint may be deleted by
+# the refusal.
 RECORD = (
     LOCATED
+    + TAKEN
     + """
 local prefix, sid, cid, gen, pod = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local zkey = prefix .. ':kv:checkpoints:' .. sid
@@ -286,10 +313,15 @@ if gen < current then
 elseif gen > 0 and gen == current and holder and holder ~= pod and held == gen then
   why = 'generation ' .. gen .. ' of the session is held by pod ' .. holder
 end
+local taker = holder ~= pod and takers(prefix, sid)[gen]
+if not why and taker and taker ~= pod then
+  why = 'generation ' .. gen .. ' of the session was taken by pod ' .. taker
+end
 if why then
   local seal = redis.call('HMGET', prefix .. ':kv:sealed:' .. sid, 'generation', 'checkpoint')
   local sealed = tonumber(seal[1] or '-1') == current and seal[2]
-  if (holder and gen == held and pod ~= holder) or (sealed and gen < current and cid > sealed) then
+  if (holder and gen == held and pod ~= holder) or (taker and taker ~= pod)
+    or (sealed and gen < current and cid > sealed) then
     return {why, {}, 'stale'}
   end
   return {why, {}, 'refused'}
@@ -350,9 +382,13 @@ return located(ARGV[1], ARGV[2], nil, '')
 # saves refused as stale whose files are not deleted yet: a checkpoint of the generation the session's holder has
 # now written by another pod (or by the other holder of a generation a lost claim handed out twice), and one of an
 # older generation than the current one sorting after the current generation's seal (saved after that claim, by a
-# pod that had lost the session; checkpoint ids sort by (generation, sequence) as strings). Fenced ones are not
-# recorded. Returns (the ids recorded anew, the ids fenced).
-REPAIR = """
+# pod that had lost the session; checkpoint ids sort by (generation, sequence) as strings). A third fence outlives
+# the holder: a checkpoint of a generation another pod took on this history (``TAKEN``), as the discarded side of a
+# split brain wrote under a generation handed out twice. Fenced ones are not recorded. Returns (the ids recorded
+# anew, the ids fenced).
+REPAIR = (
+    TAKEN
+    + """
 local prefix, sid = ARGV[1], ARGV[2]
 local zkey = prefix .. ':kv:checkpoints:' .. sid
 local genkey = prefix .. ':kv:generation:' .. sid
@@ -361,10 +397,12 @@ local holder, held = cur[1], tonumber(cur[2] or '-1')
 local current = tonumber(redis.call('GET', genkey) or '0')
 local seal = redis.call('HMGET', prefix .. ':kv:sealed:' .. sid, 'generation', 'checkpoint')
 local sealed = tonumber(seal[1] or '-1') == current and seal[2]
+local taken = takers(prefix, sid)
 local added, fenced = {}, {}
 for i = 3, #ARGV, 5 do
   local cid, gen, pod = ARGV[i], tonumber(ARGV[i + 2]), ARGV[i + 3]
-  if (holder and gen == held and pod ~= holder) or (sealed and gen < current and cid > sealed) then
+  if (holder and gen == held and pod ~= holder) or (taken[gen] and taken[gen] ~= pod)
+    or (sealed and gen < current and cid > sealed) then
     table.insert(fenced, cid)
   else
     if not redis.call('ZSCORE', zkey, cid) then
@@ -378,6 +416,7 @@ for i = 3, #ARGV, 5 do
 end
 return {added, fenced}
 """
+)
 
 # KEYS = the session's checkpoints, the aging index; ARGV = cid, the aging member. Forget a checkpoint that
 # retention doomed unless it is the session's newest recorded one (a newer one was forgotten meanwhile, as a

@@ -15,8 +15,9 @@ decrypted when the manifest names a key (``key_id``), and every chunk's digest c
       before it deletes the file, and a refused save that is not stale is kept (it may be what someone else
       committed);
   (b) fenced, by the fences a restore's repair applies (``REPAIR`` in ``services/checkpoint/registry_scripts.py``): a
-      checkpoint of the generation the session's holder has now made by another pod, or one of an older generation
-      than the session's counter sorting after that generation's seal: a stale save, refused and not deleted yet;
+      checkpoint of the generation the session's holder has now made by another pod, one of a generation another pod
+      took on the registry's history (a split brain's discarded side), or one of an older generation than the
+      session's counter sorting after that generation's seal: a stale save, refused and not deleted yet;
   (c) of a session the scenario names in ``unrecorded``: Redis lost its newest records (a failover) and no restore
       or scrub has repaired them since (the store is the last word; the next restore records them again);
   (d) damaged so that a restore would pass over it (its manifest, a pack or a digest): it was never acknowledged.
@@ -45,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -135,12 +136,21 @@ async def read_checkpoint(store: CheckpointStore, sid: str, cid: str, ciphers: d
 
 
 def is_stale(
-    cid: str, generation: int, pod: str, holder: tuple[str, int] | None, counter: int, seal: str | None
+    cid: str,
+    generation: int,
+    pod: str,
+    holder: tuple[str, int] | None,
+    counter: int,
+    seal: str | None,
+    takers: Mapping[int, str],
 ) -> bool:
     """The fences of a restore's repair (``REPAIR``), written out again: a checkpoint of the generation the
-    session's holder has now made by another pod, or one of an older generation than the counter sorting after the
-    seal of the counter's generation ('' when the store held none then: everything after it)."""
+    session's holder has now made by another pod, one of a generation another pod took on this history (``takers``:
+    generation -> pod), or one of an older generation than the counter sorting after the seal of the counter's
+    generation ('' when the store held none then: everything after it)."""
     if holder is not None and generation == holder[1] and pod != holder[0]:
+        return True
+    if takers.get(generation, pod) != pod:
         return True
     return seal is not None and generation < counter and cid > seal
 
@@ -196,12 +206,13 @@ async def check_invariants(
             holder = (record.pod, record.generation) if record is not None else None
             seal = await audit.seal(sid)
             sealed = seal[1] if seal is not None and seal[0] == counter else None
+            takers = await audit.takers(sid)
             for cid in ahead:
                 read = await read_checkpoint(store, sid, cid, keys)
                 if read.gone or read.why or read.manifest is None:
                     continue  # deleted meanwhile, or damaged: a restore passes over it, and it was never acknowledged
                 m = read.manifest
-                if is_stale(cid, m.generation, m.pod, holder, counter, sealed):
+                if is_stale(cid, m.generation, m.pod, holder, counter, sealed, takers):
                     found.fenced += 1
                     continue
                 suspects.append((sid, cid))

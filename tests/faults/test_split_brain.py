@@ -30,7 +30,7 @@ from services.checkpoint.audit import RegistryAudit
 from services.checkpoint.config import CheckpointSettings
 from services.checkpoint.periodic import REPLICA_LEASE_S
 from services.checkpoint.service import CheckpointService
-from shared.contract.checkpoint import SaveSessionsReport
+from shared.contract.checkpoint import AgentSessions, SaveSessionsReport
 from shared.contract.configdocs import CheckpointPolicy
 from shared.contract.subjects import Subjects
 from shared.host.devservers import RedisServer
@@ -109,9 +109,13 @@ async def _stop(mesh: Mesh) -> None:
     await mesh.running.stop(grace=1)
 
 
+@pytest.mark.parametrize("holder_gone", [False, True], ids=["holder-recorded", "holder-forgotten"])
 async def test_after_a_split_brain_the_surviving_history_wins_and_the_checker_is_clean(
-    two_redis: tuple[RedisServer, RedisServer], sides: tuple[Side, Side], bus: Bus
+    two_redis: tuple[RedisServer, RedisServer], sides: tuple[Side, Side], bus: Bus, holder_gone: bool
 ) -> None:
+    """``holder_gone``: the surviving holder leaves the registry (its lease lapsed, the pod forgotten) before the
+    discarded side's pod announces and saves again and before the next pod restores: the fences must not need it
+    (who took the generation on the surviving side is kept apart from who holds the session now)."""
     primary, replica = two_redis
     p, r = sides
     a = await p.serve(bus)
@@ -181,6 +185,22 @@ async def test_after_a_split_brain_the_surviving_history_wins_and_the_checker_is
         assert newest is not None and str(newest["checkpoint_id"]) == survivor["s1"]
         # llama-z goes; llama-w restores its sessions: the survivor's newest, not the other side's
         await b.evict(z)
+        if holder_gone:
+            await b.service.registry.forget_pod("llama-z")
+            assert await audit.session_record("s1") is None
+            # llama-y, alive on the discarded side's generation, announces s1 in full (its agent restarted) and
+            # saves it again: both refused
+            restarted = AgentSessions(
+                pod="llama-y", node="node-2", namespace="llm", deployment="llama", incarnation="y-2", seq=1,
+                ttl_s=30, full=True, sessions=["s1"], generations=[2],
+            )  # fmt: skip
+            applied = await b.service.registry.apply_announcement(restarted)
+            assert applied.stale == ["s1"] and await audit.session_record("s1") is None
+            y.grow("s1", 1)
+            outcome = await b.service.saves.command("llama-y", 10, "periodic", changed_only=True)
+            assert isinstance(outcome, SaveSessionsReport) and len(outcome.committed) == 1
+            recorded = await b.service.saves.record(outcome, "")
+            assert recorded.committed == set() and "taken by pod llama-z" in recorded.failed[0].reason
         w = await b.add_pod("llama-w", "node-4", announce_s=QUIET)
         for sid, blocks in (("s1", 5), ("s2", 3)):
             restored = await w.endpoint.restore(sid)
