@@ -12,11 +12,17 @@ only checkpoints committed by then count (a half-written pack is invisible; a fl
 ignored). The next pod restores each conversation (``KvAgent.restore``, every digest verified), rebuilds its cache
 and runs the positions after the checkpoint again from the conversation's tokens (as the client holds them).
 
+With the journal on, each pod logs its blocks to the node's tier (``shared.kv.nodetier``: a directory every pod
+of the node shares) and spills them to the shared store every ``spill_s``; the next pod runs on the same node and
+reads the dead pod's log on top of the store's newest checkpoint.
+
 Figures: ``lost_tokens_p99`` / ``_mean`` (positions recomputed per conversation per kill) with the journal and
-``lost_tokens_p99_periodic`` / ``_mean_periodic`` without; ``journal_decode_slowdown`` (decode tokens/s off / on);
-``journal_write_amplification`` (bytes the journal-on run wrote to the store, journal and periodic saves, / the
-KV bytes its engine produced); ``resume_after_kill_vs_recompute_4k`` (a 4k conversation re-prefilled whole / its
-restore from the journal plus the recompute of its tail).
+``lost_tokens_p99_periodic`` / ``_mean_periodic`` without; ``lost_tokens_p99_node`` (had the node been lost with
+its tier: the shared store's newest checkpoint only, at most ``spill_s`` of decoding; no target);
+``journal_decode_slowdown`` (decode tokens/s off / on); ``journal_write_amplification`` (bytes the journal-on
+run wrote to the shared store, journal spills and periodic saves, / the KV bytes its engine produced) and
+``node_write_amplification`` (the node tier's local writes / the same); ``resume_after_kill_vs_recompute_4k`` (a 4k
+conversation re-prefilled whole / its restore from the journal plus the recompute of its tail).
 """
 
 from __future__ import annotations
@@ -58,10 +64,16 @@ class Sizes:
     segment_s: tuple[float, float]
     periodic_s: float
     journal_s: float
+    spill_s: float
+    """The node tier's spill period: how often the journal's blocks go on from the node to the shared store."""
 
 
-FULL_SIZES = Sizes(conversations=4, prompt=128, kills=20, segment_s=(0.5, 4.0), periodic_s=2.0, journal_s=0.05)
-QUICK_SIZES = Sizes(conversations=2, prompt=24, kills=3, segment_s=(0.1, 0.4), periodic_s=0.25, journal_s=0.02)
+FULL_SIZES = Sizes(
+    conversations=4, prompt=128, kills=20, segment_s=(0.5, 4.0), periodic_s=2.0, journal_s=0.05, spill_s=2.0
+)
+QUICK_SIZES = Sizes(
+    conversations=2, prompt=24, kills=3, segment_s=(0.1, 0.4), periodic_s=0.25, journal_s=0.02, spill_s=0.2
+)
 
 
 @dataclass
@@ -76,6 +88,12 @@ class Talk:
 @dataclass
 class Run:
     lost: list[int] = field(default_factory=list)
+    lost_node: list[int] = field(default_factory=list)
+    """Per conversation and kill: the positions recomputed had the node been lost with its tier (the shared
+    store's newest checkpoint only)."""
+    node_blocks: int = 0
+    """Blocks the resumes took from the dead pod's node-tier log."""
+    node_bytes_written: int = 0
     decoded: int = 0
     decode_s: float = 0.0
     produced_tokens: int = 0
@@ -115,13 +133,16 @@ class CrashBench:
         """Every kill of the seeded schedule, with the journal on or off."""
         from shared.kv.filestore import FileStore
         from shared.kv.journal import KvJournal
+        from shared.kv.nodetier import NodeTier
 
         store = FileStore(self.directory / ("journal" if journal else "periodic"))
+        node_root = self.directory / "node"
         rng = random.Random(self.seed)
         result = Run()
         talks: list[Talk] = []
         caches: dict[str, Any] = {}
         agent = self._agent(store, "llama-0")
+        pod_tier = NodeTier(node_root, agent.pod) if journal else None
         for n in range(self.sizes.conversations):  # the first pod: prompts prefilled
             sid = f"chat-{n}"
             ids = [rng.randrange(2, self.engine.model.config.vocab_size) for _ in range(self.sizes.prompt + 5 * n)]
@@ -135,7 +156,9 @@ class CrashBench:
         for kill in range(self.sizes.kills + 1):
             segment = rng.uniform(*self.sizes.segment_s)
             tasks: list[asyncio.Task[Any]] = []
-            kv_journal = KvJournal(agent, self.sizes.journal_s) if journal else None
+            kv_journal = (
+                KvJournal(agent, self.sizes.journal_s, node=pod_tier, spill_s=self.sizes.spill_s) if journal else None
+            )
             if kv_journal is not None:
                 kv_journal.start()
             tasks.append(asyncio.create_task(self._periodic(agent, result, kv_journal)))
@@ -148,21 +171,29 @@ class CrashBench:
                 await decoding
             truth = {t.session_id: len(t.ids) for t in talks}
             committed = {t.session_id: await store.checkpoints(t.session_id) for t in talks}
+            logged = _sizes(node_root)  # what the node's page cache holds at the kill
             if kv_journal is not None:
+                await kv_journal.stop()  # a flush under way ends (shielded); what it adds after the kill is undone
+                _cut_to(node_root, logged)
                 result.bytes_written += kv_journal.stats.bytes_written
                 result.journal_bytes_written += kv_journal.stats.bytes_written
                 result.journal_entries += kv_journal.stats.entries
-                await kv_journal.stop()
+                result.node_bytes_written += kv_journal.stats.node_bytes_written
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if kill == self.sizes.kills:
                 break
+            came_from = agent.pod
             agent = self._agent(store, f"llama-{kill + 1}")  # the next pod: restores, recomputes what is missing
+            pod_tier = NodeTier(node_root, agent.pod) if journal else None
             for talk in talks:
-                lost, cache = await self._resume(agent, talk, committed[talk.session_id], kill + 2)
+                lost, cache, lost_node = await self._resume(
+                    agent, talk, committed[talk.session_id], kill + 2, pod_tier, came_from, result
+                )
                 caches[talk.session_id] = cache
                 result.lost.append(lost)
+                result.lost_node.append(lost_node)
                 result.produced_tokens += lost
                 assert len(talk.ids) == truth[talk.session_id]
         return result
@@ -195,18 +226,44 @@ class CrashBench:
             result.bytes_written += report.bytes_written
             result.periodic_saves += 1
 
-    async def _resume(self, agent: Any, talk: Talk, candidates: list[str], generation: int) -> tuple[int, Any]:
-        """The conversation on the new pod: its newest checkpoint committed before the kill, then the positions
-        after it run again. Returns the positions recomputed and the cache."""
+    async def _resume(
+        self,
+        agent: Any,
+        talk: Talk,
+        candidates: list[str],
+        generation: int,
+        tier: Any = None,
+        came_from: str = "",
+        result: Run | None = None,
+    ) -> tuple[int, Any, int]:
+        """The conversation on the new pod: its newest checkpoint committed before the kill, then (with a node
+        tier, the new pod on the dead pod's node) the blocks the dead pod logged after it, then the positions after
+        those run again. Returns the positions recomputed, the cache, and the positions a lost node would have cost
+        (the shared store's checkpoint only)."""
+        import numpy as np
+
         from shared.kv.manifest import checkpoint_order
         from shared.kv.store import CheckpointNotFound
 
         newest = sorted(candidates, key=checkpoint_order, reverse=True)
-        count = 0
+        count = stored = 0
         try:
             restored = await agent.restore(talk.session_id, candidates=newest, generation=generation)
-            count = restored.manifest.token_count
-            cache = self.engine.rebuild(restored.blocks, count)
+            count = stored = restored.manifest.token_count
+            blocks = restored.blocks
+            if tier is not None:
+                full = count // BLOCK_TOKENS
+                tier.begin(talk.session_id, generation, full)
+                have = [r.digest for r in restored.manifest.blocks[:full]]
+                tail = await tier.read_tail(talk.session_id, came_from, generation - 1, have, self.layout.block_bytes)
+                if tail.blocks:
+                    count = agent.continue_with(
+                        talk.session_id, full, [np.frombuffer(bytearray(b), dtype=np.uint8) for b in tail.blocks]
+                    )
+                    blocks = agent.blocks(talk.session_id)
+                    if result is not None:
+                        result.node_blocks += len(tail.blocks)
+            cache = self.engine.rebuild(blocks, count)
         except CheckpointNotFound:
             agent.register_session(talk.session_id, generation=generation)
             cache = self.engine.new_cache()
@@ -214,7 +271,7 @@ class CrashBench:
         if missing:
             await asyncio.to_thread(self._forward, cache, missing)
         self.engine.track(agent, talk.session_id, cache)
-        return len(missing), cache
+        return len(missing), cache, len(talk.ids) - stored
 
     async def long_resume(self) -> dict[str, float]:
         """A 4k conversation journaled as it was made, its pod killed a few positions past a block: restored and
@@ -242,9 +299,22 @@ class CrashBench:
             recompute.append(time.perf_counter() - started)
             other = self._agent(store, f"long-{attempt + 1}")
             started = time.perf_counter()
-            _, _ = await self._resume(other, Talk("long", ids, 0), await store.checkpoints("long"), attempt + 2)
+            await self._resume(other, Talk("long", ids, 0), await store.checkpoints("long"), attempt + 2)
             resume.append(time.perf_counter() - started)
         return {"recompute_4k_s": percentile(recompute, 50), "resume_after_kill_4k_s": percentile(resume, 50)}
+
+
+def _sizes(root: Path) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in root.rglob("*.log")} if root.is_dir() else {}
+
+
+def _cut_to(root: Path, sizes: dict[Path, int]) -> None:
+    """The node tier as the kill left it: logs cut back to their sizes then, those made after it gone."""
+    for path in root.rglob("*.log") if root.is_dir() else []:
+        if path not in sizes:
+            path.unlink()
+        elif path.stat().st_size > sizes[path]:
+            os.truncate(path, sizes[path])
 
 
 def run(options: BenchOptions, seed: int = 7, progress: bool = True) -> dict[str, Any]:
@@ -278,6 +348,9 @@ def run(options: BenchOptions, seed: int = 7, progress: bool = True) -> dict[str
         "lost_tokens_p99": percentile(on.lost, 99),
         "lost_tokens_mean": sum(on.lost) / len(on.lost),
         "lost_tokens_max": max(on.lost),
+        "lost_tokens_p99_node": percentile(on.lost_node, 99),
+        "lost_tokens_mean_node": sum(on.lost_node) / len(on.lost_node),
+        "node_tier_blocks_restored": on.node_blocks,
         "lost_tokens_p99_periodic": percentile(off.lost, 99),
         "lost_tokens_mean_periodic": sum(off.lost) / len(off.lost),
         "decode_tokens_per_s_journal": rate_on,
@@ -288,6 +361,8 @@ def run(options: BenchOptions, seed: int = 7, progress: bool = True) -> dict[str
         # partial last block written again at each save: how often is sizes.periodic_s, far below the 60 s default)
         "journal_only_write_amplification": on.journal_bytes_written / (on.produced_tokens * bench.bytes_per_token),
         "journal_entries": on.journal_entries,
+        # the node tier's local-disk writes (each full block once), beside the shared store's above
+        "node_write_amplification": on.node_bytes_written / (on.produced_tokens * bench.bytes_per_token),
         **long,
         "resume_after_kill_vs_recompute_4k": long["recompute_4k_s"] / long["resume_after_kill_4k_s"],
     }

@@ -272,6 +272,8 @@ CRASH_KEYS = (
     "block_tokens",
     "lost_tokens_p99",
     "lost_tokens_p99_periodic",
+    "lost_tokens_p99_node",
+    "node_write_amplification",
     "journal_decode_slowdown",
     "journal_write_amplification",
     "resume_after_kill_vs_recompute_4k",
@@ -286,6 +288,7 @@ def test_bench_crash_kills_pods_with_and_without_the_journal_on_a_tiny_model(tmp
     data = written(out, report, "crash", CRASH_KEYS)
     assert data["kills"] == 3 and data["conversations_resumed"] == 6 and data["block_tokens"] == 16
     assert data["journal_entries"] > 0 and data["params"]["sizes"]["journal_s"] > 0
+    assert data["node_write_amplification"] > 0 and data["params"]["sizes"]["spill_s"] > 0
     assert {t["key"] for t in data["targets"]} == {
         "lost_tokens_p99",
         "journal_decode_slowdown",

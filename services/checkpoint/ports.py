@@ -95,6 +95,9 @@ class Claim:
     refused: str = ""
     holder: str = ""
     holder_node: str = ""
+    taken_from: str = ""
+    """The pod that took the session's previous generation ('' when not known), and that generation."""
+    taken_from_generation: int = 0
 
 
 @dataclass(frozen=True)

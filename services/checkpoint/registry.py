@@ -123,7 +123,7 @@ class SessionRegistry:
         none; None when the store could not be listed), kept as the new generation's seal. ``take``: the take's
         id; a take this pod made before is answered with the generation it was given (``location`` None: nothing
         changed), and another pod's take id is refused (``take``)."""
-        generation, location, refused, holder, holder_node = await self._claim(
+        generation, location, refused, holder, holder_node, *previous = await self._claim(
             keys=[self.keys.generation(session_id)],
             args=[
                 self.subjects.root,
@@ -134,7 +134,10 @@ class SessionRegistry:
         )
         if refused:
             return Claim(0, None, as_text(refused), as_text(holder), as_text(holder_node))
-        return Claim(int(generation), lua.location_of(location) if location else None)
+        taken_from, taken_gen = (as_text(previous[0]), int(previous[1])) if len(previous) == 2 else ("", 0)
+        return Claim(
+            int(generation), lua.location_of(location) if location else None, "", "", "", taken_from, taken_gen
+        )
 
     @redis_may_be_down
     async def note_restored(

@@ -243,10 +243,13 @@ return {stale, retired, changes, resync}
 # retried, duplicated or replayed take never moves the session on under its holder.
 # Refused, with nothing changed, when another pod holds the session and is alive (its lease stands and it is not
 # leaving) unless ``force`` (the service found that pod gone from the cluster), or when the session belongs to
-# another deployment. Returns (generation or 0, the new location, why refused, the holder, the holder's node).
+# another deployment. Returns (generation or 0, the new location, why refused, the holder, the holder's node, the pod
+# that took the generation before this one ('' when unknown: no take id, or a take answered again) and that
+# generation: whose node-tier journal may hold the session's newest blocks).
 CLAIM = (
     LOCATED
     + MOVE
+    + TAKEN
     + """
 local prefix, sid, pod, node, ns, dep, now, floor = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
   tonumber(ARGV[8])
@@ -272,7 +275,9 @@ if dep ~= '' and sdep ~= '' and (sns ~= ns or sdep ~= dep) then
   return {0, {}, 'deployment', sns .. '/' .. sdep, ''}
 end
 local genkey = prefix .. ':kv:generation:' .. sid
-if tonumber(redis.call('GET', genkey) or '0') < floor then redis.call('SET', genkey, floor) end
+local before = tonumber(redis.call('GET', genkey) or '0')
+local from = takers(prefix, sid)[before] or ''
+if before < floor then redis.call('SET', genkey, floor) end
 local gen = redis.call('INCR', genkey)
 if ARGV[10] == '1' then
   redis.call('HSET', prefix .. ':kv:sealed:' .. sid, 'generation', gen, 'checkpoint', ARGV[11])
@@ -282,7 +287,7 @@ if take ~= '' then
   redis.call('PEXPIRE', takes, 604800000)
 end
 move(prefix, sid, pod, node, ns, dep, gen, now)
-return {gen, located(prefix, sid, 'placed', ''), '', '', ''}
+return {gen, located(prefix, sid, 'placed', ''), '', '', '', from, from ~= '' and before or 0}
 """
 )
 

@@ -49,7 +49,7 @@ class Restores:
         generation it was given, changing nothing."""
         found = await self._candidates(event.session_id)
         candidates = found.ids
-        generation = 0
+        generation, taken_from, taken_gen = 0, "", 0
         if event.takes_session:
             seal = (candidates[0] if candidates else "") if found.listed else None
             claim = await self._claim(event, found.floor, seal)
@@ -61,10 +61,15 @@ class Restores:
                     refused=claim.refused,
                     holder=claim.holder if claim.refused.startswith("held") else "",
                 )
-            generation = claim.generation
+            generation, taken_from, taken_gen = claim.generation, claim.taken_from, claim.taken_from_generation
         if not candidates:
             return CheckpointLocation(
-                session_id=event.session_id, found=False, store=self.replica.store.url, generation=generation
+                session_id=event.session_id,
+                found=False,
+                store=self.replica.store.url,
+                generation=generation,
+                taken_from=taken_from,
+                taken_from_generation=taken_gen,
             )
         await self.replica.registry.record_restore(event.session_id, candidates[0], event.pod, event.node)
         return CheckpointLocation(
@@ -76,6 +81,8 @@ class Restores:
             generation=generation,
             candidates=candidates,
             from_store=found.from_store,
+            taken_from=taken_from,
+            taken_from_generation=taken_gen,
         )
 
     async def _claim(self, event: LocateCheckpoint, floor: int, seal: str | None) -> Claim:

@@ -299,3 +299,8 @@ class CheckpointLocation(Event, frozen=True, kw_only=True, tag="checkpoint.locat
     from_store: list[CheckpointId] = msgspec.field(default_factory=list)
     """Those of ``candidates`` newer than every checkpoint the registry recorded: the registry had lost them (a
     Redis failover), the store holds them; verified and recorded again. The pod says so when it restores."""
+    taken_from: OptPodName = ""
+    """The pod that took the session's previous generation ('' when not known), and that generation: the only
+    node-tier journal (``shared.kv.nodetier``) the asking pod may read the session's newest blocks from, on top of
+    the checkpoint it restores."""
+    taken_from_generation: int = 0

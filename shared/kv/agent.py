@@ -45,7 +45,7 @@ from shared.kv.manifest import (
     seal_manifest,
 )
 from shared.kv.reading import read_verified
-from shared.kv.session import Session, full_prefix, prefix_due, unchanged
+from shared.kv.session import Session, full_count, full_prefix, prefix_due, unchanged
 from shared.kv.store import CheckpointNotFound, CheckpointStore, ChunkCorrupt, StoreError
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,15 @@ class RestoredSession:
     manifest: CheckpointManifest
     blocks: list[Any]
     fell_back_from: list[str] = field(default_factory=list)
+    node_blocks: int = 0
+    """Full blocks the node tier's journal added after the checkpoint (``shared.kv.nodetier``)."""
+    node_tokens: int = 0
+    """The positions the session holds with them (0 when none were added)."""
+
+    @property
+    def tokens(self) -> int:
+        """The positions the restored KV holds: the checkpoint's, or more with blocks from the node tier."""
+        return self.node_tokens if self.node_blocks else self.manifest.token_count
 
 
 class KvAgent:
@@ -556,6 +565,46 @@ class KvAgent:
             report.committed.append(manifest)
         for block, dg in digested:
             block.digest = dg
+
+    async def full_blocks_from(self, session_id: str, start: int) -> tuple[int, list[tuple[memoryview, str]]]:
+        """The session's full blocks from index ``start`` on, in host memory with their digests (each hashed once;
+        a full block never changes again), and the generation they are held under: what the journal's node tier
+        logs. Copied out of device memory through the agent's staging, under the save lock."""
+        async with self._save_lock:
+            session = self._session(session_id)
+            full = full_count(session, self._layout_of(session).block_tokens)
+            blocks = session.blocks[start:full]
+            if not blocks:
+                return session.generation, []
+            views = await self._host_views(blocks)
+            out: list[tuple[memoryview, str]] = []
+            for block, view in zip(blocks, views, strict=True):
+                if block.on_device:
+                    view = memoryview(bytes(view))  # the staging is reused by the next copy
+                if not block.digest:
+                    block.digest = digest(view)
+                out.append((view, block.digest))
+            return session.generation, out
+
+    def has_checkpoint(self, session_id: str) -> bool:
+        """Whether the session has a checkpoint this agent wrote or restored (the base its next save builds on)."""
+        return self._session(session_id).last is not None
+
+    def last_checkpoint(self, session_id: str) -> CheckpointManifest | None:
+        """The checkpoint this agent last wrote or restored of the session (None when none, or not held)."""
+        session = self._sessions.get(session_id)
+        return session.last if session is not None else None
+
+    def continue_with(self, session_id: str, keep: int, tail: Sequence[Any]) -> int:
+        """After a restore: keep the session's first ``keep`` blocks and append ``tail`` (full blocks a node log
+        held, verified), each full. The session's last checkpoint stays what it was restored from (the shared
+        store's), so the next save writes the tail's blocks to the store. Returns the tokens held now."""
+        session = self._session(session_id)
+        block_tokens = self._layout_of(session).block_tokens
+        self.truncate(session_id, keep)
+        for block in tail:
+            self.append_block(session_id, block, tokens=session.token_count + block_tokens)
+        return session.token_count
 
     async def _host_views(self, blocks: list[Block]) -> list[memoryview]:
         device = [b for b in blocks if b.on_device]

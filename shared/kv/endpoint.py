@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from shared.contract.checkpoint import (
     PERIODIC_REASON,
     AgentSessions,
@@ -34,8 +36,9 @@ from shared.contract.models import ModelPrepared, PrepareModel, RolloutState, Se
 from shared.contract.sessions import PrefetchSessions, SessionsPrefetched
 from shared.contract.subjects import Subjects
 from shared.kv.agent import KvAgent, RestoredSession, SaveReport
-from shared.kv.journal import JOURNAL_REASON, KvJournal, journal_covers
+from shared.kv.journal import DEFAULT_SPILL_S, JOURNAL_REASON, KvJournal, journal_covers
 from shared.kv.manifest import KvLayout
+from shared.kv.nodetier import NodeTier
 from shared.kv.reports import final_save_command, record_report, report_event, report_parts
 from shared.kv.store import CheckpointNotFound, ChunkCorrupt
 from shared.plumbing.bus import Bus, Subscription
@@ -126,6 +129,8 @@ class AgentEndpoint:
         models: ModelHost | None = None,
         journal_s: float = 0.0,
         sessions: SessionHost | None = None,
+        node_tier: NodeTier | None = None,
+        spill_s: float = DEFAULT_SPILL_S,
     ) -> None:
         self.agent = agent
         self.bus = bus
@@ -157,7 +162,14 @@ class AgentEndpoint:
         """Changes not yet applied by the registry: session -> generation held now, or None when dropped."""
         self._announce_lock = asyncio.Lock()
         agent.track_changes()
-        self.journal: KvJournal | None = KvJournal(agent, journal_s, self._record_journal) if journal_s > 0 else None
+        self.node_tier = node_tier
+        """The node's tier of the journal (``GPUWARDEN_KV_NODE_DIR``, ``shared.kv.nodetier``): where this pod's
+        journal logs full blocks first, and where a restore looks for the blocks of the pod a session came from."""
+        self.journal: KvJournal | None = (
+            KvJournal(agent, journal_s, self._record_journal, node=node_tier, spill_s=spill_s)
+            if journal_s > 0
+            else None
+        )
         """The pod's KV journal (``GPUWARDEN_KV_JOURNAL_S``, ``shared.kv.journal``): each full block written soon
         after it fills and recorded like any save; None when off."""
 
@@ -192,10 +204,13 @@ class AgentEndpoint:
         if self.journal is not None:
             self.journal.start()
 
-    async def _record_journal(self, report: SaveReport) -> None:
+    async def _record_journal(self, report: SaveReport) -> set[str] | None:
         """A journal flush's entries, recorded by the checkpoint service (fenced like every save: an entry of a
-        generation this pod no longer holds is refused)."""
-        await record_report(self.bus, self.agent.pod, report_event(self.agent, report, reason=JOURNAL_REASON))
+        generation this pod no longer holds is refused). Returns the ids it recorded (None: no answer)."""
+        recorded = await record_report(
+            self.bus, self.agent.pod, report_event(self.agent, report, reason=JOURNAL_REASON)
+        )
+        return None if recorded is None else {c.checkpoint_id for c in recorded.committed}
 
     async def stop(self) -> None:
         """Stop answering and announcing; the registry hears the pod is leaving (its sessions may be taken by
@@ -230,6 +245,8 @@ class AgentEndpoint:
     def end_session(self, session_id: str) -> None:
         """The conversation is over: the engine drops it, and the next announcement retires its checkpoints."""
         self.agent.forget_session(session_id)
+        if self.node_tier is not None:
+            self.node_tier.forget(session_id)
         self._ended.add(session_id)
         self._changed.set()
 
@@ -537,7 +554,49 @@ class AgentEndpoint:
         again: its checkpoint is confirmed (``kept``)."""
         report = await self._save(final_save_command(self.agent.pod, deadline_s))
         recorded = await record_report(self.bus, self.agent.pod, report)
+        if recorded is not None and self.node_tier is not None:  # the store holds them now: the node's logs go
+            for sid in {c.session_id for c in recorded.committed} | {k.session_id for k in recorded.kept}:
+                self.node_tier.forget(sid)
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self.node_tier.note_usage)
         return recorded if recorded is not None else report
+
+    async def _continue_from_node(
+        self, session_id: str, answer: CheckpointLocation, restored: RestoredSession, into: Sequence[Any] | None
+    ) -> RestoredSession:
+        """The blocks after the restored checkpoint that the session's previous pod journaled to this node's tier
+        (``shared.kv.nodetier``: only that pod's log of that generation, only on top of blocks it agrees with,
+        each verified), appended to the session: what a pod killed on this node costs then is its last block.
+        Not into an engine's preallocated blocks (``into``): those restore the checkpoint only."""
+        tier = self.node_tier
+        if tier is None:
+            return restored
+        manifest = restored.manifest
+        full = manifest.token_count // manifest.layout.block_tokens if manifest.layout.block_tokens else 0
+        tier.begin(session_id, answer.generation, full)  # this pod's log starts after what the store holds
+        if not answer.taken_from or into is not None:
+            return restored
+        have = [ref.digest for ref in manifest.blocks[:full]]
+        block_size = manifest.blocks[0].size if manifest.blocks else 0
+        try:
+            tail = await tier.read_tail(session_id, answer.taken_from, answer.taken_from_generation, have, block_size)
+        except Exception as exc:  # the tier is an optimisation: the checkpoint restored stands
+            log.warning("node tier unreadable", extra={"session": session_id, "error": str(exc)})
+            return restored
+        if tail.why_not:
+            log.warning("node tier log passed over", extra={"session": session_id, "reason": tail.why_not})
+        if not tail.blocks:
+            return restored
+        tokens = self.agent.continue_with(
+            session_id, full, [np.frombuffer(bytearray(b), dtype=np.uint8) for b in tail.blocks]
+        )
+        return RestoredSession(
+            manifest,
+            self.agent.blocks(session_id),
+            restored.fell_back_from,
+            node_blocks=len(tail.blocks),
+            node_tokens=tokens,
+        )
 
     async def _locate(self, session_id: str, timeout: float, prefetch: bool = False) -> CheckpointLocation:
         """Take the session: its location and the generation handed out to this pod. ``TimeoutError`` when the
@@ -604,6 +663,7 @@ class AgentEndpoint:
             self.agent.register_session(session_id, generation=answer.generation)
             self.sessions_changed()
             raise
+        restored = await self._continue_from_node(session_id, answer, restored, into)
         self.sessions_changed()
         with contextlib.suppress(Exception):
             await self.bus.request(
@@ -618,9 +678,7 @@ class AgentEndpoint:
                     generation=answer.generation,
                     fell_back_from=restored.fell_back_from[:16],
                     from_store=answer.from_store[:16],
-                    tokens_recomputed=(
-                        None if tokens_known is None else max(0, tokens_known - restored.manifest.token_count)
-                    ),
+                    tokens_recomputed=(None if tokens_known is None else max(0, tokens_known - restored.tokens)),
                 ),
                 5.0,
             )

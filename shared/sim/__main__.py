@@ -124,6 +124,7 @@ class Simulation:
         await serve_faults(ctx.bus, client, ctx.subjects, self.spec)
         store = open_store(self.store_url, ctx.bus.nc)
         gateway = GatewayRouting.from_settings(self.gateway)
+        journal = journal_settings()
         self.workload = SimWorkload(
             ctx.bus,
             cluster,
@@ -132,7 +133,10 @@ class Simulation:
             gpus=gpus,
             link_pod=lambda pod: self._link(ctx, cluster, store, pod),
             gateway=gateway,
-            journal_s=journal_settings().interval_s,
+            journal_s=journal.interval_s,
+            node_dir=Path(journal.node_dir) if journal.node_dir else None,
+            spill_s=journal.spill_s,
+            node_budget_bytes=journal.node_budget_mib * 1024 * 1024,
         )
         await self.workload.start()
         ctx.on_stop(self.workload.end_engines)

@@ -126,9 +126,10 @@ class SessionBringing:
         self.stats.restored += 1
         if not await self._adopt(runtime, session_id, restored):
             return
+        self.stats.node_tier_blocks += restored.node_blocks
         if self.killed.pop(session_id, None) is not None:
             self.stats.continued_after_kill += 1
-            self.stats.tokens_recomputed_after_kill += max(0, (known or 0) - restored.manifest.token_count)
+            self.stats.tokens_recomputed_after_kill += max(0, (known or 0) - restored.tokens)
         try:
             self._preempt(runtime, runtime.pool.reserve(session_id, len(runtime.agent.blocks(session_id))))
         except PoolTooSmall as exc:

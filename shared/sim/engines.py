@@ -158,7 +158,7 @@ class SyntheticPod:
     async def adopt(self, session_id: str, restored: RestoredSession) -> SessionCheck:
         check = self._verify(session_id, restored.blocks)
         reached = self.reached.get(session_id, 0)
-        if check.verified and reached > restored.manifest.token_count:
+        if check.verified and reached > restored.tokens:
             self._fill(session_id, reached)  # the positions after the checkpoint, computed again
         return check
 

@@ -129,6 +129,8 @@ class WorkloadStats:
     """Sessions of killed pods (no preStop) that went on, from a checkpoint or journal entry or recomputed."""
     tokens_recomputed_after_kill: int = 0
     """Positions those sessions computed again: what the kills cost."""
+    node_tier_blocks: int = 0
+    """Blocks restores took from the node tier's journal (``shared.kv.nodetier``) on top of a checkpoint."""
     prestop_saves: int = 0
     restore_verified: int = 0
     restore_check_failed: int = 0
@@ -172,6 +174,7 @@ class WorkloadStats:
             "pods_killed": self.pods_killed,
             "continued_after_kill": self.continued_after_kill,
             "tokens_recomputed_after_kill": self.tokens_recomputed_after_kill,
+            "node_tier_blocks": self.node_tier_blocks,
             "prestop_saves": self.prestop_saves,
             "restore_checks": {
                 "verified": self.restore_verified,

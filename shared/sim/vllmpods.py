@@ -336,7 +336,7 @@ class VllmPod:
         self._track(session_id, 0, exported)
 
     async def adopt(self, session_id: str, restored: RestoredSession) -> SessionCheck:
-        count = restored.manifest.token_count
+        count = restored.tokens
         talk = self.engine.conversations.get(session_id)
         if talk is None or not talk.requests:
             raise ValueError(f"session {session_id!r}: its tokens are not known here, and vLLM needs them to go on")

@@ -39,16 +39,20 @@ import asyncio
 import contextlib
 import logging
 import math
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from shared.contract.requests import InferenceRequest
 from shared.kv.agent import KvAgent
 from shared.kv.endpoint import AgentEndpoint, LocateRefused, SessionHeld
+from shared.kv.journal import DEFAULT_SPILL_S
 from shared.kv.load import LoadReporter
 from shared.kv.manifest import KvLayout
+from shared.kv.nodetier import NodeTier
 from shared.kv.store import CheckpointStore
 from shared.plumbing.bus import Bus
 from shared.plumbing.consumer import ConsumerSpec, consume
@@ -104,10 +108,18 @@ class SimWorkload(SessionBringing, WorkloadReport):
         link_pod: Callable[[PodInfo], Awaitable[PodLink]] | None = None,
         gateway: GatewayRouting | None = None,
         journal_s: float = 0.0,
+        node_dir: Path | None = None,
+        spill_s: float = DEFAULT_SPILL_S,
+        node_budget_bytes: int = 0,
     ) -> None:
         self.bus = bus
         self.journal_s = journal_s
         """Each pod's KV journal interval (``GPUWARDEN_KV_JOURNAL_S``; 0: off, periodic checkpoints only)."""
+        self.node_dir = node_dir
+        """Where each simulated node's local disk holds the journal's node tier (``<node_dir>/<node>``, gone with a
+        lost node); None: no node tier (the journal writes to the shared store)."""
+        self.spill_s = spill_s
+        self.node_budget_bytes = node_budget_bytes
         self.gateway = gateway
         """The simulated inference gateway asking the endpoint picker (``services/router``) where each request of
         its pool goes; None: the workload routes every request by itself."""
@@ -259,8 +271,11 @@ class SimWorkload(SessionBringing, WorkloadReport):
             await runtime.lock.acquire()  # the step under way ends first; those waiting find the pod gone
             runtime.gone = True
             runtime.lock.release()
+            if killed and runtime.endpoint.journal is not None:
+                await runtime.endpoint.journal.stop()  # dead with its pod: what it logged stays as it was
             if killed:  # its sessions go on from their checkpoints (the preempted ones from their tokens)
                 self.stats.pods_killed += 1
+                await self._lose_node_disks()
                 for sid in runtime.agent.sessions():
                     self.killed[sid] = name
             for sid in runtime.agent.sessions():
@@ -273,6 +288,20 @@ class SimWorkload(SessionBringing, WorkloadReport):
             if runtime.link is not None:
                 await runtime.link.close()
             del self.runtimes[name]
+
+    def _node_tier(self, pod: PodInfo, agent: KvAgent) -> NodeTier | None:
+        if self.node_dir is None:
+            return None
+        return NodeTier(self.node_dir / pod.node, pod.name, cipher=agent.cipher, budget_bytes=self.node_budget_bytes)
+
+    async def _lose_node_disks(self) -> None:
+        """A node that is lost (NotReady) takes its local disk with it: its journal tier is gone."""
+        if self.node_dir is None:
+            return
+        for node in await self.cluster.nodes():
+            if not node.ready and (self.node_dir / node.name).exists():
+                shutil.rmtree(self.node_dir / node.name, ignore_errors=True)
+                log.warning("SIMULATED node lost with its local disk", extra={"node": node.name, "simulated": True})
 
     async def _start_pod(self, pod: PodInfo) -> None:
         deployment = self.deployments[(pod.namespace, pod.deployment)]
@@ -295,6 +324,8 @@ class SimWorkload(SessionBringing, WorkloadReport):
             models=PodModels(self, agent, engines),
             journal_s=self.journal_s,
             sessions=PodSessions(self, pod.name),
+            node_tier=self._node_tier(pod, agent),
+            spill_s=self.spill_s,
         )
         node_gpus = [g.memory_mib for n in self.spec.nodes if n.name == pod.node for g in n.gpus]
         fallback = float(min(node_gpus, default=self.spec.smallest_gpu_mib()))

@@ -4,7 +4,8 @@ when it had no full block yet), each restored conversation equal to its referenc
 counted, none lost; the fault checker finds the store and the registry consistent (no rollback, no generation
 handed out twice). The same when the pod's GPU falls off the bus (``lose_gpu``: its memory unreadable, the pod
 dies with it, nothing saved from it after) and when its node is lost (``lose_node``: NotReady, its pods dead).
-The long form kills pods again and again while the conversations go on."""
+The long form kills pods again and again while the conversations go on. With the journal's node tier, a pod killed
+goes on on its node from the dead pod's log, and a node lost goes on from the store."""
 
 from __future__ import annotations
 
@@ -97,3 +98,39 @@ async def test_pods_killed_again_and_again_while_conversations_go_on(
     settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path
 ) -> None:
     await _run(settings, subjects, bus, tmp_path, kills=4)
+
+
+@pytest.mark.parametrize("how", ["kill_pod", "lose_node"])
+async def test_with_a_node_tier_a_pod_killed_goes_on_on_its_node_and_a_node_lost_from_the_store(
+    settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, how: str
+) -> None:
+    """The journal's node tier (``shared.kv.nodetier``), the shared store written only every minute: a pod killed
+    on a node whose other pod takes its sessions costs each at most about a block (the rest comes from the dead
+    pod's log on the node); a node lost takes its logs with it, and its sessions go on elsewhere from the store,
+    recomputing more, every conversation still equal to its reference run."""
+    if how == "kill_pod":  # both pods on one node
+        nodes = [NodeSpec(name="node-1", gpus=[GpuSpec(count=2)])]
+    else:  # one pod on each: the lost node's sessions go on on the other
+        nodes = [NodeSpec(name=f"node-{i}", gpus=[GpuSpec(count=2)]) for i in (1, 2)]
+    spec = msgspec.structs.replace(spec_of(2, 256, TINY_LLAMA), nodes=nodes)
+    options = {"journal_s": 0.1, "node_dir": tmp_path / "nodes", "spill_s": 60.0}
+    async with mesh(settings, subjects, bus, tmp_path, spec, **options) as m:
+        w = m.workload
+        target = await _turns(m)
+        await eventually(lambda: w.stats.served >= target, timeout=120)
+        moved = await _kill_mid_decode(m, settings, subjects, how)
+        target = await _turns(m)
+        await eventually(lambda t=target: w.stats.requests >= t and not w.killed, timeout=120)
+        stats = w.stats
+        assert stats.lost == 0 and stats.continued_after_kill >= len(moved) > 0, w.status()
+        assert stats.restore_check_failed == 0 and stats.preemptions == 0, w.status()
+        block = TINY_LLAMA.block_tokens
+        if how == "kill_pod":
+            assert stats.node_tier_blocks > 0, w.status()
+            assert stats.tokens_recomputed_after_kill <= len(moved) * 2 * block, w.status()
+        else:
+            assert stats.node_tier_blocks == 0 and not (tmp_path / "nodes" / "node-1").exists(), w.status()
+        for sid in sorted(moved):
+            check = await w.check_session(sid)
+            assert check.verified is True, (sid, check.detail)
+        await check_store(w, settings, subjects, min_checkpoints=SESSIONS)

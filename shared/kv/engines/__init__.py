@@ -99,9 +99,9 @@ async def restore_cache(
             except StoreError:
                 pass
             else:
-                return engine.rebuild(restored.blocks, restored.manifest.token_count), restored
+                return engine.rebuild(restored.blocks, restored.tokens), restored
     restored = await agent.restore(session_id, **restore)
-    return engine.rebuild(restored.blocks, restored.manifest.token_count), restored
+    return engine.rebuild(restored.blocks, restored.tokens), restored
 
 
 def prompt_ids(session_id: str, turn: int, count: int, vocab_size: int) -> list[int]:

@@ -296,7 +296,7 @@ class ChatPod:
         self._track(session_id, cache)
 
     async def adopt(self, session_id: str, restored: RestoredSession) -> Check:
-        count = restored.manifest.token_count
+        count = restored.tokens
         talk = self.chat.conversations.get(session_id)
         if talk is None:  # a conversation this process never saw begin: serve it on, nothing to compare with
             talk = self.chat.conversations[session_id] = Conversation(base=count)
