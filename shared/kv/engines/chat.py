@@ -309,7 +309,7 @@ class ChatPod:
             blocks = blocks[: blocks_for(count, self.layout.block_tokens)]
             self.agent.truncate(session_id, count // self.layout.block_tokens)
         cache = await self._compute(lambda: self.chat.engine.rebuild(blocks, count))
-        said = restored.manifest.tokens_digest
+        said = "" if restored.node_blocks else restored.manifest.tokens_digest  # the checkpoint's tokens, not the log's
         if passes is None:
             check = Check(False, f"the checkpoint holds {count} positions, where no pass of the conversation ends")
         elif said and not talk.base and said != tokens_digest_of(talk.token_ids(passes)):
