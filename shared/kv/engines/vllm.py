@@ -87,9 +87,15 @@ class GpuwardenConnector(KVConnectorBase_V1):  # type: ignore[misc]
             port = SessionPort(agent)
             if self.bus is not None:
                 from shared.kv.endpoint import AgentEndpoint
+                from shared.kv.journal import journal_options
 
-                # the port restores the router's prefetches (the engine's SessionHost) through the endpoint
-                self.endpoint = AgentEndpoint(agent, self.bus, announce_s=self.config.announce_s, sessions=port)
+                # the port restores the router's prefetches (the engine's SessionHost) through the endpoint; the KV
+                # journal as GPUWARDEN_KV_JOURNAL_S sets it (the full blocks the worker copies out of vLLM's pages),
+                # without the node tier: a restore here loads what the scheduler planned from the checkpoint
+                journal = {**journal_options(agent), "node_tier": None}
+                self.endpoint = AgentEndpoint(
+                    agent, self.bus, announce_s=self.config.announce_s, sessions=port, **journal
+                )
                 port.endpoint = self.endpoint
                 self.loop.call(self.endpoint.start(), timeout=30)
             self.worker = WorkerBook(agent, self.loop, port, self.config.save_on_finish)
