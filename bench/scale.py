@@ -80,6 +80,8 @@ class ScaleOptions:
     per_node_nodes: int = 10
     fleet_sessions: int = 100_000
     """Sessions held in the fleet for the session figures (``bench.scale_sessions``), 50 a pod; 0: none."""
+    fleet_grace_s: float = 120.0
+    """The fleet pods' grace period (their preStop's time before the cluster kills them)."""
     periodic_interval_s: float = 60.0
     periodic_rounds: int = 3
     extra_replicas: int = 2
@@ -311,6 +313,7 @@ async def fleet_sessions(mesh: Mesh, options: ScaleOptions) -> dict[str, Any]:
         on_cluster=True,
         upgrade_parallel=options.upgrade_parallel,
         upgrade_timeout_s=max(900.0, 4.0 * options.nodes),  # 438 s at 300 nodes, a busy machine
+        grace_s=options.fleet_grace_s,
         cpu=lambda: cpu_seconds({**mesh.processes(), "bench": psutil.Process()}),  # the bench hosts the pods
         status_cli=lambda: status_cli_s(mesh),
         drain_cli=lambda node: drain_cli_request_s(mesh, node),
@@ -483,6 +486,9 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, ScaleOptions, list[
     )
     parser.add_argument("--periodic-interval", type=float, default=None, help="seconds (default 60; quick: 2)")
     parser.add_argument(
+        "--fleet-grace", type=float, default=None, help="the fleet pods' grace period, seconds (default 120)"
+    )
+    parser.add_argument(
         "--upgrade-parallel",
         type=float,
         default=None,
@@ -502,6 +508,7 @@ def parse(argv: Sequence[str] | None) -> tuple[BenchOptions, ScaleOptions, list[
         up_timeout_s=base.up_timeout_s,
         per_node_nodes=base.per_node_nodes,
         fleet_sessions=args.fleet_sessions if args.fleet_sessions is not None else base.fleet_sessions,
+        fleet_grace_s=args.fleet_grace if args.fleet_grace is not None else base.fleet_grace_s,
         periodic_interval_s=args.periodic_interval or base.periodic_interval_s,
         periodic_rounds=base.periodic_rounds,
         extra_replicas=base.extra_replicas,

@@ -49,7 +49,7 @@ import psutil
 import redis.asyncio as aioredis
 
 from bench.fleetkit import CpuSeconds, HostedPod
-from bench.scale_upgrade import FleetPods, upgrade
+from bench.scale_upgrade import GRACE_S, FleetPods, upgrade
 from shared.console.client import MeshClient
 from shared.contract.checkpoint import SaveSessions, SaveSessionsReport
 from shared.contract.configdocs import CheckpointPolicy
@@ -475,6 +475,7 @@ async def run(
     on_cluster: bool = False,
     upgrade_parallel: float = 0.0,
     upgrade_timeout_s: float = 1800.0,
+    grace_s: float = GRACE_S,
     cpu: CpuSeconds | None = None,
     status_cli: Callable[[], Awaitable[float]] | None = None,
     drain_cli: Callable[[str], Awaitable[tuple[float, str]]] | None = None,
@@ -508,7 +509,7 @@ async def run(
             await bench.leave(small)
             count = (sessions + PER_POD - 1) // PER_POD
             if on_cluster:
-                fleet = FleetPods(bench, SimCluster(bench.redis, bench.subjects), count)
+                fleet = FleetPods(bench, SimCluster(bench.redis, bench.subjects), count, grace_s)
                 pods = await fleet.start()
             else:
                 pods = await hosted_pods(bench, count)

@@ -73,10 +73,12 @@ class FleetPods:
     """The fleet's pods: a deployment of the simulated cluster that this benchmark plays. Level-triggered: the
     hosted pods follow the cluster's, woken by its changes."""
 
-    def __init__(self, bench: FleetBench, cluster: SimCluster, replicas: int) -> None:
+    def __init__(self, bench: FleetBench, cluster: SimCluster, replicas: int, grace_s: float = GRACE_S) -> None:
         self.bench = bench
         self.cluster = cluster
         self.replicas = replicas
+        self.grace_s = grace_s
+        """The pods' grace period (``terminationGracePeriodSeconds``): a preStop still running after it is killed."""
         self.pods: dict[str, HostedPod] = {}
         """The pods serving now, by name."""
         self.leaving: set[str] = set()
@@ -102,7 +104,7 @@ class FleetPods:
             DEPLOYMENT,
             self.replicas,
             max_unavailable=max(1, self.replicas // 10),
-            grace_period_s=GRACE_S,
+            grace_period_s=self.grace_s,
         )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -202,7 +204,7 @@ class FleetPods:
         pod = self.pods[name]
         try:
             async with self.locks[name]:
-                await pod.endpoint.final_save(deadline_s=GRACE_S * 0.8)
+                await pod.endpoint.final_save(deadline_s=self.grace_s * 0.8)
                 held = {sid: len(pod.agent.blocks(sid)) for sid in pod.agent.sessions()}
                 await self.bench.leave(pod)
             self.pods.pop(name, None)
@@ -228,7 +230,7 @@ class FleetPods:
     async def _move(self, held: dict[str, int]) -> None:
         """Restore ``held`` (session -> its blocks) on the pod that holds the fewest; one that starts leaving
         before the move begins is passed over for the next."""
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + self.grace_s
         while True:
             target = self._least_loaded()
             if target is None:
