@@ -240,8 +240,6 @@ class CrashBench:
         tier, the new pod on the dead pod's node) the blocks the dead pod logged after it, then the positions after
         those run again. Returns the positions recomputed, the cache, and the positions a lost node would have cost
         (the shared store's checkpoint only)."""
-        import numpy as np
-
         from shared.kv.manifest import checkpoint_order
         from shared.kv.store import CheckpointNotFound
 
@@ -252,15 +250,11 @@ class CrashBench:
             count = stored = restored.manifest.token_count
             blocks = restored.blocks
             if tier is not None:
-                full = count // BLOCK_TOKENS
-                tier.begin(talk.session_id, generation, full)
-                have = [r.digest for r in restored.manifest.blocks[:full]]
-                tail = await tier.read_tail(talk.session_id, came_from, generation - 1, have, self.layout.block_bytes)
+                tail = await tier.continue_session(
+                    agent, talk.session_id, restored.manifest, generation, came_from, generation - 1
+                )
                 if tail.blocks:
-                    count = agent.continue_with(
-                        talk.session_id, full, [np.frombuffer(bytearray(b), dtype=np.uint8) for b in tail.blocks]
-                    )
-                    blocks = agent.blocks(talk.session_id)
+                    count, blocks = agent.tokens(talk.session_id), agent.blocks(talk.session_id)
                     if result is not None:
                         result.node_blocks += len(tail.blocks)
             cache = self.engine.rebuild(blocks, count)

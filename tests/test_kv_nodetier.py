@@ -48,13 +48,9 @@ async def resume(store: FileStore, tier_root: Path, pod: str, came_from: str, ge
     the previous pod's log on top of it."""
     agent = make_agent(store, pod=pod)
     restored = await agent.restore("s1", generation=generation + 1)
-    full = restored.manifest.token_count // BT
-    tail = await NodeTier(tier_root, pod).read_tail(
-        "s1", came_from, generation, [r.digest for r in restored.manifest.blocks[:full]], BLOCK
-    )
-    assert tail.why_not == ""
-    if tail.blocks:
-        agent.continue_with("s1", full, [np.frombuffer(bytearray(b), dtype=np.uint8) for b in tail.blocks])
+    tier = NodeTier(tier_root, pod)
+    tail = await tier.continue_session(agent, "s1", restored.manifest, generation + 1, came_from, generation)
+    assert tail.why_not == "" and tier.next_block("s1", generation + 1) == restored.manifest.token_count // BT
     return agent
 
 

@@ -19,8 +19,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
 from shared.contract.checkpoint import (
     PERIODIC_REASON,
     AgentSessions,
@@ -571,15 +569,11 @@ class AgentEndpoint:
         tier = self.node_tier
         if tier is None:
             return restored
-        manifest = restored.manifest
-        full = manifest.token_count // manifest.layout.block_tokens if manifest.layout.block_tokens else 0
-        tier.begin(session_id, answer.generation, full)  # this pod's log starts after what the store holds
-        if not answer.taken_from or into is not None:
-            return restored
-        have = [ref.digest for ref in manifest.blocks[:full]]
-        block_size = manifest.blocks[0].size if manifest.blocks else 0
+        came_from = answer.taken_from if into is None else ""
         try:
-            tail = await tier.read_tail(session_id, answer.taken_from, answer.taken_from_generation, have, block_size)
+            tail = await tier.continue_session(
+                self.agent, session_id, restored.manifest, answer.generation, came_from, answer.taken_from_generation
+            )
         except Exception as exc:  # the tier is an optimisation: the checkpoint restored stands
             log.warning("node tier unreadable", extra={"session": session_id, "error": str(exc)})
             return restored
@@ -587,15 +581,12 @@ class AgentEndpoint:
             log.warning("node tier log passed over", extra={"session": session_id, "reason": tail.why_not})
         if not tail.blocks:
             return restored
-        tokens = self.agent.continue_with(
-            session_id, full, [np.frombuffer(bytearray(b), dtype=np.uint8) for b in tail.blocks]
-        )
         return RestoredSession(
-            manifest,
+            restored.manifest,
             self.agent.blocks(session_id),
             restored.fell_back_from,
             node_blocks=len(tail.blocks),
-            node_tokens=tokens,
+            node_tokens=self.agent.tokens(session_id),
         )
 
     async def _locate(self, session_id: str, timeout: float, prefetch: bool = False) -> CheckpointLocation:

@@ -239,6 +239,8 @@ class KvJournal:
         new = sorted(sid for sid in logged if not self._based(sid))
         if new:
             await self.flush(new)
+        if not self.node.bytes_held:
+            return  # nothing of this pod's to spill early: the node's usage is not even read
         excess = await asyncio.to_thread(self.node.over_budget)
         if excess > 0:  # the node's tier is full: the largest logs go to the shared store now
             chosen, freed = [], 0

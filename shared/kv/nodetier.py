@@ -27,16 +27,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from shared.contract.base import check_id
 from shared.kv.crypto import ChunkCipher
+from shared.kv.manifest import CheckpointManifest
 from shared.kv.manifest import digest as block_digest
 from shared.kv.store import checked_ids
+
+if TYPE_CHECKING:
+    from shared.kv.agent import KvAgent
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +51,12 @@ MARKER = b"GWNT"
 HEADER = struct.Struct("<4sIIIH32s")
 """marker, block index, stored length, plain size, nonce length, digest (32 ascii hex digits)."""
 USAGE = ".usage"
-_POD = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 DEFAULT_KEEP_S = 3600.0
 
 
-class NodeTierError(ValueError):
-    pass
-
-
 def _checked_pod(pod: str) -> str:
-    if not _POD.match(pod):
-        raise NodeTierError(f"pod name {pod!r} is not a Kubernetes name")
-    return pod
+    """A pod name as the contract allows it (``ValueError`` otherwise): it becomes part of a file name here."""
+    return check_id("pod", pod)
 
 
 @dataclass
@@ -63,7 +64,6 @@ class TierStats:
     blocks: int = 0
     bytes_written: int = 0
     rotations: int = 0
-    failed: int = 0
 
 
 @dataclass(frozen=True)
@@ -253,6 +253,30 @@ class NodeTier:
         return gone
 
     # -- what a restore reads ---------------------------------------------------------------------------------------
+    async def continue_session(
+        self,
+        agent: KvAgent,
+        session_id: str,
+        manifest: CheckpointManifest,
+        generation: int,
+        came_from: str = "",
+        came_from_generation: int = 0,
+    ) -> Tail:
+        """After ``agent`` restored ``manifest`` of the session under ``generation``: this pod's log of it starts
+        after what the store holds, and the blocks ``came_from``'s log of ``came_from_generation`` holds after the
+        checkpoint (``read_tail``) are appended to the session (``KvAgent.continue_with``). What the log added."""
+        bt = manifest.layout.block_tokens
+        full = manifest.token_count // bt if bt else 0
+        self.begin(session_id, generation, full)
+        if not came_from:
+            return Tail(full, [])
+        have = [ref.digest for ref in manifest.blocks[:full]]
+        block_size = manifest.blocks[0].size if manifest.blocks else 0
+        tail = await self.read_tail(session_id, came_from, came_from_generation, have, block_size)
+        if tail.blocks:
+            agent.continue_with(session_id, full, [np.frombuffer(bytearray(b), dtype=np.uint8) for b in tail.blocks])
+        return tail
+
     async def read_tail(self, session_id: str, pod: str, generation: int, have: Sequence[str], block_size: int) -> Tail:
         """The blocks after ``have`` (the digests of the restored checkpoint's full blocks) that ``pod``'s log of
         ``generation`` holds, each verified. Nothing when there is no log, when it disagrees with ``have`` on a block
@@ -265,7 +289,7 @@ class NodeTier:
             data = self.path(session_id, pod, generation).read_bytes()
         except FileNotFoundError:
             return Tail(start, [])
-        except (OSError, NodeTierError, ValueError) as exc:
+        except (OSError, ValueError) as exc:
             return Tail(start, [], f"unreadable: {exc}")
         records: dict[int, tuple[str, bytes, bytes, int]] = {}
         at = 0
