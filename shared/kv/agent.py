@@ -586,10 +586,6 @@ class KvAgent:
                 out.append((view, block.digest))
             return session.generation, out
 
-    def has_checkpoint(self, session_id: str) -> bool:
-        """Whether the session has a checkpoint this agent wrote or restored (the base its next save builds on)."""
-        return self._session(session_id).last is not None
-
     def last_checkpoint(self, session_id: str) -> CheckpointManifest | None:
         """The checkpoint this agent last wrote or restored of the session (None when none, or not held)."""
         session = self._sessions.get(session_id)

@@ -236,7 +236,8 @@ class KvJournal:
             await self.flush()
             return
         # a session the shared store holds nothing of yet goes there at once: a node-tier log extends a checkpoint
-        new = sorted(sid for sid in logged if not self._based(sid))
+        held = set(self.agent.sessions())
+        new = sorted(sid for sid in logged & held if self.agent.last_checkpoint(sid) is None)
         if new:
             await self.flush(new)
         if not self.node.bytes_held:
@@ -252,12 +253,6 @@ class KvJournal:
             if chosen:
                 self.stats.compactions += 1
                 await self.flush(chosen)
-
-    def _based(self, session_id: str) -> bool:
-        try:
-            return self.agent.has_checkpoint(session_id)
-        except KeyError:
-            return True
 
     async def flush_node(self) -> set[str]:
         """Append the new full blocks of every session that grew to the node tier's logs; returns the sessions
