@@ -9,6 +9,7 @@ goes on on its node from the dead pod's log, and a node lost goes on from the st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -35,13 +36,20 @@ async def _turns(m: Mesh) -> int:
 
 
 async def _kill_mid_decode(
-    m: Mesh, settings: Settings, subjects: Subjects, how: str = "kill_pod", pods: int = 2
+    m: Mesh,
+    settings: Settings,
+    subjects: Subjects,
+    how: str = "kill_pod",
+    pods: int = 2,
+    ready: Callable[[], bool] | None = None,
 ) -> list[str]:
     """Send every session a turn and kill the busiest pod while it serves them (``kill_pod``, or ``lose_gpu``: the
     GPU it holds falls off the bus). The killed pod's sessions."""
     w = m.workload
     target = await _turns(m)
     await eventually(lambda: w.stats.requests >= target - SESSIONS + 1, timeout=60)  # decoding has begun
+    if ready is not None:
+        await eventually(ready, timeout=60)
     pod = max(w.runtimes.values(), key=lambda r: len(r.agent.sessions()))
     victims = sorted(pod.agent.sessions())
     client = redis_client(settings.redis)
@@ -118,12 +126,19 @@ async def test_with_a_node_tier_a_pod_killed_goes_on_on_its_node_and_a_node_lost
         nodes = [NodeSpec(name=f"node-{i}", gpus=[GpuSpec(count=2)]) for i in (1, 2)]
         spec = msgspec.structs.replace(spec_of(2, 256, TINY_LLAMA), nodes=nodes)
     pods = spec.deployments[0].replicas
-    options = {"journal_s": 0.1, "node_dir": tmp_path / "nodes", "spill_s": 60.0}
+    options = {"journal_s": 0.1, "node_dir": tmp_path / "nodes", "spill_s": 60.0}  # the store: once a minute
     async with mesh(settings, subjects, bus, tmp_path, spec, **options) as m:
         w = m.workload
         target = await _turns(m)
         await eventually(lambda: w.stats.served >= target, timeout=120)
-        moved = await _kill_mid_decode(m, settings, subjects, how, pods)
+
+        def logged() -> bool:  # the node's tier holds blocks the store lacks (else the kill would test nothing)
+            journal = next(iter(w.runtimes.values())).endpoint.journal
+            assert journal is not None and journal.node is not None
+            # every session's first blocks went to the store at once; what the tier holds now is beyond them
+            return journal.stats.entries >= SESSIONS and journal.node.bytes_held > 0
+
+        moved = await _kill_mid_decode(m, settings, subjects, how, pods, logged if how == "kill_pod" else None)
         target = await _turns(m)
         await eventually(lambda t=target: w.stats.served >= t and not w.killed, timeout=120)
         stats = w.stats
