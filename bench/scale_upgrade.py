@@ -31,7 +31,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -83,9 +83,12 @@ class FleetPods:
         """The pods serving now, by name."""
         self.leaving: set[str] = set()
         """Pods whose preStop runs."""
-        self.locks: dict[str, asyncio.Lock] = {}
-        """Per pod: a move into it and its preStop do not overlap (the preStop saves what the move brought)."""
+        self.busy: dict[str, int] = {}
+        """Per pod: restores (and announcements) into it running now. Its preStop waits for those alone, never for
+        the rest of a move: once the pod is leaving, a move's sessions not yet begun go to another pod."""
         self.incoming: dict[str, int] = {}
+        """Per pod: sessions a move means to restore on it and has not yet (the least loaded counts them)."""
+        self._quiet = asyncio.Condition()
         self.moving = 0
         self.prestops = 0
         self.moved = 0
@@ -186,7 +189,7 @@ class FleetPods:
         present = {p.name for p in mine}
         for pod in mine:
             if pod.phase == "Running" and pod.name not in self.pods and pod.node:
-                self.locks[pod.name] = asyncio.Lock()
+                self.busy[pod.name] = 0
                 self.incoming[pod.name] = 0
                 self.pods[pod.name] = await self.bench.add_pod(pod.name, pod.node)
             elif pod.phase == "Terminating" and pod.name in self.pods and pod.name not in self.leaving:
@@ -194,21 +197,27 @@ class FleetPods:
                 self._spawn(self._pre_stop(pod.name), f"prestop-{pod.name}")
         for name in [n for n in self.pods if n not in present and n not in self.leaving]:
             gone = self.pods.pop(name)
+            self.busy.pop(name, None)
+            self.incoming.pop(name, None)
             self.killed.extend(gone.agent.sessions())
             await self.bench.leave(gone)
 
     # -- a pod leaves, its sessions move --------------------------------------------------------------------------
     async def _pre_stop(self, name: str) -> None:
-        """The pod's preStop: its final save once a move into it is done, then it leaves (the registry hears its
-        sessions are free) and the cluster hears it is done; then its sessions move."""
+        """The pod's preStop: once the restores into it that had begun are done (it is ``leaving``: the rest of
+        those moves go elsewhere), its final save, then it leaves (the registry hears its sessions are free) and the
+        cluster hears it is done; then its sessions move. It waits for at most the restores running at once
+        (``CONCURRENCY``), never for a move queued behind others: at 100 nodes at once that queue is some 10,000
+        sessions long, and a preStop that waited for it ran past the driver policy's ``pod_deletion_timeout_s``."""
         pod = self.pods[name]
         try:
-            async with self.locks[name]:
-                await pod.endpoint.final_save(deadline_s=self.grace_s * 0.8)
-                held = {sid: len(pod.agent.blocks(sid)) for sid in pod.agent.sessions()}
-                await self.bench.leave(pod)
+            async with self._quiet:
+                await self._quiet.wait_for(lambda: not self.busy.get(name))
+            await pod.endpoint.final_save(deadline_s=self.grace_s * 0.8)
+            held = {sid: len(pod.agent.blocks(sid)) for sid in pod.agent.sessions()}
+            await self.bench.leave(pod)
             self.pods.pop(name, None)
-            self.locks.pop(name, None)
+            self.busy.pop(name, None)
             self.incoming.pop(name, None)
             with contextlib.suppress(ClusterError):  # its grace period ends it anyway
                 await self.cluster.mark_prestop_done(NAMESPACE, name)
@@ -221,6 +230,9 @@ class FleetPods:
         finally:
             self.moving -= 1
 
+    def _serving(self, name: str) -> bool:
+        return name in self.pods and name not in self.leaving
+
     def _least_loaded(self) -> HostedPod | None:
         serving = [p for n, p in self.pods.items() if n not in self.leaving]
         if not serving:
@@ -228,10 +240,10 @@ class FleetPods:
         return min(serving, key=lambda p: (len(p.agent.sessions()) + self.incoming.get(p.name, 0), p.name))
 
     async def _move(self, held: dict[str, int]) -> None:
-        """Restore ``held`` (session -> its blocks) on the pod that holds the fewest; one that starts leaving
-        before the move begins is passed over for the next."""
+        """Restore ``held`` (session -> its blocks) on the pod that holds the fewest; the sessions not yet begun
+        when that pod starts leaving go on to the next."""
         deadline = time.monotonic() + self.grace_s
-        while True:
+        while held:
             target = self._least_loaded()
             if target is None:
                 if time.monotonic() > deadline:
@@ -239,31 +251,51 @@ class FleetPods:
                     return
                 await asyncio.sleep(0.2)
                 continue
-            self.incoming[target.name] += len(held)
-            try:
-                async with self.locks[target.name]:
-                    if target.name in self.pods and target.name not in self.leaving:
-                        await self._restore_all(target, held)
-                        return
-            finally:
-                if target.name in self.incoming:
-                    self.incoming[target.name] -= len(held)
+            held = await self._restore_all(target, held)
 
-    async def _restore_all(self, target: HostedPod, held: dict[str, int]) -> None:
+    async def _restore_all(self, target: HostedPod, held: dict[str, int]) -> dict[str, int]:
+        """Restore ``held`` on ``target``, each checked block for block; the sessions not begun because ``target``
+        started leaving first are returned."""
         expected = self.bench.block.tobytes()
+        name = target.name
+        self.incoming[name] += len(held)
+        passed: dict[str, int] = {}
 
         async def one(sid: str, blocks: int) -> None:
             async with self._slots:
-                if not await self._restore(target, sid):
+                if name in self.incoming:
+                    self.incoming[name] -= 1
+                if not self._serving(name):
+                    passed[sid] = blocks
                     return
+                async with self._busy(name):
+                    restored = await self._restore(target, sid)
+            if not restored:
+                return
             got = target.agent.blocks(sid)
             if len(got) != blocks or any(memoryview(b).tobytes() != expected for b in got):
-                self.problems.append(f"{sid} restored on {target.name} with {len(got)} blocks, {blocks} were held")
+                self.problems.append(f"{sid} restored on {name} with {len(got)} blocks, {blocks} were held")
                 return
             self.moved += 1
 
         await asyncio.gather(*(one(sid, blocks) for sid, blocks in held.items()))
-        await target.endpoint.announce()
+        if self._serving(name):
+            async with self._busy(name):
+                await target.endpoint.announce()
+        return passed
+
+    @contextlib.asynccontextmanager
+    async def _busy(self, name: str) -> AsyncIterator[None]:
+        """Counts work into the pod ``name`` that its preStop waits for (checked serving just before: no await
+        between the check and the count)."""
+        self.busy[name] += 1
+        try:
+            yield
+        finally:
+            async with self._quiet:
+                if name in self.busy:
+                    self.busy[name] -= 1
+                self._quiet.notify_all()
 
     async def _restore(self, target: HostedPod, sid: str) -> bool:
         deadline = time.monotonic() + RESTORE_WAIT_S
