@@ -37,6 +37,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from bench.common import percentile
 from bench.fleetkit import CpuSeconds, FleetBench, HostedPod
 from shared.console.operations import set_driver
 from shared.contract.annotations import UPGRADE_STATE_LABEL
@@ -95,6 +96,12 @@ class FleetPods:
         self.killed: list[str] = []
         """Sessions of pods deleted without their preStop."""
         self.problems: list[str] = []
+        self.joining: dict[str, asyncio.Task[None]] = {}
+        """Running pods being hosted now (their agents starting)."""
+        self.prestop_s: list[float] = []
+        """How long each preStop ran, from the reading that saw the pod Terminating to the cluster hearing it done."""
+        self.reconcile_s_max = 0.0
+        """The longest reading of the cluster: how late a Terminating pod may be seen at worst."""
         self._slots = asyncio.Semaphore(CONCURRENCY)
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -121,6 +128,7 @@ class FleetPods:
                 )
             await asyncio.sleep(0.5)
         await self.reconcile()
+        await asyncio.gather(*list(self.joining.values()))
         self._spawn(self._watch(), "fleet-pods-watch")
         self._spawn(self._follow(), "fleet-pods-follow")
         return list(self.pods.values())
@@ -183,16 +191,16 @@ class FleetPods:
             await asyncio.sleep(FOLLOW_EVERY_S)
 
     async def reconcile(self) -> None:
-        """The hosted pods follow the cluster's, whatever changes were missed: a Running pod is hosted, a
-        Terminating one runs its preStop, and one deleted before its preStop ended loses what it held."""
+        """The hosted pods follow the cluster's, whatever changes were missed: a Terminating pod runs its preStop,
+        one deleted before its preStop began loses what it held, and a Running pod is hosted. Nothing here waits
+        for a pod to start or stop (those run as tasks of their own): a reading that waited for 200 replacement
+        pods to start on a loaded machine saw the next Terminating pods too late, and their grace period ran out
+        before their preStop began."""
+        started = time.monotonic()
         mine = await self._mine()
         present = {p.name for p in mine}
         for pod in mine:
-            if pod.phase == "Running" and pod.name not in self.pods and pod.node:
-                self.busy[pod.name] = 0
-                self.incoming[pod.name] = 0
-                self.pods[pod.name] = await self.bench.add_pod(pod.name, pod.node)
-            elif pod.phase == "Terminating" and pod.name in self.pods and pod.name not in self.leaving:
+            if pod.phase == "Terminating" and pod.name in self.pods and pod.name not in self.leaving:
                 self.leaving.add(pod.name)
                 self._spawn(self._pre_stop(pod.name), f"prestop-{pod.name}")
         for name in [n for n in self.pods if n not in present and n not in self.leaving]:
@@ -200,7 +208,24 @@ class FleetPods:
             self.busy.pop(name, None)
             self.incoming.pop(name, None)
             self.killed.extend(gone.agent.sessions())
-            await self.bench.leave(gone)
+            self._spawn(self.bench.leave(gone), f"killed-{name}")
+        for pod in mine:
+            if pod.phase == "Running" and pod.node and pod.name not in self.pods and pod.name not in self.joining:
+                self.joining[pod.name] = asyncio.create_task(self._join(pod.name, pod.node), name=f"join-{pod.name}")
+        self.reconcile_s_max = max(self.reconcile_s_max, time.monotonic() - started)
+
+    async def _join(self, name: str, node: str) -> None:
+        try:
+            hosted = await self.bench.add_pod(name, node)
+        except Exception as exc:  # reported; the next reading hosts it again
+            self.problems.append(f"pod {name} not hosted: {exc!r}")
+            return
+        finally:
+            self.joining.pop(name, None)
+        self.busy[name] = 0
+        self.incoming[name] = 0
+        self.pods[name] = hosted
+        self._wake.set()  # it may have turned Terminating meanwhile
 
     # -- a pod leaves, its sessions move --------------------------------------------------------------------------
     async def _pre_stop(self, name: str) -> None:
@@ -210,6 +235,7 @@ class FleetPods:
         (``CONCURRENCY``), never for a move queued behind others: at 100 nodes at once that queue is some 10,000
         sessions long, and a preStop that waited for it ran past the driver policy's ``pod_deletion_timeout_s``."""
         pod = self.pods[name]
+        began = time.monotonic()
         try:
             async with self._quiet:
                 await self._quiet.wait_for(lambda: not self.busy.get(name))
@@ -221,6 +247,7 @@ class FleetPods:
             self.incoming.pop(name, None)
             with contextlib.suppress(ClusterError):  # its grace period ends it anyway
                 await self.cluster.mark_prestop_done(NAMESPACE, name)
+            self.prestop_s.append(time.monotonic() - began)
             self.prestops += 1
             self.moving += 1
         finally:
@@ -265,11 +292,10 @@ class FleetPods:
             async with self._slots:
                 if name in self.incoming:
                     self.incoming[name] -= 1
-                if not self._serving(name):
-                    passed[sid] = blocks
-                    return
-                async with self._busy(name):
-                    restored = await self._restore(target, sid)
+                restored = await self._restore(target, sid)
+            if restored is None:
+                passed[sid] = blocks
+                return
             if not restored:
                 return
             got = target.agent.blocks(sid)
@@ -297,11 +323,17 @@ class FleetPods:
                     self.busy[name] -= 1
                 self._quiet.notify_all()
 
-    async def _restore(self, target: HostedPod, sid: str) -> bool:
+    async def _restore(self, target: HostedPod, sid: str) -> bool | None:
+        """Restore ``sid`` on ``target``: True once it is, False when it cannot be (a problem named), None when
+        ``target`` started leaving before (or between) the tries: the session goes to another pod. Only a try
+        counts as work into the pod that its preStop waits for, never the pause before the next."""
         deadline = time.monotonic() + RESTORE_WAIT_S
         while True:
+            if not self._serving(target.name):
+                return None
             try:
-                await target.endpoint.restore(sid, timeout=30)
+                async with self._busy(target.name):
+                    await target.endpoint.restore(sid, timeout=30)
                 return True
             except (SessionHeld, LocateRefused, TimeoutError) as exc:
                 if time.monotonic() > deadline:
@@ -416,6 +448,8 @@ async def upgrade(
         "fleet_upgrade_evicted_pods": fleet.prestops,
         "fleet_upgrade_killed_sessions": len(fleet.killed),
         "fleet_upgrade_moved": fleet.moved,
+        "fleet_upgrade_prestop_s": _spread(fleet.prestop_s),
+        "fleet_upgrade_reconcile_s_max": round(fleet.reconcile_s_max, 2),
         "fleet_upgrade_problems": fleet.problems[:10],
         "fleet_upgrade_cpu_s": spent,
         "fleet_upgrade_driver_cores": round(sum(spent[d] for d in driver) / took, 3) if driver and took else None,
@@ -439,6 +473,17 @@ class UpgradeLabels:
 
     async def close(self) -> None:
         await self.cluster.close()
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    """p50, p99 and max of ``values`` (seconds), None when there are none."""
+    if not values:
+        return None
+    return {
+        "p50": round(percentile(values, 50), 2),
+        "p99": round(percentile(values, 99), 2),
+        "max": round(max(values), 2),
+    }
 
 
 def _temporary(exc: Exception) -> bool:

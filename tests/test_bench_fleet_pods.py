@@ -13,7 +13,8 @@ import asyncio
 from typing import Any, cast
 
 from bench.fleetkit import HostedPod
-from bench.scale_upgrade import FleetPods
+from bench.scale_upgrade import DEPLOYMENT, NAMESPACE, FleetPods
+from shared.ports.cluster import PodInfo, PodPhase
 
 BLOCK = b"\x07" * 16
 
@@ -33,6 +34,7 @@ class _Endpoint:
     def __init__(self, agent: _Agent, store: dict[str, int], log: list[tuple[str, int]], name: str) -> None:
         self.agent, self.store, self.log, self.name = agent, store, log, name
         self.begun = asyncio.Event()
+        self.saved = asyncio.Event()
 
     async def restore(self, sid: str, timeout: float) -> None:
         self.begun.set()
@@ -41,6 +43,7 @@ class _Endpoint:
 
     async def final_save(self, deadline_s: float) -> None:
         self.log.append((self.name, len(self.agent.held)))
+        self.saved.set()
         for sid, blocks in self.agent.held.items():
             self.store[sid] = len(blocks)
 
@@ -103,3 +106,46 @@ async def test_a_pre_stop_waits_only_for_the_restores_begun_and_the_rest_of_the_
     assert fleet.problems == []
     assert fleet.prestops == 2 and fleet.moved == 20 + b_saved
     assert set(fleet.pods) == {"c"} and fleet.busy == {"c": 0} and fleet.incoming == {"c": 0}
+
+
+class _SlowBench(_Bench):
+    """Hosts a pod only once ``started`` is set: a pod's agent starting on a loaded machine."""
+
+    def __init__(self, store: dict[str, int], log: list[tuple[str, int]]) -> None:
+        self.started = asyncio.Event()
+        self.store, self.log = store, log
+
+    async def add_pod(self, name: str, node: str) -> HostedPod:
+        await self.started.wait()
+        return _hosted(_pod(name, {}, self.store, self.log))
+
+
+class _Listing(_Cluster):
+    def __init__(self, pods: list[PodInfo]) -> None:
+        self.listed = pods
+
+    async def pods(self, node: str | None = None, namespace: str | None = None) -> list[PodInfo]:
+        return self.listed
+
+
+def _info(name: str, phase: PodPhase) -> PodInfo:
+    return PodInfo(name=name, namespace=NAMESPACE, node=f"node-{name}", deployment=DEPLOYMENT, phase=phase)
+
+
+async def test_a_reading_of_the_cluster_starts_the_pre_stops_without_waiting_for_new_pods_to_start() -> None:
+    store: dict[str, int] = {}
+    log: list[tuple[str, int]] = []
+    bench = _SlowBench(store, log)
+    cluster = _Listing([_info("old", "Terminating"), _info("new", "Running")])
+    fleet = FleetPods(cast(Any, bench), cast(Any, cluster), replicas=2, grace_s=30.0)
+    old = _pod("old", {"s-1": 2}, store, log)
+    fleet.pods["old"], fleet.busy["old"], fleet.incoming["old"] = _hosted(old), 0, 0
+
+    await asyncio.wait_for(fleet.reconcile(), timeout=5)  # "new" cannot start yet: the reading does not wait
+    assert "new" in fleet.joining and "new" not in fleet.pods
+    await asyncio.wait_for(old.saved.wait(), timeout=5)  # "old"'s preStop saves meanwhile
+    assert log == [("old", 1)]
+    bench.started.set()  # "new" starts: "old"'s session moves there
+    await asyncio.wait_for(fleet.settled(10), timeout=15)
+    assert set(fleet.pods) == {"new"} and fleet.joining == {}
+    assert fleet.pods["new"].agent.sessions() == ["s-1"] and fleet.moved == 1 and fleet.problems == []
