@@ -20,6 +20,10 @@ once and N unavailable), N a tenth of the nodes, and follows it to the end:
 - ``fleet_upgrade_sessions``: sessions the fleet's pods held when it began; ``fleet_upgrade_lost``: of those, the
   ones no pod holds afterwards with the blocks it had (or that the registry does not place there, or records no
   checkpoint of); ``fleet_upgrade_evicted_pods`` and ``fleet_upgrade_moved``: preStops run and sessions restored;
+- ``fleet_upgrade_prestop_s``: how long the preStops ran (p50, p99, max; from the reading that saw the pod
+  Terminating; ``_wait_s`` and ``_save_s`` its two parts: the restores into the pod that had begun, then the
+  final save), ``fleet_upgrade_reconcile_s_max``: the longest reading of the cluster (how late a Terminating pod
+  may be seen), ``fleet_upgrade_killed_sessions``: sessions of pods deleted before their preStop began;
 - ``fleet_upgrade_cpu_s``: CPU seconds each of the mesh's processes spent meanwhile (given ``cpu``), and
   ``fleet_upgrade_driver_cores``: the driver host's (the coordinator) over the upgrade's time.
 """
@@ -100,6 +104,10 @@ class FleetPods:
         """Running pods being hosted now (their agents starting)."""
         self.prestop_s: list[float] = []
         """How long each preStop ran, from the reading that saw the pod Terminating to the cluster hearing it done."""
+        self.prestop_wait_s: list[float] = []
+        """Of each preStop: the wait for the restores into its pod that had begun."""
+        self.prestop_save_s: list[float] = []
+        """Of each preStop: its final save."""
         self.reconcile_s_max = 0.0
         """The longest reading of the cluster: how late a Terminating pod may be seen at worst."""
         self._slots = asyncio.Semaphore(CONCURRENCY)
@@ -239,7 +247,9 @@ class FleetPods:
         try:
             async with self._quiet:
                 await self._quiet.wait_for(lambda: not self.busy.get(name))
+            quiet = time.monotonic()
             await pod.endpoint.final_save(deadline_s=self.grace_s * 0.8)
+            saved = time.monotonic()
             held = {sid: len(pod.agent.blocks(sid)) for sid in pod.agent.sessions()}
             await self.bench.leave(pod)
             self.pods.pop(name, None)
@@ -248,6 +258,8 @@ class FleetPods:
             with contextlib.suppress(ClusterError):  # its grace period ends it anyway
                 await self.cluster.mark_prestop_done(NAMESPACE, name)
             self.prestop_s.append(time.monotonic() - began)
+            self.prestop_wait_s.append(quiet - began)
+            self.prestop_save_s.append(saved - quiet)
             self.prestops += 1
             self.moving += 1
         finally:
@@ -449,6 +461,8 @@ async def upgrade(
         "fleet_upgrade_killed_sessions": len(fleet.killed),
         "fleet_upgrade_moved": fleet.moved,
         "fleet_upgrade_prestop_s": _spread(fleet.prestop_s),
+        "fleet_upgrade_prestop_wait_s": _spread(fleet.prestop_wait_s),
+        "fleet_upgrade_prestop_save_s": _spread(fleet.prestop_save_s),
         "fleet_upgrade_reconcile_s_max": round(fleet.reconcile_s_max, 2),
         "fleet_upgrade_problems": fleet.problems[:10],
         "fleet_upgrade_cpu_s": spent,
