@@ -212,9 +212,7 @@ class FleetPods:
                 self.leaving.add(pod.name)
                 self._spawn(self._pre_stop(pod.name), f"prestop-{pod.name}")
         for name in [n for n in self.pods if n not in present and n not in self.leaving]:
-            gone = self.pods.pop(name)
-            self.busy.pop(name, None)
-            self.incoming.pop(name, None)
+            gone = self._forget(name)
             self.killed.extend(gone.agent.sessions())
             self._spawn(self.bench.leave(gone), f"killed-{name}")
         for pod in mine:
@@ -230,10 +228,14 @@ class FleetPods:
             return
         finally:
             self.joining.pop(name, None)
-        self.busy[name] = 0
-        self.incoming[name] = 0
-        self.pods[name] = hosted
+        self.pods[name], self.busy[name], self.incoming[name] = hosted, 0, 0
         self._wake.set()  # it may have turned Terminating meanwhile
+
+    def _forget(self, name: str) -> HostedPod:
+        """The pod ``name`` is no longer hosted (its preStop done, or the cluster deleted it): what it was."""
+        self.busy.pop(name, None)
+        self.incoming.pop(name, None)
+        return self.pods.pop(name)
 
     # -- a pod leaves, its sessions move --------------------------------------------------------------------------
     async def _pre_stop(self, name: str) -> None:
@@ -252,9 +254,7 @@ class FleetPods:
             saved = time.monotonic()
             held = {sid: len(pod.agent.blocks(sid)) for sid in pod.agent.sessions()}
             await self.bench.leave(pod)
-            self.pods.pop(name, None)
-            self.busy.pop(name, None)
-            self.incoming.pop(name, None)
+            self._forget(name)
             with contextlib.suppress(ClusterError):  # its grace period ends it anyway
                 await self.cluster.mark_prestop_done(NAMESPACE, name)
             self.prestop_s.append(time.monotonic() - began)
@@ -273,7 +273,7 @@ class FleetPods:
         return name in self.pods and name not in self.leaving
 
     def _least_loaded(self) -> HostedPod | None:
-        serving = [p for n, p in self.pods.items() if n not in self.leaving]
+        serving = [p for n, p in self.pods.items() if self._serving(n)]
         if not serving:
             return None
         return min(serving, key=lambda p: (len(p.agent.sessions()) + self.incoming.get(p.name, 0), p.name))
